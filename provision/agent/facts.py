@@ -1,0 +1,161 @@
+"""Host agent (stdlib only): every fact a plan needs, gathered in one run, printed as one JSON line.
+
+Run as `python3 - ROOT [--adopt PYTHON] [--nvidia-smi CMD] < facts.py`. Facts: OS, pythons, uv,
+disk, GPUs and driver (nvidia-smi), CUDA toolkits, generations, `current` and its distributions.
+"""
+import glob
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+
+DISTS_SCRIPT = (
+    "import json,importlib.metadata as m,sys\n"
+    "d={}\n"
+    "for x in m.distributions():\n"
+    "  n=(x.metadata['Name'] or '').lower().replace('_','-').replace('.','-')\n"
+    "  if n: d[n]=x.version\n"
+    "print(json.dumps({'dists':d,'python':'%d.%d.%d'%sys.version_info[:3],'prefix':sys.prefix}))\n"
+)
+
+
+def sh(argv, timeout=20):
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        return p.returncode, p.stdout, p.stderr
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return 127, "", str(e)
+
+
+def os_release():
+    info = {}
+    try:
+        for line in open("/etc/os-release"):
+            k, _, v = line.strip().partition("=")
+            if k:
+                info[k] = v.strip('"')
+    except OSError:
+        pass
+    return {"id": info.get("ID"), "version_id": info.get("VERSION_ID"), "pretty": info.get("PRETTY_NAME"),
+            "kernel": platform.release(), "arch": platform.machine()}
+
+
+def pythons():
+    """Interpreters by minor version: this one (exact path), then python3.X on PATH (by name;
+    executing each would cost a process start per name, and apply checks the one it uses)."""
+    found = {"%d.%d" % sys.version_info[:2]: sys.executable}
+    for m in range(8, 16):
+        path = shutil.which("python3.%d" % m)
+        if path:
+            found.setdefault("3.%d" % m, path)
+    return found
+
+
+def gpus(nvidia_smi):
+    cmd = shutil.which(nvidia_smi) or (nvidia_smi if os.path.exists(nvidia_smi) else None)
+    if not cmd:
+        return {"nvidia_smi": None, "gpus": [], "driver": None}
+    rc, out, err = sh([cmd, "--query-gpu=index,name,uuid,driver_version,compute_cap,memory.total,pci.bus_id",
+                       "--format=csv,noheader"])
+    if rc != 0:
+        return {"nvidia_smi": cmd, "gpus": [], "driver": None, "error": (err or out).strip()[:200]}
+    rows = []
+    for line in out.strip().splitlines():
+        f = [x.strip() for x in line.split(",")]
+        if len(f) >= 7:
+            rows.append({"index": int(f[0]), "name": f[1], "uuid": f[2], "driver": f[3], "compute_cap": f[4],
+                         "memory": f[5], "pci": f[6]})
+    return {"nvidia_smi": cmd, "gpus": rows, "driver": rows[0]["driver"] if rows else None}
+
+
+def nvcc_version(nvcc):
+    rc, out, _ = sh([nvcc, "--version"])
+    m = re.search(r"release (\d+\.\d+), V(\d+\.\d+\.\d+)", out) if rc == 0 else None
+    return m.group(2) if m else None
+
+
+def toolkits():
+    found, seen = [], set()
+    for home in sorted(set(glob.glob("/usr/local/cuda-*")) | {"/usr/local/cuda"}):
+        nvcc = os.path.join(home, "bin", "nvcc")
+        if os.path.exists(nvcc) and os.path.realpath(home) not in seen:
+            seen.add(os.path.realpath(home))
+            found.append({"home": os.path.realpath(home), "nvcc": nvcc_version(nvcc)})
+    path_nvcc = shutil.which("nvcc")
+    return {"toolkits": found, "nvcc_on_path": path_nvcc, "nvcc_on_path_version": nvcc_version(path_nvcc) if path_nvcc else None}
+
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def generations(root):
+    gens = []
+    gdir = os.path.join(root, "generations")
+    for name in sorted(os.listdir(gdir)) if os.path.isdir(gdir) else []:
+        m = re.match(r"^(\d{4})-(.+)$", name)
+        if not m:
+            continue
+        man = read_json(os.path.join(gdir, name, "manifest.json")) or {}
+        gens.append({"id": name, "number": int(m.group(1)), "lock_name": man.get("lock_name", m.group(2)),
+                     "status": man.get("status", "incomplete"), "created": man.get("created"),
+                     "lock_digest": man.get("lock_digest"), "adopted_from": man.get("adopted_from"),
+                     "cuda_home": man.get("cuda_home"), "probes": man.get("probes_summary"),
+                     "stack": man.get("stack"),
+                     "patches": [p.get("series") for p in (man.get("patches") or {}).get("series", [])]
+                     if isinstance(man.get("patches"), dict) else []})
+    cur = None
+    link = os.path.join(root, "current")
+    if os.path.islink(link):
+        cur = os.path.basename(os.readlink(link).rstrip("/"))
+    return gens, cur
+
+
+def dists_of(python):
+    rc, out, err = sh([python, "-c", DISTS_SCRIPT], timeout=60)
+    if rc != 0:
+        return {"error": (err.strip().splitlines() or ["cannot run " + python])[-1]}
+    return json.loads(out)
+
+
+def main(argv):
+    root = argv[0] if argv else "/opt/provision"
+    adopt = argv[argv.index("--adopt") + 1] if "--adopt" in argv else None
+    smi = argv[argv.index("--nvidia-smi") + 1] if "--nvidia-smi" in argv else "nvidia-smi"
+    facts = {"root": root, "os": os_release(), "pythons": pythons(), "uv": shutil.which("uv"),
+             "python_executable": sys.executable,
+             "user": os.environ.get("USER") or str(os.getuid())}
+    probe = root
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe) or "/"
+    st = os.statvfs(probe)
+    facts["disk_free_bytes"] = st.f_bavail * st.f_frsize
+    facts.update(gpus(smi))
+    facts.update(toolkits())
+    gens, cur = generations(root)
+    facts["generations"], facts["current"] = gens, cur
+    facts["managed"] = bool(gens)
+    facts["current_dists"] = None
+    if cur:
+        py = os.path.join(root, "generations", cur, "venv", "bin", "python")
+        r = dists_of(py)
+        facts["current_dists"] = r.get("dists")
+        facts["current_python"] = r.get("python")
+        facts["current_error"] = r.get("error")
+    if adopt:
+        facts["adopt"] = dists_of(adopt)
+        facts["adopt"]["path"] = adopt
+    lock = os.path.join(root, ".lock")
+    facts["lock_file"] = lock
+    print(json.dumps(facts))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

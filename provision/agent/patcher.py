@@ -1,0 +1,412 @@
+"""Host agent: applies, checks and reverts unified-diff patch series inside one Python environment.
+
+Stdlib only, one file, run as `python3 - inspect|run|verify ARGS < patcher.py`; prints one JSON object
+on its last line. Exact context, all-or-nothing over every hunk of every patch, idempotent, reversible.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+import sysconfig
+import tempfile
+
+_HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+
+
+class PatchFailed(Exception):
+    """One line naming the patch, the file and the first failing hunk."""
+
+    def __init__(self, message, patch=None, path=None):
+        super().__init__(message)
+        self.patch, self.path = patch, path
+
+
+# ---------------------------------------------------------------- parsing
+
+class Hunk:
+    def __init__(self, header, old_start, new_start):
+        self.header = header          # "@@ -13,4 +13,12 @@"
+        self.old_start = old_start    # 1-based; 0 for an empty old side
+        self.new_start = new_start
+        self.lines = []               # (tag, text with its line ending) for tag in " -+"
+
+    def old(self):
+        return [t for tag, t in self.lines if tag in " -"]
+
+    def new(self):
+        return [t for tag, t in self.lines if tag in " +"]
+
+    def reversed(self):
+        h = Hunk(self.header, self.new_start, self.old_start)
+        h.lines = [({"-": "+", "+": "-"}.get(tag, tag), t) for tag, t in self.lines]
+        return h
+
+
+class FilePatch:
+    def __init__(self, path):
+        self.path = path              # relative to the environment's site-packages
+        self.hunks = []
+
+
+def _strip(path):
+    path = path.split("\t")[0].strip()
+    if path == "/dev/null":
+        return None
+    return path.split("/", 1)[1] if path.startswith(("a/", "b/")) else path
+
+
+def parse(text, name="<patch>"):
+    """Unified diff -> [FilePatch]; paths stripped of their a/ b/ prefix (-p1)."""
+    lines = text.splitlines(keepends=True)
+    files, i = [], 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ "):
+            old, new = _strip(line[4:]), _strip(lines[i + 1][4:])
+            if old is None or new is None:
+                raise PatchFailed(f"{name}:{i + 1}: creating or deleting files is not supported")
+            if old != new:
+                raise PatchFailed(f"{name}:{i + 1}: renames are not supported ({old} -> {new})")
+            files.append(FilePatch(new))
+            i += 2
+            continue
+        m = _HUNK.match(line)
+        if m:
+            if not files:
+                raise PatchFailed(f"{name}:{i + 1}: hunk before any file header")
+            n_old = int(m.group(2)) if m.group(2) is not None else 1
+            n_new = int(m.group(4)) if m.group(4) is not None else 1
+            hunk = Hunk(line.split(" @@")[0] + " @@", int(m.group(1)), int(m.group(3)))
+            i += 1
+            seen_old = seen_new = 0
+            while i < len(lines) and (seen_old < n_old or seen_new < n_new):
+                body = lines[i]
+                tag = body[:1]
+                if tag == "\\":                           # "\ No newline at end of file"
+                    if hunk.lines:
+                        t, s = hunk.lines[-1]
+                        hunk.lines[-1] = (t, s.rstrip("\r\n"))
+                    i += 1
+                    continue
+                if body in ("\n", "\r\n"):                # an empty context line whose space was eaten
+                    tag, body = " ", " " + body
+                if tag not in " -+":
+                    raise PatchFailed(f"{name}:{i + 1}: hunk {hunk.header} ends early")
+                hunk.lines.append((tag, body[1:]))
+                seen_old += tag in " -"
+                seen_new += tag in " +"
+                i += 1
+            if seen_old != n_old or seen_new != n_new:
+                raise PatchFailed(f"{name}: hunk {hunk.header} in {files[-1].path} has a wrong line count")
+            if i < len(lines) and lines[i].startswith("\\"):
+                t, s = hunk.lines[-1]
+                hunk.lines[-1] = (t, s.rstrip("\r\n"))
+                i += 1
+            files[-1].hunks.append(hunk)
+            continue
+        i += 1                                            # commentary between files
+    if not files or not any(f.hunks for f in files):
+        raise PatchFailed(f"{name}: no hunks found")
+    return files
+
+
+# ---------------------------------------------------------------- applying
+
+def _find(lines, block, hint, start):
+    """Index >= start where `block` occurs, nearest to `hint`; None if nowhere."""
+    n = len(block)
+    last = len(lines) - n
+    if last < start:
+        return None
+    hint = min(max(hint, start), last)
+    for delta in range(0, max(hint - start, last - hint) + 1):
+        for pos in (hint - delta, hint + delta):
+            if start <= pos <= last and lines[pos:pos + n] == block:
+                return pos
+    return None
+
+
+def _first_difference(lines, block, hint):
+    """Human description of why `block` does not sit at `hint` (its stated line)."""
+    for k, want in enumerate(block):
+        got = lines[hint + k] if 0 <= hint + k < len(lines) else None
+        if got != want:
+            shown = "end of file" if got is None else repr(got.rstrip("\r\n"))[:80]
+            return f"line {hint + k + 1} is {shown}, expected {repr(want.rstrip(chr(13) + chr(10)))[:80]}"
+    return "context not found"
+
+
+def apply_hunks(lines, hunks):
+    """(new lines, total distance from the stated lines) or (None, (n, header, reason)) for the
+    first hunk that does not apply."""
+    out, cursor, offset, distance = [], 0, 0, 0
+    for n, hunk in enumerate(hunks, 1):
+        old = hunk.old()
+        hint = max(hunk.old_start - 1, 0) + offset
+        pos = _find(lines, old, hint, cursor)
+        if pos is None:
+            return None, (n, hunk.header, _first_difference(lines, old, max(hunk.old_start - 1, 0)))
+        out.extend(lines[cursor:pos])
+        out.extend(hunk.new())
+        cursor = pos + len(old)
+        offset = pos - max(hunk.old_start - 1, 0)
+        distance += abs(offset)
+    out.extend(lines[cursor:])
+    return out, distance
+
+
+def sha256(data):
+    return hashlib.sha256(data).hexdigest()
+
+
+def _read_lines(path):
+    with open(path, "rb") as f:
+        data = f.read()
+    return data.decode("utf-8").splitlines(keepends=True)
+
+
+def plan(root, series, mode, keep_going=False):
+    """Dry run over every patch of every series, in memory.
+
+    Returns (report_series, new_lines{rel: lines}, old_lines{rel: lines}). A patch that neither
+    applies nor is already applied (reverting: the reverse) raises PatchFailed, or with
+    keep_going is reported as failed and left out of the new contents.
+    """
+    state, original = {}, {}
+    reports = []
+    for s in series:
+        patches = list(s["patches"])
+        order = reversed(patches) if mode == "revert" else patches
+        rows = {}
+        for p in order:
+            name = p["name"]
+            if p.get("skip"):
+                rows[name] = {"name": name, "status": "skipped-by-gate", "reason": p.get("skip_reason", "")}
+                continue
+            try:
+                rows[name] = _plan_patch(root, p, mode, state, original)
+            except PatchFailed as e:
+                if not keep_going:
+                    raise
+                rows[name] = {"name": name, "status": "failed", "reason": str(e)}
+        reports.append({"name": s["name"], "patches": [rows[p["name"]] for p in patches]})
+    return reports, state, original
+
+
+def _plan_patch(root, p, mode, state, original):
+    """Apply (or revert) one patch to the in-memory `state`; its report row."""
+    name = p["name"]
+    fps = parse(p["text"], name)
+    staged, statuses = {}, []
+    for fp in fps:
+        path = os.path.join(root, fp.path)
+        if fp.path not in state:
+            if not os.path.isfile(path):
+                raise PatchFailed(f"patch {name}: {fp.path}: file not found in {root}", name, fp.path)
+            try:
+                state[fp.path] = original[fp.path] = _read_lines(path)
+            except UnicodeDecodeError:
+                raise PatchFailed(f"patch {name}: {fp.path}: not UTF-8 text", name, fp.path) from None
+        cur = staged.get(fp.path, state[fp.path])
+        forward = fp.hunks if mode != "revert" else [h.reversed() for h in fp.hunks]
+        backward = [h.reversed() for h in fp.hunks] if mode != "revert" else fp.hunks
+        new, fwd = apply_hunks(cur, forward)   # fwd: distance, or why not
+        back, bwd = apply_hunks(cur, backward)
+        # Both can match when added lines end like their own context (an applied patch then
+        # matches again further down): the side that matches nearer its stated lines wins.
+        if new is not None and back is not None and fwd == bwd:
+            raise PatchFailed(f"patch {name}: {fp.path}: applies both forwards and backwards; "
+                              f"cannot tell whether it is applied", name, fp.path)
+        if new is not None and (back is None or fwd < bwd):
+            staged[fp.path] = new
+            statuses.append("change")
+        elif back is not None:
+            statuses.append("done")
+        else:
+            n, header, detail = fwd
+            verb = "reverse hunk" if mode == "revert" else "hunk"
+            raise PatchFailed(f"patch {name}: {fp.path}: {verb} #{n} {header} does not apply ({detail})",
+                              name, fp.path)
+    if "change" in statuses and "done" in statuses:
+        raise PatchFailed(f"patch {name}: partly applied (some files patched, others not)", name)
+    state.update(staged)
+    if mode == "revert":
+        status = "reverted" if "change" in statuses else "not-applied"
+    else:
+        status = "applied" if "change" in statuses else "already-applied"
+    return {"name": name, "status": status, "files": [fp.path for fp in fps]}
+
+
+def _write_all(root, changes):
+    """Stage every file beside its target, then rename each into place (no half-written file)."""
+    staged = []
+    try:
+        for rel, text in changes.items():
+            path = os.path.join(root, rel)
+            fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", dir=os.path.dirname(path))
+            with os.fdopen(fd, "wb") as f:
+                f.write(text.encode("utf-8"))
+            os.chmod(tmp, os.stat(path).st_mode & 0o7777)
+            staged.append((tmp, path))
+    except OSError as e:
+        for tmp, _ in staged:
+            os.unlink(tmp)
+        raise PatchFailed(f"cannot write under {root}: {e.strerror or e}") from None
+    for tmp, path in staged:
+        os.replace(tmp, path)
+        _drop_bytecode(path)
+
+
+def _drop_bytecode(path):
+    """Remove cached bytecode of a rewritten module so that it can never shadow the new source."""
+    cache = os.path.join(os.path.dirname(path), "__pycache__")
+    stem = os.path.splitext(os.path.basename(path))[0] + "."
+    if os.path.isdir(cache):
+        for name in os.listdir(cache):
+            if name.startswith(stem) and name.endswith(".pyc"):
+                try:
+                    os.unlink(os.path.join(cache, name))
+                except OSError:
+                    pass
+
+
+def run(payload):
+    """payload: {mode: apply|check|revert, site_packages?, series: [{name, package, patches: [...]}]}
+
+    A patch that does not apply is returned as `failed` (with the patch and file), never raised:
+    the controller turns it into its own error. Nothing is written unless every patch passes.
+    """
+    mode = payload["mode"]
+    check = mode == "check"
+    reports, state, original = [], {}, {}
+    for s in payload["series"]:
+        dist = locate(s["package"], payload.get("site_packages"))
+        if dist is None:
+            return {"mode": mode, "failed": f"{s['package']} is not installed in this environment",
+                    "written": False}
+        root = dist["root"]
+        try:
+            rep, st, orig = plan(root, [s], "revert" if mode == "revert" else "apply", keep_going=check)
+        except PatchFailed as e:
+            return {"mode": mode, "failed": str(e), "patch": e.patch, "path": e.path, "written": False}
+        rep[0]["site_packages"] = root
+        if check:
+            for row in rep[0]["patches"]:
+                row["status"] = {"applied": "would-apply"}.get(row["status"], row["status"])
+        reports += rep
+        for rel in st:
+            state[(root, rel)] = st[rel]
+            original.setdefault((root, rel), orig[rel])
+    changes = {k: "".join(v) for k, v in state.items() if v != original[k]}
+    if not check:
+        by_root = {}
+        for (root, rel), text in changes.items():
+            by_root.setdefault(root, {})[rel] = text
+        try:
+            for root, ch in by_root.items():
+                _write_all(root, ch)
+        except PatchFailed as e:
+            return {"mode": mode, "failed": str(e), "written": False}
+    files = {}
+    for (root, rel) in sorted(state):
+        if check and (root, rel) in changes:          # what the file would hash to
+            files[rel] = sha256(changes[(root, rel)].encode("utf-8"))
+        else:
+            with open(os.path.join(root, rel), "rb") as f:
+                files[rel] = sha256(f.read())
+    return {"mode": mode, "series": reports, "files": files,
+            "changed": sorted(rel for (_, rel) in changes), "written": not check and bool(changes)}
+
+
+# ---------------------------------------------------------------- environment
+
+def locate(package, site_packages=None):
+    """{name, version, root} of an installed distribution, from this interpreter or a given dir."""
+    from importlib import metadata
+
+    want = package.lower().replace("_", "-")
+    dists = metadata.distributions(path=[site_packages]) if site_packages else metadata.distributions()
+    for d in dists:
+        name = (d.metadata["Name"] or "").lower().replace("_", "-")
+        if name == want:
+            root = os.path.abspath(str(d.locate_file("")))
+            return {"name": d.metadata["Name"], "version": d.version, "root": root}
+    return None
+
+
+def site_roots(site_packages=None):
+    if site_packages:
+        return [os.path.abspath(site_packages)]
+    paths = sysconfig.get_paths()
+    return list(dict.fromkeys([paths["purelib"], paths["platlib"]]))
+
+
+def verify(manifest, site_packages=None):
+    """[{path, expected, actual}] for every manifest file whose sha256 differs (actual None: missing)."""
+    roots = site_roots(site_packages)
+    bad = []
+    for rel, want in sorted(manifest.items()):
+        cands = [rel] if os.path.isabs(rel) else [os.path.join(r, rel) for r in roots]
+        path = next((c for c in cands if os.path.isfile(c)), None)
+        got = None
+        if path:
+            with open(path, "rb") as f:
+                got = sha256(f.read())
+        if got != want:
+            bad.append({"path": rel, "expected": want, "actual": got})
+    return bad
+
+
+def _opt(args, flag):
+    if flag in args:
+        i = args.index(flag)
+        if i + 1 >= len(args):
+            raise PatchFailed(f"{flag} needs a value")
+        value = args[i + 1]
+        del args[i:i + 2]
+        return value
+    return None
+
+
+def _load_payload(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    finally:
+        if os.path.basename(path).startswith("provision-payload-"):
+            os.unlink(path)
+
+
+def main(argv):
+    args = list(argv)
+    sp = _opt(args, "--site-packages")
+    if not args:
+        raise PatchFailed("usage: patcher.py inspect PKG... | run PAYLOAD.json | verify PAYLOAD.json "
+                          "[--site-packages DIR]")
+    cmd, rest = args[0], args[1:]
+    if sp and not os.path.isdir(sp):
+        raise PatchFailed(f"no such directory: {sp}")
+    if cmd == "inspect":
+        return {"packages": {p: locate(p, sp) for p in rest}, "python": sys.executable,
+                "site_packages": site_roots(sp)}
+    if cmd == "run":
+        payload = _load_payload(rest[0])
+        payload.setdefault("site_packages", sp)
+        return run(payload)
+    if cmd == "verify":
+        payload = _load_payload(rest[0])
+        return {"mismatches": verify(payload["files"], sp)}
+    raise PatchFailed(f"unknown command {cmd!r}")
+
+
+if __name__ == "__main__":
+    try:
+        result = main(sys.argv[1:])
+    except PatchFailed as e:
+        result = {"error": str(e)}
+    except Exception as e:  # noqa: BLE001 - the controller wants one JSON line, never a traceback
+        result = {"error": f"{type(e).__name__}: {e}"}
+    print(json.dumps(result))

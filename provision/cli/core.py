@@ -1,0 +1,184 @@
+"""The operator's verbs: plan, apply, rollback, history, demo (parse, call, render)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.table import Table
+
+from .. import apply as applymod
+from .. import lock as lockmod
+from ..plan import render_plan
+from ..transport import connect
+from .common import (HostArg, InventoryOpt, KeyOpt, KnownHostsOpt, LocalOpt, RootOpt, console, edge,
+                     err_console, one_target, print_json, targets)
+
+LockOpt = typer.Option(None, "--lock", "-l", help="lockfile (YAML)")
+JsonOpt = typer.Option(False, "--json", help="machine-readable output")
+
+
+class StepPrinter:
+    """Renders apply progress: one line per finished step, a spinner while a step runs."""
+
+    def __init__(self, quiet: bool):
+        self.quiet, self.status = quiet, None
+
+    def __call__(self, step: str, state: str, detail: str) -> None:
+        if self.quiet:
+            return
+        if state == "start":
+            self.status = err_console.status(f"{step} …")
+            self.status.start()
+        elif state == "info" and self.status:
+            self.status.update(f"{step}: {detail[:90]}")
+        elif state in ("done", "fail"):
+            if self.status:
+                self.status.stop()
+                self.status = None
+            mark = "[green]✓[/green]" if state == "done" else "[red]✗[/red]"
+            err_console.print(f"  {mark} {step:<10} {detail}")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    @edge
+    def plan(host: Optional[str] = HostArg, lock: Path = LockOpt, json_out: bool = JsonOpt,
+             out: Optional[Path] = typer.Option(None, "--out", help="save the plan for `apply --plan`"),
+             detailed_exitcode: bool = typer.Option(False, "--detailed-exitcode",
+                                                    help="exit 0 no changes, 2 changes, 1 error"),
+             local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt, key: Optional[Path] = KeyOpt,
+             known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
+        """Dry-run diff of host vs lock (read-only)."""
+        if lock is None:
+            raise typer.BadParameter("--lock is required")
+        lk = lockmod.load(lock)
+        plans = []
+        for t in targets(host, local, inventory, key, known_hosts, root):
+            tr = connect(t)
+            try:
+                plans.append(applymod.plan(tr, lk))
+            finally:
+                tr.close()
+        if out:
+            data = plans[0].to_json() if len(plans) == 1 else [p.to_json() for p in plans]
+            out.write_text(json.dumps(data, indent=2))
+        if json_out:
+            print_json(plans[0].to_json() if len(plans) == 1 else [p.to_json() for p in plans])
+        else:
+            for p in plans:
+                console.print(render_plan(p), markup=False)
+            if out:
+                console.print(f"Saved plan to {out}; apply it exactly with `provision apply HOST --plan {out}`.")
+        if detailed_exitcode and any(not p.noop and p.changes for p in plans):
+            raise typer.Exit(2)
+
+    @app.command()
+    @edge
+    def apply(host: Optional[str] = HostArg, lock: Optional[Path] = LockOpt,
+              plan_file: Optional[Path] = typer.Option(None, "--plan", help="apply a saved plan exactly"),
+              adopt: Optional[str] = typer.Option(None, "--adopt",
+                                                  help="first contact: capture this existing env as generation 0"),
+              skip_probe: List[str] = typer.Option([], "--skip-probe", help="emergency: skip a probe (recorded)"),
+              installer: Optional[str] = typer.Option(None, "--installer", help="uv or pip (default: uv if on host)"),
+              json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
+              key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
+        """One-command upgrade: build a new generation, patch, probe, switch `current`."""
+        saved = applymod.load_plan(plan_file) if plan_file else None
+        if saved is None and lock is None:
+            raise typer.BadParameter("give --lock or --plan")
+        lk = applymod.lock_of_plan(saved) if saved else lockmod.load(lock)
+        t = one_target(host, local, inventory, key, known_hosts, root)
+        tr = connect(t)
+        try:
+            if not json_out:
+                err_console.print(f"apply {lk.name} → {t.name}")
+            rep = applymod.apply(tr, lk, saved_plan=saved, adopt_path=adopt, skip_probes=skip_probe,
+                                 installer=installer, progress=StepPrinter(json_out))
+        finally:
+            tr.close()
+        if json_out:
+            print_json(rep.to_json())
+        elif rep.status == "noop":
+            console.print(f"No changes: {t.name} already runs {lk.name} (generation {rep.generation}).")
+        else:
+            _print_probes(rep.probes)
+            console.print(f"Applied {lk.name} to {t.name}: current {rep.previous or '(none)'} → {rep.generation} "
+                          f"in {rep.seconds:.1f}s.")
+
+    @app.command()
+    @edge
+    def rollback(host: Optional[str] = HostArg,
+                 to: Optional[str] = typer.Option(None, "--to", help="generation number or id"),
+                 json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
+                 key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
+        """Switch `current` back to the prior generation (atomic, offline, nothing reinstalled)."""
+        t = one_target(host, local, inventory, key, known_hosts, root)
+        tr = connect(t)
+        try:
+            out = applymod.rollback(tr, to)
+        finally:
+            tr.close()
+        if json_out:
+            print_json(out)
+        elif out.get("noop"):
+            console.print(f"{t.name} is already on {out['to']}.")
+        else:
+            console.print(f"Rolled back {t.name}: current {out['from']} → {out['to']} in {out['seconds']:.2f}s.")
+
+    @app.command()
+    @edge
+    def history(host: Optional[str] = HostArg, json_out: bool = JsonOpt, local: bool = LocalOpt,
+                inventory: Optional[Path] = InventoryOpt, key: Optional[Path] = KeyOpt,
+                known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt,
+                events: bool = typer.Option(False, "--events", help="also list history.jsonl events")):
+        """Generations with lock, time, status and probe summary."""
+        t = one_target(host, local, inventory, key, known_hosts, root)
+        tr = connect(t)
+        try:
+            h = applymod.history(tr)
+        finally:
+            tr.close()
+        if json_out:
+            print_json(h)
+            return
+        console.print(history_table(h, t.name))
+        if events:
+            for e in h["events"]:
+                console.print(json.dumps(e, sort_keys=True), markup=False)
+
+    @app.command()
+    @edge
+    def demo(keep: bool = typer.Option(False, "--keep", help="leave the sandbox for inspection")):
+        """Throwaway loopback host: plan → apply A → plan → apply B → plan → rollback → history."""
+        from ..demo import run_demo
+
+        run_demo(say=lambda text: console.print(text, markup=False), progress=StepPrinter(False),
+                 show_history=lambda h, name: console.print(history_table(h, name)),
+                 show_probes=_print_probes, keep=keep)
+
+
+def history_table(h: dict, host: str) -> Table:
+    table = Table(title=f"generations on {host}", title_justify="left")
+    for col in ("", "generation", "lock", "created", "status", "probes"):
+        table.add_column(col)
+    for g in h["generations"]:
+        probes = g.get("probes_summary") or {}
+        ptxt = " ".join(f"{k}={v}" for k, v in probes.items() if v) if isinstance(probes, dict) else str(probes)
+        status = g.get("status", "?")
+        if g.get("skipped_probes"):
+            status += f" (skipped: {','.join(g['skipped_probes'])})"
+        table.add_row("→" if g["id"] == h["current"] else "", g["id"], g.get("lock_name", ""),
+                      g.get("created", ""), status, ptxt or "-")
+    return table
+
+
+def _print_probes(probes: dict | None) -> None:
+    if not probes or not probes.get("results"):
+        if probes and probes.get("detail"):
+            err_console.print(f"  probes: {probes['detail']}")
+        return
+    from .probe import probe_table
+
+    console.print(probe_table(probes))

@@ -1,0 +1,52 @@
+"""`provision hosts`: trust a host's SSH key (after showing it) and show a host's facts."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..facts import gather
+from ..transport import Target, connect, scan_host_key, fingerprint, trust_host
+from .common import (HostArg, InventoryOpt, KeyOpt, KnownHostsOpt, LocalOpt, RootOpt, console, edge,
+                     one_target, print_json)
+
+
+def register(app: typer.Typer) -> None:
+    hosts = typer.Typer(no_args_is_help=True, help="Host keys and facts.")
+    app.add_typer(hosts, name="hosts")
+
+    @hosts.command()
+    @edge
+    def trust(host: str, yes: bool = typer.Option(False, "--yes", "-y", help="record without asking"),
+              known_hosts: Path = KnownHostsOpt):
+        """Show HOST's SSH key fingerprint and record it in the managed known_hosts."""
+        t = Target.parse(host, known_hosts=known_hosts)
+        key = scan_host_key(t)
+        console.print(f"{t.name} offers {key.get_name()} {fingerprint(key)}")
+        if not yes and not typer.confirm("Record this key as trusted?"):
+            raise typer.Exit(1)
+        kind, fp = trust_host(t)
+        console.print(f"Recorded {kind} {fp} for {t.name} in {known_hosts}.")
+
+    @hosts.command()
+    @edge
+    def facts(host: Optional[str] = HostArg, json_out: bool = typer.Option(False, "--json"),
+              local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt, key: Optional[Path] = KeyOpt,
+              known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
+        """The facts a plan is made from (one round trip)."""
+        t = one_target(host, local, inventory, key, known_hosts, root)
+        tr = connect(t)
+        try:
+            f = gather(tr)
+        finally:
+            tr.close()
+        if json_out:
+            print_json(f)
+            return
+        gpus = ", ".join(f"{g['index']}:{g['name']} sm{g['compute_cap']}" for g in f["gpus"]) or "none"
+        console.print(f"{f['host']}: {f['os'].get('pretty')} {f['os'].get('arch')}, pythons "
+                      f"{', '.join(f['pythons'])}, uv {'yes' if f['uv'] else 'no'}\n"
+                      f"  GPUs: {gpus}; driver {f.get('driver') or '-'}; nvcc {f.get('nvcc_on_path_version') or '-'}\n"
+                      f"  root {f['root']}: {len(f['generations'])} generations, current {f['current'] or '-'}; "
+                      f"{f['disk_free_bytes'] >> 30} GiB free", markup=False)

@@ -1,0 +1,84 @@
+"""`provision lock …`: check, resolve, diff, capture (parse, call, render)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from .. import lock as lockmod
+from .. import lockcheck, resolve as resolvemod
+from ..transport import connect
+from .common import (HostArg, InventoryOpt, KeyOpt, KnownHostsOpt, LocalOpt, console, edge, err_console,
+                     one_target, print_json)
+
+JsonOpt = typer.Option(False, "--json", help="machine-readable output")
+
+
+def register(app: typer.Typer) -> None:
+    lock_app = typer.Typer(no_args_is_help=True, help="Lockfiles: check, resolve, diff, capture.")
+    app.add_typer(lock_app, name="lock")
+
+    @lock_app.command("check")
+    @edge
+    def check(locks: List[Path] = typer.Argument(..., help="lockfiles"), json_out: bool = JsonOpt,
+              offline: bool = typer.Option(False, "--offline", help="read wheel METADATA from the cache only")):
+        """Prove each lock consistent: Requires-Dist closure, CUDA tags, driver, flashinfer, hashes."""
+        reports = [lockcheck.check(lockmod.load(p), offline=offline) for p in locks]
+        if json_out:
+            print_json([r.to_json() for r in reports])
+        else:
+            console.print("\n".join(lockcheck.render_report(r) for r in reports), markup=False, soft_wrap=True)
+        if any(not r.ok for r in reports):
+            raise typer.Exit(1)
+
+    @lock_app.command("resolve")
+    @edge
+    def resolve(lock: Path = typer.Argument(..., help="lockfile whose `requires` to resolve"),
+                out: Optional[Path] = typer.Option(None, "-o", "--out", help="write here (default: rewrite LOCK)")):
+        """Resolve `requires` into the full hashed closure for the lock's platform and indexes."""
+        lk = lockmod.load(lock)
+        with err_console.status(f"resolving {lk.name} …"):
+            data, res = resolvemod.resolve_data(lk)
+        dest = out or lock
+        text = lockmod.dump(data)
+        lockmod.loads(text, str(dest))          # what we write must load
+        dest.write_text(text)
+        for k, why in res.indexes_down.items():
+            err_console.print(f"index {k} ({lk.indexes[k]}): {why}", soft_wrap=True)
+        for u in res.unresolved:
+            err_console.print(f"unresolved {u['requirement']}: {u['reason']}", soft_wrap=True)
+        console.print(f"Wrote {dest}: {len(res.packages)} packages, {len(res.unresolved)} unresolved.")
+
+    @lock_app.command("diff")
+    @edge
+    def diff(old: Path = typer.Argument(..., help="from this lock"), new: Path = typer.Argument(..., help="to this lock"),
+             json_out: bool = JsonOpt):
+        """Stack changes between two lockfiles, rendered like `plan` (no host involved)."""
+        d = lockcheck.diff(lockmod.load(old), lockmod.load(new))
+        if json_out:
+            print_json(d.to_json())
+        else:
+            console.print(d.render(), markup=False, soft_wrap=True)
+
+    @lock_app.command("capture")
+    @edge
+    def capture(host: Optional[str] = HostArg,
+                out: Path = typer.Option(..., "-o", "--out", help="write the captured lock here"),
+                python: str = typer.Option("python3", "--python", help="interpreter or environment prefix to capture"),
+                name: str = typer.Option("adopted", "--name", help="name of the captured lock"),
+                local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt, key: Optional[Path] = KeyOpt,
+                known_hosts: Path = KnownHostsOpt):
+        """A lock from a live host's environment (what `apply` adopts as generation 0)."""
+        from .. import facts
+
+        t = one_target(host, local, inventory, key, known_hosts)
+        tr = connect(t)
+        try:
+            data = facts.capture_lock(tr, python, name=name)
+        finally:
+            tr.close()
+        text = lockmod.dump(data)
+        lk = lockmod.loads(text, str(out))
+        out.write_text(text)
+        console.print(f"Wrote {out}: lock {lk.name}, {len(lk.packages)} packages (versions only, no hashes).")

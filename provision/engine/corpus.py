@@ -1,0 +1,52 @@
+"""A seeded generator of structured English-like text: what the bundled tiny pair is trained on,
+and where its held-out benchmark prompts come from (a different seed). Stdlib only."""
+from __future__ import annotations
+
+import random
+
+NOUNS = ("cat dog bird fox horse teacher doctor farmer child river garden city station engine "
+         "kernel server cluster driver model token lamp window mountain forest village market").split()
+ADJS = ("quick lazy small large bright quiet old young green silent happy careful clever "
+        "patient ancient gentle").split()
+VERBS = ("watches follows finds helps carries builds visits remembers answers compiles "
+         "measures loads").split()
+PLACES = ("near the river", "in the garden", "at the station", "on the mountain", "by the window",
+          "inside the market", "behind the forest", "under the bright lamp")
+NAMES = "alice bob carol dave erin frank grace heidi ivan judy".split()
+TIMES = ("every morning", "at noon", "in the evening", "before dawn", "after the rain")
+
+
+def sentence(r: random.Random) -> str:
+    k = r.randrange(6)
+    a, b = r.choice(NOUNS), r.choice(NOUNS)
+    if k == 0:
+        return f"the {r.choice(ADJS)} {a} {r.choice(VERBS)} the {r.choice(ADJS)} {b} {r.choice(PLACES)}."
+    if k == 1:
+        return f"{r.choice(NAMES)} {r.choice(VERBS)} the {a} {r.choice(TIMES)}."
+    if k == 2:
+        return f"every {a} {r.choice(VERBS)} a {r.choice(ADJS)} {b}, and the {b} {r.choice(VERBS)} the {a}."
+    if k == 3:
+        n = r.randrange(1, 20)
+        return f"there are {n} {a}s {r.choice(PLACES)}, and {n + 1} {b}s {r.choice(PLACES)}."
+    if k == 4:
+        return f"{r.choice(NAMES)} says that the {a} is {r.choice(ADJS)} {r.choice(TIMES)}."
+    return f"when the {a} {r.choice(VERBS)} the {b}, the {r.choice(ADJS)} {a} {r.choice(VERBS)} it {r.choice(PLACES)}."
+
+
+def document(r: random.Random) -> str:
+    return " ".join(sentence(r) for _ in range(r.randrange(3, 8)))
+
+
+def corpus(n_docs: int, seed: int = 0) -> list[str]:
+    r = random.Random(seed)
+    return [document(r) for _ in range(n_docs)]
+
+
+def held_out_prompts(n: int = 8, seed: int = 12345) -> list[str]:
+    """Prompts the pair never saw verbatim: a sentence or two and the start of the next."""
+    r = random.Random(seed)
+    out = []
+    for _ in range(n):
+        text = " ".join(sentence(r) for _ in range(r.randrange(1, 3))) + " " + sentence(r)
+        out.append(text[: len(text) - r.randrange(10, 40)])
+    return out

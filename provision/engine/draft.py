@@ -1,0 +1,75 @@
+"""The EAGLE-3 draft: fc 3H→H, one decoder layer over [norm(embed), norm(hidden)] (2H), norm,
+lm_head over the draft vocabulary, and `d2t` mapping draft ids to target ids.
+Embeddings are shared from the target; the draft has its own static KV cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from .model import Attention, FeedForward, KVCache, ModelArgs, RMSNorm, rope_cache
+
+
+@dataclass
+class DraftArgs(ModelArgs):
+    draft_vocab_size: int = 32000
+    target_hidden: int = 0            # width of the fused target features (3H); 0 = 3 * dim
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.target_hidden:
+            self.target_hidden = 3 * self.dim
+
+
+class Eagle3Layer(nn.Module):
+    """The midlayer: attention whose q/k/v read [input_layernorm(embed), hidden_norm(hidden)]."""
+
+    def __init__(self, args: DraftArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.hidden_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args, in_dim=2 * args.dim)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.intermediate_size)
+
+    def forward(self, emb: Tensor, hidden: Tensor, rope, mask, slots) -> Tensor:
+        # emb, hidden: [B, T, H]
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)   # [B, T, 2H]
+        h = hidden + self.attention(x, rope, mask, slots)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, args: DraftArgs):
+        super().__init__()
+        self.args = args
+        self.fc = nn.Linear(args.target_hidden, args.dim, bias=False)
+        self.midlayer = Eagle3Layer(args)
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(args.draft_vocab_size, dtype=torch.long))  # target = id + d2t[id]
+        self.embed: nn.Embedding | None = None     # shared from the target (not a submodule)
+        self.max_slots = 0
+
+    def setup_caches(self, max_slots: int, embed: nn.Embedding, batch: int = 1):
+        p = self.fc.weight
+        self.embed = embed
+        self.midlayer.attention.kv_cache = KVCache(batch, max_slots, self.args.n_local_heads,
+                                                   self.args.head_dim, p.dtype, p.device)
+        self.register_buffer("rope", rope_cache(max_slots, self.args).to(p.device), persistent=False)
+        self.max_slots = max_slots
+
+    def forward(self, idx: Tensor, hidden: Tensor, pos: Tensor, mask: Tensor, slots: Tensor):
+        """idx: [B, T] target ids; hidden: [B, T, 3H] target features or [B, T, H] draft states.
+
+        Returns draft-vocab logits [B, T, Vd] and the pre-norm states [B, T, H] fed to the next step.
+        """
+        if hidden.shape[-1] != self.args.dim:
+            hidden = self.fc(hidden)
+        h = self.midlayer(self.embed(idx), hidden, self.rope[pos], mask, slots)
+        return self.lm_head(self.norm(h)), h
+
+    def to_target(self, draft_ids: Tensor) -> Tensor:
+        return draft_ids + self.d2t[draft_ids]

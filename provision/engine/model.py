@@ -1,0 +1,203 @@
+"""The Llama-family target: GQA, RoPE (llama3 scaling), RMSNorm, SwiGLU, a static KV cache.
+
+One forward serves prefill, decode and tree verification: it writes K/V in place at `slots`
+and can return the hidden states feeding chosen layers (the EAGLE-3 auxiliary features).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int = 32000
+    dim: int = 4096                    # hidden_size
+    n_layer: int = 32
+    n_head: int = 32
+    n_local_heads: int = -1            # key/value heads (GQA); -1 = n_head
+    head_dim: int = 0                  # 0 = dim // n_head
+    intermediate_size: int = 11008
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    aux_layers: list = field(default_factory=list)  # capture the input of these layers (index n_layer = final)
+
+    def __post_init__(self):
+        if self.n_local_heads == -1:
+            self.n_local_heads = self.n_head
+        if not self.head_dim:
+            self.head_dim = self.dim // self.n_head
+        if not self.aux_layers:
+            self.aux_layers = default_aux_layers(self.n_layer)
+
+
+def default_aux_layers(n_layer: int) -> list:
+    """EAGLE-3's default: the hidden states feeding layers [2, N//2, N-3]."""
+    return [min(2, n_layer - 1), n_layer // 2, max(n_layer - 3, 0)]
+
+
+def rope_inv_freq(head_dim: int, base: float, scaling: Optional[dict]) -> Tensor:
+    """Inverse frequencies [head_dim/2], with HF's `linear` and `llama3` scalings."""
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind in (None, "default"):
+        return inv
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        lo, hi = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+        old = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv
+        out = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * out / factor + smooth * out
+        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+        return torch.where(medium, smoothed, out)
+    raise ValueError(f"unsupported rope_scaling type {kind!r}")
+
+
+def rope_cache(seq_len: int, args: ModelArgs) -> Tensor:
+    """cos/sin table [seq_len, 2, head_dim] in the HF (rotate-half) layout."""
+    inv = rope_inv_freq(args.head_dim, args.rope_base, args.rope_scaling).float()
+    freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)                  # [S, hd]
+    return torch.stack([emb.cos(), emb.sin()], dim=1)
+
+
+def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
+    # x: [B, h, T, hd]; rope: [T, 2, hd] already gathered at the tokens' positions
+    cos, sin = rope[:, 0].to(x.dtype), rope[:, 1].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class KVCache(nn.Module):
+    """Preallocated [B, kv_heads, S, hd] buffers, written in place at `slots`."""
+
+    def __init__(self, batch: int, slots: int, n_heads: int, head_dim: int, dtype, device=None):
+        super().__init__()
+        shape = (batch, n_heads, slots, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, slots: Tensor, k: Tensor, v: Tensor):
+        # slots: [T]; k, v: [B, kv_heads, T, hd]
+        self.k_cache.index_copy_(2, slots, k)
+        self.v_cache.index_copy_(2, slots, v)
+        return self.k_cache, self.v_cache
+
+    def move(self, src: Tensor, dst: Tensor):
+        """Compaction: copy entries at slots `src` to slots `dst` (index_select copies first)."""
+        self.k_cache.index_copy_(2, dst, self.k_cache.index_select(2, src))
+        self.v_cache.index_copy_(2, dst, self.v_cache.index_select(2, src))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """GQA attention; `in_dim` differs from dim only in the EAGLE-3 draft layer (2H)."""
+
+    def __init__(self, args: ModelArgs, in_dim: Optional[int] = None):
+        super().__init__()
+        self.n_head, self.n_kv, self.hd = args.n_head, args.n_local_heads, args.head_dim
+        self.wqkv = nn.Linear(in_dim or args.dim, (self.n_head + 2 * self.n_kv) * self.hd, bias=False)
+        self.wo = nn.Linear(self.n_head * self.hd, args.dim, bias=False)
+        self.kv_cache: Optional[KVCache] = None
+
+    def forward(self, x: Tensor, rope: Tensor, mask: Tensor, slots: Tensor) -> Tensor:
+        # x: [B, T, in_dim]; mask: [T, S] bool over cache slots; slots: [T]
+        B, T, _ = x.shape
+        q, k, v = self.wqkv(x).split([self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], -1)
+        q = q.view(B, T, self.n_head, self.hd).transpose(1, 2)   # [B, h, T, hd]
+        k = k.view(B, T, self.n_kv, self.hd).transpose(1, 2)     # [B, kv, T, hd]
+        v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if self.kv_cache is not None:                            # None only when training
+            k, v = self.kv_cache.update(slots, k, v)             # [B, kv, S, hd]
+        if self.n_kv != self.n_head:
+            k = k.repeat_interleave(self.n_head // self.n_kv, dim=1)
+            v = v.repeat_interleave(self.n_head // self.n_kv, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_head * self.hd))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU with the gate and up projections fused: w13 = [gate; up]."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w13 = nn.Linear(dim, 2 * hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        g, u = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(g) * u)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.intermediate_size)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x: Tensor, rope: Tensor, mask: Tensor, slots: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask, slots)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layer))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.max_slots = 0
+
+    def setup_caches(self, max_slots: int, batch: int = 1):
+        """Allocate the KV cache (`max_slots` entries) and the RoPE table once."""
+        p = self.output.weight
+        for layer in self.layers:
+            layer.attention.kv_cache = KVCache(batch, max_slots, self.args.n_local_heads,
+                                               self.args.head_dim, p.dtype, p.device)
+        self.register_buffer("rope", rope_cache(max_slots, self.args).to(p.device), persistent=False)
+        self.max_slots = max_slots
+
+    def forward(self, idx: Tensor, pos: Tensor, mask: Tensor, slots: Tensor, capture: bool = False):
+        """idx: [B, T] tokens; pos: [T] RoPE positions; mask: [T, S]; slots: [T] cache slots.
+
+        Returns logits [B, T, V] and, with capture, aux hidden states [B, T, 3H].
+        """
+        x = self.tok_embeddings(idx)
+        rope = self.rope[pos]
+        seen = {}
+        for i, layer in enumerate(self.layers):
+            if capture and i in self.args.aux_layers:
+                seen[i] = x
+            x = layer(x, rope, mask, slots)
+        seen[self.args.n_layer] = x
+        logits = self.output(self.norm(x))
+        if not capture:
+            return logits
+        return logits, torch.cat([seen[i] for i in self.args.aux_layers], dim=-1)

@@ -1,0 +1,58 @@
+"""Host facts, gathered in one round trip by the stdlib agent; capture of an environment as a lock.
+
+`gather` returns the agent's JSON; `capture_lock` turns a live environment into lock data
+(used by `apply --adopt` and `lock capture`).
+"""
+from __future__ import annotations
+
+from . import agent
+from .transport import Transport
+
+DEFAULT_ROOT = "/opt/provision"
+
+
+def root_of(transport: Transport) -> str:
+    return transport.target.vars.get("provision_root", DEFAULT_ROOT)
+
+
+def gather(transport: Transport, *, adopt: str | None = None) -> dict:
+    args = [root_of(transport)]
+    if adopt:
+        args += ["--adopt", adopt]
+    smi = transport.target.vars.get("provision_nvidia_smi")
+    if smi:
+        args += ["--nvidia-smi", smi]
+    facts = transport.run_agent(agent.source("facts"), args, python=transport.target.vars.get("python", "python3"))
+    facts["host"] = transport.target.name
+    return facts
+
+
+def _python_of(prefix_or_python: str) -> str:
+    return prefix_or_python if prefix_or_python.rstrip("/").split("/")[-1].startswith("python") \
+        else prefix_or_python.rstrip("/") + "/bin/python"
+
+
+def capture_lock(transport: Transport, python: str, name: str = "adopted") -> dict:
+    """Lock data describing the environment of `python` (an interpreter or a prefix) as it is.
+
+    Captured packages carry name and version only (no wheel hashes exist for what is already
+    installed); the lock is a record to roll back to, not something `apply` can rebuild.
+    """
+    from .errors import HostError
+
+    facts = gather(transport, adopt=_python_of(python))
+    env = facts["adopt"]
+    if env.get("error"):
+        raise HostError(f"cannot read environment {python}: {env['error']}", where=transport.target.name)
+    major_minor = ".".join(env["python"].split(".")[:2])
+    data = {
+        "lock": 1, "name": name,
+        "description": f"captured from {env['prefix']} on {facts['host']}",
+        "platform": {"python": major_minor, "os": f"{facts['os'].get('id')}-{facts['os'].get('version_id')}",
+                     "arch": facts["os"].get("arch") or "x86_64"},
+        "requires": [], "packages": [{"name": n, "version": v} for n, v in sorted(env["dists"].items())],
+        "patches": [], "engine": {}, "probes": {},
+    }
+    if facts.get("gpus"):
+        data["platform"]["gpus"] = {"compute_capability": sorted({g["compute_cap"] for g in facts["gpus"]})}
+    return data

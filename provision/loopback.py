@@ -1,0 +1,98 @@
+"""A throwaway SSH host on loopback (real OpenSSH sshd, fresh keys, sandbox root) for demo and tests.
+
+Needs `openssh-server` (/usr/sbin/sshd). Keys live in a temp dir, so `StrictModes no` and
+`UsePAM no` are set; nothing outside the temp dir is touched except /run/sshd (privsep dir).
+"""
+from __future__ import annotations
+
+import getpass
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from .errors import ProvisionError
+from .transport import Target
+
+SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class LoopbackHost:
+    """`with LoopbackHost() as h:` → h.target (not yet trusted), h.root, h.dir; stops sshd on exit."""
+
+    def __init__(self, base: str | Path | None = None, address: str = "127.0.0.1", netns: str | None = None):
+        self.dir = Path(tempfile.mkdtemp(prefix="provision-host-", dir=base))
+        self.address, self.netns = address, netns
+        self.port = free_port() if netns is None else 22
+        self.root = str(self.dir / "root")
+        self.proc: subprocess.Popen | None = None
+
+    def _keygen(self, path: Path) -> None:
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True,
+                       stdin=subprocess.DEVNULL)
+
+    def start(self) -> "LoopbackHost":
+        if not Path(SSHD).exists():
+            raise ProvisionError("sshd not found: install openssh-server (apt-get install openssh-server)")
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
+        self._keygen(self.dir / "host_ed25519")
+        self._keygen(self.dir / "client_ed25519")
+        shutil.copy(self.dir / "client_ed25519.pub", self.dir / "authorized_keys")
+        (self.dir / "sshd_config").write_text(
+            f"Port {self.port}\nListenAddress {self.address}\nHostKey {self.dir}/host_ed25519\n"
+            f"AuthorizedKeysFile {self.dir}/authorized_keys\nPidFile {self.dir}/sshd.pid\n"
+            "UsePAM no\nStrictModes no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
+            "PubkeyAuthentication yes\nPermitRootLogin yes\nMaxSessions 64\nMaxStartups 64\n"
+            "Subsystem sftp internal-sftp\nLogLevel ERROR\n")
+        argv = [SSHD, "-D", "-e", "-f", str(self.dir / "sshd_config")]
+        if self.netns:
+            argv = ["ip", "netns", "exec", self.netns, *argv]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=open(self.dir / "sshd.log", "wb"))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ProvisionError(f"sshd exited: {(self.dir / 'sshd.log').read_text().strip()[-300:]}")
+            try:
+                socket.create_connection((self.address, self.port), timeout=0.5).close()
+                return self
+            except OSError:
+                time.sleep(0.05)
+        raise ProvisionError("sshd did not start listening within 10s")
+
+    @property
+    def target(self) -> Target:
+        return Target(host=self.address, user=getpass.getuser(), port=self.port,
+                      key_file=str(self.dir / "client_ed25519"), known_hosts=self.dir / "known_hosts",
+                      vars={"provision_root": self.root})
+
+    @property
+    def spec(self) -> str:
+        return f"{getpass.getuser()}@{self.address}:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> "LoopbackHost":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.cleanup()

@@ -1,0 +1,242 @@
+"""Patch series (patches/<package>-<version>/series.yaml + unified diffs): model, version gates, and
+applying / checking / reverting them in a host environment through the stdlib agent `agent/patcher.py`;
+also the manifest check and the EAGLE-3 interface contract (`agent/contracts.py`) run on a host.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
+
+from . import agent, yamlio
+from .agent import patcher as diffs
+from .errors import LockError, PatchError, ProvisionError
+from .transport import Local, Transport
+
+SERIES_FILE = "series.yaml"
+DEFAULT_ROOT = "/opt/provision"
+
+
+@dataclass
+class Patch:
+    name: str                       # the diff's file name, e.g. 0001-torch-symm-mem-sm120.patch
+    text: str
+    files: list[str]                # paths it touches, relative to site-packages
+    applies_to: Requirement | None  # per-patch gate; None: the series' gate alone
+    description: str = ""
+    reason: str = ""
+    where: str = ""                 # series.yaml:line
+
+
+@dataclass
+class Series:
+    name: str                       # the directory name, e.g. sglang-0.5.9
+    path: Path
+    package: str
+    specifier: SpecifierSet
+    description: str = ""
+    patches: list[Patch] = field(default_factory=list)
+    where: str = ""
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "package": self.package, "version": str(self.specifier),
+                "description": self.description,
+                "patches": [{"name": p.name, "files": p.files, "description": p.description, "reason": p.reason,
+                             "applies_to": str(p.applies_to) if p.applies_to else None} for p in self.patches]}
+
+
+def _text(doc, data, key, where_keys, required=True) -> str:
+    value = data.get(key)
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str) or not value.strip():
+        raise PatchError(f"`{key}` must be a non-empty string", where=doc.where(*where_keys, key))
+    return value.strip()
+
+
+def load_series(path) -> Series:
+    """Read and validate a series directory (series.yaml and every diff it names)."""
+    d = Path(path)
+    f = d / SERIES_FILE if d.is_dir() else d
+    d = f.parent
+    try:
+        doc = yamlio.load(f)
+    except LockError as e:                    # yamlio speaks for lockfiles; here it is a series
+        raise PatchError(e.message, where=e.where) from None
+    data = doc.data
+    if not isinstance(data, dict):
+        raise PatchError("expected a mapping with `series`, `package`, `version`, `patches`", where=doc.where())
+    if data.get("series") != 1:
+        raise PatchError("`series: 1` is the only format this version reads", where=doc.where("series"))
+    package = _text(doc, data, "package", ())
+    try:
+        spec = SpecifierSet(_text(doc, data, "version", ()))
+    except InvalidSpecifier:
+        raise PatchError(f"invalid version specifier {data['version']!r}", where=doc.where("version")) from None
+    series = Series(name=d.name, path=d, package=canonicalize_name(package), specifier=spec,
+                    description=_text(doc, data, "description", (), required=False), where=doc.where())
+    items = data.get("patches")
+    if not isinstance(items, list) or not items:
+        raise PatchError("`patches` must be a non-empty list", where=doc.where("patches"))
+    seen = set()
+    for i, item in enumerate(items):
+        keys = ("patches", i)
+        if not isinstance(item, dict):
+            raise PatchError("each patch is a mapping with `file`, `description`, `reason`", where=doc.where(*keys))
+        name = _text(doc, item, "file", keys)
+        if "/" in name or name in seen:
+            raise PatchError(f"patch file {name!r} must be a unique plain file name in {d}",
+                             where=doc.where(*keys, "file"))
+        seen.add(name)
+        try:
+            text = (d / name).read_text()
+        except OSError as e:
+            raise PatchError(f"cannot read {d / name}: {e.strerror}", where=doc.where(*keys, "file")) from None
+        try:
+            files = [fp.path for fp in diffs.parse(text, name)]
+        except diffs.PatchFailed as e:
+            raise PatchError(f"{d / name}: {e}", where=doc.where(*keys, "file")) from None
+        req = None
+        if item.get("applies_to") is not None:
+            try:
+                req = Requirement(str(item["applies_to"]))
+            except InvalidRequirement as e:
+                raise PatchError(f"invalid requirement: {e}", where=doc.where(*keys, "applies_to")) from None
+        series.patches.append(Patch(name=name, text=text, files=files, applies_to=req,
+                                    description=_text(doc, item, "description", keys),
+                                    reason=_text(doc, item, "reason", keys),
+                                    where=doc.where(*keys)))
+    return series
+
+
+def discover_series(root) -> list[Path]:
+    """Every series directory under `root` (e.g. the repository's patches/)."""
+    return sorted(p.parent for p in Path(root).glob(f"*/{SERIES_FILE}"))
+
+
+def env_python(transport: Transport, python: str | None, site_packages: str | None) -> str:
+    """The interpreter to run agents with: given, or python3 for a bare site-packages directory, or
+    the host's current generation (`<root>/current/venv/bin/python`)."""
+    if python:
+        return python
+    if site_packages:
+        return "python3"
+    root = transport.target.vars.get("provision_root", DEFAULT_ROOT)
+    return f"{root}/current/venv/bin/python"
+
+
+def _sp_args(site_packages):
+    return ["--site-packages", str(site_packages)] if site_packages else []
+
+
+def _where(transport, python, site_packages):
+    return f"{transport.target.name}:{site_packages or python}"
+
+
+def installed(transport: Transport, packages: list[str], *, python: str, site_packages=None) -> dict:
+    """{package: {name, version, root} or None} in the target environment."""
+    out = transport.run_agent(agent.source("patcher"), ["inspect", *packages, *_sp_args(site_packages)],
+                              python=python)
+    return out["packages"]
+
+
+def gate(series_list: list[Series], dists: dict, where: str) -> list[dict]:
+    """The agent's payload for each series, with patches whose gate fails marked to skip.
+
+    A series whose package is missing, or whose version is outside the series' specifier, is
+    refused as a whole (PatchError)."""
+    payload = []
+    for s in series_list:
+        dist = dists.get(s.package)
+        if dist is None:
+            raise PatchError(f"series {s.name}: {s.package} is not installed in {where}", where=s.where)
+        version = _version(dist["version"], s.where)
+        if not s.specifier.contains(version, prereleases=True):
+            raise PatchError(f"series {s.name} applies to {s.package}{s.specifier}, but {s.package} "
+                             f"{dist['version']} is installed in {where}; refusing", where=s.where)
+        rows = []
+        for p in s.patches:
+            row = {"name": p.name, "text": p.text}
+            if p.applies_to is not None:
+                pdist = dists.get(canonicalize_name(p.applies_to.name))
+                if pdist is None or not p.applies_to.specifier.contains(_version(pdist["version"], p.where),
+                                                                         prereleases=True):
+                    row["skip"] = True
+                    have = f"{pdist['version']} installed" if pdist else "not installed"
+                    row["skip_reason"] = f"needs {p.applies_to}; {p.applies_to.name} {have}"
+            rows.append(row)
+        payload.append({"name": s.name, "package": s.package, "version": dist["version"],
+                        "specifier": str(s.specifier), "patches": rows})
+    return payload
+
+
+def _version(text: str, where: str) -> Version:
+    try:
+        return Version(text)
+    except InvalidVersion:
+        raise PatchError(f"installed version {text!r} is not a PEP 440 version", where=where) from None
+
+
+def _put_payload(transport: Transport, data: dict) -> str:
+    """Write a JSON payload for an agent; the agent deletes it after reading (name provision-payload-*)."""
+    if isinstance(transport, Local):
+        import tempfile
+        directory = tempfile.gettempdir()
+    else:
+        directory = "/tmp"
+    path = f"{directory}/provision-payload-{uuid.uuid4().hex}.json"
+    transport.put(json.dumps(data).encode(), path, mode=0o600)
+    return path
+
+
+def apply_series(transport: Transport, series_list: list[Series], *, python: str, check_only: bool = False,
+                 revert: bool = False, site_packages: str | None = None) -> dict:
+    """Apply (or check, or revert) every series in the environment of `python` (or `site_packages`).
+
+    All-or-nothing: every hunk of every patch is checked before any file is written; an applied
+    patch is left alone. Returns the report: per series and patch a status (applied /
+    already-applied / skipped-by-gate / failed; reverting: reverted / not-applied) and per touched
+    file its sha256 afterwards. Raises PatchError (naming patch, file, first failing hunk) with
+    nothing written; in check mode failures are reported instead.
+    """
+    if check_only and revert:
+        raise ProvisionError("check_only and revert are exclusive")
+    mode = "check" if check_only else "revert" if revert else "apply"
+    where = _where(transport, python, site_packages)
+    names = sorted({s.package for s in series_list}
+                   | {canonicalize_name(p.applies_to.name) for s in series_list for p in s.patches if p.applies_to})
+    dists = installed(transport, names, python=python, site_packages=site_packages)
+    payload = {"mode": mode, "site_packages": str(site_packages) if site_packages else None,
+               "series": gate(series_list, dists, where)}
+    path = _put_payload(transport, payload)
+    out = transport.run_agent(agent.source("patcher"), ["run", path], python=python)
+    if out.get("failed"):
+        raise PatchError(out["failed"], where=where)
+    by_name = {p["name"]: p for p in payload["series"]}
+    for s in out["series"]:
+        s.update({k: by_name[s["name"]][k] for k in ("package", "version", "specifier")})
+    out["ok"] = all(p["status"] != "failed" for s in out["series"] for p in s["patches"])
+    out["host"] = transport.target.name
+    out["python"] = python
+    return out
+
+
+def verify_manifest(transport: Transport, manifest_files: dict, python: str, *, site_packages=None) -> list:
+    """[{path, expected, actual}] for each file whose sha256 differs from the manifest (actual None:
+    missing). Relative paths are taken from the environment's site-packages."""
+    path = _put_payload(transport, {"files": manifest_files})
+    out = transport.run_agent(agent.source("patcher"), ["verify", path, *_sp_args(site_packages)], python=python)
+    return out["mismatches"]
+
+
+def check_contract(transport: Transport, arch: str, python: str, *, site_packages=None) -> dict:
+    """The EAGLE-3 interface contract of `arch` (a name or a config.json on the host), statically."""
+    out = transport.run_agent(agent.source("contracts"), [arch, *_sp_args(site_packages)], python=python)
+    out["host"] = transport.target.name
+    return out

@@ -1,0 +1,135 @@
+"""ansible-runner wrapper: a fresh private data dir per run, host-key-checked SSH, events → progress.
+
+`run_playbook` returns a RunResult whose `error` is one line (task, host, item, message) on failure;
+the run directory is kept as the run's artifacts for post-mortems.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .transport import Target
+
+PLAYBOOKS = Path(__file__).resolve().parent.parent / "playbooks"
+RUNS = Path(os.environ.get("PROVISION_HOME", Path.home() / ".provision")) / "runs"
+
+
+@dataclass
+class RunResult:
+    status: str
+    rc: int
+    run_dir: str
+    seconds: float
+    error: str | None = None
+    tasks: list[str] = field(default_factory=list)
+
+
+def inventory(targets: list[Target], interpreters: dict[str, str] | None = None) -> dict:
+    """Ansible inventory for targets; `interpreters` maps host name → python path found by facts."""
+    hosts = {}
+    for t in targets:
+        v = {"ansible_python_interpreter": (interpreters or {}).get(t.name) or t.vars.get("python", "python3")}
+        if t.local:
+            v["ansible_connection"] = "local"
+        else:
+            v.update(ansible_host=t.host, ansible_port=t.port)
+            if t.user:
+                v["ansible_user"] = t.user
+            if t.key_file:
+                v["ansible_ssh_private_key_file"] = t.key_file
+            # Host keys are verified against the known_hosts file provision manages.
+            v["ansible_ssh_common_args"] = (f"-o UserKnownHostsFile={t.known_hosts} -o StrictHostKeyChecking=yes "
+                                            "-o BatchMode=yes")
+        hosts[t.name] = v
+    return {"all": {"hosts": hosts}}
+
+
+def _env(run_dir: Path, sock_dir: str) -> dict:
+    return {
+        "ANSIBLE_HOME": str(run_dir / "ansible"),
+        "ANSIBLE_LOCAL_TEMP": str(run_dir / "tmp"),
+        "ANSIBLE_REMOTE_TMP": "/tmp/.ansible-provision",
+        "ANSIBLE_PIPELINING": "True",
+        "ANSIBLE_HOST_KEY_CHECKING": "True",
+        "ANSIBLE_SSH_ARGS": f"-o ControlMaster=auto -o ControlPersist=60s -o ControlPath={sock_dir}/%C",
+        "ANSIBLE_RETRY_FILES_ENABLED": "False",
+        "ANSIBLE_NOCOLOR": "1",
+        "ANSIBLE_DEPRECATION_WARNINGS": "False",
+        "ANSIBLE_LOCALHOST_WARNING": "False",
+        "ANSIBLE_INVENTORY_UNPARSED_WARNING": "False",
+        "ANSIBLE_PYTHON_INTERPRETER": "auto_silent",
+    }
+
+
+def _failure(ev: dict) -> str:
+    d = ev.get("event_data", {})
+    res = d.get("res", {}) or {}
+    if isinstance(res.get("results"), list):   # a loop: the first failed item says what went wrong
+        bad = [r for r in res["results"] if r.get("failed") or r.get("unreachable")]
+        res = bad[0] if bad else res
+    msg = res.get("stderr") or res.get("msg") or res.get("module_stderr") or ""
+    item = res.get("item")
+    label = (item.get("name", "") + ("==" + item["version"] if "version" in item else "")) if isinstance(item, dict) else ""
+    msg = " ".join(str(msg).split())[:400]
+    return f"{d.get('task', 'task')}{' [' + label + ']' if label else ''}: {msg or ev.get('event')}"
+
+
+def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: str = "",
+                 interpreters: dict[str, str] | None = None,
+                 on_event: Callable[[str, str, str], None] | None = None, check: bool = False) -> RunResult:
+    import ansible_runner
+
+    RUNS.mkdir(parents=True, exist_ok=True)
+    run_dir = RUNS / f"{time.strftime('%Y%m%dT%H%M%S')}-{name}-{label or 'run'}-{os.getpid()}-{time.monotonic_ns() % 10**6}"
+    (run_dir / "tmp").mkdir(parents=True)
+    failures: list[str] = []
+    tasks: list[str] = []
+
+    def handler(ev: dict) -> bool:
+        kind = ev.get("event", "")
+        d = ev.get("event_data", {})
+        if kind == "playbook_on_task_start":
+            tasks.append(d.get("task", ""))
+            if on_event:
+                on_event("task", d.get("task", ""), "")
+        elif kind in ("runner_on_failed", "runner_on_unreachable") and not d.get("ignore_errors"):
+            failures.append(_failure(ev))
+        elif kind == "runner_item_on_ok" and on_event:
+            item = (d.get("res") or {}).get("item")
+            if isinstance(item, dict) and "name" in item:
+                on_event("item", d.get("task", ""), item["name"])
+        return True
+
+    t0 = time.perf_counter()
+    sock_dir = tempfile.mkdtemp(prefix="pv-", dir="/tmp")   # ControlPath must stay under 108 bytes
+    env = _env(run_dir, sock_dir)
+    r = ansible_runner.run(private_data_dir=str(run_dir), playbook=str(PLAYBOOKS / f"{name}.yml"),
+                           inventory=inventory(targets, interpreters), extravars=extravars, envvars=env,
+                           suppress_env_files=True, quiet=True, event_handler=handler,
+                           cmdline="--check --diff" if check else None,
+                           settings={"suppress_ansible_output": True})
+    _stop_masters(Path(sock_dir))
+    seconds = time.perf_counter() - t0
+    error = None
+    if r.rc != 0 or r.status != "successful":
+        error = failures[0] if failures else f"ansible run {r.status} (rc {r.rc}); see {run_dir}"
+    return RunResult(status=r.status, rc=r.rc, run_dir=str(run_dir), seconds=seconds, error=error, tasks=tasks)
+
+
+def _stop_masters(sock_dir: Path) -> None:
+    """Stop the ControlPersist masters this run started (one socket per host), then drop the dir."""
+    for sock in sock_dir.glob("*"):
+        subprocess.run(["ssh", "-o", f"ControlPath={sock}", "-O", "exit", "dummy"],
+                       capture_output=True, timeout=10, stdin=subprocess.DEVNULL)
+    shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":  # pragma: no cover - manual debugging aid
+    print(inventory([Target.parse(a) for a in sys.argv[1:]]))
