@@ -44,9 +44,11 @@ class LoopbackHost:
         if not Path(SSHD).exists():
             raise ProvisionError("sshd not found: install openssh-server (apt-get install openssh-server)")
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
-        self._keygen(self.dir / "host_ed25519")
-        self._keygen(self.dir / "client_ed25519")
-        shutil.copy(self.dir / "client_ed25519.pub", self.dir / "authorized_keys")
+        if not (self.dir / "host_ed25519").exists():
+            self._keygen(self.dir / "host_ed25519")
+        if not (self.dir / "client_ed25519").exists():
+            self._keygen(self.dir / "client_ed25519")
+            shutil.copy(self.dir / "client_ed25519.pub", self.dir / "authorized_keys")
         (self.dir / "sshd_config").write_text(
             f"Port {self.port}\nListenAddress {self.address}\nHostKey {self.dir}/host_ed25519\n"
             f"AuthorizedKeysFile {self.dir}/authorized_keys\nPidFile {self.dir}/sshd.pid\n"
@@ -68,6 +70,13 @@ class LoopbackHost:
             except OSError:
                 time.sleep(0.05)
         raise ProvisionError("sshd did not start listening within 10s")
+
+    def rekey(self) -> None:
+        """Restart on the same port with a new host key (a reinstalled host, or a man in the middle)."""
+        self.stop()
+        for f in ("host_ed25519", "host_ed25519.pub"):
+            (self.dir / f).unlink()
+        self.start()
 
     @property
     def target(self) -> Target:

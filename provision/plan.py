@@ -150,7 +150,7 @@ def render(changes: list[Change], header: str = "", summary: dict | None = None)
         group = [c for c in changes if c.category == cat]
         if not group:
             continue
-        lines.append(f"  {cat}s" if cat != "toolkit" else "  toolkit")
+        lines.append({"package": "  packages", "patch": "  patches"}.get(cat, f"  {cat}"))
         for c in group:
             if c.action == "add":
                 val = c.new

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import urllib.parse
 import zipfile
@@ -434,7 +435,9 @@ def resolve(lock: Lock, *, timeout: int = 900) -> Resolution:
         (tdp / "requirements.in").write_text("\n".join(keep) + "\n")
         (tdp / "overrides.txt").write_text("\n".join(overrides) + "\n")
         (tdp / "excludes.txt").write_text("\n".join(sorted(excluded)) + "\n")
-        cmd = [find_uv(), "pip", "compile", "--no-config", "--quiet", "--no-header",
+        # --python: this interpreter only runs uv's discovery (fast); --python-version and
+        # --python-platform say what the closure is for.
+        cmd = [find_uv(), "pip", "compile", "--no-config", "--quiet", "--no-header", "--python", sys.executable,
                "--python-platform", f"{lock.platform.arch}-manylinux_2_{MANYLINUX[1]}",
                "--python-version", lock.platform.python, "--only-binary", ":all:", "--generate-hashes",
                "--format", "pylock.toml", "--index-strategy", "first-index",

@@ -35,13 +35,16 @@ PY = sys.executable
 
 @pytest.fixture(scope="session")
 def pristine(tmp_path_factory) -> Path:
-    return sglang_wheel.unpack("0.5.9", tmp_path_factory.mktemp("sglang-0.5.9") / "site-packages")
+    d = tmp_path_factory.mktemp("sglang-0.5.9")
+    yield sglang_wheel.unpack("0.5.9", d / "site-packages")
+    shutil.rmtree(d, ignore_errors=True)       # 26 MB each: don't leave them for pytest's tmp retention
 
 
 @pytest.fixture
 def sp(pristine, tmp_path) -> Path:
     """A fresh, writable copy of the pristine 0.5.9 site-packages."""
-    return sglang_wheel.copy(pristine, tmp_path / "site-packages")
+    yield sglang_wheel.copy(pristine, tmp_path / "site-packages")
+    shutil.rmtree(tmp_path / "site-packages", ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -152,6 +155,7 @@ def test_version_gate_refuses_another_release(series, tmp_path):
     with pytest.raises(PatchError, match=r"applies to sglang==0\.5\.9, but sglang 0\.5\.8 is installed"):
         run([series], other)
     assert tree_digest(other) == before
+    shutil.rmtree(other)
 
 
 def test_per_patch_gate_skips(series, sp):
@@ -182,6 +186,7 @@ def test_environment_found_through_its_interpreter(series, pristine, tmp_path):
     bad = patches.verify_manifest(Local(), {**report["files"], "sglang/nope.py": "0" * 64}, py)
     assert [m["path"] for m in bad] == ["sglang/nope.py", "sglang/srt/models/kimi_k25.py"]
     assert bad[0]["actual"] is None and bad[1]["actual"] != bad[1]["expected"]
+    shutil.rmtree(venv)
 
 
 # ---------------------------------------------------------------- the applier on its own
@@ -223,3 +228,25 @@ def test_cli_apply_check_and_refusal(sp, tmp_path):
     r = cli.invoke(app, ["patches", "apply", "--site-packages", str(other)])
     assert r.exit_code == 1 and "Traceback" not in r.output
     assert "refusing" in r.output
+    shutil.rmtree(other)
+
+
+def test_over_ssh_through_the_cli(sp):
+    """The same verbs against a real sshd on loopback (agent source and payload travel over SSH)."""
+    from provision.loopback import LoopbackHost
+    from provision.transport import trust_host
+
+    with LoopbackHost() as host:
+        trust_host(host.target)
+        t = host.target
+        common = ["--key", t.key_file, "--known-hosts", str(t.known_hosts), "--site-packages", str(sp)]
+        cli = CliRunner()
+        r = cli.invoke(app, ["patches", "apply", host.spec, *common, "--series", str(SERIES_DIR), "--json"])
+        assert r.exit_code == 0, r.output
+        report = json.loads(r.stdout)
+        assert report["host"] == host.spec and statuses(report) == ["applied"] * 3
+        r = cli.invoke(app, ["contract", "KimiK25ForConditionalGeneration", host.spec, *common])
+        assert r.exit_code == 0 and "EAGLE-3 contract: PASS" in r.stdout, r.output
+        r = cli.invoke(app, ["patches", "revert", host.spec, *common, "--series", str(SERIES_DIR)])
+        assert r.exit_code == 0 and "Patches: 3 reverted; wrote 4 files" in r.stdout, r.output
+    assert not list(Path("/tmp").glob("provision-payload-*"))

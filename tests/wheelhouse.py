@@ -1,4 +1,4 @@
-"""Tiny real wheels and a PEP 503 index for lock tests (stdlib zip writer, no network)."""
+"""Test helper: build tiny but real wheels (METADATA, WHEEL, RECORD) and locks that point at them."""
 from __future__ import annotations
 
 import base64
@@ -6,55 +6,48 @@ import hashlib
 import zipfile
 from pathlib import Path
 
+import yaml
 
-def make_wheel(folder: Path, name: str, version: str, requires=(), extras=(), tag: str = "py3-none-any") -> Path:
-    """Write `name-version-tag.whl` with METADATA (Requires-Dist), WHEEL and RECORD."""
-    dist = name.replace("-", "_")
-    info = f"{dist}-{version}.dist-info"
-    meta = [f"Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
-    meta += [f"Provides-Extra: {e}" for e in extras]
-    meta += [f"Requires-Dist: {r}" for r in requires]
-    files = {f"{dist}/__init__.py": f"__version__ = {version!r}\n",
-             f"{info}/METADATA": "\n".join(meta) + "\n",
-             f"{info}/WHEEL": f"Wheel-Version: 1.0\nGenerator: provision-tests\nRoot-Is-Purelib: true\nTag: {tag}\n"}
-    record = []
-    for path, text in files.items():
-        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
-        record.append(f"{path},sha256={digest},{len(text.encode())}")
-    record.append(f"{info}/RECORD,,")
-    files[f"{info}/RECORD"] = "\n".join(record) + "\n"
-    folder.mkdir(parents=True, exist_ok=True)
-    out = folder / f"{dist}-{version}-{tag}.whl"
-    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
-        for path, text in files.items():
-            z.writestr(path, text)
-    return out
+
+def _record_hash(data: bytes) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def make_wheel(outdir: Path, name: str, version: str, requires: list[str] = (), body: str = "") -> Path:
+    mod = name.replace("-", "_")
+    dist = f"{mod}-{version}.dist-info"
+    files = {
+        f"{mod}/__init__.py": (body or f"__version__ = {version!r}\n").encode(),
+        f"{dist}/METADATA": ("Metadata-Version: 2.1\n" f"Name: {name}\nVersion: {version}\n"
+                             + "".join(f"Requires-Dist: {r}\n" for r in requires)).encode(),
+        f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: provision-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = "".join(f"{p},{_record_hash(d)},{len(d)}\n" for p, d in files.items()) + f"{dist}/RECORD,,\n"
+    files[f"{dist}/RECORD"] = record.encode()
+    outdir.mkdir(parents=True, exist_ok=True)
+    path = outdir / f"{mod}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for p, d in files.items():
+            z.writestr(zipfile.ZipInfo(p, date_time=(2020, 1, 1, 0, 0, 0)), d)
+    return path
 
 
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def make_index(root: Path, wheels: list[Path]) -> Path:
-    """A PEP 503 simple index under `root` (files in root/files, pages root/simple/<name>/)."""
-    from packaging.utils import canonicalize_name, parse_wheel_filename
+def write_lock(path: Path, name: str, wheels: list[Path], python: str | None = None, **extra) -> Path:
+    import sys
 
-    files = root / "files"
-    files.mkdir(parents=True, exist_ok=True)
-    by_name: dict[str, list[Path]] = {}
+    pkgs = []
     for w in wheels:
-        dest = files / w.name
-        if dest != w:
-            dest.write_bytes(w.read_bytes())
-        by_name.setdefault(canonicalize_name(parse_wheel_filename(w.name)[0]), []).append(dest)
-    simple = root / "simple"
-    simple.mkdir(parents=True, exist_ok=True)
-    names = []
-    for name, ws in sorted(by_name.items()):
-        page = simple / name
-        page.mkdir(exist_ok=True)
-        links = "".join(f'<a href="../../files/{w.name}#sha256={sha256(w)}">{w.name}</a><br>\n' for w in ws)
-        (page / "index.html").write_text(f"<!DOCTYPE html><html><body>\n{links}</body></html>\n")
-        names.append(f'<a href="{name}/">{name}</a><br>')
-    (simple / "index.html").write_text("<!DOCTYPE html><html><body>" + "".join(names) + "</body></html>\n")
-    return simple
+        n, v = w.name.split("-")[:2]
+        pkgs.append({"name": n.replace("_", "-"), "version": v, "filename": w.name,
+                     "url": w.resolve().as_uri(), "sha256": sha256(w)})
+    data = {"lock": 1, "name": name,
+            "platform": {"python": python or "%d.%d" % sys.version_info[:2], "cuda": {"source": "none"}},
+            "requires": [f"{p['name']}=={p['version']}" for p in pkgs], "packages": pkgs,
+            "patches": [], "engine": {}, "probes": {}}
+    data.update(extra)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path

@@ -48,7 +48,7 @@ def register(app: typer.Typer) -> None:
             err_console.print(f"index {k} ({lk.indexes[k]}): {why}", soft_wrap=True)
         for u in res.unresolved:
             err_console.print(f"unresolved {u['requirement']}: {u['reason']}", soft_wrap=True)
-        console.print(f"Wrote {dest}: {len(res.packages)} packages, {len(res.unresolved)} unresolved.")
+        console.print(f"Wrote {dest}: {len(res.packages)} packages, {len(res.unresolved)} unresolved.", soft_wrap=True)
 
     @lock_app.command("diff")
     @edge
@@ -81,4 +81,5 @@ def register(app: typer.Typer) -> None:
         text = lockmod.dump(data)
         lk = lockmod.loads(text, str(out))
         out.write_text(text)
-        console.print(f"Wrote {out}: lock {lk.name}, {len(lk.packages)} packages (versions only, no hashes).")
+        console.print(f"Wrote {out}: lock {lk.name}, {len(lk.packages)} packages (versions only, no hashes).",
+                      soft_wrap=True)

@@ -231,3 +231,28 @@ def save_draft(draft: Eagle3Draft, d, aux_layer_ids=None, dtype=torch.float32):
     if aux_layer_ids is not None:
         cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids)}
     _save(out, Path(d), cfg, dtype)
+
+
+def load_engine(model=None, draft=None, device: str = "cpu", dtype: str = "float32", max_seq_len: int = 2048,
+                steps: int = 4, topk: int = 1, num_draft_tokens: int = 0, speculative: bool = True):
+    """Target + draft + tokenizer as one Engine; the bundled tiny pair when no paths are given."""
+    from . import TINY_DIR
+    from .generate import Engine
+    from .tokenizer import load_tokenizer
+
+    model = Path(model) if model else TINY_DIR
+    draft = Path(draft) if draft else (model / "draft" if (model / "draft").exists() else None)
+    try:
+        dt = getattr(torch, dtype)
+        assert isinstance(dt, torch.dtype)
+    except (AttributeError, AssertionError):
+        raise EngineError(f"unknown dtype {dtype!r} (float32, bfloat16, float16)") from None
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:
+        raise EngineError(f"device {device!r} is not usable here: {str(e).splitlines()[0]}") from None
+    target = load_target(model, device, dt)
+    dr = load_draft(draft, target, device, dt) if draft is not None and speculative else None
+    eos = read_config(model).get("eos_token_id")
+    return Engine(target, dr, load_tokenizer(model), max_seq_len=max_seq_len, steps=steps, topk=topk,
+                  num_draft_tokens=num_draft_tokens, eos_id=eos[0] if isinstance(eos, list) else eos)

@@ -25,10 +25,10 @@ TARGET = dict(vocab_size=260, dim=128, n_layer=8, n_head=4, n_local_heads=2, int
 DRAFT_VOCAB = 64
 
 
-def batches(ids: torch.Tensor, B: int, T: int, g: torch.Generator):
+def batches(ids: torch.Tensor, B: int, T: int, g: torch.Generator, device):
     while True:
         start = torch.randint(0, len(ids) - T - 1, (B,), generator=g)
-        yield torch.stack([ids[s:s + T] for s in start])
+        yield torch.stack([ids[s:s + T] for s in start]).to(device)
 
 
 def lr_at(step, total, peak, warm=50):
@@ -38,10 +38,11 @@ def lr_at(step, total, peak, warm=50):
 def train_target(model, data, steps, B, T, log):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.95))
     T1 = T + 1
-    mask = torch.ones(T, T, dtype=torch.bool).tril()
-    pos = torch.arange(T)
-    model.register_buffer("rope", rope_cache(T1, model.args), persistent=False)
-    for step, x in zip(range(steps), batches(data, B, T1, torch.Generator().manual_seed(1))):
+    dev = model.output.weight.device
+    mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+    pos = torch.arange(T, device=dev)
+    model.register_buffer("rope", rope_cache(T1, model.args).to(dev), persistent=False)
+    for step, x in zip(range(steps), batches(data, B, T1, torch.Generator().manual_seed(1), dev)):
         for grp in opt.param_groups:
             grp["lr"] = lr_at(step, steps, 3e-3)
         logits = model(x[:, :-1], pos, mask, pos)
@@ -64,7 +65,7 @@ def draft_unrolled(draft: Eagle3Draft, x, aux, ttt: int):
     emb = draft.embed(x[:, 1:T + 1])                                # token i+1 at position i
     rope = draft.rope[:T]
     hidden = draft.fc(aux)
-    i = torch.arange(T)
+    i = torch.arange(T, device=x.device)
     ks, vs, outs = [], [], []
     for k in range(ttt):
         if k:
@@ -90,10 +91,11 @@ def draft_unrolled(draft: Eagle3Draft, x, aux, ttt: int):
 def train_draft(target, draft, data, steps, B, T, ttt, d_ids, log):
     params = [p for n, p in draft.named_parameters()]
     opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0, betas=(0.9, 0.95))
-    mask = torch.ones(T + 1, T + 1, dtype=torch.bool).tril()
-    pos = torch.arange(T + 1)
-    draft.register_buffer("rope", rope_cache(T + 1, draft.args), persistent=False)
-    for step, x in zip(range(steps), batches(data, B, T + 1, torch.Generator().manual_seed(2))):
+    dev = draft.fc.weight.device
+    mask = torch.ones(T + 1, T + 1, dtype=torch.bool, device=dev).tril()
+    pos = torch.arange(T + 1, device=dev)
+    draft.register_buffer("rope", rope_cache(T + 1, draft.args).to(dev), persistent=False)
+    for step, x in zip(range(steps), batches(data, B, T + 1, torch.Generator().manual_seed(2), dev)):
         for grp in opt.param_groups:
             grp["lr"] = lr_at(step, steps, 3e-3)
         with torch.no_grad():
@@ -120,7 +122,8 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=96)
     ap.add_argument("--ttt", type=int, default=3)
-    ap.add_argument("--docs", type=int, default=4000)
+    ap.add_argument("--docs", type=int, default=1500)
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     t0 = time.time()
@@ -132,14 +135,15 @@ def main(argv=None):
     data = torch.tensor(ids)
     log(f"corpus: {len(ids)} tokens")
 
-    target = Transformer(ModelArgs(**TARGET))
+    target = Transformer(ModelArgs(**TARGET)).to(args.device)
     train_target(target, data, args.target_steps, args.batch, args.seq, log)
     target.requires_grad_(False)
 
     freq = Counter(ids)
     d_ids = torch.tensor(sorted(t for t, _ in freq.most_common(DRAFT_VOCAB)))   # draft id → target id
-    draft = Eagle3Draft(DraftArgs(**{**TARGET, "n_layer": 1}, draft_vocab_size=len(d_ids)))
-    draft.d2t.copy_(d_ids - torch.arange(len(d_ids)))
+    draft = Eagle3Draft(DraftArgs(**{**TARGET, "n_layer": 1}, draft_vocab_size=len(d_ids))).to(args.device)
+    d_ids = d_ids.to(args.device)
+    draft.d2t.copy_(d_ids - torch.arange(len(d_ids), device=d_ids.device))
     draft.embed = target.tok_embeddings
     train_draft(target, draft, data, args.draft_steps, args.batch, args.seq, args.ttt, d_ids, log)
 

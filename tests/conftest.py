@@ -1,0 +1,39 @@
+"""Shared fixtures: one real sshd on loopback for the session; a fresh host root per test."""
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from provision.loopback import LoopbackHost  # noqa: E402
+from provision.transport import trust_host  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def sshd():
+    host = LoopbackHost().start()
+    trust_host(host.target)
+    yield host
+    host.cleanup()
+
+
+@pytest.fixture
+def target(sshd, tmp_path):
+    """A trusted SSH target on the session sshd, with its own empty provision root."""
+    t = copy.deepcopy(sshd.target)
+    t.vars["provision_root"] = str(tmp_path / "root")
+    return t
+
+
+@pytest.fixture(scope="session")
+def wheels(tmp_path_factory):
+    """A wheelhouse of tiny real wheels: alpha 1.0/2.0, beta 1.0, gamma 1.0."""
+    from wheelhouse import make_wheel
+
+    d = tmp_path_factory.mktemp("wheelhouse")
+    return {f"{n}-{v}": make_wheel(d, n, v) for n, v in
+            [("alpha", "1.0"), ("alpha", "2.0"), ("beta", "1.0"), ("gamma", "1.0")]}

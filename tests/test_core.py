@@ -1,0 +1,253 @@
+"""The core flow against a real sshd on loopback, real ansible-runner and real uv/pip installs."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from provision import apply as applymod
+from provision import generations, lock as lockmod
+from provision.errors import HostError, HostKeyError, HostLockedError, LockError, PlanError, ProvisionError
+from provision.facts import gather
+from provision.loopback import LoopbackHost
+from provision.transport import connect, trust_host
+from wheelhouse import make_wheel, write_lock
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli(*args, check=None):
+    p = subprocess.run([sys.executable, "-m", "provision.cli", *map(str, args)], capture_output=True, text=True,
+                       cwd=ROOT, env={**os.environ, "COLUMNS": "200"})
+    assert "Traceback" not in p.stderr, p.stderr
+    if check is not None:
+        assert p.returncode == check, (p.returncode, p.stdout, p.stderr)
+    return p
+
+
+def host_args(t):
+    return [f"{t.user}@{t.host}:{t.port}", "--key", t.key_file, "--known-hosts", t.known_hosts,
+            "--root", t.vars["provision_root"]]
+
+
+@pytest.fixture
+def locks(tmp_path, wheels):
+    a = write_lock(tmp_path / "a.yaml", "stack-a", [wheels["alpha-1.0"], wheels["beta-1.0"]])
+    b = write_lock(tmp_path / "b.yaml", "stack-b", [wheels["alpha-2.0"], wheels["gamma-1.0"]])
+    return a, b
+
+
+def current_link(t):
+    link = Path(t.vars["provision_root"]) / "current"
+    return os.readlink(link) if link.is_symlink() else None
+
+
+def test_plan_apply_noop_rollback_history(target, locks):
+    a, b = locks
+    p = cli("plan", *host_args(target), "--lock", a, "--detailed-exitcode", check=2)
+    assert "+ alpha  1.0" in p.stdout and "Plan: 2 to add, 0 to change, 0 to remove." in p.stdout
+
+    cli("apply", *host_args(target), "--lock", a, check=0)
+    assert current_link(target) == "generations/0001-stack-a"
+    venv_py = Path(target.vars["provision_root"]) / "current" / "venv" / "bin" / "python"
+    out = subprocess.run([venv_py, "-c", "import alpha, beta; print(alpha.__version__)"], capture_output=True, text=True)
+    assert out.stdout.strip() == "1.0"
+
+    p = cli("plan", *host_args(target), "--lock", b, "--json", check=0)
+    plan = json.loads(p.stdout)
+    assert plan["summary"] == {"add": 1, "change": 1, "remove": 1}
+    assert {(c["name"], c["action"], c["old"], c["new"]) for c in plan["changes"]} == {
+        ("alpha", "change", "1.0", "2.0"), ("gamma", "add", None, "1.0"), ("beta", "remove", "1.0", None)}
+
+    rep = json.loads(cli("apply", *host_args(target), "--lock", b, "--json", check=0).stdout)
+    assert rep["status"] == "applied" and rep["generation"] == "0002-stack-b" and rep["previous"] == "0001-stack-a"
+    assert [s["name"] for s in rep["steps"]] == ["facts", "preflight", "build", "patch", "probe", "switch"]
+
+    again = json.loads(cli("apply", *host_args(target), "--lock", b, "--json", check=0).stdout)
+    assert again["status"] == "noop" and again["generation"] == "0002-stack-b"
+    cli("plan", *host_args(target), "--lock", b, "--detailed-exitcode", check=0)
+
+    rb = json.loads(cli("rollback", *host_args(target), "--json", check=0).stdout)
+    assert (rb["from"], rb["to"]) == ("0002-stack-b", "0001-stack-a")
+    assert current_link(target) == "generations/0001-stack-a"
+    out = subprocess.run([venv_py, "-c", "import alpha; print(alpha.__version__)"], capture_output=True, text=True)
+    assert out.stdout.strip() == "1.0"
+
+    h = json.loads(cli("history", *host_args(target), "--json", check=0).stdout)
+    assert h["current"] == "0001-stack-a"
+    assert [(g["id"], g["status"]) for g in h["generations"]] == [("0001-stack-a", "ready"), ("0002-stack-b", "ready")]
+    assert [e["event"] for e in h["events"]] == ["apply", "apply", "rollback"]
+    table = cli("history", *host_args(target), check=0).stdout
+    assert "0001-stack-a" in table and "→" in table
+
+    cli("rollback", *host_args(target), "--to", "2", check=0)
+    assert current_link(target) == "generations/0002-stack-b"
+
+
+def test_saved_plan_applied_exactly_and_refused_after_drift(target, locks, tmp_path):
+    a, b = locks
+    saved = tmp_path / "plan.json"
+    cli("plan", *host_args(target), "--lock", a, "--out", saved, check=0)
+    cli("apply", *host_args(target), "--plan", saved, check=0)
+    assert current_link(target) == "generations/0001-stack-a"
+
+    stale = tmp_path / "stale.json"
+    cli("plan", *host_args(target), "--lock", b, "--out", stale, check=0)
+    cli("apply", *host_args(target), "--lock", b, check=0)          # the host moves on
+    p = cli("apply", *host_args(target), "--plan", stale, check=1)
+    assert "host changed since this plan was made" in p.stderr
+    assert [line for line in p.stderr.splitlines() if line.startswith("error:")] == [p.stderr.splitlines()[-1]]
+
+    edited = json.loads(saved.read_text())
+    edited["lock"]["packages"][0]["version"] = "9.9"
+    saved.write_text(json.dumps(edited))
+    p = cli("apply", *host_args(target), "--plan", saved, check=1)
+    assert "edited after planning" in p.stderr
+
+
+def test_hash_mismatch_refused_current_unchanged(target, locks, tmp_path, wheels):
+    a, _ = locks
+    cli("apply", *host_args(target), "--lock", a, check=0)
+    bad = tmp_path / "bad.yaml"
+    data = lockmod.load(write_lock(tmp_path / "c.yaml", "stack-c", [wheels["gamma-1.0"]])).raw
+    data["packages"][0]["sha256"] = "0" * 64
+    bad.write_text(lockmod.dump(data))
+    p = cli("apply", *host_args(target), "--lock", bad, check=1)
+    assert "gamma==1.0" in p.stderr and "sha256 mismatch" in p.stderr and f"{bad}:" in p.stderr
+    assert current_link(target) == "generations/0001-stack-a"
+
+
+def test_hash_mismatch_caught_on_host_by_installer(target, wheels, tmp_path):
+    """A wheel swapped in the host's cache after the controller checked it: uv --require-hashes refuses."""
+    lk = lockmod.load(write_lock(tmp_path / "a.yaml", "stack-a", [wheels["alpha-1.0"]]))
+    tr = connect(target)
+    try:
+        sha = lk.packages[0].sha256
+        evil = make_wheel(tmp_path / "evil", "alpha", "1.0", body="EVIL = True\n")
+        cache = Path(target.vars["provision_root"]) / "cache" / "wheels" / sha
+        cache.mkdir(parents=True)
+        (cache / evil.name).write_bytes(evil.read_bytes())
+        os.chmod(cache / evil.name, 0o444)   # `copy` cannot replace it; the installer must refuse it
+        with pytest.raises(HostError, match="build failed"):
+            applymod.apply(tr, lk)
+        h = applymod.history(tr)
+        assert h["current"] is None and h["generations"][0]["status"] == "failed"
+        assert h["events"][-1]["event"] == "apply-failed"
+    finally:
+        tr.close()
+
+
+def test_pip_installer_and_adoption(target, locks, tmp_path):
+    a, _ = locks
+    # An unmanaged environment already on the host.
+    env = tmp_path / "legacy-env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", env], check=True)
+    tr = connect(target)
+    try:
+        rep = applymod.apply(tr, lockmod.load(a), adopt_path=str(env), installer="pip")
+        assert rep.status == "applied" and rep.generation == "0001-stack-a"
+        h = applymod.history(tr)
+        assert [g["id"] for g in h["generations"]] == ["0000-adopted", "0001-stack-a"]
+        assert h["generations"][0]["status"] == "adopted" and h["generations"][0]["adopted_from"] == str(env)
+        assert generations.read(tr, "0001-stack-a")["manifest"]["installer"] == "pip"
+        rb = applymod.rollback(tr)
+        assert rb["to"] == "0000-adopted"
+        assert os.path.realpath(Path(target.vars["provision_root"]) / "current" / "venv") == str(env)
+        assert env.exists()   # adopted, never moved
+        adopted_lock = lockmod.loads(generations.read(tr, "0000-adopted")["lock_text"])
+        assert adopted_lock.platform.python == "%d.%d" % sys.version_info[:2]
+    finally:
+        tr.close()
+
+
+def test_unknown_and_changed_host_keys_refused(tmp_path, locks):
+    a, _ = locks
+    with LoopbackHost() as h:
+        t = h.target
+        p = cli("plan", *host_args(t), "--lock", a, check=1)
+        assert "unknown host key ssh-ed25519 SHA256:" in p.stderr and "hosts trust" in p.stderr
+        p = cli("hosts", "trust", h.spec, "--yes", "--known-hosts", t.known_hosts, check=0)
+        assert "SHA256:" in p.stdout
+        cli("plan", *host_args(t), "--lock", a, check=0)
+        h.rekey()   # the host's key changes (reinstalled host, or someone in the middle)
+        with pytest.raises(HostKeyError, match="CHANGED"):
+            connect(t)
+
+
+def test_concurrent_apply_refused_while_lock_held(target, locks):
+    a, _ = locks
+    tr = connect(target)
+    try:
+        with tr.hold(f"{target.vars['provision_root']}/.lock"):
+            p = cli("apply", *host_args(target), "--lock", a, check=1)
+            assert "another run holds the host lock" in p.stderr
+            with pytest.raises(HostLockedError):
+                applymod.apply(tr, lockmod.load(a))
+        assert current_link(target) is None
+        assert applymod.apply(tr, lockmod.load(a)).status == "applied"
+    finally:
+        tr.close()
+
+
+def test_host_vanishing_mid_build_leaves_current_untouched(tmp_path, wheels):
+    big = [make_wheel(tmp_path / "wh", f"pkg{i}", "1.0") for i in range(12)]
+    lk_a = lockmod.load(write_lock(tmp_path / "a.yaml", "stack-a", [wheels["alpha-1.0"]]))
+    lk_b = lockmod.load(write_lock(tmp_path / "b.yaml", "stack-b", big))
+    with LoopbackHost() as h:
+        trust_host(h.target)
+        tr = connect(h.target)
+        applymod.apply(tr, lk_a)
+        killer = threading.Thread(target=lambda: (time.sleep(0.3), subprocess.run(
+            ["pkill", "-f", str(h.dir / "sshd_config")])))
+        seen = []
+
+        def progress(step, state, detail):
+            seen.append(step)
+            if step == "build" and state == "start":
+                killer.start()
+
+        with pytest.raises(ProvisionError) as e:
+            applymod.apply(tr, lk_b, progress=progress)
+        assert "\n" not in str(e.value) and h.target.name in str(e.value)
+        assert os.readlink(Path(h.root) / "current") == "generations/0001-stack-a"
+        assert (Path(h.root) / "generations" / "0001-stack-a" / "venv" / "bin" / "python").exists()
+
+
+def test_malformed_lock_names_file_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("lock: 1\nname: x\nplatform:\n  python: '3.11'\npackages:\n  - name: a\n    version: not a version\n")
+    p = cli("lock", "check", bad)
+    assert p.returncode == 2 and f"{bad}:7" in p.stderr and "invalid version" in p.stderr
+    bad.write_text("lock: 1\nname: x\nplatform: {python: '3.11'}\nextra: &a [*a]\n")
+    with pytest.raises(LockError):
+        lockmod.load(bad)
+    bad.write_text("lock: 1\nname: x\nplatform: !!python/object/apply:os.system ['true']\n")
+    p = cli("lock", "check", bad)
+    assert p.returncode == 2 and f"{bad}:3" in p.stderr
+
+
+def test_facts_with_recorded_nvidia_smi(target, tmp_path):
+    """A GPU host's facts through nvidia-smi's recorded real output (no GPU can exist here)."""
+    data = Path(__file__).parent / "data" / "h200" / "nvidia-smi-query.csv"   # copied from shared/data/h200
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"#!/bin/sh\ncat {data}\n")
+    fake.chmod(0o755)
+    target.vars["provision_nvidia_smi"] = str(fake)
+    tr = connect(target)
+    try:
+        f = gather(tr)
+    finally:
+        tr.close()
+    assert f["driver"] == "580.159.04"
+    assert f["gpus"][0]["name"] == "NVIDIA H200" and f["gpus"][0]["compute_cap"] == "9.0"
+    lk = lockmod.loads("lock: 1\nname: x\nplatform: {python: '3.11', driver: {min: '590.1'}, "
+                       "gpus: {compute_capability: ['12.0']}}\n")
+    findings = applymod.preflight_findings(f, lk)
+    assert (True, "NVIDIA driver 580.159.04 is older than the lock's minimum 590.1") in findings
+    assert any("compute capability 9.0" in m for _, m in findings)

@@ -1,0 +1,175 @@
+"""lock resolve against an index the test builds (file:// and a loopback HTTP server)."""
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+import http.server
+import threading
+import zipfile
+from pathlib import Path
+
+import pytest
+from packaging.utils import canonicalize_name, parse_wheel_filename
+from typer.testing import CliRunner
+
+from provision import lock as lockmod
+from provision import resolve
+from provision.cli import app
+
+
+# ---- helpers shared with test_lockcheck / test_lockdiff: tiny real wheels and a PEP 503 index
+
+def make_wheel(folder: Path, name: str, version: str, requires=(), tag: str = "py3-none-any") -> Path:
+    """Write `name-version-tag.whl` with METADATA (Requires-Dist), WHEEL and RECORD."""
+    dist = name.replace("-", "_")
+    info = f"{dist}-{version}.dist-info"
+    meta = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+    meta += [f"Requires-Dist: {r}" for r in requires]
+    files = {f"{dist}/__init__.py": f"__version__ = {version!r}\n",
+             f"{info}/METADATA": "\n".join(meta) + "\n",
+             f"{info}/WHEEL": f"Wheel-Version: 1.0\nGenerator: provision-tests\nRoot-Is-Purelib: true\nTag: {tag}\n"}
+    record = []
+    for path, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(text.encode())}")
+    files[f"{info}/RECORD"] = "\n".join(record + [f"{info}/RECORD,,"]) + "\n"
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"{dist}-{version}-{tag}.whl"
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
+        for path, text in files.items():
+            z.writestr(zipfile.ZipInfo(path, date_time=(2020, 1, 1, 0, 0, 0)), text)
+    return out
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def make_index(root: Path, wheels: list[Path]) -> Path:
+    """A PEP 503 simple index: files in root/files, one page per project in root/simple/<name>/."""
+    files = root / "files"
+    files.mkdir(parents=True, exist_ok=True)
+    by_name: dict[str, list[Path]] = {}
+    for w in wheels:
+        dest = files / w.name
+        dest.write_bytes(w.read_bytes())
+        by_name.setdefault(canonicalize_name(parse_wheel_filename(w.name)[0]), []).append(dest)
+    simple = root / "simple"
+    for name, ws in by_name.items():
+        (simple / name).mkdir(parents=True, exist_ok=True)
+        links = "".join(f'<a href="../../files/{w.name}#sha256={sha256(w)}">{w.name}</a><br>\n' for w in ws)
+        (simple / name / "index.html").write_text(f"<!DOCTYPE html><html><body>\n{links}</body></html>\n")
+    (simple / "index.html").write_text("<html><body>" + "".join(f'<a href="{n}/">{n}</a>' for n in by_name) + "</body></html>")
+    return simple
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("index")
+    b = root / "build"
+    make_index(root, [
+        make_wheel(b, "app", "1.0", ["lib>=1", 'winonly; sys_platform == "win32"', "gpu==1.0"]),
+        make_wheel(b, "lib", "1.0"), make_wheel(b, "lib", "2.0"), make_wheel(b, "winonly", "1.0"),
+        make_wheel(b, "gpu", "1.0", ["gpudep", "lib"]),    # stands in for torch: only 1.0, no +cu130 build
+        make_wheel(b, "gpudep", "1.0"),                     # stands in for nvidia-*-cu12: only gpu needs it
+        make_wheel(b, "plugin", "1.0", ["gpu==1.0"]), make_wheel(b, "plugin", "2.0", ["gpu>=2"]),
+        make_wheel(b, "native", "1.0", tag="cp312-cp312-win_amd64"),   # no wheel for Linux
+    ])
+    return root
+
+
+@pytest.fixture(scope="module")
+def http_index(index):
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+    handler = functools.partial(Quiet, directory=str(index))
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_port}/simple"
+    srv.shutdown()
+
+
+def write_lock(path: Path, requires: list[str], indexes: dict[str, str], extra: str = "") -> Path:
+    idx = "".join(f"\n  {k}: {v}" for k, v in indexes.items())
+    req = "".join(f"\n- '{r}'" for r in requires)
+    path.write_text(f"lock: 1\nname: t\nplatform:\n  python: '3.12'\n  cuda: {{version: '13.0.1', source: none}}\n"
+                    f"indexes:{idx}\nrequires:{req}\n{extra}engine: {{kind: none}}\n")
+    return path
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(resolve, "CACHE", tmp_path / "cache")
+
+
+def test_closure_with_hashes_markers_and_index_names(index, tmp_path):
+    lk = lockmod.load(write_lock(tmp_path / "l.yaml", ["app==1.0"], {"local": f"file://{index}/simple"}))
+    data, res = resolve.resolve_data(lk)
+    pkgs = {p["name"]: p for p in data["packages"]}
+    assert set(pkgs) == {"app", "lib", "gpu", "gpudep"}          # winonly's marker is false on Linux
+    assert pkgs["lib"]["version"] == "2.0"
+    assert pkgs["lib"]["sha256"] == sha256(index / "files" / "lib-2.0-py3-none-any.whl")
+    assert pkgs["lib"]["filename"] == "lib-2.0-py3-none-any.whl"
+    assert pkgs["lib"]["index"] == "local" and pkgs["lib"]["url"].startswith("file://")
+    assert data["unresolved"] == [] and res.indexes_down == {}
+    again = lockmod.from_data(data)                                # what resolve writes is a valid lock
+    assert again.package("app").sha256
+
+
+def test_unserved_local_version_is_unresolved_and_its_own_deps_left_out(index, tmp_path):
+    lk = lockmod.load(write_lock(tmp_path / "l.yaml", ["gpu==1.0+cu130", "app==1.0", "plugin"],
+                                 {"local": f"file://{index}/simple"}))
+    data, _ = resolve.resolve_data(lk)
+    names = {p["name"]: p["version"] for p in data["packages"]}
+    assert "gpu" not in names and "gpudep" not in names           # never invented, nor what only it needs
+    assert names["lib"] == "2.0"                                   # still needed by app
+    assert names["plugin"] == "1.0"                                # chosen compatible with gpu 1.0 (the proxy)
+    [u] = data["unresolved"]
+    assert u["name"] == "gpu" and u["requirement"] == "gpu==1.0+cu130"
+    assert "no wheel matching ==1.0+cu130" in u["reason"]
+
+
+def test_unreachable_index_and_no_platform_wheel(index, http_index, tmp_path):
+    lk = lockmod.load(write_lock(tmp_path / "l.yaml", ["lib==1.0", "native==1.0"],
+                                 {"gone": "http://127.0.0.1:9/simple", "web": http_index}))
+    data, res = resolve.resolve_data(lk)
+    assert "gone" in res.indexes_down
+    assert [p["name"] for p in data["packages"]] == ["lib"]
+    assert data["packages"][0]["index"] == "web" and data["packages"][0]["url"].startswith(http_index.rsplit("/", 1)[0])
+    [u] = data["unresolved"]
+    assert u["name"] == "native" and "index gone (http://127.0.0.1:9/simple) unreachable" in u["reason"]
+
+
+def test_resolver_conflict_is_one_error_line(index, tmp_path):
+    lk = lockmod.load(write_lock(tmp_path / "l.yaml", ["plugin==2.0"], {"local": f"file://{index}/simple"}))
+    with pytest.raises(resolve.ResolveError, match="resolution failed"):
+        resolve.resolve(lk)
+
+
+def test_cli_resolve_then_check(index, http_index, tmp_path):
+    src = write_lock(tmp_path / "l.yaml", ["app==1.0"], {"web": http_index})
+    out = tmp_path / "out.yaml"
+    r = CliRunner().invoke(app, ["lock", "resolve", str(src), "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "4 packages, 0 unresolved" in r.output
+    r = CliRunner().invoke(app, ["lock", "check", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "0 errors" in r.output
+    # METADATA came over HTTP into the cache; the same check now works offline.
+    assert list((resolve.CACHE / "metadata").glob("*.METADATA"))
+    r = CliRunner().invoke(app, ["lock", "check", "--offline", str(out)])
+    assert r.exit_code == 0, r.output
+
+
+def test_platform_tags_prefer_cpython_manylinux():
+    lk = lockmod.loads("lock: 1\nname: t\nplatform: {python: '3.12'}\n")
+    tags = resolve.platform_tags(lk)
+    rank = lambda f: resolve.wheel_rank(f, tags)  # noqa: E731
+    assert rank("x-1-cp312-cp312-manylinux_2_28_x86_64.whl") < rank("x-1-cp310-abi3-manylinux2014_x86_64.whl") \
+        < rank("x-1-py3-none-any.whl")
+    assert rank("x-1-cp312-cp312-manylinux_2_34_x86_64.whl") is None
+    assert rank("x-1-cp311-cp311-manylinux_2_28_x86_64.whl") is None
+    assert rank("x-1-cp312-cp312-win_amd64.whl") is None
