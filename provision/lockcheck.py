@@ -120,7 +120,10 @@ class _Checker:
             results = list(ex.map(self._metadata, self.lock.packages))
         deps: dict[str, list[Requirement]] = {}
         for name, reqs, err in results:
-            if err:
+            if err and not self.pkgs[name].url:   # a captured record: versions only, nothing to read
+                self.add("warning", "metadata", name, self.pkgs[name].pin,
+                         "no url: its Requires-Dist is not checked", self.at_pkg(name))
+            elif err:
                 self.add("error", "metadata", name, self.pkgs[name].pin,
                          f"cannot read its METADATA ({err}); its Requires-Dist is not checked", self.at_pkg(name))
             else:

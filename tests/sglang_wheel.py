@@ -1,14 +1,17 @@
 """The real SGLang wheels as test targets: downloaded once into .cache/wheels/, unpacked per test.
 
 `wheel(version)` fetches `sglang==version` with `pip download --no-deps --isolated` (the default
-index, ignoring this machine's pip config); `unpack(version, dest)` makes a site-packages from it.
+index, ignoring this machine's pip config); `site_packages(version)` unpacks it once
+into .cache/; `copy` makes cheap writable hard-link copies of that for tests that patch.
 """
 from __future__ import annotations
 
 import fcntl
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -39,6 +42,42 @@ def unpack(version: str, dest: Path) -> Path:
     return dest
 
 
-def copy(src: Path, dest: Path) -> Path:
-    shutil.copytree(src, dest)
+def site_packages(version: str = "0.5.9") -> Path:
+    """The wheel unpacked once into .cache/site-packages/sglang-VERSION/; treat it as read-only."""
+    dest = REPO / ".cache" / "site-packages" / f"sglang-{version}"
+    stamp = dest / ".complete"
+    if not stamp.exists():
+        tmp = Path(tempfile.mkdtemp(prefix=f".sglang-{version}-", dir=dest.parent if dest.parent.exists()
+                                    else _mkdir(dest.parent)))
+        unpack(version, tmp)
+        (tmp / ".complete").write_text(wheel(version).name + "\n")
+        shutil.rmtree(dest, ignore_errors=True)
+        try:
+            tmp.rename(dest)
+        except OSError:                       # another run got there first
+            shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def _mkdir(p: Path) -> Path:
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def copy(src: Path, dest: Path) -> Path:
+    """A writable copy made of hard links: the patcher replaces files by rename, so the source's
+    files are never written through it. Tests that edit a file in place must use `rewrite`."""
+    def link(a, b):
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+    shutil.copytree(src, dest, copy_function=link, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns(".complete"))
+    return dest
+
+
+def rewrite(path: Path, text: str) -> None:
+    """Change a file of a `copy` without touching the file it is linked to."""
+    path.unlink()
+    path.write_text(text)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,20 +22,16 @@ REQUIRED = ["get_embed_and_head", "set_eagle3_layers_to_capture"]
 
 
 @pytest.fixture(scope="module")
-def pristine(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("contract-pristine")
-    yield sglang_wheel.unpack("0.5.9", d / "site-packages")
-    shutil.rmtree(d, ignore_errors=True)       # 26 MB each: don't leave them for pytest's tmp retention
+def pristine() -> Path:
+    return sglang_wheel.site_packages("0.5.9")
 
 
 @pytest.fixture(scope="module")
-def patched(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("contract-patched")
-    sp = sglang_wheel.unpack("0.5.9", d / "site-packages")
+def patched(pristine, tmp_path_factory) -> Path:
+    sp = sglang_wheel.copy(pristine, tmp_path_factory.mktemp("contract") / "site-packages")
     series = patches.load_series(sglang_wheel.REPO / "patches" / "sglang-0.5.9")
     patches.apply_series(Local(), [series], python=sys.executable, site_packages=str(sp))
-    yield sp
-    shutil.rmtree(d, ignore_errors=True)
+    return sp
 
 
 def by_method(report):
@@ -98,7 +93,6 @@ def test_config_json_unknown_arch_and_fallback(pristine, tmp_path):
     (bare / "sglang/srt/model_executor/model_runner.py").unlink()
     r = check_contract(str(bare), LLAMA)
     assert r["required_source"] == "fallback" and sorted(by_method(r)) == REQUIRED and r["ok"]
-    shutil.rmtree(bare)
 
 
 def test_runs_as_a_host_agent_without_sglang_importable(pristine):

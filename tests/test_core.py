@@ -123,24 +123,31 @@ def test_hash_mismatch_refused_current_unchanged(target, locks, tmp_path, wheels
     assert current_link(target) == "generations/0001-stack-a"
 
 
-def test_hash_mismatch_caught_on_host_by_installer(target, wheels, tmp_path):
-    """A wheel swapped in the host's cache after the controller checked it: uv --require-hashes refuses."""
-    lk = lockmod.load(write_lock(tmp_path / "a.yaml", "stack-a", [wheels["alpha-1.0"]]))
+def test_hash_mismatch_on_host_fetch_refused(target, wheels, tmp_path):
+    """A wheel the host fetches from an index whose bytes differ from the lock's sha256 is refused there."""
+    import functools
+    import http.server
+
+    good = lockmod.load(write_lock(tmp_path / "a.yaml", "stack-a", [wheels["alpha-1.0"]]))
+    served = tmp_path / "index"
+    evil = make_wheel(served, "alpha", "1.0", body="EVIL = True\n")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
+    handler.log_message = lambda *a: None
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    data = good.raw
+    data["packages"][0]["url"] = f"http://127.0.0.1:{srv.server_address[1]}/{evil.name}"
+    lk = lockmod.from_data(data, str(tmp_path / "a.yaml"))
     tr = connect(target)
     try:
-        sha = lk.packages[0].sha256
-        evil = make_wheel(tmp_path / "evil", "alpha", "1.0", body="EVIL = True\n")
-        cache = Path(target.vars["provision_root"]) / "cache" / "wheels" / sha
-        cache.mkdir(parents=True)
-        (cache / evil.name).write_bytes(evil.read_bytes())
-        os.chmod(cache / evil.name, 0o444)   # `copy` cannot replace it; the installer must refuse it
-        with pytest.raises(HostError, match="build failed"):
+        with pytest.raises(HostError, match=r"build failed: fetch wheels.*\[alpha==1.0\].*checksum"):
             applymod.apply(tr, lk)
         h = applymod.history(tr)
         assert h["current"] is None and h["generations"][0]["status"] == "failed"
         assert h["events"][-1]["event"] == "apply-failed"
     finally:
         tr.close()
+        srv.shutdown()
 
 
 def test_pip_installer_and_adoption(target, locks, tmp_path):

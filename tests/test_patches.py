@@ -5,7 +5,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,17 +33,14 @@ PY = sys.executable
 
 
 @pytest.fixture(scope="session")
-def pristine(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("sglang-0.5.9")
-    yield sglang_wheel.unpack("0.5.9", d / "site-packages")
-    shutil.rmtree(d, ignore_errors=True)       # 26 MB each: don't leave them for pytest's tmp retention
+def pristine() -> Path:
+    return sglang_wheel.site_packages("0.5.9")
 
 
 @pytest.fixture
 def sp(pristine, tmp_path) -> Path:
     """A fresh, writable copy of the pristine 0.5.9 site-packages."""
-    yield sglang_wheel.copy(pristine, tmp_path / "site-packages")
-    shutil.rmtree(tmp_path / "site-packages", ignore_errors=True)
+    return sglang_wheel.copy(pristine, tmp_path / "site-packages")
 
 
 @pytest.fixture(scope="session")
@@ -54,7 +50,7 @@ def series():
 
 def tree_digest(root: Path) -> dict:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".complete"}
 
 
 def run(series_list, sp, **kw):
@@ -133,7 +129,7 @@ def test_partly_applied_series_completes(series, sp):
 
 def test_corrupted_target_is_refused_and_nothing_written(series, sp):
     comm = sp / "sglang/srt/layers/communicator.py"
-    comm.write_text(comm.read_text().replace("_is_sm100_supported = _is_cuda and is_sm100_supported()",
+    sglang_wheel.rewrite(comm, comm.read_text().replace("_is_sm100_supported = _is_cuda and is_sm100_supported()",
                                              "_is_sm100_supported = False  # local edit"))
     before = tree_digest(sp)
     with pytest.raises(PatchError) as err:
@@ -150,12 +146,11 @@ def test_corrupted_target_is_refused_and_nothing_written(series, sp):
 
 
 def test_version_gate_refuses_another_release(series, tmp_path):
-    other = sglang_wheel.unpack("0.5.8", tmp_path / "site-packages")   # a real, different release
+    other = sglang_wheel.copy(sglang_wheel.site_packages("0.5.8"), tmp_path / "sp")   # a real, other release
     before = tree_digest(other)
     with pytest.raises(PatchError, match=r"applies to sglang==0\.5\.9, but sglang 0\.5\.8 is installed"):
         run([series], other)
     assert tree_digest(other) == before
-    shutil.rmtree(other)
 
 
 def test_per_patch_gate_skips(series, sp):
@@ -174,7 +169,7 @@ def test_environment_found_through_its_interpreter(series, pristine, tmp_path):
     py = str(venv / "bin" / "python")
     purelib = subprocess.run([py, "-c", "import sysconfig;print(sysconfig.get_paths()['purelib'])"],
                              check=True, capture_output=True, text=True).stdout.strip()
-    shutil.copytree(pristine, purelib, dirs_exist_ok=True)
+    sglang_wheel.copy(pristine, Path(purelib))
 
     report = patches.apply_series(Local(), [series], python=py)
     assert statuses(report) == ["applied"] * 3
@@ -182,11 +177,10 @@ def test_environment_found_through_its_interpreter(series, pristine, tmp_path):
     assert patches.verify_manifest(Local(), report["files"], py) == []
 
     target = Path(purelib) / "sglang/srt/models/kimi_k25.py"
-    target.write_text(target.read_text() + "# drift\n")
+    sglang_wheel.rewrite(target, target.read_text() + "# drift\n")
     bad = patches.verify_manifest(Local(), {**report["files"], "sglang/nope.py": "0" * 64}, py)
     assert [m["path"] for m in bad] == ["sglang/nope.py", "sglang/srt/models/kimi_k25.py"]
     assert bad[0]["actual"] is None and bad[1]["actual"] != bad[1]["expected"]
-    shutil.rmtree(venv)
 
 
 # ---------------------------------------------------------------- the applier on its own
@@ -224,11 +218,10 @@ def test_cli_apply_check_and_refusal(sp, tmp_path):
     r = cli.invoke(app, ["patches", "check", "--site-packages", str(sp), "--series", str(SERIES_DIR)])
     assert r.exit_code == 0 and "Patches: 3 already-applied (nothing written)" in r.stdout
 
-    other = sglang_wheel.unpack("0.5.8", tmp_path / "other")
+    other = sglang_wheel.copy(sglang_wheel.site_packages("0.5.8"), tmp_path / "other")
     r = cli.invoke(app, ["patches", "apply", "--site-packages", str(other)])
     assert r.exit_code == 1 and "Traceback" not in r.output
     assert "refusing" in r.output
-    shutil.rmtree(other)
 
 
 def test_over_ssh_through_the_cli(sp):
@@ -250,3 +243,11 @@ def test_over_ssh_through_the_cli(sp):
         r = cli.invoke(app, ["patches", "revert", host.spec, *common, "--series", str(SERIES_DIR)])
         assert r.exit_code == 0 and "Patches: 3 reverted; wrote 4 files" in r.stdout, r.output
     assert not list(Path("/tmp").glob("provision-payload-*"))
+
+
+def test_series_see_each_others_staged_changes(series, sp):
+    """Two series touching the same file: the second is checked against the first's result."""
+    first = dataclasses.replace(series, name="a", patches=[series.patches[2]])
+    second = dataclasses.replace(series, name="b", patches=[series.patches[2]])
+    report = run([first, second], sp)
+    assert statuses(report) == ["applied", "already-applied"] and report["changed"] == [TOUCHED[3]]

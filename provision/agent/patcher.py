@@ -168,14 +168,16 @@ def _read_lines(path):
     return data.decode("utf-8").splitlines(keepends=True)
 
 
-def plan(root, series, mode, keep_going=False):
+def plan(root, series, mode, keep_going=False, state=None, original=None):
     """Dry run over every patch of every series, in memory.
 
-    Returns (report_series, new_lines{rel: lines}, old_lines{rel: lines}). A patch that neither
-    applies nor is already applied (reverting: the reverse) raises PatchFailed, or with
-    keep_going is reported as failed and left out of the new contents.
+    Returns (report_series, new_lines{abs path: lines}, old_lines{abs path: lines}); pass the
+    dicts of an earlier call to continue from its results. A patch that neither applies nor is
+    already applied (reverting: the reverse) raises PatchFailed, or with keep_going is reported
+    as failed and left out of the new contents.
     """
-    state, original = {}, {}
+    state = {} if state is None else state
+    original = {} if original is None else original
     reports = []
     for s in series:
         patches = list(s["patches"])
@@ -203,14 +205,14 @@ def _plan_patch(root, p, mode, state, original):
     staged, statuses = {}, []
     for fp in fps:
         path = os.path.join(root, fp.path)
-        if fp.path not in state:
+        if path not in state:
             if not os.path.isfile(path):
                 raise PatchFailed(f"patch {name}: {fp.path}: file not found in {root}", name, fp.path)
             try:
-                state[fp.path] = original[fp.path] = _read_lines(path)
+                state[path] = original[path] = _read_lines(path)
             except UnicodeDecodeError:
                 raise PatchFailed(f"patch {name}: {fp.path}: not UTF-8 text", name, fp.path) from None
-        cur = staged.get(fp.path, state[fp.path])
+        cur = staged.get(path, state[path])
         forward = fp.hunks if mode != "revert" else [h.reversed() for h in fp.hunks]
         backward = [h.reversed() for h in fp.hunks] if mode != "revert" else fp.hunks
         new, fwd = apply_hunks(cur, forward)   # fwd: distance, or why not
@@ -221,7 +223,7 @@ def _plan_patch(root, p, mode, state, original):
             raise PatchFailed(f"patch {name}: {fp.path}: applies both forwards and backwards; "
                               f"cannot tell whether it is applied", name, fp.path)
         if new is not None and (back is None or fwd < bwd):
-            staged[fp.path] = new
+            staged[path] = new
             statuses.append("change")
         elif back is not None:
             statuses.append("done")
@@ -240,12 +242,11 @@ def _plan_patch(root, p, mode, state, original):
     return {"name": name, "status": status, "files": [fp.path for fp in fps]}
 
 
-def _write_all(root, changes):
+def _write_all(changes):
     """Stage every file beside its target, then rename each into place (no half-written file)."""
     staged = []
     try:
-        for rel, text in changes.items():
-            path = os.path.join(root, rel)
+        for path, text in changes.items():
             fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", dir=os.path.dirname(path))
             with os.fdopen(fd, "wb") as f:
                 f.write(text.encode("utf-8"))
@@ -254,7 +255,7 @@ def _write_all(root, changes):
     except OSError as e:
         for tmp, _ in staged:
             os.unlink(tmp)
-        raise PatchFailed(f"cannot write under {root}: {e.strerror or e}") from None
+        raise PatchFailed(f"cannot write {e.filename or path}: {e.strerror or e}") from None
     for tmp, path in staged:
         os.replace(tmp, path)
         _drop_bytecode(path)
@@ -281,7 +282,7 @@ def run(payload):
     """
     mode = payload["mode"]
     check = mode == "check"
-    reports, state, original = [], {}, {}
+    reports, state, original, rel = [], {}, {}, {}
     for s in payload["series"]:
         dist = locate(s["package"], payload.get("site_packages"))
         if dist is None:
@@ -289,7 +290,7 @@ def run(payload):
                     "written": False}
         root = dist["root"]
         try:
-            rep, st, orig = plan(root, [s], "revert" if mode == "revert" else "apply", keep_going=check)
+            rep, _, _ = plan(root, [s], "revert" if mode == "revert" else "apply", check, state, original)
         except PatchFailed as e:
             return {"mode": mode, "failed": str(e), "patch": e.patch, "path": e.path, "written": False}
         rep[0]["site_packages"] = root
@@ -297,28 +298,23 @@ def run(payload):
             for row in rep[0]["patches"]:
                 row["status"] = {"applied": "would-apply"}.get(row["status"], row["status"])
         reports += rep
-        for rel in st:
-            state[(root, rel)] = st[rel]
-            original.setdefault((root, rel), orig[rel])
-    changes = {k: "".join(v) for k, v in state.items() if v != original[k]}
+        for path in state:
+            rel.setdefault(path, os.path.relpath(path, root))
+    changes = {path: "".join(lines) for path, lines in state.items() if lines != original[path]}
     if not check:
-        by_root = {}
-        for (root, rel), text in changes.items():
-            by_root.setdefault(root, {})[rel] = text
         try:
-            for root, ch in by_root.items():
-                _write_all(root, ch)
+            _write_all(changes)
         except PatchFailed as e:
             return {"mode": mode, "failed": str(e), "written": False}
     files = {}
-    for (root, rel) in sorted(state):
-        if check and (root, rel) in changes:          # what the file would hash to
-            files[rel] = sha256(changes[(root, rel)].encode("utf-8"))
+    for path in sorted(state, key=rel.get):
+        if check and path in changes:                 # what the file would hash to
+            files[rel[path]] = sha256(changes[path].encode("utf-8"))
         else:
-            with open(os.path.join(root, rel), "rb") as f:
-                files[rel] = sha256(f.read())
+            with open(path, "rb") as f:
+                files[rel[path]] = sha256(f.read())
     return {"mode": mode, "series": reports, "files": files,
-            "changed": sorted(rel for (_, rel) in changes), "written": not check and bool(changes)}
+            "changed": sorted(rel[path] for path in changes), "written": not check and bool(changes)}
 
 
 # ---------------------------------------------------------------- environment

@@ -222,7 +222,7 @@ def save_draft(draft: Eagle3Draft, d, aux_layer_ids=None, dtype=torch.float32):
            "midlayer.input_layernorm.weight": sd["midlayer.input_layernorm.weight"],
            "midlayer.hidden_norm.weight": sd["midlayer.hidden_norm.weight"]}
     out.update(_split_layer(sd, "midlayer.", "midlayer.", a))
-    d2t = sd["d2t"].long()
+    d2t = sd["d2t"].long().cpu()
     t2d = torch.zeros(a.vocab_size, dtype=torch.bool)
     t2d[torch.arange(a.draft_vocab_size) + d2t] = True
     out["d2t"], out["t2d"] = d2t, t2d
