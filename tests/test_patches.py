@@ -224,24 +224,19 @@ def test_cli_apply_check_and_refusal(sp, tmp_path):
     assert "refusing" in r.output
 
 
-def test_over_ssh_through_the_cli(sp):
-    """The same verbs against a real sshd on loopback (agent source and payload travel over SSH)."""
-    from provision.loopback import LoopbackHost
-    from provision.transport import trust_host
-
-    with LoopbackHost() as host:
-        trust_host(host.target)
-        t = host.target
-        common = ["--key", t.key_file, "--known-hosts", str(t.known_hosts), "--site-packages", str(sp)]
-        cli = CliRunner()
-        r = cli.invoke(app, ["patches", "apply", host.spec, *common, "--series", str(SERIES_DIR), "--json"])
-        assert r.exit_code == 0, r.output
-        report = json.loads(r.stdout)
-        assert report["host"] == host.spec and statuses(report) == ["applied"] * 3
-        r = cli.invoke(app, ["contract", "KimiK25ForConditionalGeneration", host.spec, *common])
-        assert r.exit_code == 0 and "EAGLE-3 contract: PASS" in r.stdout, r.output
-        r = cli.invoke(app, ["patches", "revert", host.spec, *common, "--series", str(SERIES_DIR)])
-        assert r.exit_code == 0 and "Patches: 3 reverted; wrote 4 files" in r.stdout, r.output
+def test_over_ssh_through_the_cli(sp, sshd):
+    """The same verbs against the real sshd on loopback (agent source and payload travel over SSH)."""
+    t = sshd.target
+    common = ["--key", t.key_file, "--known-hosts", str(t.known_hosts), "--site-packages", str(sp)]
+    cli = CliRunner()
+    r = cli.invoke(app, ["patches", "apply", sshd.spec, *common, "--series", str(SERIES_DIR), "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["host"] == sshd.spec and statuses(report) == ["applied"] * 3
+    r = cli.invoke(app, ["contract", "KimiK25ForConditionalGeneration", sshd.spec, *common])
+    assert r.exit_code == 0 and "EAGLE-3 contract: PASS" in r.stdout, r.output
+    r = cli.invoke(app, ["patches", "revert", sshd.spec, *common, "--series", str(SERIES_DIR)])
+    assert r.exit_code == 0 and "Patches: 3 reverted; wrote 4 files" in r.stdout, r.output
     assert not list(Path("/tmp").glob("provision-payload-*"))
 
 
