@@ -155,7 +155,12 @@ def patch_hook(transport: Transport, lock: Lock, gen: dict) -> dict:
 
     series = [patches.load_series(lock.resolve_path(p)) for p in lock.patches]
     report = patches.apply_series(transport, series, python=f"{gen['venv']}/bin/python")
-    return {"status": "applied", **report}
+    counts: dict[str, int] = {}
+    for s in report["series"]:
+        for p in s["patches"]:
+            counts[p["status"]] = counts.get(p["status"], 0) + 1
+    detail = ", ".join(f"{n} {k}" for k, n in counts.items()) + f"; {len(report.get('files', {}))} files recorded"
+    return {"status": "applied", "detail": detail, **report}
 
 
 def probe_hook(transport: Transport, lock: Lock, gen: dict, skip: list[str]) -> dict:

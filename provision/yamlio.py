@@ -33,19 +33,23 @@ class Doc:
         return f"{self.path}:{self.line(*keys)}"
 
 
-def _walk(node, path, lines, budget):
+def _walk(node, path, lines, budget, active=frozenset()):
     budget[0] -= 1
     if budget[0] < 0:
         raise LockError("document too large (node limit)")
+    if id(node) in active:
+        raise yaml.MarkedYAMLError(problem="recursive alias", problem_mark=node.start_mark)
     lines[path] = node.start_mark.line + 1
+    if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)):
+        active = active | {id(node)}
     if isinstance(node, yaml.MappingNode):
         for k, v in node.value:
             key = k.value if isinstance(k, yaml.ScalarNode) else str(k.start_mark.line)
             lines[path + (key,)] = k.start_mark.line + 1
-            _walk(v, path + (key,), lines, budget)
+            _walk(v, path + (key,), lines, budget, active)
     elif isinstance(node, yaml.SequenceNode):
         for i, v in enumerate(node.value):
-            _walk(v, path + (i,), lines, budget)
+            _walk(v, path + (i,), lines, budget, active)
 
 
 def loads(text: str, name: str = "<string>") -> Doc:
@@ -69,6 +73,8 @@ def loads(text: str, name: str = "<string>") -> Doc:
         mark = e.problem_mark or e.context_mark
         line = mark.line + 1 if mark else 1
         raise LockError(f"invalid YAML: {e.problem or e}", where=f"{name}:{line}") from None
+    except LockError as e:
+        raise LockError(e.message, where=name) from None
     except yaml.YAMLError as e:
         raise LockError(f"invalid YAML: {e}", where=name) from None
     return Doc(name, data, lines)

@@ -37,3 +37,22 @@ def wheels(tmp_path_factory):
     d = tmp_path_factory.mktemp("wheelhouse")
     return {f"{n}-{v}": make_wheel(d, n, v) for n, v in
             [("alpha", "1.0"), ("alpha", "2.0"), ("beta", "1.0"), ("gamma", "1.0")]}
+
+
+@pytest.fixture(scope="session")
+def toolkit_generation(sshd, tmp_path_factory):
+    """A real apply of lockfiles/demo/cuda13-toolkit.yaml (NVIDIA's CUDA 13.0.1 wheels from PyPI,
+    about 300 MB) over SSH, once per session: (target, apply report, lock)."""
+    from provision import apply as applymod
+    from provision import lock as lockmod
+    from provision.transport import connect
+
+    t = copy.deepcopy(sshd.target)
+    t.vars["provision_root"] = str(tmp_path_factory.mktemp("toolkit") / "root")
+    lk = lockmod.load(Path(__file__).resolve().parent.parent / "lockfiles" / "demo" / "cuda13-toolkit.yaml")
+    tr = connect(t)
+    try:
+        rep = applymod.apply(tr, lk)
+    finally:
+        tr.close()
+    return t, rep, lk

@@ -258,3 +258,25 @@ def test_facts_with_recorded_nvidia_smi(target, tmp_path):
     findings = applymod.preflight_findings(f, lk)
     assert (True, "NVIDIA driver 580.159.04 is older than the lock's minimum 590.1") in findings
     assert any("compute capability 9.0" in m for _, m in findings)
+
+
+def test_cuda_toolkit_from_nvidia_wheels_into_generation(toolkit_generation):
+    """cuda-toolkit[nvcc,cudart,cccl,crt,nvvm]==13.0.1 from the index: nvcc V13.0.88 at the recorded CUDA_HOME,
+    and it compiles for SM120 on this CPU-only machine."""
+    target, rep, lk = toolkit_generation
+    assert rep.status == "applied"
+    tr = connect(target)
+    try:
+        man = generations.read(tr, rep.generation)["manifest"]
+    finally:
+        tr.close()
+    home = Path(man["cuda_home"])
+    assert home.name == "cu13" and str(home).startswith(target.vars["provision_root"])
+    out = subprocess.run([home / "bin" / "nvcc", "--version"], capture_output=True, text=True)
+    assert "V13.0.88" in out.stdout
+    src = home.parent.parent / "k.cu"
+    src.write_text("__global__ void k(float *x) { x[threadIdx.x] *= 2.0f; }\n")
+    out = subprocess.run([home / "bin" / "nvcc", "-arch=sm_120", "-c", src, "-o", src.with_suffix(".o")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert src.with_suffix(".o").stat().st_size > 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
@@ -53,9 +52,9 @@ def add_engine_args(ap: argparse.ArgumentParser):
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-seq-len", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--topk", type=int, default=1)
-    ap.add_argument("--num-draft-tokens", type=int, default=0, help="verified tokens, root included (0: auto)")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--topk", type=int, default=4)
+    ap.add_argument("--num-draft-tokens", type=int, default=16, help="verified tokens, root included")
 
 
 def main(argv=None):
@@ -67,7 +66,7 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads (0: torch default; 1 suits the tiny pair)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     if a.threads:

@@ -16,7 +16,21 @@ NAMES = "alice bob carol dave erin frank grace heidi ivan judy".split()
 TIMES = ("every morning", "at noon", "in the evening", "before dawn", "after the rain")
 
 
+class Zipf:
+    """Word choice with Zipf weights (1/rank), as in natural text: frequent words dominate."""
+
+    def __init__(self, r: random.Random):
+        self.r = r
+
+    def choice(self, seq):
+        return self.r.choices(seq, weights=[1.0 / (i + 1) for i in range(len(seq))])[0]
+
+    def randrange(self, *a):
+        return self.r.randrange(*a)
+
+
 def sentence(r: random.Random) -> str:
+    r = Zipf(r)
     k = r.randrange(6)
     a, b = r.choice(NOUNS), r.choice(NOUNS)
     if k == 0:

@@ -1,0 +1,754 @@
+"""Host agent (stdlib + optional torch): the probes that run inside a generation's own interpreter.
+
+Run as `GEN/venv/bin/python - run B64JSON < probes.py`; prints one JSON line {results: [...]}.
+Each result: {name, status: pass|fail|skip|warn, reason, figures}. Never imports SGLang.
+"""
+import base64
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+
+# NVLink multicast stays off everywhere a probe starts GPU work (it can wedge shared hosts).
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+os.environ.update(SAFE_ENV)
+TORCH_JSON_ENV = "PROVISION_PROBE_TORCH_JSON"   # tests only: recorded torch facts of a real GPU host
+
+
+def result(name, status, reason="", **figures):
+    return {"name": name, "status": status, "reason": reason, "figures": figures}
+
+
+def sh(argv, timeout=120, env=None, cwd=None):
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+        return p.returncode, p.stdout, p.stderr
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return 127, "", str(e)
+
+
+def norm(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def major_minor(v):
+    return ".".join(str(v).split(".")[:2]) if v else None
+
+
+def vtuple(v):
+    return tuple(int(x) for x in re.findall(r"\d+", v or ""))
+
+
+def sm(cc):
+    """'12.0' → 'sm_120'; '9.0' → 'sm_90'."""
+    major, minor = cc.split(".")
+    return "sm_%s%s" % (major, minor)
+
+
+# ------------------------------------------------------------------ torch facts
+
+_TORCH = {}
+
+
+def torch_facts():
+    """torch's version, CUDA build, arch list and devices; recorded ones when the test env var is set."""
+    if _TORCH:
+        return _TORCH
+    rec = os.environ.get(TORCH_JSON_ENV)
+    if rec:
+        with open(rec) as f:
+            r = json.load(f)
+        caps = r.get("caps") or ([r["cap"]] if r.get("cap") else [])
+        _TORCH.update(installed=True, recorded=rec, version=r.get("torch"), cuda=r.get("cuda"),
+                      arch_list=r.get("arch_list") or [], available=False,
+                      devices=[{"index": i, "cap": "%d.%d" % tuple(c), "name": r.get("name")}
+                               for i, c in enumerate(caps)])
+        return _TORCH
+    try:
+        import torch
+    except ImportError as e:
+        _TORCH.update(installed=False, error=str(e))
+        return _TORCH
+    avail = torch.cuda.is_available()
+    devs = []
+    if avail:
+        for i in range(torch.cuda.device_count()):
+            devs.append({"index": i, "cap": "%d.%d" % torch.cuda.get_device_capability(i),
+                         "name": torch.cuda.get_device_name(i)})
+    _TORCH.update(installed=True, recorded=None, version=torch.__version__, cuda=torch.version.cuda,
+                  arch_list=torch.cuda.get_arch_list() if avail or torch.version.cuda else [],
+                  available=avail, devices=devs)
+    return _TORCH
+
+
+def installed_dists():
+    from importlib import metadata
+
+    out = {}
+    for d in metadata.distributions():
+        n = d.metadata["Name"]
+        if n:
+            out.setdefault(norm(n), d.version)
+    return out
+
+
+# ------------------------------------------------------------------ probes
+
+def p_driver(a):
+    smi = a.get("nvidia_smi") or "nvidia-smi"
+    cmd = shutil.which(smi) or (smi if os.path.exists(smi) else None)
+    if not cmd:
+        return result("driver", "fail", "nvidia-smi not found, but the host's facts listed GPUs")
+    rc, out, err = sh([cmd, "--query-gpu=index,name,uuid,driver_version,compute_cap,memory.total,pci.bus_id",
+                       "--format=csv,noheader"], timeout=30)
+    if rc != 0:
+        return result("driver", "fail", "nvidia-smi failed: %s" % (err or out).strip()[:200])
+    rows = [[x.strip() for x in line.split(",")] for line in out.strip().splitlines() if line.strip()]
+    drivers = sorted({r[3] for r in rows if len(r) > 3})
+    want = a.get("driver_min")
+    figs = {"driver": drivers[0] if drivers else None, "gpus": len(rows), "min": want,
+            "names": sorted({r[1] for r in rows if len(r) > 1})}
+    if not drivers:
+        return result("driver", "fail", "nvidia-smi listed no driver version", **figs)
+    if not want:
+        return result("driver", "pass", "driver %s (the lock sets no minimum)" % drivers[0], **figs)
+    old = [d for d in drivers if vtuple(d) < vtuple(want)]
+    if old:
+        return result("driver", "fail", "driver %s is older than the lock's minimum %s" % (old[0], want), **figs)
+    return result("driver", "pass", "driver %s >= %s" % (drivers[0], want), **figs)
+
+
+KERNEL_CU = """
+__global__ void saxpy(int n, float a, const float *x, float *y) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = a * x[i] + y[i];
+}
+"""
+
+
+def p_nvcc(a):
+    want = a.get("cuda_version")
+    home = a.get("cuda_home")
+    figs = {"cuda_home": home, "lock_cuda": want, "source": a.get("cuda_source")}
+    nvcc = os.path.join(home, "bin", "nvcc") if home else None
+    if not nvcc or not os.path.exists(nvcc):
+        return result("nvcc", "fail", "no nvcc at %s (CUDA_HOME of this generation)" % nvcc, **figs)
+    rc, out, err = sh([nvcc, "--version"], timeout=60)
+    m = re.search(r"release (\d+\.\d+), V(\d+\.\d+\.\d+)", out)
+    if rc != 0 or not m:
+        return result("nvcc", "fail", "%s --version failed: %s" % (nvcc, (err or out).strip()[-200:]), **figs)
+    figs["nvcc"] = m.group(2)
+    if major_minor(m.group(1)) != major_minor(want):
+        return result("nvcc", "fail", "nvcc %s at %s, the lock wants CUDA %s" % (m.group(2), home, want), **figs)
+    ccs = a.get("ccs") or sorted({g["compute_cap"] for g in a.get("gpus") or []})
+    if not ccs:
+        return result("nvcc", "pass", "nvcc %s = CUDA %s; no compute capability to compile for" % (m.group(2), want),
+                      **figs)
+    compiled = {}
+    env = dict(os.environ, CUDA_HOME=home, PATH=os.path.join(home, "bin") + os.pathsep + os.environ.get("PATH", ""))
+    with tempfile.TemporaryDirectory(prefix="provision-nvcc-") as d:
+        src = os.path.join(d, "k.cu")
+        with open(src, "w") as f:
+            f.write(KERNEL_CU)
+        for cc in ccs:
+            arch = sm(cc)
+            obj = os.path.join(d, "k_%s.o" % arch)
+            t0 = time.perf_counter()
+            rc, out, err = sh([nvcc, "-arch=%s" % arch, "-c", src, "-o", obj], timeout=300, env=env, cwd=d)
+            if rc != 0 or not os.path.exists(obj):
+                figs["compiled"] = compiled
+                last = (err or out).strip().splitlines()[-1:] or ["exit %d" % rc]
+                return result("nvcc", "fail", "nvcc -arch=%s failed: %s" % (arch, last[0][:200]), **figs)
+            compiled[arch] = round(time.perf_counter() - t0, 2)
+    figs["compiled"] = compiled
+    return result("nvcc", "pass", "nvcc %s = CUDA %s; compiled for %s" % (m.group(2), want, ", ".join(compiled)),
+                  **figs)
+
+
+BOOTSTRAP = {"pip", "setuptools", "wheel"}   # seeded into a venv by `python -m venv`, not installed from a lock
+
+
+def p_packages(a):
+    want = {norm(k): v for k, v in (a.get("packages") or {}).items()}
+    have = installed_dists()
+    missing = sorted(n for n in want if n not in have)
+    differ = sorted("%s %s (lock %s)" % (n, have[n], want[n]) for n in want if n in have and have[n] != want[n])
+    extra = sorted(n for n in have if n not in want and n not in BOOTSTRAP)
+    figs = {"expected": len(want), "installed": len(have), "against": a.get("packages_source"),
+            "missing": missing, "different": differ, "extra": extra}
+    if missing or differ or extra:
+        parts = []
+        if differ:
+            parts.append("version differs: " + ", ".join(differ[:5]))
+        if missing:
+            parts.append("missing: " + ", ".join(missing[:5]))
+        if extra:
+            parts.append("not in the lock: " + ", ".join(extra[:5]))
+        return result("packages", "fail", "; ".join(parts), **figs)
+    return result("packages", "pass", "%d distributions = %s lock" % (len(want), a.get("packages_source")), **figs)
+
+
+def p_torch_cuda(a):
+    t = torch_facts()
+    want = major_minor(a.get("cuda_version"))
+    if not t["installed"]:
+        return result("torch-cuda", "skip", "torch is not installed in this generation")
+    figs = {"torch": t["version"], "torch_cuda": t["cuda"], "lock_cuda": want, "recorded": t.get("recorded")}
+    if not want:
+        return result("torch-cuda", "skip", "the lock names no CUDA version", **figs)
+    if major_minor(t["cuda"]) == want:
+        return result("torch-cuda", "pass", "torch %s built for CUDA %s" % (t["version"], t["cuda"]), **figs)
+    msg = "torch %s is built for CUDA %s, the lock wants %s" % (t["version"], t["cuda"] or "none (CPU build)", want)
+    if not a.get("gpus"):
+        return result("torch-cuda", "warn", msg + " (no GPU on this host, so not enforced)", **figs)
+    return result("torch-cuda", "fail", msg, **figs)
+
+
+def covered(cc, archs):
+    """How a GPU of capability `cc` can run code from an arch list: exact cubin, a same-major lower
+    cubin (binary compatible), or PTX of a capability ≤ cc (JIT). None: 'no kernel image'."""
+    major, minor = (int(x) for x in cc.split("."))
+    cubins = {}
+    ptx = []
+    for a in archs:
+        m = re.match(r"^(sm|compute)_(\d+?)(\d)([af]?)$", a)
+        if not m:
+            continue
+        M, n, suffix = int(m.group(2)), int(m.group(3)), m.group(4)
+        if m.group(1) == "sm":
+            cubins[(M, n, suffix)] = a
+        else:
+            ptx.append((M, n, a))
+    for (M, n, suf), a in sorted(cubins.items()):
+        if M == major and n == minor:
+            return a
+    for (M, n, suf), a in sorted(cubins.items(), reverse=True):
+        if M == major and n < minor and not suf:
+            return a
+    for M, n, a in sorted(ptx, reverse=True):
+        if (M, n) <= (major, minor):
+            return a + " (PTX JIT)"
+    return None
+
+
+def lib_archs(package_dir, cuobjdump):
+    """sm_XY targets compiled into a package's shared objects (cuobjdump --list-elf)."""
+    found = set()
+    for so in glob.glob(os.path.join(package_dir, "**", "*.so"), recursive=True)[:40]:
+        rc, out, _ = sh([cuobjdump, "--list-elf", so], timeout=60)
+        if rc == 0:
+            found |= set(re.findall(r"\.(sm_\d+[af]?)\.", out))
+    return sorted(found)
+
+
+def p_arch(a):
+    t = torch_facts()
+    if not t["installed"]:
+        return result("arch", "skip", "torch is not installed in this generation")
+    gpu_ccs = sorted({g["compute_cap"] for g in a.get("gpus") or []})
+    lock_ccs = a.get("ccs") or []
+    figs = {"arch_list": t["arch_list"], "gpu_ccs": gpu_ccs, "lock_ccs": lock_ccs, "recorded": t.get("recorded")}
+    if not t["recorded"] and not t["available"]:
+        return result("arch", "fail", "nvidia-smi lists %d GPU(s) but torch.cuda.is_available() is False "
+                                      "(torch %s, CUDA %s)" % (len(a.get("gpus") or []), t["version"], t["cuda"]),
+                      **figs)
+    bad, how = [], {}
+    for cc in sorted(set(gpu_ccs) | set(lock_ccs)):
+        c = covered(cc, t["arch_list"])
+        how["torch:" + cc] = c
+        if c is None:
+            bad.append("torch has no kernel image for %s (capability %s)" % (sm(cc), cc))
+    cuobjdump = shutil.which("cuobjdump") or (os.path.join(a["cuda_home"], "bin", "cuobjdump")
+                                              if a.get("cuda_home") else None)
+    dists = installed_dists()
+    for lib, mod in (("sgl-kernel", "sgl_kernel"), ("flashinfer-python", "flashinfer")):
+        if lib not in dists:
+            continue
+        if not cuobjdump or not os.path.exists(cuobjdump):
+            how[lib] = "not readable (no cuobjdump)"
+            continue
+        pdir = None
+        for sp in sys.path:
+            if sp and os.path.isdir(os.path.join(sp, mod)):
+                pdir = os.path.join(sp, mod)
+                break
+        archs = lib_archs(pdir, cuobjdump) if pdir else []
+        if not archs:
+            how[lib] = "no compiled targets found (JIT or unreadable)"
+            continue
+        for cc in gpu_ccs:
+            c = covered(cc, archs)
+            how["%s:%s" % (lib, cc)] = c
+            if c is None:
+                bad.append("%s has no kernel image for %s (has %s)" % (lib, sm(cc), ", ".join(archs)))
+    figs["covered_by"] = how
+    if bad:
+        return result("arch", "fail", "; ".join(bad), **figs)
+    return result("arch", "pass", "every capability (%s) covered by torch's arch list" %
+                  ", ".join(sorted(set(gpu_ccs) | set(lock_ccs))), **figs)
+
+
+def _need_cuda(name):
+    t = torch_facts()
+    if not t["installed"]:
+        return result(name, "skip", "torch is not installed in this generation")
+    if t.get("recorded"):
+        return result(name, "fail", "GPU kernels cannot run from a recording (%s)" % TORCH_JSON_ENV)
+    if not t["available"]:
+        return result(name, "fail", "nvidia-smi lists GPUs but torch.cuda.is_available() is False "
+                                    "(torch %s, CUDA %s)" % (t["version"], t["cuda"]))
+    return None
+
+
+def smoke_matmul(device, n=1024):
+    """bf16 matmul vs an fp32 reference; relative error."""
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(n, n, generator=g).to(device)
+    b = torch.randn(n, n, generator=g).to(device)
+    ref = a.float() @ b.float()
+    out = (a.bfloat16() @ b.bfloat16()).float()
+    return float((out - ref).norm() / ref.norm())
+
+
+def smoke_flashinfer(device):
+    import torch
+    import torch.nn.functional as F
+    import flashinfer
+
+    torch.manual_seed(0)
+    L, H, D = 128, 8, 128
+    q, k, v = (torch.randn(L, H, D, device=device, dtype=torch.float16) for _ in range(3))
+    out = flashinfer.single_prefill_with_kv_cache(q, k, v, causal=True)
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1).float(), k.transpose(0, 1).float(),
+                                         v.transpose(0, 1).float(), is_causal=True).transpose(0, 1)
+    return float((out.float() - ref).abs().max())
+
+
+def smoke_sgl_kernel(device):
+    import torch
+    import sgl_kernel
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 4096, device=device, dtype=torch.bfloat16)
+    w = torch.randn(4096, device=device, dtype=torch.bfloat16)
+    out = sgl_kernel.rmsnorm(x, w, 1e-6)
+    xf = x.float()
+    ref = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()
+    return float((out.float() - ref).abs().max())
+
+
+SMOKES = {  # probe → (distribution, function, tolerance, what)
+    "matmul": (None, smoke_matmul, 2e-2, "bf16 matmul vs fp32 reference (relative error)"),
+    "flashinfer": ("flashinfer-python", smoke_flashinfer, 2e-2, "single_prefill_with_kv_cache vs SDPA (max abs)"),
+    "sgl-kernel": ("sgl-kernel", smoke_sgl_kernel, 1e-1, "rmsnorm vs torch (max abs)"),
+}
+
+
+def p_smoke(a, name):
+    dist, fn, tol, what = SMOKES[name]
+    if dist and dist not in installed_dists():
+        return result(name, "skip", "%s is not installed in this generation" % dist)
+    early = _need_cuda(name)
+    if early:
+        return early
+    import torch
+
+    errs = {}
+    for d in torch_facts()["devices"]:
+        try:
+            errs["cuda:%d" % d["index"]] = fn("cuda:%d" % d["index"])
+            torch.cuda.synchronize(d["index"])
+        except Exception as e:  # noqa: BLE001 - "no kernel image", missing symbols, ...
+            return result(name, "fail", "cuda:%d: %s: %s" % (d["index"], type(e).__name__, str(e).splitlines()[0][:200]),
+                          errors=errs, check=what)
+    worst = max(errs.values()) if errs else None
+    if worst is None or worst != worst or worst > tol:
+        return result(name, "fail", "%s: error %s > %g" % (what, worst, tol), errors=errs, check=what)
+    return result(name, "pass", "%s on %d GPU(s): max error %.2g ≤ %g" % (what, len(errs), worst, tol),
+                  errors=errs, check=what)
+
+
+# One process per GPU; rank 0 prints the JSON. `python -c WORKER KIND RANK WORLD PORT BACKEND`.
+WORKER = r"""
+import json, os, sys, time
+import torch, torch.distributed as dist
+kind, rank, world, port, backend = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+if dev.type == "cuda":
+    torch.cuda.set_device(dev)
+dist.init_process_group(backend, rank=rank, world_size=world, device_id=dev if dev.type == "cuda" else None)
+def sync():
+    if dev.type == "cuda": torch.cuda.synchronize(dev)
+rows, ok = [], True
+if kind == "nccl":
+    sizes = [int(s) for s in os.environ.get("PROVISION_ALLREDUCE_SIZES", "1048576,16777216,268435456").split(",")]
+    for dtype in (torch.bfloat16, torch.float32):
+        for nbytes in sizes:
+            n = nbytes // torch.tensor([], dtype=dtype).element_size()
+            x = torch.full((n,), float(rank + 1), dtype=dtype, device=dev)
+            dist.all_reduce(x); sync()
+            want = world * (world + 1) / 2
+            good = bool((x == want).all().item())
+            ok &= good
+            iters = 5
+            x.fill_(1.0); dist.barrier(); sync()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                dist.all_reduce(x)
+            sync()
+            dt = (time.perf_counter() - t0) / iters
+            alg = nbytes / dt / 1e9
+            rows.append({"dtype": str(dtype).split(".")[-1], "bytes": nbytes, "correct": good,
+                         "us": round(dt * 1e6, 1), "algbw_GBps": round(alg, 2),
+                         "busbw_GBps": round(alg * 2 * (world - 1) / world, 2)})
+else:
+    import torch.distributed._symmetric_memory as symm_mem
+    group = dist.group.WORLD
+    for n in (4096, 1 << 20):
+        t = symm_mem.empty(n, device=dev, dtype=torch.bfloat16)
+        symm_mem.rendezvous(t, group.group_name)
+        t.fill_(float(rank + 1)); dist.barrier(); sync()
+        torch.ops.symm_mem.two_shot_all_reduce_(t, "sum", group.group_name); sync()
+        good = bool((t.float() == world * (world + 1) / 2).all().item())
+        ok &= good
+        rows.append({"dtype": "bfloat16", "elements": n, "correct": good})
+dist.barrier()
+dist.destroy_process_group()
+if rank == 0:
+    print(json.dumps({"ok": ok, "rows": rows, "world": world, "backend": backend}))
+"""
+
+
+def free_port():
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def run_workers(kind, world, backend, timeout=300):
+    port = str(free_port())
+    env = dict(os.environ, **SAFE_ENV)
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, kind, str(r), str(world), port, backend],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for r in range(world)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(procs, outs):
+        if p.returncode != 0:
+            last = [l for l in err.strip().splitlines() if l.strip()][-1:] or ["exit %d" % p.returncode]
+            raise RuntimeError(last[0][:300])
+    return json.loads(outs[0][0].strip().splitlines()[-1])
+
+
+def p_collective(a, name):
+    kind = "nccl" if name == "nccl" else "symm"
+    backend = a.get("allreduce_backend") or "nccl"
+    world = len(a.get("gpus") or []) if backend == "nccl" else int(a.get("world") or 2)
+    if backend == "nccl":
+        if world < 2:
+            return result(name, "skip", "one GPU on this host: no all-reduce across GPUs to test")
+        early = _need_cuda(name)
+        if early:
+            return early
+        world = min(world, len(torch_facts()["devices"]))
+    if kind == "symm":
+        try:
+            import torch.distributed._symmetric_memory  # noqa: F401
+            import torch
+            if not hasattr(torch.ops.symm_mem, "two_shot_all_reduce_"):
+                raise AttributeError("torch.ops.symm_mem.two_shot_all_reduce_")
+        except (ImportError, AttributeError, RuntimeError) as e:
+            return result(name, "skip", "this torch has no symmetric-memory two-shot all-reduce (%s)" % e)
+    try:
+        r = run_workers(kind, world, backend, timeout=int(a.get("timeout") or 300))
+    except (RuntimeError, subprocess.TimeoutExpired, ValueError, IndexError) as e:
+        return result(name, "fail", "%d ranks: %s" % (world, e), env=SAFE_ENV)
+    figs = {"world": world, "backend": backend, "rows": r["rows"], "env": SAFE_ENV}
+    if not r["ok"]:
+        bad = [x for x in r["rows"] if not x["correct"]]
+        return result(name, "fail", "wrong sum in %d of %d cases" % (len(bad), len(r["rows"])), **figs)
+    if kind == "nccl":
+        best = max(x["busbw_GBps"] for x in r["rows"])
+        return result(name, "pass", "%d ranks, bf16+fp32 sums correct; bus bandwidth up to %.1f GB/s" % (world, best),
+                      **figs)
+    return result(name, "pass", "%d ranks, two-shot all-reduce sums correct" % world, **figs)
+
+
+def cuda_of_path(text):
+    """A CUDA major.minor named by a toolkit path in a build file (cuda-12.8, /nvidia/cu13/, cuda_12.8)."""
+    m = re.search(r"cuda[-_](\d+\.\d+)", text)
+    if m:
+        return m.group(1)
+    m = re.search(r"/nvidia/cu(\d+)/", text)
+    return m.group(1) if m else None
+
+
+def p_jit_cache(a):
+    want = major_minor(a.get("cuda_version"))
+    base = os.environ.get("FLASHINFER_WORKSPACE_BASE") or os.path.expanduser("~")
+    cache = os.path.join(base, ".cache", "flashinfer")
+    if not os.path.isdir(cache):
+        return result("jit-cache", "pass", "no flashinfer JIT cache at %s" % cache, path=cache)
+    if not want:
+        return result("jit-cache", "skip", "the lock names no CUDA version", path=cache)
+    stale, seen = {}, 0
+    for f in glob.glob(os.path.join(cache, "**", "build.ninja"), recursive=True)[:500]:
+        seen += 1
+        try:
+            text = open(f, errors="replace").read(20000)
+        except OSError:
+            continue
+        got = cuda_of_path(text)
+        if got and not (want == got or want.split(".")[0] == got):
+            top = os.path.relpath(f, cache).split(os.sep)[0]
+            stale.setdefault(os.path.join(cache, top), got)
+    figs = {"path": cache, "build_files": seen, "stale": stale}
+    if stale:
+        where, got = sorted(stale.items())[0]
+        return result("jit-cache", "warn", "flashinfer JIT cache built for CUDA %s (lock: %s); clear %s" %
+                      (got, want, where), **figs)
+    return result("jit-cache", "pass", "%d flashinfer JIT build(s), none for another CUDA" % seen, **figs)
+
+
+# ------------------------------------------------------------------ engine end to end
+
+def _post(url, body, timeout):
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _healthy(base):
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=5) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _pdeathsig():
+    """Engine child: die with the agent (Linux), in its own process group."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class Server:
+    """One engine process: started in its own group, always stopped (TERM, then KILL)."""
+
+    def __init__(self, argv, env, log, cwd=None):
+        self.log = log
+        self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, env=env, text=True, cwd=cwd,
+                                  start_new_session=True, preexec_fn=_pdeathsig)
+        self.lines = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.p.stdout:
+            self.lines.append(line.rstrip())
+
+    def wait_ready(self, base, deadline):
+        """base: a fixed URL, or None to take it from the 'serving ... on http://...' line."""
+        while time.time() < deadline:
+            if self.p.poll() is not None:
+                raise RuntimeError("engine exited with %s: %s" % (self.p.returncode, self.tail()))
+            if base is None:
+                for l in self.lines:
+                    m = re.search(r"(http://[0-9.:a-z]+)", l)
+                    if m:
+                        base = m.group(1)
+            if base and _healthy(base):
+                return base
+            time.sleep(0.2)
+        raise RuntimeError("engine not healthy after %.0fs: %s" % (deadline - self.t0, self.tail()))
+
+    def tail(self):
+        try:
+            self.log.flush()
+            with open(self.log.name, errors="replace") as f:
+                lines = [l.strip() for l in f.read().splitlines() if l.strip()]
+            return (lines[-1] if lines else "(no output)")[:300]
+        except OSError:
+            return "(no log)"
+
+    def stop(self):
+        if self.p.poll() is None:
+            try:
+                os.killpg(self.p.pid, signal.SIGTERM)
+                self.p.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(self.p.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                self.p.wait()
+        return self.p.returncode
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a",
+           "The quick brown fox jumps over the lazy dog. The quick brown", "1, 2, 3, 4, 5, 6,",
+           "In the beginning"]
+
+
+def _included_round(base, prompts, max_tokens, timeout):
+    """Baseline (speculative: false) and EAGLE-3 per prompt, interleaved; warm-up first."""
+    url = base + "/v1/completions"
+    for spec in (False, True):
+        _post(url, {"prompt": prompts[0], "max_tokens": 8, "temperature": 0, "speculative": spec}, timeout)
+    t = {False: 0.0, True: 0.0}
+    n = {False: 0, True: 0}
+    accepts, mismatch = [], []
+    for p in prompts:
+        outs = {}
+        for spec in (False, True):
+            t0 = time.perf_counter()
+            r = _post(url, {"prompt": p, "max_tokens": max_tokens, "temperature": 0, "speculative": spec}, timeout)
+            t[spec] += time.perf_counter() - t0
+            ch = r["choices"][0]
+            outs[spec] = ch.get("token_ids") if ch.get("token_ids") is not None else ch.get("text")
+            n[spec] += r["usage"]["completion_tokens"]
+            if spec:
+                accepts.append(float(r["usage"].get("accept_length") or 0.0))
+        if outs[False] != outs[True]:
+            mismatch.append(p)
+    return t, n, accepts, mismatch
+
+
+def _sglang_round(base, prompts, max_tokens, timeout, spec):
+    url = base + "/generate"
+    _post(url, {"text": prompts[0], "sampling_params": {"temperature": 0, "max_new_tokens": 8}}, timeout)
+    secs, toks, outs, accepts = 0.0, 0, [], []
+    for p in prompts:
+        t0 = time.perf_counter()
+        r = _post(url, {"text": p, "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens}}, timeout)
+        secs += time.perf_counter() - t0
+        meta = r.get("meta_info") or {}
+        toks += int(meta.get("completion_tokens") or 0)
+        outs.append(r.get("output_ids") or r.get("text"))
+        if spec and meta.get("spec_verify_ct"):
+            accepts.append(meta["completion_tokens"] / meta["spec_verify_ct"])
+    return secs, toks, outs, accepts
+
+
+def p_engine(a):
+    e = a["engine"]
+    deadline_s = float(e.get("timeout") or 900)
+    env = dict(os.environ, **SAFE_ENV, **(e.get("env") or {}))
+    prompts = e.get("prompts") or PROMPTS
+    max_tokens = int(e.get("max_tokens") or 64)
+    req_timeout = float(e.get("request_timeout") or 300)
+    min_speedup = float(e.get("min_speedup") or 1.0)
+    figs = {"kind": e["kind"], "argv": e["argv"], "device": e.get("device"), "prompts": len(prompts),
+            "max_tokens": max_tokens, "min_speedup": min_speedup}
+    log = tempfile.NamedTemporaryFile("w+", prefix="provision-engine-", suffix=".log", delete=False)
+    figs["log"] = log.name
+    servers = []
+    t_start = time.time()
+
+    def launch(argv, base):
+        s = Server(argv, env, log, cwd=e.get("cwd"))   # cwd: so `-m` finds the shipped code, not a checkout
+        s.t0 = time.time()
+        servers.append(s)
+        url = s.wait_ready(base, t_start + deadline_s)
+        figs.setdefault("ready_s", round(time.time() - s.t0, 1))
+        return s, url
+
+    try:
+        if e["kind"] == "sglang":
+            base = "http://127.0.0.1:%s" % e.get("port", 30000)
+            s, url = launch(e["argv"], base)
+            st, nt, out_s, accepts = _sglang_round(url, prompts, max_tokens, req_timeout, True)
+            s.stop()
+            s, url = launch(e["baseline_argv"], base)
+            sb, nb, out_b, _ = _sglang_round(url, prompts, max_tokens, req_timeout, False)
+            s.stop()
+            t, n = {False: sb, True: st}, {False: nb, True: nt}
+            mismatch = [p for p, x, y in zip(prompts, out_b, out_s) if x != y]
+        else:
+            s, url = launch(e["argv"], None)
+            figs["url"] = url
+            t, n, accepts, mismatch = _included_round(url, prompts, max_tokens, req_timeout)
+    except (RuntimeError, urllib.error.URLError, OSError, ValueError, KeyError) as ex:
+        return result("engine", "fail", "%s: %s" % (type(ex).__name__, ex), **figs)
+    finally:
+        figs["exit_codes"] = [s.stop() for s in servers]
+        log.close()
+    base_tps = n[False] / t[False] if t[False] else 0.0
+    spec_tps = n[True] / t[True] if t[True] else 0.0
+    acc = sum(accepts) / len(accepts) if accepts else 0.0
+    ratio = spec_tps / base_tps if base_tps else 0.0
+    figs.update(baseline_tok_s=round(base_tps, 2), spec_tok_s=round(spec_tps, 2), speedup=round(ratio, 3),
+                accept_length=round(acc, 3), greedy_identical=not mismatch, mismatched=mismatch[:3])
+    bad = []
+    if mismatch:
+        bad.append("greedy output differs with speculation on %d of %d prompts" % (len(mismatch), len(prompts)))
+    if acc <= 1.0:
+        bad.append("mean acceptance length %.2f ≤ 1.0: speculation accepts nothing (silent fallback)" % acc)
+    if ratio < min_speedup:
+        bad.append("speculative %.1f tok/s ÷ baseline %.1f tok/s = %.2f < min_speedup %.2f" %
+                   (spec_tps, base_tps, ratio, min_speedup))
+    if bad:
+        return result("engine", "fail", "; ".join(bad), **figs)
+    return result("engine", "pass", "identical greedy output, accept length %.2f, speedup %.2f× ≥ %.2f" %
+                  (acc, ratio, min_speedup), **figs)
+
+
+PROBES = {
+    "driver": p_driver, "nvcc": p_nvcc, "packages": p_packages, "torch-cuda": p_torch_cuda, "arch": p_arch,
+    "matmul": lambda a: p_smoke(a, "matmul"), "flashinfer": lambda a: p_smoke(a, "flashinfer"),
+    "sgl-kernel": lambda a: p_smoke(a, "sgl-kernel"), "nccl": lambda a: p_collective(a, "nccl"),
+    "symm-mem": lambda a: p_collective(a, "symm-mem"), "jit-cache": p_jit_cache, "engine": p_engine,
+}
+
+
+def _stop(signum, frame):
+    raise SystemExit(128 + signum)   # unwinds through `finally`, which stops any engine
+
+
+def main(argv):
+    a = json.loads(base64.b64decode(argv[1]).decode()) if len(argv) > 1 else {}
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, _stop)
+    out = []
+    for name in a.get("probes", []):
+        t0 = time.perf_counter()
+        try:
+            r = PROBES[name](a)
+        except Exception as e:  # noqa: BLE001 - a probe that crashes is a failed probe, not a dead agent
+            r = result(name, "fail", "probe crashed: %s: %s" % (type(e).__name__, (str(e).splitlines() or [""])[0][:300]))
+        r["seconds"] = round(time.perf_counter() - t0, 2)
+        out.append(r)
+    return {"results": out, "python": sys.executable, "version": "%d.%d.%d" % sys.version_info[:3],
+            "dists": installed_dists()}
+
+
+if __name__ == "__main__":
+    try:
+        res = main(sys.argv[1:])
+    except Exception as e:  # noqa: BLE001 - the controller wants one JSON line, never a traceback
+        res = {"error": "%s: %s" % (type(e).__name__, e)}
+    print(json.dumps(res))

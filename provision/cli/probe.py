@@ -1,0 +1,97 @@
+"""`provision probe` (run the verification probes in a generation) and `provision adopt`; the probe table."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.table import Table
+
+from .common import (HostArg, InventoryOpt, KeyOpt, KnownHostsOpt, LocalOpt, RootOpt, console, edge, one_target,
+                     print_json)
+
+STYLE = {"pass": "green", "fail": "red", "skip": "dim", "warn": "yellow"}
+
+
+def probe_table(report: dict) -> Table:
+    """One row per probe: status, name, reason (and whether a failure blocks the switch)."""
+    title = f"probes in {report.get('generation', '?')}"
+    if report.get("host"):
+        title += f" on {report['host']}"
+    s = report.get("summary") or {}
+    caption = " · ".join(f"{v} {k}" for k, v in s.items() if v)
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
+    for col in ("", "probe", "reason", "s"):
+        table.add_column(col, overflow="fold")
+    for r in report.get("results", []):
+        st = r["status"]
+        mark = f"[{STYLE.get(st, 'white')}]{st}[/]"
+        name = r["name"] + ("" if r.get("required", True) else " (advisory)")
+        secs = f"{r['seconds']:.1f}" if isinstance(r.get("seconds"), (int, float)) else ""
+        table.add_row(mark, name, r.get("reason", ""), secs)
+    return table
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    @edge
+    def probe(host: Optional[str] = HostArg,
+              only: List[str] = typer.Option([], "--only", help="run only this probe (repeatable)"),
+              generation: Optional[str] = typer.Option(None, "--generation", "-g",
+                                                       help="generation number or id (default: current)"),
+              lock: Optional[Path] = typer.Option(None, "--lock", "-l",
+                                                  help="expectations (default: the generation's own lock)"),
+              json_out: bool = typer.Option(False, "--json", help="machine-readable report"),
+              local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt, key: Optional[Path] = KeyOpt,
+              known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
+        """Run the verification probes inside a generation; exit 1 if a required probe fails."""
+        from .. import lock as lockmod
+        from ..probes import run_probes
+        from ..transport import connect
+
+        lk = lockmod.load(lock) if lock else None
+        t = one_target(host, local, inventory, key, known_hosts, root)
+        tr = connect(t)
+        try:
+            rep = run_probes(tr, lk, generation=generation, only=only or None)
+        finally:
+            tr.close()
+        if json_out:
+            print_json(rep)
+        else:
+            console.print(probe_table(rep))
+            verdict = "[green]pass[/green]" if rep["status"] == "pass" else \
+                f"[red]fail[/red]: {', '.join(rep['failed'])}"
+            console.print(f"{rep['generation']} on {rep['host']}: {verdict} ({rep['seconds']:.1f}s)")
+        if rep["status"] != "pass":
+            raise typer.Exit(1)
+
+    @app.command()
+    @edge
+    def adopt(host: Optional[str] = HostArg,
+              path: Optional[str] = typer.Argument(None, help="prefix (or bin/python) of the existing environment"),
+              json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
+              local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt, key: Optional[Path] = KeyOpt,
+              known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
+        """Capture an existing, unmanaged environment as generation 0 (recorded, never moved)."""
+        from .. import apply as applymod
+        from ..facts import root_of
+        from ..transport import connect
+
+        if path is None and local and host:   # `provision adopt --local PATH`
+            host, path = None, host
+        if path is None:
+            raise typer.BadParameter("name the environment to adopt (PATH)")
+        t = one_target(host, local, inventory, key, known_hosts, root)
+        tr = connect(t)
+        try:
+            with tr.hold(f"{root_of(tr)}/.lock"):
+                out = applymod.adopt(tr, path)
+        finally:
+            tr.close()
+        if json_out:
+            print_json(out)
+        elif out.get("id"):
+            console.print(f"Adopted {path} on {t.name} as generation {out['id']}.")
+        else:
+            console.print(out.get("detail", "nothing adopted"))

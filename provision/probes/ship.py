@@ -1,0 +1,70 @@
+"""Ship the tool's host-side engine code to a host, content-addressed: `<root>/tool/<digest>/provision/…`.
+
+That directory goes on PYTHONPATH so a generation's interpreter runs `python -m provision.engine.serve`
+without anything being installed into the generation.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import tarfile
+from pathlib import Path
+
+from ..errors import HostError
+from ..facts import root_of
+from ..transport import Transport
+
+PKG = Path(__file__).resolve().parent.parent          # the local `provision` package
+
+_UNPACK = r"""
+import base64, io, os, shutil, sys, tarfile
+final = sys.argv[1]
+if os.path.exists(os.path.join(final, ".complete")):
+    print(final); sys.exit(0)
+tmp = final + ".tmp-%d" % os.getpid()
+os.makedirs(tmp)
+with tarfile.open(fileobj=io.BytesIO(base64.b64decode(sys.stdin.buffer.read()))) as t:
+    for m in t.getmembers():
+        if m.name.startswith("/") or ".." in m.name.split("/"):
+            raise SystemExit("unsafe path in bundle: " + m.name)
+    t.extractall(tmp)
+open(os.path.join(tmp, ".complete"), "w").close()
+if os.path.exists(final):
+    shutil.rmtree(final)
+os.replace(tmp, final)
+print(final)
+"""
+
+
+def bundle_files() -> list[tuple[str, bytes]]:
+    """(path relative to the tool dir, content) for provision/__init__.py and provision/engine/**."""
+    files = [("provision/__init__.py", (PKG / "__init__.py").read_bytes())]
+    for p in sorted((PKG / "engine").rglob("*")):
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".pyo"):
+            files.append((f"provision/{p.relative_to(PKG).as_posix()}", p.read_bytes()))
+    return files
+
+
+def digest(files: list[tuple[str, bytes]]) -> str:
+    h = hashlib.sha256()
+    for rel, data in files:
+        h.update(rel.encode() + b"\0" + hashlib.sha256(data).digest())
+    return h.hexdigest()[:16]
+
+
+def ship_engine(transport: Transport) -> str:
+    """Make sure the engine code is on the host; returns the directory to put on PYTHONPATH."""
+    files = bundle_files()
+    final = f"{root_of(transport)}/tool/{digest(files)}"
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as t:
+        for rel, data in files:
+            info = tarfile.TarInfo(rel)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            t.addfile(info, io.BytesIO(data))
+    r = transport.run(["python3", "-c", _UNPACK, final], stdin=base64.b64encode(buf.getvalue()))
+    if r.rc != 0:
+        raise HostError(f"cannot ship the engine to {final}: {(r.stderr.strip() or r.stdout.strip())[-200:]}",
+                        where=transport.target.name)
+    return final

@@ -1,0 +1,348 @@
+"""Probes: every probe's pass and fail paths (GPU ones through recorded real H200 output), verify-
+before-switch over real SSH, the engine end to end with a small pair, and the H200 command sequence."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from provision import apply as applymod
+from provision import generations, lock as lockmod
+from provision.agent import probes as agentprobes
+from provision.probes import REGISTRY, run_probes
+from provision.transport import Local, Target, connect
+from wheelhouse import write_lock
+
+ROOT = Path(__file__).resolve().parent.parent
+H200 = Path(__file__).parent / "data" / "h200"
+
+
+def by_name(report):
+    return {r["name"]: r for r in report["results"]}
+
+
+def lock_text(**over) -> lockmod.Lock:
+    data = {"lock": 1, "name": "expect", "platform": {"python": "%d.%d" % sys.version_info[:2]},
+            "packages": [], "engine": {}, "probes": {}}
+    for k, v in over.items():
+        if k in ("driver", "gpus", "cuda"):
+            data["platform"][k] = v
+        else:
+            data[k] = v
+    return lockmod.loads(yaml.safe_dump(data), "expect.yaml")
+
+
+def fake_smi(tmp_path, gpus=1) -> str:
+    """nvidia-smi that prints the recorded H200 query (one line per GPU)."""
+    line = (H200 / "nvidia-smi-query.csv").read_text().strip()
+    rows = [line] + [line.replace("0, NVIDIA", f"{i}, NVIDIA", 1) for i in range(1, gpus)]
+    (tmp_path / "smi.csv").write_text("\n".join(rows) + "\n")
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\ncat {tmp_path / 'smi.csv'}\n")
+    smi.chmod(0o755)
+    return str(smi)
+
+
+@pytest.fixture
+def adopted(tmp_path):
+    """This interpreter's environment (it has torch) adopted as generation 0 of a fresh local root."""
+    t = Target(host="local", vars={"provision_root": str(tmp_path / "root")})
+    tr = Local(t)
+    applymod.adopt(tr, sys.prefix)
+    return tr
+
+
+# ---------------------------------------------------------------- verify before switch (real SSH)
+
+def test_failing_probe_refuses_switch_and_skip_probe_is_recorded(target, wheels, tmp_path):
+    a = write_lock(tmp_path / "a.yaml", "stack-a", [wheels["alpha-1.0"]])
+    nocuda = tmp_path / "no-cuda"
+    nocuda.mkdir()
+    b = write_lock(tmp_path / "b.yaml", "stack-b", [wheels["alpha-2.0"]])
+    data = yaml.safe_load(b.read_text())
+    data["platform"]["cuda"] = {"version": "13.0", "source": "host", "home": str(nocuda)}
+    b.write_text(yaml.safe_dump(data))
+    tr = connect(target)
+    try:
+        rep = applymod.apply(tr, lockmod.load(a))
+        assert rep.probes["status"] == "pass" and rep.probes["summary"]["fail"] == 0
+        assert by_name(rep.probes)["packages"]["status"] == "pass"
+        with pytest.raises(applymod.ProbesFailed, match=r"probes failed in 0002-stack-b: nvcc; current left at "
+                                                        r"0001-stack-a"):
+            applymod.apply(tr, lockmod.load(b))
+        assert os.readlink(Path(target.vars["provision_root"]) / "current") == "generations/0001-stack-a"
+        man = generations.read(tr, "0002-stack-b")["manifest"]
+        assert man["status"] == "failed" and "nvcc" in man["reason"] and man["probes_status"] == "fail"
+        stored = json.loads((Path(target.vars["provision_root"]) / "generations/0002-stack-b/probes.json").read_text())
+        assert stored["failed"] == ["nvcc"] and f"no nvcc at {nocuda}/bin/nvcc" in by_name(stored)["nvcc"]["reason"]
+
+        rep = applymod.apply(tr, lockmod.load(b), skip_probes=["nvcc"])
+        assert rep.status == "applied" and rep.generation == "0003-stack-b"
+        assert by_name(rep.probes)["nvcc"]["status"] == "skip"
+        events = applymod.history(tr)["events"]
+        probe_ev = [e for e in events if e["event"] == "probe" and e["generation"] == "0003-stack-b"]
+        assert probe_ev and probe_ev[0]["skipped_probes"] == ["nvcc"] and probe_ev[0]["status"] == "pass"
+        assert [e for e in events if e["event"] == "apply"][-1]["skipped_probes"] == ["nvcc"]
+        with pytest.raises(Exception, match="unknown probe 'nvc'"):
+            run_probes(tr, skip=["nvc"])
+    finally:
+        tr.close()
+
+
+def test_packages_probe_fails_on_drift(target, wheels, tmp_path):
+    a = write_lock(tmp_path / "a.yaml", "stack-a", [wheels["alpha-1.0"], wheels["beta-1.0"]])
+    tr = connect(target)
+    try:
+        applymod.apply(tr, lockmod.load(a))
+        venv = Path(target.vars["provision_root"]) / "current" / "venv"
+        site = next(venv.glob("lib/python*/site-packages"))
+        extra = site / "gamma-1.0.dist-info"
+        extra.mkdir()
+        (extra / "METADATA").write_text("Metadata-Version: 2.1\nName: gamma\nVersion: 1.0\n")
+        (next(site.glob("beta-1.0.dist-info")) / "METADATA").write_text(
+            "Metadata-Version: 2.1\nName: beta\nVersion: 1.1\n")
+        rep = run_probes(tr, only=["packages"])
+        r = by_name(rep)["packages"]
+        assert rep["status"] == "fail" and rep["failed"] == ["packages"]
+        assert r["figures"]["extra"] == ["gamma"] and r["figures"]["different"] == ["beta 1.1 (lock 1.0)"]
+        assert "version differs: beta 1.1 (lock 1.0)" in r["reason"] and "not in the lock: gamma" in r["reason"]
+    finally:
+        tr.close()
+
+
+# ---------------------------------------------------------------- nvcc from NVIDIA's wheels (real apply)
+
+def test_nvcc_from_toolkit_wheels_compiles_sm120(toolkit_generation):
+    t, rep, lk = toolkit_generation
+    assert rep.status == "applied", rep.error
+    r = by_name(rep.probes)["nvcc"]
+    assert r["status"] == "pass", r
+    assert r["figures"]["nvcc"] == "13.0.88" and "sm_120" in r["figures"]["compiled"]
+    assert r["figures"]["cuda_home"].endswith("site-packages/nvidia/cu13")
+    tr = connect(t)
+    try:
+        data = copy.deepcopy(lk.raw)
+        data["platform"]["cuda"]["version"] = "12.8"
+        rep2 = run_probes(tr, lockmod.from_data(data, "cuda12.8"), only=["nvcc"])
+        assert rep2["failed"] == ["nvcc"]
+        assert "nvcc 13.0.88 at" in by_name(rep2)["nvcc"]["reason"] and "lock wants CUDA 12.8" in \
+            by_name(rep2)["nvcc"]["reason"]
+        data["platform"]["cuda"]["version"] = "13.0.1"
+        data["platform"]["gpus"]["compute_capability"] = ["12.0", "99.9"]
+        rep3 = run_probes(tr, lockmod.from_data(data, "bad-cc"), only=["nvcc"])
+        assert "nvcc -arch=sm_999 failed" in by_name(rep3)["nvcc"]["reason"]
+        assert by_name(rep3)["nvcc"]["figures"]["compiled"].keys() == {"sm_120"}
+    finally:
+        tr.close()
+
+
+# ---------------------------------------------------------------- GPU probes through recorded output
+
+def test_gpu_probes_with_recorded_h200(adopted, tmp_path):
+    adopted.target.vars["provision_nvidia_smi"] = fake_smi(tmp_path)
+    adopted.target.vars["provision_probe_env"] = {"PROVISION_PROBE_TORCH_JSON": str(H200 / "torch.json")}
+    good = lock_text(driver={"min": "580.65.06"}, gpus={"compute_capability": ["9.0"]},
+                     cuda={"version": "13.0", "source": "host", "home": str(tmp_path)})
+    rep = run_probes(adopted, good, only=["driver", "torch-cuda", "arch", "nccl", "symm-mem"])
+    r = by_name(rep)
+    assert r["driver"]["status"] == "pass" and r["driver"]["reason"] == "driver 580.159.04 >= 580.65.06"
+    assert r["torch-cuda"]["status"] == "pass" and r["torch-cuda"]["figures"]["torch"] == "2.11.0+cu130"
+    assert r["arch"]["status"] == "pass" and r["arch"]["figures"]["covered_by"]["torch:9.0"] == "sm_90"
+    assert r["nccl"]["status"] == "skip" and "one GPU" in r["nccl"]["reason"]
+    assert r["symm-mem"]["status"] == "skip"
+
+    bad = lock_text(driver={"min": "590.1"}, gpus={"compute_capability": ["9.0"]},
+                    cuda={"version": "12.8", "source": "host", "home": str(tmp_path)})
+    rec = json.loads((H200 / "torch.json").read_text())
+    rec["arch_list"] = ["sm_80", "sm_120"]          # a torch built without Hopper
+    (tmp_path / "torch.json").write_text(json.dumps(rec))
+    adopted.target.vars["provision_probe_env"] = {"PROVISION_PROBE_TORCH_JSON": str(tmp_path / "torch.json")}
+    rep = run_probes(adopted, bad, only=["driver", "torch-cuda", "arch"])
+    r = by_name(rep)
+    assert rep["failed"] == ["driver", "torch-cuda", "arch"]
+    assert r["driver"]["reason"] == "driver 580.159.04 is older than the lock's minimum 590.1"
+    assert r["torch-cuda"]["reason"] == "torch 2.11.0+cu130 is built for CUDA 13.0, the lock wants 12.8"
+    assert "torch has no kernel image for sm_90" in r["arch"]["reason"]
+
+
+def test_gpu_listed_but_torch_cannot_use_it(adopted, tmp_path):
+    """nvidia-smi (recorded) shows GPUs; this CPU torch cannot use them: every GPU probe fails, naming why."""
+    adopted.target.vars["provision_nvidia_smi"] = fake_smi(tmp_path, gpus=2)
+    rep = run_probes(adopted, lock_text(gpus={"compute_capability": ["9.0"]}),
+                     only=["arch", "matmul", "nccl", "flashinfer"])
+    r = by_name(rep)
+    for name in ("arch", "matmul", "nccl"):
+        assert r[name]["status"] == "fail" and "torch.cuda.is_available() is False" in r[name]["reason"], r[name]
+    assert r["flashinfer"]["status"] == "skip" and "flashinfer-python is not installed" in r["flashinfer"]["reason"]
+
+
+def test_no_gpu_probes_skip_with_reasons(adopted):
+    rep = run_probes(adopted, lock_text(gpus={"compute_capability": ["9.0"]}, driver={"min": "580.65.06"}))
+    r = by_name(rep)
+    for name in ("driver", "arch", "matmul", "flashinfer", "sgl-kernel"):
+        assert r[name]["status"] == "skip" and r[name]["reason"].startswith("no NVIDIA GPU on this host")
+    assert r["nccl"]["reason"].startswith("no NVIDIA GPU on this host") and r["engine"]["status"] == "skip"
+    assert [x["name"] for x in rep["results"]] == [p.name for p in REGISTRY]
+    assert rep["status"] == "pass" and r["packages"]["status"] == "pass"
+
+
+def test_smoke_and_collective_harness_on_cpu():
+    """The comparison and the one-process-per-rank all-reduce harness the GPU probes use, on CPU (gloo)."""
+    assert agentprobes.smoke_matmul("cpu", n=256) < 2e-2
+    out = agentprobes.run_workers("nccl", 2, "gloo", timeout=120)
+    assert out["ok"] and out["world"] == 2 and {r["dtype"] for r in out["rows"]} == {"bfloat16", "float32"}
+    assert all(r["busbw_GBps"] > 0 for r in out["rows"])
+    assert agentprobes.covered("12.0", ["sm_90", "compute_90"]) == "compute_90 (PTX JIT)"
+    assert agentprobes.covered("8.6", ["sm_80"]) == "sm_80"
+    assert agentprobes.covered("9.0", ["sm_80", "sm_90a"]) == "sm_90a"
+    assert agentprobes.covered("10.3", ["sm_90", "sm_100a"]) is None
+
+
+# ---------------------------------------------------------------- patches, contract, JIT cache
+
+def test_patched_files_against_manifest(target, wheels, tmp_path):
+    a = write_lock(tmp_path / "a.yaml", "stack-a", [wheels["alpha-1.0"]])
+    tr = connect(target)
+    try:
+        rep = applymod.apply(tr, lockmod.load(a))
+        assert by_name(rep.probes)["patches"]["status"] == "skip"
+        site = next((Path(target.vars["provision_root"]) / "current" / "venv").glob("lib/python*/site-packages"))
+        f = site / "alpha" / "__init__.py"
+        import hashlib
+        generations.mark(tr, rep.generation, patches={"status": "applied", "files": {
+            "alpha/__init__.py": hashlib.sha256(f.read_bytes()).hexdigest()}})
+        r = by_name(run_probes(tr, only=["patches"]))["patches"]
+        assert r["status"] == "pass" and r["reason"] == "1 patched file(s) match the manifest's sha256"
+        f.write_text("# edited by hand after apply\n")
+        r = by_name(run_probes(tr, only=["patches"]))["patches"]
+        assert r["status"] == "fail" and "alpha/__init__.py sha256" in r["reason"]
+    finally:
+        tr.close()
+
+
+def test_contract_probe_on_real_sglang(tmp_path):
+    from sglang_wheel import site_packages
+
+    env = tmp_path / "env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", env], check=True)
+    sp = next(env.glob("lib/python*/site-packages"))
+    (sp / "sglang.pth").write_text(str(site_packages("0.5.9")) + "\n")
+    tr = Local(Target(host="local", vars={"provision_root": str(tmp_path / "root")}))
+    applymod.adopt(tr, str(env))
+    r = by_name(run_probes(tr, lock_text(engine={"kind": "none", "architecture": "KimiK25ForConditionalGeneration"}),
+                           only=["contract"]))["contract"]
+    assert r["status"] == "fail" and "KimiK25ForConditionalGeneration lacks" in r["reason"]
+    assert "get_embed_and_head" in r["reason"] and "set_eagle3_layers_to_capture" in r["reason"]
+    r = by_name(run_probes(tr, lock_text(engine={"architecture": "LlamaForCausalLM"}), only=["contract"]))["contract"]
+    assert r["status"] == "pass", r
+
+
+def test_contract_skips_without_sglang(adopted):
+    r = by_name(run_probes(adopted, lock_text(engine={"architecture": "LlamaForCausalLM"}),
+                           only=["contract"]))["contract"]
+    assert r["status"] == "skip" and "no sglang in this generation" in r["reason"]
+
+
+def test_stale_flashinfer_jit_cache_warns_with_path(adopted, tmp_path):
+    base = tmp_path / "home"
+    build = base / ".cache" / "flashinfer" / "0.6.4" / "90" / "cached_ops" / "batch_prefill"
+    build.mkdir(parents=True)
+    (build / "build.ninja").write_text("nvcc = /usr/local/cuda-12.8/bin/nvcc\ncuda_cflags = -gencode=arch=compute_90\n")
+    adopted.target.vars["provision_probe_env"] = {"FLASHINFER_WORKSPACE_BASE": str(base)}
+    lk = lock_text(cuda={"version": "13.0.1", "source": "host"})
+    rep = run_probes(adopted, lk, only=["jit-cache"])
+    r = by_name(rep)["jit-cache"]
+    assert r["status"] == "warn" and rep["status"] == "pass"      # advisory: never blocks a switch
+    assert r["reason"] == (f"flashinfer JIT cache built for CUDA 12.8 (lock: 13.0); clear "
+                           f"{base / '.cache' / 'flashinfer' / '0.6.4'}")
+    (build / "build.ninja").write_text("nvcc = /opt/g/venv/lib/python3.12/site-packages/nvidia/cu13/bin/nvcc\n")
+    r = by_name(run_probes(adopted, lk, only=["jit-cache"]))["jit-cache"]
+    assert r["status"] == "pass" and "none for another CUDA" in r["reason"]
+
+
+# ---------------------------------------------------------------- engine end to end
+
+def engine_procs(marker: str) -> list[int]:
+    out = []
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and marker in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    from engine_pair import make_pair
+
+    d = tmp_path_factory.mktemp("pairs")
+    return {"agreeing": make_pair(d / "agreeing", True, n_layer=4), "random": make_pair(d / "random", False,
+                                                                                        n_layer=4)}
+
+
+def test_engine_probe_end_to_end(adopted, pairs):
+    eng = {"kind": "included", "model": str(pairs["agreeing"]), "steps": 4}
+    rep = run_probes(adopted, lock_text(engine=eng, probes={"min_speedup": 0.5, "max_tokens": 48}), only=["engine"])
+    r = by_name(rep)["engine"]
+    assert r["status"] == "pass", r
+    f = r["figures"]
+    assert f["greedy_identical"] and f["accept_length"] > 4.0 and f["speedup"] >= 0.5 and f["device"] == "cpu"
+    assert f["exit_codes"] and all(c is not None for c in f["exit_codes"])      # stopped
+    assert not engine_procs(str(pairs["agreeing"]))
+    shipped = Path(adopted.target.vars["provision_root"]) / "tool"
+    assert list(shipped.glob("*/provision/engine/serve.py"))
+
+
+def test_engine_probe_catches_silent_fallback_and_slowdown(adopted, pairs):
+    eng = {"kind": "included", "model": str(pairs["random"])}
+    r = by_name(run_probes(adopted, lock_text(engine=eng, probes={"max_tokens": 24}), only=["engine"]))["engine"]
+    assert r["status"] == "fail" and "speculation accepts nothing (silent fallback)" in r["reason"], r
+    assert r["figures"]["greedy_identical"] is True
+    eng = {"kind": "included", "model": str(pairs["agreeing"])}
+    r = by_name(run_probes(adopted, lock_text(engine=eng, probes={"min_speedup": 50.0, "max_tokens": 24}),
+                           only=["engine"]))["engine"]
+    assert r["status"] == "fail" and "< min_speedup 50.00" in r["reason"]
+    bad = {"kind": "included", "model": str(pairs["agreeing"] / "nope")}
+    r = by_name(run_probes(adopted, lock_text(engine=bad), only=["engine"]))["engine"]
+    assert r["status"] == "fail" and "engine exited with" in r["reason"] and "nope" in r["reason"]
+    assert not engine_procs(str(pairs["agreeing"]))
+
+
+# ---------------------------------------------------------------- CLI: the H200 command sequence on CPU
+
+def cli(*args):
+    p = subprocess.run([sys.executable, "-m", "provision.cli", *map(str, args)], capture_output=True, text=True,
+                       cwd=ROOT, env={**os.environ, "COLUMNS": "160"})
+    assert "Traceback" not in p.stderr, p.stderr
+    return p
+
+
+def test_h200_sequence_on_cpu(tmp_path, pairs):
+    """docs/probe-h200.md's sequence (adopt --local, probe --local --json), engine pointed at a test pair."""
+    root = tmp_path / "root"
+    p = cli("adopt", "--local", sys.prefix, "--root", root)
+    assert p.returncode == 0 and "as generation 0000-adopted" in p.stdout
+    data = yaml.safe_load((ROOT / "lockfiles" / "h200-cuda13.yaml").read_text())
+    data["engine"]["model"] = str(pairs["agreeing"])
+    data["probes"]["min_speedup"] = 0.5
+    (tmp_path / "h200.yaml").write_text(yaml.safe_dump(data))
+    only = [a for n in ("driver", "packages", "arch", "matmul", "nccl", "symm-mem", "engine") for a in ("--only", n)]
+    p = cli("probe", "--local", "--root", root, "--lock", tmp_path / "h200.yaml", "--json", *only)
+    rep = json.loads(p.stdout)
+    assert p.returncode == 0, rep
+    r = by_name(rep)
+    assert r["packages"]["status"] == "pass" and "captured at adoption" in r["packages"]["reason"]
+    assert all(r[n]["status"] == "skip" for n in ("driver", "arch", "matmul", "nccl", "symm-mem"))
+    assert r["engine"]["status"] == "pass"
+    p = cli("probe", "--local", "--root", root, "--only", "packages")
+    assert p.returncode == 0 and "probes in 0000-adopted on local" in p.stdout and "pass" in p.stdout
+    h = cli("history", "--local", "--root", root)
+    assert "pass=1" in h.stdout
