@@ -289,6 +289,39 @@ def apply(transport: Transport, lock: Lock, *, saved_plan: Plan | None = None, a
     return report
 
 
+def apply_fleet(targets: list, lock: Lock, *, serial: int = 0, forks: int = 5,
+                progress_for: Callable[[str], Progress | None] | None = None, **kw) -> list[ApplyReport]:
+    """Apply to many hosts in batches of `serial` (0: one batch), up to `forks` at a time within a
+    batch; a batch with a failure stops the rollout (later hosts are reported as not attempted)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .transport import connect
+
+    def one(t) -> ApplyReport:
+        try:
+            tr = connect(t)
+        except ProvisionError as e:
+            return ApplyReport(host=t.name, lock_name=lock.name, status="failed", error=str(e))
+        try:
+            return apply(tr, lock, progress=progress_for(t.name) if progress_for else None, **kw)
+        except ProvisionError as e:
+            return ApplyReport(host=t.name, lock_name=lock.name, status="failed", error=str(e))
+        finally:
+            tr.close()
+
+    size = serial if serial > 0 else len(targets)
+    reports: list[ApplyReport] = []
+    for i in range(0, len(targets), size):
+        batch = targets[i:i + size]
+        with ThreadPoolExecutor(max_workers=max(1, min(forks, len(batch)))) as pool:
+            reports += list(pool.map(one, batch))
+        if any(r.status == "failed" for r in reports):
+            reports += [ApplyReport(host=t.name, lock_name=lock.name, status="not-attempted",
+                                    error="an earlier batch failed") for t in targets[i + size:]]
+            break
+    return reports
+
+
 def plan(transport: Transport, lock: Lock) -> Plan:
     return make_plan(gather(transport), lock)
 

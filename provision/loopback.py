@@ -29,10 +29,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 class LoopbackHost:
     """`with LoopbackHost() as h:` → h.target (not yet trusted), h.root, h.dir; stops sshd on exit."""
 
-    def __init__(self, base: str | Path | None = None, address: str = "127.0.0.1", netns: str | None = None):
+    def __init__(self, base: str | Path | None = None, netns_index: int | None = None):
+        """`netns_index=i` puts the host in its own network namespace pv-host-i, reached over a veth
+        pair at 10.203.i.2 (the namespace is the test's own; nothing outside this machine is involved)."""
         self.dir = Path(tempfile.mkdtemp(prefix="provision-host-", dir=base))
-        self.address, self.netns = address, netns
-        self.port = free_port() if netns is None else 22
+        self.netns = f"pv-host-{netns_index}" if netns_index is not None else None
+        self.address = f"10.203.{netns_index}.2" if netns_index is not None else "127.0.0.1"
+        self.port = free_port() if netns_index is None else 22
+        self._index = netns_index
         self.root = str(self.dir / "root")
         self.proc: subprocess.Popen | None = None
 
@@ -57,6 +61,7 @@ class LoopbackHost:
             "Subsystem sftp internal-sftp\nLogLevel ERROR\n")
         argv = [SSHD, "-D", "-e", "-f", str(self.dir / "sshd_config")]
         if self.netns:
+            self._make_netns()
             argv = ["ip", "netns", "exec", self.netns, *argv]
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=open(self.dir / "sshd.log", "wb"))
@@ -96,8 +101,24 @@ class LoopbackHost:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
 
+    def _make_netns(self) -> None:
+        if subprocess.run(["ip", "netns", "exec", self.netns, "true"], capture_output=True).returncode == 0:
+            return
+        i, ns, veth = self._index, self.netns, f"pvh{self._index}"
+        for cmd in (["ip", "netns", "add", ns], ["ip", "-n", ns, "link", "set", "lo", "up"],
+                    ["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns],
+                    ["ip", "addr", "add", f"10.203.{i}.1/30", "dev", veth], ["ip", "link", "set", veth, "up"],
+                    ["ip", "-n", ns, "addr", "add", f"10.203.{i}.2/30", "dev", "eth0"],
+                    ["ip", "-n", ns, "link", "set", "eth0", "up"]):
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise ProvisionError(f"cannot make network namespace {ns}: {' '.join(cmd)}: {r.stderr.strip()}")
+
     def cleanup(self) -> None:
         self.stop()
+        if self.netns:
+            subprocess.run(["ip", "netns", "del", self.netns], capture_output=True)
+            subprocess.run(["ip", "link", "del", f"pvh{self._index}"], capture_output=True)
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> "LoopbackHost":

@@ -82,6 +82,8 @@ def register(app: typer.Typer) -> None:
                                                   help="first contact: capture this existing env as generation 0"),
               skip_probe: List[str] = typer.Option([], "--skip-probe", help="emergency: skip a probe (recorded)"),
               installer: Optional[str] = typer.Option(None, "--installer", help="uv or pip (default: uv if on host)"),
+              serial: int = typer.Option(0, "--serial", help="fleet: hosts per batch; a failed batch stops the rollout"),
+              forks: int = typer.Option(5, "--forks", help="fleet: hosts applied at once within a batch"),
               json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
               key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
         """One-command upgrade: build a new generation, patch, probe, switch `current`."""
@@ -89,7 +91,23 @@ def register(app: typer.Typer) -> None:
         if saved is None and lock is None:
             raise typer.BadParameter("give --lock or --plan")
         lk = applymod.lock_of_plan(saved) if saved else lockmod.load(lock)
-        t = one_target(host, local, inventory, key, known_hosts, root)
+        ts = targets(host, local, inventory, key, known_hosts, root)
+        if len(ts) > 1:
+            if saved:
+                raise typer.BadParameter("a saved plan is for one host")
+            reports = applymod.apply_fleet(ts, lk, serial=serial, forks=forks, adopt_path=adopt,
+                                           skip_probes=skip_probe, installer=installer)
+            if json_out:
+                print_json([r.to_json() for r in reports])
+            else:
+                for r in reports:
+                    console.print(f"  {r.host:<28} {r.status:<14} {r.generation or ''} {r.error or ''}", markup=False)
+                counts = {s: sum(r.status == s for r in reports) for s in ("applied", "noop", "failed", "not-attempted")}
+                console.print("Fleet: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + ".")
+            if any(r.status in ("failed", "not-attempted") for r in reports):
+                raise typer.Exit(1)
+            return
+        t = ts[0]
         tr = connect(t)
         try:
             if not json_out:
