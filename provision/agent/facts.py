@@ -109,7 +109,7 @@ def generations(root):
                      "lock_digest": man.get("lock_digest"), "adopted_from": man.get("adopted_from"),
                      "cuda_home": man.get("cuda_home"), "probes": man.get("probes_summary"),
                      "stack": man.get("stack"),
-                     "patches": [p.get("series") for p in (man.get("patches") or {}).get("series", [])]
+                     "patches": [p.get("name") for p in (man.get("patches") or {}).get("series", [])]
                      if isinstance(man.get("patches"), dict) else []})
     cur = None
     link = os.path.join(root, "current")

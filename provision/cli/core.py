@@ -10,6 +10,7 @@ from rich.table import Table
 
 from .. import apply as applymod
 from .. import lock as lockmod
+from ..errors import ProvisionError
 from ..plan import render_plan
 from ..transport import connect
 from .common import (HostArg, InventoryOpt, KeyOpt, KnownHostsOpt, LocalOpt, RootOpt, console, edge,
@@ -53,14 +54,19 @@ def register(app: typer.Typer) -> None:
         """Dry-run diff of host vs lock (read-only)."""
         if lock is None:
             raise typer.BadParameter("--lock is required")
-        lk = lockmod.load(lock)
-        plans = []
-        for t in targets(host, local, inventory, key, known_hosts, root):
-            tr = connect(t)
-            try:
-                plans.append(applymod.plan(tr, lk))
-            finally:
-                tr.close()
+        try:
+            lk = lockmod.load(lock)
+            plans = []
+            for t in targets(host, local, inventory, key, known_hosts, root):
+                tr = connect(t)
+                try:
+                    plans.append(applymod.plan(tr, lk))
+                finally:
+                    tr.close()
+        except ProvisionError as e:
+            if detailed_exitcode:   # 2 means "changes" there; every error is 1
+                e.exit_code = 1
+            raise
         if out:
             data = plans[0].to_json() if len(plans) == 1 else [p.to_json() for p in plans]
             out.write_text(json.dumps(data, indent=2))
