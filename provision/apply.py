@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Callable
 from urllib.parse import unquote, urlparse
 
-from packaging.version import InvalidVersion, Version
 
 from . import generations, lock as lockmod, runner
 from .errors import HostError, PlanError, ProvisionError

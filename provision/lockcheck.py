@@ -363,10 +363,7 @@ class LockDiff:
 
     @property
     def summary(self) -> dict[str, int]:
-        s = {"add": 0, "change": 0, "remove": 0}
-        for c in self.changes:
-            s[c.action] += 1
-        return s
+        return planmod.summarize(self.changes)
 
     def to_json(self) -> dict:
         return {"from": self.old, "to": self.new, "summary": self.summary,

@@ -94,6 +94,13 @@ def diff_stacks(old: Stack, new: Stack) -> list[Change]:
     return changes
 
 
+def summarize(changes: list[Change]) -> dict[str, int]:
+    s = {"add": 0, "change": 0, "remove": 0}
+    for c in changes:
+        s[c.action] += 1
+    return s
+
+
 @dataclass
 class Plan:
     host: str
@@ -109,10 +116,7 @@ class Plan:
 
     @property
     def summary(self) -> dict[str, int]:
-        s = {"add": 0, "change": 0, "remove": 0}
-        for c in self.changes:
-            s[c.action] += 1
-        return s
+        return summarize(self.changes)
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -13,7 +13,7 @@ import pytest
 
 from provision import apply as applymod
 from provision import generations, lock as lockmod
-from provision.errors import HostError, HostKeyError, HostLockedError, LockError, PlanError, ProvisionError
+from provision.errors import HostError, HostKeyError, HostLockedError, LockError, ProvisionError
 from provision.facts import gather
 from provision.loopback import LoopbackHost
 from provision.transport import connect, trust_host

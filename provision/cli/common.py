@@ -73,3 +73,17 @@ def one_target(*a, **kw) -> Target:
     if len(ts) != 1:
         raise ProvisionError(f"this command acts on one host; the inventory names {len(ts)}")
     return ts[0]
+
+
+def each_host(ts: list[Target], fn) -> list:
+    """fn(transport) for each target, connection closed afterwards; results in order."""
+    from ..transport import connect
+
+    out = []
+    for t in ts:
+        tr = connect(t)
+        try:
+            out.append(fn(tr))
+        finally:
+            tr.close()
+    return out

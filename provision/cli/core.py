@@ -13,7 +13,7 @@ from .. import lock as lockmod
 from ..errors import ProvisionError
 from ..plan import render_plan
 from ..transport import connect
-from .common import (HostArg, InventoryOpt, KeyOpt, KnownHostsOpt, LocalOpt, RootOpt, console, edge,
+from .common import (HostArg, each_host, InventoryOpt, KeyOpt, KnownHostsOpt, LocalOpt, RootOpt, console, edge,
                      err_console, one_target, print_json, targets)
 
 LockOpt = typer.Option(None, "--lock", "-l", help="lockfile (YAML)")
@@ -56,13 +56,8 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter("--lock is required")
         try:
             lk = lockmod.load(lock)
-            plans = []
-            for t in targets(host, local, inventory, key, known_hosts, root):
-                tr = connect(t)
-                try:
-                    plans.append(applymod.plan(tr, lk))
-                finally:
-                    tr.close()
+            plans = each_host(targets(host, local, inventory, key, known_hosts, root),
+                              lambda tr: applymod.plan(tr, lk))
         except ProvisionError as e:
             if detailed_exitcode:   # 2 means "changes" there; every error is 1
                 e.exit_code = 1

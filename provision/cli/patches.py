@@ -7,8 +7,7 @@ from typing import List, Optional
 import typer
 
 from .. import patches as patchmod
-from ..transport import connect
-from .common import (HostArg, InventoryOpt, KeyOpt, KnownHostsOpt, LocalOpt, RootOpt, console, edge,
+from .common import (HostArg, each_host, InventoryOpt, KeyOpt, KnownHostsOpt, LocalOpt, RootOpt, console, edge,
                      print_json, targets)
 
 REPO_PATCHES = Path(__file__).resolve().parents[2] / "patches"
@@ -86,16 +85,11 @@ def register(app: typer.Typer) -> None:
     def _run(mode, host, series, python, site_packages, json_out, local, inventory, key, known_hosts, root):
         dirs = series or patchmod.discover_series(REPO_PATCHES)
         loaded = [patchmod.load_series(d) for d in dirs]
-        reports = []
-        for t in _targets(host, local, inventory, key, known_hosts, root, site_packages):
-            tr = connect(t)
-            try:
-                py = patchmod.env_python(tr, python, site_packages)
-                reports.append(patchmod.apply_series(tr, loaded, python=py, check_only=mode == "check",
-                                                     revert=mode == "revert",
-                                                     site_packages=str(site_packages) if site_packages else None))
-            finally:
-                tr.close()
+        sp = str(site_packages) if site_packages else None
+        reports = each_host(_targets(host, local, inventory, key, known_hosts, root, site_packages),
+                            lambda tr: patchmod.apply_series(tr, loaded, python=patchmod.env_python(tr, python, site_packages),
+                                                             check_only=mode == "check", revert=mode == "revert",
+                                                             site_packages=sp))
         if json_out:
             print_json(reports[0] if len(reports) == 1 else reports)
         else:
@@ -127,15 +121,10 @@ def register(app: typer.Typer) -> None:
                  local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt, key: Optional[Path] = KeyOpt,
                  known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
         """EAGLE-3 interface contract of ARCH in the installed SGLang (static; never imports it)."""
-        reports = []
-        for t in _targets(host, local, inventory, key, known_hosts, root, site_packages):
-            tr = connect(t)
-            try:
-                py = patchmod.env_python(tr, python, site_packages)
-                reports.append(patchmod.check_contract(tr, arch, py,
-                                                       site_packages=str(site_packages) if site_packages else None))
-            finally:
-                tr.close()
+        sp = str(site_packages) if site_packages else None
+        reports = each_host(_targets(host, local, inventory, key, known_hosts, root, site_packages),
+                            lambda tr: patchmod.check_contract(tr, arch, patchmod.env_python(tr, python, site_packages),
+                                                               site_packages=sp))
         if json_out:
             print_json(reports[0] if len(reports) == 1 else reports)
         else:
