@@ -411,8 +411,8 @@ if kind == "nccl":
             dt = (time.perf_counter() - t0) / iters
             alg = nbytes / dt / 1e9
             rows.append({"dtype": str(dtype).split(".")[-1], "bytes": nbytes, "correct": good,
-                         "us": round(dt * 1e6, 1), "algbw_GBps": round(alg, 2),
-                         "busbw_GBps": round(alg * 2 * (world - 1) / world, 2)})
+                         "us": round(dt * 1e6, 1), "algbw_GBps": round(alg, 3),
+                         "busbw_GBps": round(alg * 2 * (world - 1) / world, 3)})
 else:
     import torch.distributed._symmetric_memory as symm_mem
     group = dist.group.WORLD

@@ -71,11 +71,14 @@ class Engine:
             self.d_arange = torch.arange(self.d_ctx + steps * topk, device=dev)
         self.ar = torch.arange(max(n, steps + 1, topk * topk), device=dev)
 
+    def _w(self, x: int) -> int:
+        """Attention span covering slots [0, x), rounded up to 64: few distinct shapes, short attention."""
+        return -(-x // 64) * 64
     # ---- plain decoding -------------------------------------------------------------------
     def _prefill(self, ids: list, capture: bool):
         T = len(ids)
         pos = torch.arange(T, device=self.device)
-        mask = self.t_arange[None, :] <= pos[:, None]                          # [T, S] causal
+        mask = self.t_arange[None, : self._w(T)] <= pos[:, None]              # [T, W] causal
         return self.target(torch.tensor([ids], device=self.device), pos, mask, pos, capture=capture)
 
     def _pick(self, logits: Tensor, temperature: float, top_p: float, g) -> Tensor:
@@ -92,7 +95,7 @@ class Engine:
             if n >= self.max_seq_len:
                 return
             pos = self.ar.new_full((1,), n)
-            logits = self.target(tok.view(1, 1), pos, (self.t_arange <= n)[None], pos)
+            logits = self.target(tok.view(1, 1), pos, (self.t_arange[: self._w(n + 1)] <= n)[None], pos)
             tok = self._pick(logits[0, -1], temperature, top_p, g)
             n += 1
 
@@ -108,13 +111,14 @@ class Engine:
         c_tok, c_score, c_par = [tok], [score], [self.ar.new_full((K,), -1)]
         beam_idx, hid = self.ar[:K], dh.expand(K, -1)                           # [K], [K, H]
         anc = torch.zeros(K, self.steps * K, dtype=torch.bool, device=self.device)
-        ctx = (self.d_arange[: self.d_ctx] < n).expand(K, -1)                   # [K, d_ctx]
+        W = min(self._w(n + self.steps + 1), self.d_ctx)                        # scratch slots follow [0, W)
+        ctx = (self.d_arange[:W] < n).expand(K, -1)                             # [K, W]
         for s in range(1, self.steps):
             own = (s - 1) * K + self.ar[:K]
             anc = anc.clone()
             anc[self.ar[:K], own] = True
             pos = self.ar.new_full((K,), n - 1 + s)
-            logits, h = dr(tok[None], hid[None], pos, torch.cat([ctx, anc], -1), self.d_ctx + own)
+            logits, h = dr(tok[None], hid[None], pos, torch.cat([ctx, anc], -1), W + own)
             cs, ci = torch.log_softmax(logits[0].float(), -1).topk(K)          # [K, K]
             child = (score[:, None] + cs).flatten()                              # [K*K]
             base = sum(len(x) for x in c_tok)
@@ -183,14 +187,14 @@ class Engine:
         # draft prefill: position i reads (token i+1, target features at i)
         pos = torch.arange(n, device=self.device)
         nxt = torch.cat([torch.tensor(ids[1:], device=self.device, dtype=torch.long), root.view(1)])
-        dl, dh = dr(nxt[None], aux, pos, self.d_arange[None, :] <= pos[:, None], pos)
+        dl, dh = dr(nxt[None], aux, pos, self.d_arange[None, : self._w(n)] <= pos[:, None], pos)
         dlogits, dhid = dl[0, -1], dh[0, -1:]
         yield [int(root)], 0
         produced, N = 1, self.n_tree
         while produced < max_new and n + N <= S:
             tokens, parent, A = self._draft_tree(n, root, dlogits, dhid)
             depth = A.sum(-1) - 1
-            mask = (self.t_arange < n).expand(N, -1).clone()                   # [N, S]: context + tree
+            mask = (self.t_arange[: self._w(n + N)] < n).expand(N, -1).clone()  # [N, W]: context + tree
             mask[:, n:n + N] = A
             vlogits, vaux = tg(tokens[None], n + depth, mask, n + self.ar[:N], capture=True)
             if temperature <= 0:
@@ -206,14 +210,15 @@ class Engine:
                 layer.attention.kv_cache.move(n + path, n + self.ar[:L])
             # draft extend over the accepted positions n..n+a-1 (padded to L): (next token, features)
             dpos = n + self.ar[:L]
-            dl, dh = dr(out[None], vaux[0, path][None], dpos, self.d_arange[None, :] <= dpos[:, None], dpos)
+            dmask = self.d_arange[None, : self._w(n + L)] <= dpos[:, None]
+            dl, dh = dr(out[None], vaux[0, path][None], dpos, dmask, dpos)
             dlogits, dhid = dl[0, a - 1], dh[0, a - 1:a]
             n, root = n + a, out[a - 1]
             produced += a
             yield emitted, a
         while produced < max_new and n < S:                                      # context tail: plain steps
             pos = self.ar.new_full((1,), n)
-            logits = tg(root.view(1, 1), pos, (self.t_arange <= n)[None], pos)
+            logits = tg(root.view(1, 1), pos, (self.t_arange[: self._w(n + 1)] <= n)[None], pos)
             root = self._pick(logits[0, -1], temperature, top_p, g)
             n, produced = n + 1, produced + 1
             yield [int(root)], 0

@@ -1,8 +1,6 @@
 """The Llama-family target: GQA, RoPE (llama3 scaling), RMSNorm, SwiGLU, a static KV cache.
-
-One forward serves prefill, decode and tree verification: it writes K/V in place at `slots`
-and can return the hidden states feeding chosen layers (the EAGLE-3 auxiliary features).
-"""
+One forward serves prefill, decode and tree verification: it writes K/V in place at `slots` and
+can return the hidden states feeding chosen layers (the EAGLE-3 auxiliary features)."""
 from __future__ import annotations
 
 import math
@@ -123,7 +121,7 @@ class Attention(nn.Module):
         self.kv_cache: Optional[KVCache] = None
 
     def forward(self, x: Tensor, rope: Tensor, mask: Tensor, slots: Tensor) -> Tensor:
-        # x: [B, T, in_dim]; mask: [T, S] bool over cache slots; slots: [T]
+        # x: [B, T, in_dim]; mask: [T, W] bool over cache slots [0, W); slots: [T]
         B, T, _ = x.shape
         q, k, v = self.wqkv(x).split([self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], -1)
         q = q.view(B, T, self.n_head, self.hd).transpose(1, 2)   # [B, h, T, hd]
@@ -132,6 +130,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         if self.kv_cache is not None:                            # None only when training
             k, v = self.kv_cache.update(slots, k, v)             # [B, kv, S, hd]
+            k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]   # attend to the mask's span only
         if self.n_kv != self.n_head:
             k = k.repeat_interleave(self.n_head // self.n_kv, dim=1)
             v = v.repeat_interleave(self.n_head // self.n_kv, dim=1)

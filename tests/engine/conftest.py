@@ -10,6 +10,11 @@ from provision.engine.draft import DraftArgs, Eagle3Draft
 from provision.engine.model import ModelArgs, Transformer
 
 DEVICE = os.environ.get("PROVISION_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    torch.set_num_threads(1)   # tiny models: one thread is faster, and steady on a shared 2-core box
+else:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 
 
 def random_pair(vocab=64, dim=64, n_layer=6, n_head=4, n_kv=2, draft_vocab=None, seed=0, scale=1.0,

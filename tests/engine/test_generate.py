@@ -39,12 +39,12 @@ def test_greedy_random_pair(random_engine, tree, plen):
 @pytest.mark.parametrize("tree", TREES)
 def test_greedy_tiny_pair(tiny, tree):
     tiny.configure(*tree)
-    prompts = ["t", "the quick cat "] + held_out_prompts(2) + [" ".join(held_out_prompts(4))[:400]]
+    prompts = ["t", held_out_prompts(1)[0], " ".join(held_out_prompts(4))[:400]]
     accepts = []
     for p in prompts:
         ids = tiny.tokenizer.encode(p)
-        plain = tiny.generate(ids, 64, temperature=0, speculative=False, stop_at_eos=False).tokens
-        spec = tiny.generate(ids, 64, temperature=0, stop_at_eos=False)
+        plain = tiny.generate(ids, 48, temperature=0, speculative=False, stop_at_eos=False).tokens
+        spec = tiny.generate(ids, 48, temperature=0, stop_at_eos=False)
         assert spec.tokens == plain, p
         accepts += spec.accept_lengths
     assert sum(accepts) / len(accepts) > 1.5      # the trained draft is really accepted
@@ -53,7 +53,7 @@ def test_greedy_tiny_pair(tiny, tree):
 def test_context_end_and_eos(random_engine):
     e = random_engine
     e.configure(3, 2, 6)
-    ids = list(range(150))                        # 10 tokens of room left in a 160-token context
+    ids = [i % 96 for i in range(150)]           # 10 tokens of room left in a 160-token context
     plain = e.generate(ids, 100, temperature=0, speculative=False).tokens
     assert e.generate(ids, 100, temperature=0).tokens == plain and len(plain) == 10
     e.eos_id = plain[3]
@@ -61,6 +61,6 @@ def test_context_end_and_eos(random_engine):
     assert out.tokens == plain[:plain.index(plain[3]) + 1] and out.finish_reason == "stop"
     e.eos_id = None
     with pytest.raises(EngineError, match="does not fit"):
-        e.generate(list(range(160)), 4)
+        e.generate([1] * 160, 4)
     with pytest.raises(EngineError, match="tree settings"):
         e.configure(2, 2, 9)

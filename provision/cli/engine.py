@@ -1,0 +1,124 @@
+"""`provision engine serve|generate|bench`: the included EAGLE-3 engine from the command line."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import EngineError
+from .common import console, edge, print_json
+
+app = typer.Typer(no_args_is_help=True, help="The included EAGLE-3 engine (bundled tiny pair by default).")
+
+ModelOpt = typer.Option(None, "--model", help="target checkpoint directory (default: the bundled tiny pair)")
+DraftOpt = typer.Option(None, "--draft", help="EAGLE-3 draft directory (default: MODEL/draft)")
+DeviceOpt = typer.Option("cpu", "--device", help="cpu, cuda, cuda:1, ...")
+DtypeOpt = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16")
+StepsOpt = typer.Option(5, "--steps", help="draft steps (tree depth)")
+TopkOpt = typer.Option(4, "--topk", help="beams per step (1 = chain)")
+NdtOpt = typer.Option(16, "--num-draft-tokens", help="tokens verified per step, root included")
+SeqOpt = typer.Option(1024, "--max-seq-len", help="context length (KV cache size)")
+ThreadsOpt = typer.Option(1, "--threads", help="CPU threads (0 = torch default)")
+
+
+def _engine_errors(fn):
+    """Map the engine's own (stdlib-only) error onto provision's, for the `edge`."""
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        from ..engine.errors import EngineError as HostSideError
+        try:
+            return fn(*a, **kw)
+        except HostSideError as e:
+            raise EngineError(str(e)) from None
+    return wrapper
+
+
+def _load(model, draft, device, dtype, max_seq_len, steps, topk, ndt, threads):
+    import torch
+
+    from ..engine.loading import load_engine
+    if threads:
+        torch.set_num_threads(threads)
+    return load_engine(model, draft, device, dtype, max_seq_len, steps, topk, ndt)
+
+
+@app.command()
+@edge
+@_engine_errors
+def serve(model: Optional[Path] = ModelOpt, draft: Optional[Path] = DraftOpt, device: str = DeviceOpt,
+          dtype: str = DtypeOpt, steps: int = StepsOpt, topk: int = TopkOpt, num_draft_tokens: int = NdtOpt,
+          max_seq_len: int = SeqOpt, threads: int = ThreadsOpt,
+          host: str = typer.Option("127.0.0.1", "--host"), port: int = typer.Option(8000, "--port"),
+          name: str = typer.Option("provision-tiny", "--name", help="model id in /v1/models")):
+    """Serve the OpenAI-compatible API (/v1/completions, /v1/models, /health, /metrics)."""
+    from ..engine.serve import make_server
+    eng = _load(model, draft, device, dtype, max_seq_len, steps, topk, num_draft_tokens, threads)
+    try:
+        httpd = make_server(eng, host, port, name)
+    except OSError as e:
+        raise EngineError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    console.print(f"serving {name} on http://{host}:{httpd.server_address[1]}")
+    try:
+        httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        httpd.server_close()
+
+
+@app.command()
+@edge
+@_engine_errors
+def generate(prompt: str = typer.Argument(..., help="prompt text"),
+             max_tokens: int = typer.Option(64, "--max-tokens"), temperature: float = typer.Option(0.0, "--temperature"),
+             top_p: float = typer.Option(1.0, "--top-p"), seed: Optional[int] = typer.Option(None, "--seed"),
+             speculative: bool = typer.Option(True, "--speculative/--plain"),
+             model: Optional[Path] = ModelOpt, draft: Optional[Path] = DraftOpt, device: str = DeviceOpt,
+             dtype: str = DtypeOpt, steps: int = StepsOpt, topk: int = TopkOpt, num_draft_tokens: int = NdtOpt,
+             max_seq_len: int = SeqOpt, threads: int = ThreadsOpt, json_out: bool = typer.Option(False, "--json")):
+    """Complete PROMPT once and show the text, tokens/s and acceptance length."""
+    eng = _load(model, draft, device, dtype, max_seq_len, steps, topk, num_draft_tokens, threads)
+    if eng.tokenizer is None:
+        raise EngineError(f"{model}: no tokenizer (byte_tokenizer.json or tokenizer.json) to encode the prompt")
+    r = eng.generate(eng.tokenizer.encode(prompt), max_tokens, temperature=temperature, top_p=top_p,
+                     speculative=speculative, seed=seed)
+    data = {"text": eng.tokenizer.decode(r.tokens), "token_ids": r.tokens, "finish_reason": r.finish_reason,
+            "prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.tokens),
+            "tok_s": round(len(r.tokens) / r.seconds, 2), "accept_length": round(r.accept_length, 3) or 1.0,
+            "speculative": speculative and eng.draft is not None}
+    if json_out:
+        return print_json(data)
+    console.print(prompt + data["text"], markup=False)
+    console.print(f"[dim]{data['completion_tokens']} tokens, {data['tok_s']} tok/s, "
+                  f"accept length {data['accept_length']}[/dim]")
+
+
+@app.command()
+@edge
+@_engine_errors
+def bench(prompts: int = typer.Option(8, "--prompts", help="held-out prompts"),
+          max_new_tokens: int = typer.Option(128, "--max-new-tokens"), repeats: int = typer.Option(1, "--repeats"),
+          model: Optional[Path] = ModelOpt, draft: Optional[Path] = DraftOpt, device: str = DeviceOpt,
+          dtype: str = DtypeOpt, steps: int = StepsOpt, topk: int = TopkOpt, num_draft_tokens: int = NdtOpt,
+          max_seq_len: int = SeqOpt, threads: int = ThreadsOpt, json_out: bool = typer.Option(False, "--json")):
+    """Baseline vs EAGLE-3 greedy decoding in one run: tok/s, ratio, acceptance length, identical output."""
+    from ..engine.bench import run_bench
+    from ..engine.corpus import held_out_prompts
+    eng = _load(model, draft, device, dtype, max_seq_len, steps, topk, num_draft_tokens, threads)
+    if eng.draft is None:
+        raise EngineError(f"{model}: no EAGLE-3 draft to benchmark (pass --draft)")
+    r = run_bench(eng, held_out_prompts(prompts), max_new_tokens, repeats)
+    if json_out:
+        return print_json({k: v for k, v in r.items() if k != "outputs"})
+    console.print(f"device {r['device']}  tree steps={r['steps']} topk={r['topk']} "
+                  f"draft tokens={r['num_draft_tokens']}  {r['prompts']} prompts x {r['max_new_tokens']} tokens")
+    console.print(f"baseline  {r['baseline_tok_s']:>8} tok/s")
+    console.print(f"EAGLE-3   {r['eagle3_tok_s']:>8} tok/s")
+    console.print(f"ratio     {r['ratio']:>8}x   accept length {r['accept_length']}   "
+                  f"greedy identical {'yes' if r['greedy_identical'] else 'NO'}")
+
+
+def register(root: typer.Typer) -> None:
+    root.add_typer(app, name="engine")
