@@ -262,6 +262,8 @@ def apply(transport: Transport, lock: Lock, *, saved_plan: Plan | None = None, a
             generations.mark(transport, gen["id"], status="built", cuda_home=cuda_home,
                              installer="uv" if extravars["uv"] else "pip", run_dir=report.run_dir)
             report.patches = steps.run("patch", patch_hook, transport, lock, gen)
+            if report.patches.get("files"):   # recorded before probes: the patches probe checks these sha256
+                generations.mark(transport, gen["id"], patches=report.patches)
             report.probes = steps.run("probe", probe_hook, transport, lock, gen, list(skip_probes or []))
             if report.probes.get("status") == "fail":
                 failed = ", ".join(report.probes.get("failed", [])) or "?"

@@ -68,7 +68,12 @@ def gpus(nvidia_smi):
         if len(f) >= 7:
             rows.append({"index": int(f[0]), "name": f[1], "uuid": f[2], "driver": f[3], "compute_cap": f[4],
                          "memory": f[5], "pci": f[6]})
-    return {"nvidia_smi": cmd, "gpus": rows, "driver": rows[0]["driver"] if rows else None}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:   # what CUDA programs here will see: by index or UUID, in that order
+        keys = [v.strip() for v in visible.split(",") if v.strip()]
+        rows = [r for k in keys for r in rows if k == str(r["index"]) or r["uuid"].startswith(k)]
+    return {"nvidia_smi": cmd, "gpus": rows, "driver": rows[0]["driver"] if rows else None,
+            "cuda_visible_devices": visible}
 
 
 def nvcc_version(nvcc):

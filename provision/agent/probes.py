@@ -416,6 +416,8 @@ if kind == "nccl":
 else:
     import torch.distributed._symmetric_memory as symm_mem
     group = dist.group.WORLD
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):   # needed by older torch, a no-op later
+        symm_mem.enable_symm_mem_for_group(group.group_name)
     for n in (4096, 1 << 20):
         t = symm_mem.empty(n, device=dev, dtype=torch.bfloat16)
         symm_mem.rendezvous(t, group.group_name)
