@@ -134,11 +134,7 @@ def register(app: typer.Typer) -> None:
                  key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
         """Switch `current` back to the prior generation (atomic, offline, nothing reinstalled)."""
         t = one_target(host, local, inventory, key, known_hosts, root)
-        tr = connect(t)
-        try:
-            out = applymod.rollback(tr, to)
-        finally:
-            tr.close()
+        out = each_host([t], lambda tr: applymod.rollback(tr, to))[0]
         if json_out:
             print_json(out)
         elif out.get("noop"):
@@ -154,11 +150,7 @@ def register(app: typer.Typer) -> None:
                 events: bool = typer.Option(False, "--events", help="also list history.jsonl events")):
         """Generations with lock, time, status and probe summary."""
         t = one_target(host, local, inventory, key, known_hosts, root)
-        tr = connect(t)
-        try:
-            h = applymod.history(tr)
-        finally:
-            tr.close()
+        h = each_host([t], applymod.history)[0]
         if json_out:
             print_json(h)
             return

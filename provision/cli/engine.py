@@ -53,19 +53,14 @@ def serve(model: Optional[Path] = ModelOpt, draft: Optional[Path] = DraftOpt, de
           host: str = typer.Option("127.0.0.1", "--host"), port: int = typer.Option(8000, "--port"),
           name: str = typer.Option("provision-tiny", "--name", help="model id in /v1/models")):
     """Serve the OpenAI-compatible API (/v1/completions, /v1/models, /health, /metrics)."""
-    from ..engine.serve import make_server
+    from ..engine.serve import make_server, serve_until_interrupted
     eng = _load(model, draft, device, dtype, max_seq_len, steps, topk, num_draft_tokens, threads)
     try:
         httpd = make_server(eng, host, port, name)
     except OSError as e:
         raise EngineError(f"cannot listen on {host}:{port}: {e.strerror}") from None
     console.print(f"serving {name} on http://{host}:{httpd.server_address[1]}")
-    try:
-        httpd.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        httpd.server_close()
+    serve_until_interrupted(httpd)
 
 
 @app.command()

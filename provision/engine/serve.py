@@ -294,13 +294,18 @@ def main(argv=None):
     except (EngineError, OSError) as e:
         raise SystemExit(f"error: {e}")
     print(f"serving {a.name} on http://{a.host}:{httpd.server_address[1]}", flush=True)
+    serve_until_interrupted(httpd)
+    return 0
+
+
+def serve_until_interrupted(httpd) -> None:
+    """Serve until Ctrl-C / SIGINT, then close the listening socket."""
     try:
         httpd.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
         httpd.server_close()
-    return 0
 
 
 if __name__ == "__main__":

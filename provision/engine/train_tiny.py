@@ -67,6 +67,7 @@ def draft_unrolled(draft: Eagle3Draft, x, aux, ttt: int):
     hidden = draft.fc(aux)
     i = torch.arange(T, device=x.device)
     ks, vs, outs = [], [], []
+    h = hidden                                                      # carried from step k-1 to step k
     for k in range(ttt):
         if k:
             hidden = F.pad(h[:, :-1], (0, 0, 1, 0))                  # state of position i-1
