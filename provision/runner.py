@@ -65,6 +65,8 @@ def _env(run_dir: Path, sock_dir: str) -> dict:
         "ANSIBLE_LOCALHOST_WARNING": "False",
         "ANSIBLE_INVENTORY_UNPARSED_WARNING": "False",
         "ANSIBLE_PYTHON_INTERPRETER": "auto_silent",
+        # ansible-playbook from the same environment as this tool, also when it is not activated
+        "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
     }
 
 
