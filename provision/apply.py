@@ -167,7 +167,9 @@ def probe_hook(transport: Transport, lock: Lock, gen: dict, skip: list[str]) -> 
         from .probes import run_probes
     except ImportError:
         return {"status": "none", "detail": "no probes are installed yet"}
-    return run_probes(transport, lock, generation=gen["id"], skip=skip, during_apply=True)
+    report = run_probes(transport, lock, generation=gen["id"], skip=skip, during_apply=True)
+    report.setdefault("detail", " · ".join(f"{n} {k}" for k, n in (report.get("summary") or {}).items() if n))
+    return report
 
 
 class _Steps:
