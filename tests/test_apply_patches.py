@@ -41,6 +41,26 @@ def test_patches_applied_in_new_generation_and_recorded(target, tmp_path):
     assert "def get_embed_and_head" in kimi.read_text()
     recorded = man["patches"]["files"]
     assert recorded and all(hashlib.sha256((site / f).read_bytes()).hexdigest() == h for f, h in recorded.items())
+    probes = {r["name"]: r for r in rep.probes["results"]}
+    assert probes["patches"]["status"] == "pass"     # checked in the new generation, before the switch
+    assert probes["contract"]["status"] == "pass"
+
+
+def test_unpatched_kimi_k25_refused_by_contract_probe(target, tmp_path, wheels):
+    """The founding case: EAGLE-3 on Kimi K2.5 with pristine SGLang 0.5.9 would fail at start-up;
+    the contract probe catches it inside the new generation and `current` is never switched."""
+    good = lockmod.load(write_lock(tmp_path / "a.yaml", "stack-a", [wheels["alpha-1.0"]]))
+    lk = sglang_lock(tmp_path, "sgl-unpatched", [])
+    tr = connect(target)
+    try:
+        applymod.apply(tr, good)
+        with pytest.raises(applymod.ProbesFailed, match="contract"):
+            applymod.apply(tr, lk)
+        h = applymod.history(tr)
+    finally:
+        tr.close()
+    assert h["current"] == "0001-stack-a"
+    assert h["generations"][-1]["status"] == "failed"
 
 
 def test_series_that_does_not_apply_refused_current_untouched(target, tmp_path, wheels):
