@@ -114,6 +114,28 @@ class LoopbackHost:
             if r.returncode != 0:
                 raise ProvisionError(f"cannot make network namespace {ns}: {' '.join(cmd)}: {r.stderr.strip()}")
 
+    def vanish(self) -> None:
+        """The host goes away mid-run: kill sshd and every session it forked (SIGKILL, by pid)."""
+        if not self.proc:
+            return
+        doomed, frontier = [], [self.proc.pid]
+        while frontier:   # descendants, from /proc's parent links
+            parent = frontier.pop()
+            doomed.append(parent)
+            for stat in Path("/proc").glob("[0-9]*/stat"):
+                try:
+                    fields = stat.read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                if int(fields[1]) == parent:
+                    frontier.append(int(stat.parent.name))
+        for pid in doomed:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+
     def cleanup(self) -> None:
         self.stop()
         if self.netns:

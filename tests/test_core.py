@@ -210,8 +210,7 @@ def test_host_vanishing_mid_build_leaves_current_untouched(tmp_path, wheels):
         trust_host(h.target)
         tr = connect(h.target)
         applymod.apply(tr, lk_a)
-        killer = threading.Thread(target=lambda: (time.sleep(0.3), subprocess.run(
-            ["pkill", "-f", str(h.dir / "sshd_config")])))
+        killer = threading.Thread(target=lambda: (time.sleep(0.3), h.vanish()))
         seen = []
 
         def progress(step, state, detail):
