@@ -15,7 +15,7 @@ from urllib.parse import unquote, urlparse
 
 from . import generations, lock as lockmod, runner
 from .errors import HostError, PlanError, ProvisionError
-from .facts import capture_lock, gather, root_of
+from .facts import capture_lock, env_paths, gather, root_of
 from .lock import Lock
 from .plan import Plan, facts_digest, make_plan, stack_of_lock
 from .transport import Transport
@@ -206,8 +206,13 @@ def adopt(transport: Transport, prefix: str, facts: dict | None = None) -> dict:
     lk = lockmod.from_data(data, "adopted")
     manifest = {"lock_name": lk.name, "lock_digest": lk.digest, "stack": asdict(stack_of_lock(lk)),
                 "installer": "adopted"}
-    prefix = prefix[: -len("/bin/python")] if prefix.endswith("/bin/python") else prefix
-    return generations.adopt(transport, prefix, lk.name, text, manifest)
+    return generations.adopt(transport, env_paths(prefix)[0], lk.name, text, manifest)
+
+
+def adopt_host(transport: Transport, prefix: str) -> dict:
+    """`provision adopt`: adoption on its own, under the host lock like any mutating run."""
+    with transport.hold(f"{root_of(transport)}/.lock"):
+        return adopt(transport, prefix)
 
 
 def apply(transport: Transport, lock: Lock, *, saved_plan: Plan | None = None, adopt_path: str | None = None,

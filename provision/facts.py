@@ -27,9 +27,12 @@ def gather(transport: Transport, *, adopt: str | None = None) -> dict:
     return facts
 
 
-def _python_of(prefix_or_python: str) -> str:
-    return prefix_or_python if prefix_or_python.rstrip("/").split("/")[-1].startswith("python") \
-        else prefix_or_python.rstrip("/") + "/bin/python"
+def env_paths(path: str) -> tuple[str, str]:
+    """(prefix, interpreter) of an environment named by either (`/opt/env` or `/opt/env/bin/python3`)."""
+    path = path.rstrip("/")
+    if path.rsplit("/", 1)[-1].startswith("python"):
+        return path.rsplit("/", 2)[0], path
+    return path, path + "/bin/python"
 
 
 def capture_lock(transport: Transport, python: str, name: str = "adopted") -> dict:
@@ -40,7 +43,7 @@ def capture_lock(transport: Transport, python: str, name: str = "adopted") -> di
     """
     from .errors import HostError
 
-    facts = gather(transport, adopt=_python_of(python))
+    facts = gather(transport, adopt=env_paths(python)[1])
     env = facts["adopt"]
     if env.get("error"):
         raise HostError(f"cannot read environment {python}: {env['error']}", where=transport.target.name)

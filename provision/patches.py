@@ -17,10 +17,10 @@ from packaging.version import InvalidVersion, Version
 from . import agent, yamlio
 from .agent import patcher as diffs
 from .errors import LockError, PatchError, ProvisionError
+from .facts import root_of
 from .transport import Local, Transport
 
 SERIES_FILE = "series.yaml"
-DEFAULT_ROOT = "/opt/provision"
 
 
 @dataclass
@@ -127,8 +127,7 @@ def env_python(transport: Transport, python: str | None, site_packages: str | No
         return python
     if site_packages:
         return "python3"
-    root = transport.target.vars.get("provision_root", DEFAULT_ROOT)
-    return f"{root}/current/venv/bin/python"
+    return f"{root_of(transport)}/current/venv/bin/python"
 
 
 def _sp_args(site_packages):

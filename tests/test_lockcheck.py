@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from provision import lock as lockmod
 from provision import lockcheck, resolve
 from provision.cli import app
-from test_resolve import make_wheel, sha256
+from wheelhouse import make_wheel, sha256
 
 
 @pytest.fixture(autouse=True)

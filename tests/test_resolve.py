@@ -1,12 +1,9 @@
 """lock resolve against an index the test builds (file:// and a loopback HTTP server)."""
 from __future__ import annotations
 
-import base64
 import functools
-import hashlib
 import http.server
 import threading
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -16,35 +13,10 @@ from typer.testing import CliRunner
 from provision import lock as lockmod
 from provision import resolve
 from provision.cli import app
+from wheelhouse import make_wheel, sha256
 
 
-# ---- helpers shared with test_lockcheck / test_lockdiff: tiny real wheels and a PEP 503 index
-
-def make_wheel(folder: Path, name: str, version: str, requires=(), tag: str = "py3-none-any") -> Path:
-    """Write `name-version-tag.whl` with METADATA (Requires-Dist), WHEEL and RECORD."""
-    dist = name.replace("-", "_")
-    info = f"{dist}-{version}.dist-info"
-    meta = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
-    meta += [f"Requires-Dist: {r}" for r in requires]
-    files = {f"{dist}/__init__.py": f"__version__ = {version!r}\n",
-             f"{info}/METADATA": "\n".join(meta) + "\n",
-             f"{info}/WHEEL": f"Wheel-Version: 1.0\nGenerator: provision-tests\nRoot-Is-Purelib: true\nTag: {tag}\n"}
-    record = []
-    for path, text in files.items():
-        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
-        record.append(f"{path},sha256={digest},{len(text.encode())}")
-    files[f"{info}/RECORD"] = "\n".join(record + [f"{info}/RECORD,,"]) + "\n"
-    folder.mkdir(parents=True, exist_ok=True)
-    out = folder / f"{dist}-{version}-{tag}.whl"
-    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
-        for path, text in files.items():
-            z.writestr(zipfile.ZipInfo(path, date_time=(2020, 1, 1, 0, 0, 0)), text)
-    return out
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
+# ---- a PEP 503 index over tiny real wheels (tests/wheelhouse.py writes them)
 
 def make_index(root: Path, wheels: list[Path]) -> Path:
     """A PEP 503 simple index: files in root/files, one page per project in root/simple/<name>/."""

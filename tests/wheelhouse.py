@@ -13,19 +13,20 @@ def _record_hash(data: bytes) -> str:
     return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
-def make_wheel(outdir: Path, name: str, version: str, requires: list[str] = (), body: str = "") -> Path:
+def make_wheel(outdir: Path, name: str, version: str, requires: list[str] = (), body: str = "",
+               tag: str = "py3-none-any") -> Path:
     mod = name.replace("-", "_")
     dist = f"{mod}-{version}.dist-info"
     files = {
         f"{mod}/__init__.py": (body or f"__version__ = {version!r}\n").encode(),
         f"{dist}/METADATA": ("Metadata-Version: 2.1\n" f"Name: {name}\nVersion: {version}\n"
                              + "".join(f"Requires-Dist: {r}\n" for r in requires)).encode(),
-        f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: provision-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: provision-tests\nRoot-Is-Purelib: true\nTag: " + tag.encode() + b"\n",
     }
     record = "".join(f"{p},{_record_hash(d)},{len(d)}\n" for p, d in files.items()) + f"{dist}/RECORD,,\n"
     files[f"{dist}/RECORD"] = record.encode()
     outdir.mkdir(parents=True, exist_ok=True)
-    path = outdir / f"{mod}-{version}-py3-none-any.whl"
+    path = outdir / f"{mod}-{version}-{tag}.whl"
     with zipfile.ZipFile(path, "w") as z:
         for p, d in files.items():
             z.writestr(zipfile.ZipInfo(p, date_time=(2020, 1, 1, 0, 0, 0)), d)

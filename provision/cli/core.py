@@ -1,4 +1,4 @@
-"""The operator's verbs: plan, apply, rollback, history, demo (parse, call, render)."""
+"""The operator's verbs: plan, apply, adopt, rollback, history, demo (parse, call, render)."""
 from __future__ import annotations
 
 import json
@@ -125,6 +125,26 @@ def register(app: typer.Typer) -> None:
             _print_probes(rep.probes)
             console.print(f"Applied {lk.name} to {t.name}: current {rep.previous or '(none)'} → {rep.generation} "
                           f"in {rep.seconds:.1f}s.")
+
+    @app.command()
+    @edge
+    def adopt(host: Optional[str] = HostArg,
+              path: Optional[str] = typer.Argument(None, help="prefix (or bin/python) of the existing environment"),
+              json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
+              key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
+        """Capture an existing, unmanaged environment as generation 0 (recorded, never moved)."""
+        if path is None and local and host:   # `provision adopt --local PATH`
+            host, path = None, host
+        if path is None:
+            raise typer.BadParameter("name the environment to adopt (PATH)")
+        t = one_target(host, local, inventory, key, known_hosts, root)
+        out = each_host([t], lambda tr: applymod.adopt_host(tr, path))[0]
+        if json_out:
+            print_json(out)
+        elif out.get("id"):
+            console.print(f"Adopted {path} on {t.name} as generation {out['id']}.")
+        else:
+            console.print(out.get("detail", "nothing adopted"))
 
     @app.command()
     @edge

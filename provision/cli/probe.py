@@ -1,4 +1,4 @@
-"""`provision probe` (run the verification probes in a generation) and `provision adopt`; the probe table."""
+"""`provision probe`: run the verification probes in a generation; the probe table."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -65,33 +65,3 @@ def register(app: typer.Typer) -> None:
             console.print(f"{rep['generation']} on {rep['host']}: {verdict} ({rep['seconds']:.1f}s)")
         if rep["status"] != "pass":
             raise typer.Exit(1)
-
-    @app.command()
-    @edge
-    def adopt(host: Optional[str] = HostArg,
-              path: Optional[str] = typer.Argument(None, help="prefix (or bin/python) of the existing environment"),
-              json_out: bool = typer.Option(False, "--json", help="machine-readable output"),
-              local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt, key: Optional[Path] = KeyOpt,
-              known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
-        """Capture an existing, unmanaged environment as generation 0 (recorded, never moved)."""
-        from .. import apply as applymod
-        from ..facts import root_of
-        from ..transport import connect
-
-        if path is None and local and host:   # `provision adopt --local PATH`
-            host, path = None, host
-        if path is None:
-            raise typer.BadParameter("name the environment to adopt (PATH)")
-        t = one_target(host, local, inventory, key, known_hosts, root)
-        tr = connect(t)
-        try:
-            with tr.hold(f"{root_of(tr)}/.lock"):
-                out = applymod.adopt(tr, path)
-        finally:
-            tr.close()
-        if json_out:
-            print_json(out)
-        elif out.get("id"):
-            console.print(f"Adopted {path} on {t.name} as generation {out['id']}.")
-        else:
-            console.print(out.get("detail", "nothing adopted"))
