@@ -18,10 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from provision import apply as applymod  # noqa: E402
 from provision import lock as lockmod  # noqa: E402
+from provision.bundled import DEMO_LOCKS  # noqa: E402
 from provision.loopback import LoopbackHost  # noqa: E402
 from provision.transport import connect, trust_host  # noqa: E402
 
-LOCKS = Path(__file__).resolve().parent.parent / "lockfiles" / "demo"
+LOCKS = DEMO_LOCKS
 
 
 def timed(fn, *a, **kw):

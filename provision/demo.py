@@ -5,16 +5,14 @@ through the callbacks the CLI gives, and the sandbox is removed afterwards.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Callable
 
 from . import apply as applymod
 from . import lock as lockmod
+from .bundled import DEMO_LOCKS
 from .loopback import LoopbackHost
 from .plan import render_plan
 from .transport import connect, trust_host
-
-DEMO_LOCKS = Path(__file__).resolve().parent.parent / "lockfiles" / "demo"
 
 
 def run_demo(say: Callable[[str], None], progress, show_history: Callable[[dict, str], None],

@@ -101,7 +101,7 @@ class Lock:
         return self.doc.where(*keys) if self.doc else self.path
 
     def resolve_path(self, rel: str) -> Path:
-        """A path named in the lock: absolute, or relative to the lock's folder or its parents."""
+        """A path named in the lock: absolute, relative to the lock's folder or its parents, else shipped with provision."""
         p = Path(rel)
         if p.is_absolute():
             return p
@@ -109,7 +109,8 @@ class Lock:
         for d in (base, *base.parents[:2]):
             if (d / p).exists():
                 return d / p
-        return base / p
+        from .bundled import find     # a series shipped with provision, e.g. patches/sglang-0.5.9
+        return find(rel) or base / p
 
 
 class _V:

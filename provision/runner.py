@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .bundled import PLAYBOOKS
 from .transport import Target
 
-PLAYBOOKS = Path(__file__).resolve().parent.parent / "playbooks"
 RUNS = Path(os.environ.get("PROVISION_HOME", Path.home() / ".provision")) / "runs"
 
 

@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from provision.bundled import DEMO_LOCKS  # noqa: E402
 from provision.loopback import LoopbackHost  # noqa: E402
 from provision.transport import trust_host  # noqa: E402
 
@@ -41,7 +42,7 @@ def wheels(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def toolkit_generation(sshd, tmp_path_factory):
-    """A real apply of lockfiles/demo/cuda13-toolkit.yaml (NVIDIA's CUDA 13.0.1 wheels from PyPI,
+    """A real apply of provision/lockfiles/demo/cuda13-toolkit.yaml (NVIDIA's CUDA 13.0.1 wheels from PyPI,
     about 300 MB) over SSH, once per session: (target, apply report, lock)."""
     from provision import apply as applymod
     from provision import lock as lockmod
@@ -49,7 +50,7 @@ def toolkit_generation(sshd, tmp_path_factory):
 
     t = copy.deepcopy(sshd.target)
     t.vars["provision_root"] = str(tmp_path_factory.mktemp("toolkit") / "root")
-    lk = lockmod.load(Path(__file__).resolve().parent.parent / "lockfiles" / "demo" / "cuda13-toolkit.yaml")
+    lk = lockmod.load(DEMO_LOCKS / "cuda13-toolkit.yaml")
     tr = connect(t)
     try:
         rep = applymod.apply(tr, lk)

@@ -10,12 +10,12 @@ import pytest
 
 from provision import apply as applymod
 from provision import generations, lock as lockmod
+from provision.bundled import PATCHES
 from provision.errors import PatchError
 from provision.transport import connect
 from sglang_wheel import wheel
 from wheelhouse import write_lock
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 def sglang_lock(tmp_path, name, patches):
@@ -25,7 +25,7 @@ def sglang_lock(tmp_path, name, patches):
 
 
 def test_patches_applied_in_new_generation_and_recorded(target, tmp_path):
-    lk = sglang_lock(tmp_path, "sgl", [str(REPO / "patches" / "sglang-0.5.9")])
+    lk = sglang_lock(tmp_path, "sgl", [str(PATCHES / "sglang-0.5.9")])
     tr = connect(target)
     try:
         rep = applymod.apply(tr, lk)
@@ -66,7 +66,7 @@ def test_unpatched_kimi_k25_refused_by_contract_probe(target, tmp_path, wheels):
 def test_series_that_does_not_apply_refused_current_untouched(target, tmp_path, wheels):
     bad = tmp_path / "bad-series"
     bad.mkdir()
-    src = REPO / "patches" / "sglang-0.5.9"
+    src = PATCHES / "sglang-0.5.9"
     for f in src.iterdir():
         (bad / f.name).write_text(f.read_text())
     victim = sorted(bad.glob("*.patch"))[-1]

@@ -14,6 +14,7 @@ import sglang_wheel  # noqa: E402
 
 from provision import agent, patches  # noqa: E402
 from provision.agent.contracts import check_contract  # noqa: E402
+from provision.bundled import PATCHES  # noqa: E402
 from provision.cli import app  # noqa: E402
 from provision.transport import Local  # noqa: E402
 
@@ -29,7 +30,7 @@ def pristine() -> Path:
 @pytest.fixture(scope="module")
 def patched(pristine, tmp_path_factory) -> Path:
     sp = sglang_wheel.copy(pristine, tmp_path_factory.mktemp("contract") / "site-packages")
-    series = patches.load_series(sglang_wheel.REPO / "patches" / "sglang-0.5.9")
+    series = patches.load_series(PATCHES / "sglang-0.5.9")
     patches.apply_series(Local(), [series], python=sys.executable, site_packages=str(sp))
     return sp
 

@@ -18,11 +18,12 @@ import sglang_wheel  # noqa: E402
 
 from provision import patches  # noqa: E402
 from provision.agent import patcher  # noqa: E402
+from provision.bundled import PATCHES  # noqa: E402
 from provision.cli import app  # noqa: E402
 from provision.errors import PatchError  # noqa: E402
 from provision.transport import Local  # noqa: E402
 
-SERIES_DIR = sglang_wheel.REPO / "patches" / "sglang-0.5.9"
+SERIES_DIR = PATCHES / "sglang-0.5.9"
 TOUCHED = [
     "sglang/srt/distributed/device_communicators/all_reduce_utils.py",
     "sglang/srt/distributed/device_communicators/torch_symm_mem.py",

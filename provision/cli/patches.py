@@ -7,13 +7,12 @@ from typing import List, Optional
 import typer
 
 from .. import patches as patchmod
+from ..bundled import PATCHES
 from .common import (HostArg, each_host, InventoryOpt, KeyOpt, KnownHostsOpt, LocalOpt, RootOpt, console, edge,
                      print_json, targets)
 
-REPO_PATCHES = Path(__file__).resolve().parents[2] / "patches"
-
 SeriesOpt = typer.Option(None, "--series", "-s",
-                         help="series directory (repeatable); default: every series under patches/")
+                         help="series directory (repeatable); default: every series shipped with provision")
 PythonOpt = typer.Option(None, "--python",
                          help="interpreter of the target environment (default: <root>/current/venv/bin/python)")
 SitePackagesOpt = typer.Option(None, "--site-packages",
@@ -83,7 +82,7 @@ def register(app: typer.Typer) -> None:
     app.add_typer(sub, name="patches")
 
     def _run(mode, host, series, python, site_packages, json_out, local, inventory, key, known_hosts, root):
-        dirs = series or patchmod.discover_series(REPO_PATCHES)
+        dirs = series or patchmod.discover_series(PATCHES)
         loaded = [patchmod.load_series(d) for d in dirs]
         sp = str(site_packages) if site_packages else None
         reports = each_host(_targets(host, local, inventory, key, known_hosts, root, site_packages),
