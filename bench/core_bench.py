@@ -1,7 +1,7 @@
 """Benchmark of the core verbs on a throwaway loopback host (real sshd, ansible-runner, uv, PyPI wheels).
 
 Prints, measured in this one run: first apply, no-op apply, plan, rollback, and re-applying the
-prior lock from scratch (fresh root, empty wheel cache), with the ratios the core issue targets.
+prior lock from scratch (fresh root, empty wheel cache), with their ratios.
 Usage: python bench/core_bench.py [--json] [--repeat N]
 """
 from __future__ import annotations

@@ -38,8 +38,8 @@ MANYLINUX = (2, 28)          # wheels up to manylinux_2_28: any glibc ≥ 2.28 d
 TIMEOUT = 30
 CACHE = Path(os.environ.get("PROVISION_CACHE", Path.home() / ".cache" / "provision"))
 JSON_ACCEPT = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"
-# Settings of pip and uv that would add sources the lock does not name (this machine's
-# pip.conf adds local wheel folders and a constraints file): never passed to the resolver.
+# Settings of pip and uv that would add sources the lock does not name (a pip.conf may add local
+# wheel folders or a constraints file): never passed to the resolver.
 _ENV_DROP = ("PIP_", "UV_")
 
 

@@ -1,7 +1,7 @@
 """The real SGLang wheels as test targets: downloaded once into .cache/wheels/, unpacked per test.
 
 `wheel(version)` fetches `sglang==version` with `pip download --no-deps --isolated` (the default
-index, ignoring this machine's pip config); `site_packages(version)` unpacks it once
+index, ignoring any local pip config); `site_packages(version)` unpacks it once
 into .cache/; `copy` makes cheap writable hard-link copies of that for tests that patch.
 """
 from __future__ import annotations

@@ -240,7 +240,7 @@ def test_malformed_lock_names_file_line(tmp_path):
 
 def test_facts_with_recorded_nvidia_smi(target, tmp_path):
     """A GPU host's facts through nvidia-smi's recorded real output (no GPU can exist here)."""
-    data = Path(__file__).parent / "data" / "h200" / "nvidia-smi-query.csv"   # copied from shared/data/h200
+    data = Path(__file__).parent / "data" / "h200" / "nvidia-smi-query.csv"   # recorded on an H200 host
     fake = tmp_path / "nvidia-smi"
     fake.write_text(f"#!/bin/sh\ncat {data}\n")
     fake.chmod(0o755)
@@ -261,7 +261,7 @@ def test_facts_with_recorded_nvidia_smi(target, tmp_path):
 
 def test_cuda_toolkit_from_nvidia_wheels_into_generation(toolkit_generation):
     """cuda-toolkit[nvcc,cudart,cccl,crt,nvvm]==13.0.1 from the index: nvcc V13.0.88 at the recorded CUDA_HOME,
-    and it compiles for SM120 on this CPU-only machine."""
+    and it compiles for SM120 on a CPU-only host."""
     target, rep, lk = toolkit_generation
     assert rep.status == "applied"
     tr = connect(target)

@@ -11,7 +11,7 @@ from provision.engine.model import ModelArgs, Transformer
 
 DEVICE = os.environ.get("PROVISION_TEST_DEVICE", "cpu")
 if DEVICE == "cpu":
-    torch.set_num_threads(1)   # tiny models: one thread is faster, and steady on a shared 2-core box
+    torch.set_num_threads(1)   # tiny models: one thread is faster, and steady on a small CI runner
 else:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
