@@ -19,10 +19,14 @@ class ProvisionError(Exception):
         return f"{self.where}: {self.message}" if self.where else self.message
 
 
-class LockError(ProvisionError):
-    """A lockfile that cannot be read or does not validate (where = file:line)."""
+class InputError(ProvisionError):
+    """Bad input: an argument, a host spec or a file that does not validate (where = argument or file:line)."""
 
     exit_code = 2
+
+
+class LockError(InputError):
+    """A lockfile that cannot be read or does not validate (where = file:line)."""
 
 
 class HostError(ProvisionError):
@@ -43,6 +47,10 @@ class PlanError(ProvisionError):
 
 class PatchError(ProvisionError):
     """A patch series that does not apply, or a version gate that refuses it."""
+
+
+class SeriesError(InputError, PatchError):
+    """A patch series whose files do not validate (where = series.yaml:line or the diff)."""
 
 
 class EngineError(ProvisionError):

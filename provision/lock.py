@@ -7,23 +7,52 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
-from packaging.utils import canonicalize_name
+from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
+from urllib.parse import unquote, urlsplit
 
 from . import yamlio
 from .errors import LockError
 
 SCHEMA = 1
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$")
-SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}\Z")
+PROJECT_RE = re.compile(r"^([A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9._-]{0,198}[A-Za-z0-9])\Z")    # PEP 508 name
+SHA_RE = re.compile(r"^[0-9a-f]{64}\Z")
+PYTHON_RE = re.compile(r"^3\.\d{1,2}\Z")
+CC_RE = re.compile(r"^\d{1,2}\.\d{1,2}\Z")
+DRIVER_RE = re.compile(r"^\d{1,4}(\.\d{1,4}){0,2}\Z")
+CUDA_RE = re.compile(r"^\d{1,2}\.\d{1,2}(\.\d{1,3})?\Z")
+APT_RE = re.compile(r"^[a-z0-9][a-z0-9+.-]{1,99}\Z")
+ABS_PATH_RE = re.compile(r"^/[A-Za-z0-9._+/-]{0,4095}\Z")
+REL_PATH_RE = re.compile(r"^(?!/)[A-Za-z0-9._+-]+(/[A-Za-z0-9._+-]+)*/?\Z")
+OS_RE = re.compile(r"^[A-Za-z0-9._+-]{1,64}\Z")
+ARCH_RE = re.compile(r"^[a-z0-9_]{1,32}\Z")
+IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,199}\Z")
+ARG_RE = re.compile(r"^(?!-)[^\x00-\x1f\x7f]{1,4096}\Z")
+DEVICE_RE = re.compile(r"^(cpu|cuda(:\d{1,3})?)\Z")
+DTYPE_RE = re.compile(r"^(float32|float16|bfloat16)\Z")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_CONTROL_ML = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")       # newlines and tabs allowed (free text)
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+WHEELHOUSE_ENV = "PROVISION_WHEELHOUSE"
 CUDA_SOURCES = ("wheels", "apt", "host", "none")
+ENGINE_KINDS = ("none", "included", "sglang")
 TOP_KEYS = {"lock", "name", "description", "platform", "indexes", "requires", "overrides", "packages",
             "unresolved", "patches", "engine", "probes"}
+PLATFORM_KEYS = {"python", "os", "arch", "gpus", "driver", "cuda"}
+OVERRIDE_KEYS = {"package", "pins", "use", "reason"}
+PACKAGE_KEYS = {"name", "version", "filename", "url", "sha256", "index"}
+ENGINE_KEYS = {"kind", "model", "architecture", "draft", "tp", "port", "speculative", "launch", "device", "dtype",
+               "steps", "topk", "num_draft_tokens", "max_seq_len"}
+SPECULATIVE_KEYS = {"algorithm", "steps", "topk", "num_draft_tokens"}
+PROBES_KEYS = {"min_speedup", "max_tokens", "prompts", "timeout", "engine_timeout", "collective_timeout"}
 
 
 @dataclass
@@ -114,7 +143,7 @@ class Lock:
 
 
 class _V:
-    """Validation helpers bound to one document, raising LockError at file:line."""
+    """Typed field readers bound to one document: unknown keys and mistyped values raise LockError at file:line."""
 
     def __init__(self, doc: yamlio.Doc):
         self.doc = doc
@@ -123,6 +152,15 @@ class _V:
         field_name = ".".join(str(k) for k in keys) or "<document>"
         raise LockError(f"{field_name}: {msg}", where=self.doc.where(*keys))
 
+    def mapping(self, obj, keys: tuple, known, what: str = "a mapping") -> dict:
+        """`obj` as a mapping whose keys are all in `known`."""
+        if not isinstance(obj, dict):
+            self.fail(keys, f"expected {what}, got {_kind(obj)}")
+        for k in obj:
+            if not isinstance(k, str) or k not in known:
+                self.fail(keys + (k,), f"unknown field {str(k)!r} (known here: {', '.join(sorted(known))})")
+        return obj
+
     def get(self, obj: dict, keys: tuple, key: str, typ, required=False, default=None):
         if key not in obj or obj[key] is None:
             if required:
@@ -130,121 +168,268 @@ class _V:
             return default
         v = obj[key]
         if typ is str and isinstance(v, (int, float)) and not isinstance(v, bool):
-            v = str(v)   # python: 3.12 written without quotes
+            written = self.doc.text(*keys, key) or str(v)
+            self.fail(keys + (key,), f"expected a string, got the number {v!r}: quote it (\"{written}\")")
+        if isinstance(v, bool) and typ in (int, float, (int, float)):
+            self.fail(keys + (key,), f"expected a number, got {v!r}")
         if not isinstance(v, typ):
             want = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
-            self.fail(keys + (key,), f"expected {want}, got {type(v).__name__}")
+            self.fail(keys + (key,), f"expected {want}, got {_kind(v)}")
+        if typ is str:
+            self.text(keys + (key,), v)
         return v
+
+    def text(self, keys: tuple, v: str, multiline: bool = False) -> str:
+        bad = _CONTROL_ML if multiline else _CONTROL
+        if bad.search(v):
+            self.fail(keys, "control characters (newline, tab, NUL, escape …) are not allowed here")
+        return v
+
+    def match(self, obj, keys, key, pattern, what, required=False, default=None):
+        v = self.get(obj, keys, key, str, required=required, default=default)
+        if v is not None and not pattern.match(v):
+            self.fail(keys + (key,), f"{v!r} is not {what}")
+        return v
+
+    def number(self, obj, keys, key, lo, hi, integer=False, default=None):
+        v = self.get(obj, keys, key, int if integer else (int, float), default=default)
+        if v is not None and not (math.isfinite(v) and lo <= v <= hi):
+            self.fail(keys + (key,), f"{v!r} is out of range ({lo}–{hi})")
+        return v
+
+    def strings(self, obj, keys, key, pattern=None, what="", default=()) -> list[str]:
+        items = self.get(obj, keys, key, list, default=list(default))
+        for i, item in enumerate(items):
+            self.get({i: item}, keys + (key,), i, str, required=True)
+            if pattern is not None and not pattern.match(item):
+                self.fail(keys + (key, i), f"{item!r} is not {what}")
+        return items
+
+    def items(self, obj, keys, key, known, what) -> list[tuple[tuple, dict]]:
+        """A list of mappings with `known` keys: [(keys of the item, item)]."""
+        out = []
+        for i, item in enumerate(self.get(obj, keys, key, list, default=[])):
+            k = keys + (key, i)
+            out.append((k, self.mapping(item, k, known, what)))
+        return out
+
+
+def _kind(v) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", type(None): "nothing"}.get(
+        type(v), f"a {type(v).__name__}")
+
+
+def _url(v: _V, keys: tuple, url: str, base: Path, wheelhouses: list[Path]) -> str:
+    """https://, http:// to this machine only, or file:// inside the lock's folder or a configured wheelhouse."""
+    try:
+        u = urlsplit(url)
+        host, port = u.hostname, u.port
+    except ValueError as e:
+        v.fail(keys, f"invalid URL: {e}")
+    if u.username or u.password:
+        v.fail(keys, "credentials in a URL are refused (keep them out of the lock: uv and pip read them from "
+                     "their own configuration)")
+    if u.scheme == "https" or (u.scheme == "http" and host in LOOPBACK):
+        if not host:
+            v.fail(keys, f"{url!r} names no host")
+        return url
+    if u.scheme == "file":
+        if host not in (None, "", "localhost"):
+            v.fail(keys, f"file:// URL names a host ({host})")
+        path = Path(unquote(u.path))
+        if not path.is_absolute() or ".." in path.parts:
+            v.fail(keys, f"file:// URL must be an absolute path without '..': {url!r}")
+        real = os.path.realpath(path)
+        allowed = [base, *wheelhouses]
+        if not any(_inside(real, d) for d in allowed):
+            v.fail(keys, f"file:// URL outside the lock's folder ({base}) and the configured wheelhouses "
+                         f"({WHEELHOUSE_ENV}): {url!r}")
+        return url
+    v.fail(keys, f"URL must be https:// (http:// only to this machine) or file://, got {url!r}")
+
+
+def _inside(real: str, folder: Path) -> bool:
+    top = os.path.realpath(folder)
+    return real == top or real.startswith(top.rstrip(os.sep) + os.sep)
+
+
+def wheelhouses() -> list[Path]:
+    """Folders whose wheels a lock may name by file:// besides its own folder (PROVISION_WHEELHOUSE, os.pathsep)."""
+    return [Path(p) for p in os.environ.get(WHEELHOUSE_ENV, "").split(os.pathsep) if p.strip()]
 
 
 def _parse(doc: yamlio.Doc) -> Lock:
     v = _V(doc)
-    d = doc.data
-    if not isinstance(d, dict):
-        v.fail((), "a lock is a YAML mapping")
-    unknown = sorted(set(map(str, d)) - TOP_KEYS)
-    if unknown:
-        v.fail((unknown[0],), f"unknown field (known: {', '.join(sorted(TOP_KEYS))})")
+    d = v.mapping(doc.data, (), TOP_KEYS, "a lock (a YAML mapping)")
     schema = v.get(d, (), "lock", int, required=True)
-    if schema != SCHEMA:
-        v.fail(("lock",), f"unsupported lock schema {schema} (this tool reads {SCHEMA})")
-    name = v.get(d, (), "name", str, required=True)
-    if not NAME_RE.match(name):
-        v.fail(("name",), f"{name!r} is not a valid name (letters, digits, . _ + -)")
+    if isinstance(schema, bool) or schema != SCHEMA:
+        v.fail(("lock",), f"unsupported lock schema {schema!r} (this tool reads {SCHEMA})")
+    name = v.match(d, (), "name", NAME_RE, "a valid name (letters, digits, . _ + -)", required=True)
+    description = v.get(d, (), "description", str, default="")
+    base = Path(doc.path).resolve().parent
+    houses = wheelhouses()
 
-    pl = v.get(d, (), "platform", dict, required=True)
     k = ("platform",)
-    python = v.get(pl, k, "python", str, required=True)
-    if not re.match(r"^3\.\d+$", python):
-        v.fail(k + ("python",), f"expected a minor version like \"3.12\", got {python!r}")
-    gpus = v.get(pl, k, "gpus", dict, default={})
-    ccs = [str(c) for c in v.get(gpus, k + ("gpus",), "compute_capability", list, default=[])]
-    for i, c in enumerate(ccs):
-        if not re.match(r"^\d+\.\d+$", c):
-            v.fail(k + ("gpus", "compute_capability", i), f"expected like \"12.0\", got {c!r}")
-    drv = v.get(pl, k, "driver", dict, default={})
-    driver_min = v.get(drv, k + ("driver",), "min", str)
-    if driver_min and not re.match(r"^\d+(\.\d+){0,2}$", driver_min):
-        v.fail(k + ("driver", "min"), f"not a driver version: {driver_min!r}")
-    cu = v.get(pl, k, "cuda", dict, default={})
+    pl = v.mapping(v.get(d, (), "platform", dict, required=True), k, PLATFORM_KEYS)
+    python = v.match(pl, k, "python", PYTHON_RE, 'a minor version like "3.12"', required=True)
+    gpus = v.mapping(v.get(pl, k, "gpus", dict, default={}), k + ("gpus",), {"compute_capability"})
+    ccs = v.strings(gpus, k + ("gpus",), "compute_capability", CC_RE, 'a compute capability like "12.0"')
+    drv = v.mapping(v.get(pl, k, "driver", dict, default={}), k + ("driver",), {"min"})
+    driver_min = v.match(drv, k + ("driver",), "min", DRIVER_RE, "a driver version like 580.65.06")
     ck = k + ("cuda",)
-    cuda = Cuda(version=v.get(cu, ck, "version", str), source=v.get(cu, ck, "source", str, default="none"),
-                package=v.get(cu, ck, "package", str), home=v.get(cu, ck, "home", str))
+    cu = v.mapping(v.get(pl, k, "cuda", dict, default={}), ck, {"version", "source", "package", "home"})
+    cuda = Cuda(version=v.match(cu, ck, "version", CUDA_RE, "a CUDA version like 13.0.1"),
+                source=v.get(cu, ck, "source", str, default="none"),
+                package=v.match(cu, ck, "package", APT_RE, "a Debian package name"),
+                home=v.match(cu, ck, "home", ABS_PATH_RE, "an absolute path without '..'"))
+    if cuda.home and ".." in cuda.home.split("/"):
+        v.fail(ck + ("home",), "an absolute path without '..'")
     if cuda.source not in CUDA_SOURCES:
         v.fail(ck + ("source",), f"expected one of {', '.join(CUDA_SOURCES)}, got {cuda.source!r}")
     if cuda.source != "none" and not cuda.version:
         v.fail(ck, "cuda.version is required when a CUDA source is named")
     if cuda.source == "apt" and not cuda.package:
         v.fail(ck, "cuda.source apt needs cuda.package (e.g. cuda-toolkit-13-0)")
-    platform = Platform(python=python, os=v.get(pl, k, "os", str), arch=v.get(pl, k, "arch", str, default="x86_64"),
+    platform = Platform(python=python, os=v.match(pl, k, "os", OS_RE, "an OS name like ubuntu-24.04"),
+                        arch=v.match(pl, k, "arch", ARCH_RE, "a machine name like x86_64", default="x86_64"),
                         compute_capability=ccs, driver_min=driver_min, cuda=cuda)
 
     indexes = v.get(d, (), "indexes", dict, default={})
-    for key, url in indexes.items():
-        if not isinstance(url, str):
-            v.fail(("indexes", key), "expected a URL string")
+    for key in indexes:
+        if not isinstance(key, str) or not NAME_RE.match(key):
+            v.fail(("indexes", key), f"index name {key!r} is not a valid name (letters, digits, . _ + -)")
+        _url(v, ("indexes", key), v.get(indexes, ("indexes",), key, str, required=True), base, houses)
 
-    requires = [str(r) for r in v.get(d, (), "requires", list, default=[])]
+    requires = v.strings(d, (), "requires")
     for i, r in enumerate(requires):
-        try:
-            Requirement(r)
-        except InvalidRequirement as e:
-            v.fail(("requires", i), f"invalid requirement {r!r}: {e}")
+        _requirement(v, ("requires", i), r)
 
     overrides = []
-    for i, o in enumerate(v.get(d, (), "overrides", list, default=[])):
-        ok = ("overrides", i)
-        if not isinstance(o, dict):
-            v.fail(ok, "expected a mapping with package, pins, use, reason")
-        ov = Override(package=canonicalize_name(v.get(o, ok, "package", str, required=True)),
-                      pins=v.get(o, ok, "pins", str, required=True), use=v.get(o, ok, "use", str, required=True),
-                      reason=v.get(o, ok, "reason", str, required=True), line=doc.line(*ok))
+    for ok, o in v.items(d, (), "overrides", OVERRIDE_KEYS, "a mapping with package, pins, use, reason"):
+        ov = Override(package=_name(v, o, ok, "package"), pins=v.get(o, ok, "pins", str, required=True),
+                      use=v.get(o, ok, "use", str, required=True), reason=v.get(o, ok, "reason", str, required=True),
+                      line=doc.line(*ok))
         if len(ov.reason.strip()) < 10:
             v.fail(ok + ("reason",), "an override needs a real reason")
         for fld in ("pins", "use"):
-            try:
-                Requirement(getattr(ov, fld))
-            except InvalidRequirement as e:
-                v.fail(ok + (fld,), f"invalid requirement: {e}")
+            _requirement(v, ok + (fld,), getattr(ov, fld))
         overrides.append(ov)
 
     packages, seen = [], {}
-    for i, p in enumerate(v.get(d, (), "packages", list, default=[])):
-        pk = ("packages", i)
-        if not isinstance(p, dict):
-            v.fail(pk, "expected a mapping with name, version, sha256, url")
-        pname = canonicalize_name(v.get(p, pk, "name", str, required=True))
+    for pk, p in v.items(d, (), "packages", PACKAGE_KEYS, "a mapping with name, version, filename, url, sha256"):
+        pname = _name(v, p, pk, "name")
         ver = v.get(p, pk, "version", str, required=True)
         try:
-            Version(ver)
+            version = Version(ver)
         except InvalidVersion:
-            v.fail(pk + ("version",), f"invalid version {ver!r} for {pname}")
-        sha = v.get(p, pk, "sha256", str)
-        if sha is not None and not SHA_RE.match(sha):
-            v.fail(pk + ("sha256",), f"{pname}: sha256 must be 64 lowercase hex digits")
+            v.fail(pk + ("version",), f"invalid version {ver!r} for {pname} (PEP 440)")
+        sha = v.match(p, pk, "sha256", SHA_RE, "a sha256 (64 lowercase hex digits)")
         if pname in seen:
             v.fail(pk + ("name",), f"{pname} listed twice (also at line {seen[pname]})")
         seen[pname] = doc.line(*pk)
         idx = v.get(p, pk, "index", str)
         if idx and idx not in indexes:
             v.fail(pk + ("index",), f"{pname}: index {idx!r} is not declared under indexes")
-        packages.append(Package(name=pname, version=ver, sha256=sha, filename=v.get(p, pk, "filename", str),
-                                url=v.get(p, pk, "url", str), index=idx, line=doc.line(*pk)))
+        filename = v.get(p, pk, "filename", str)
+        if filename is not None:
+            _wheel_filename(v, pk + ("filename",), filename, pname, version)
+        url = v.get(p, pk, "url", str)
+        if url is not None:
+            _url(v, pk + ("url",), url, base, houses)
+            last = unquote(urlsplit(url).path.rsplit("/", 1)[-1])
+            if filename is not None and last != filename:
+                v.fail(pk + ("url",), f"{pname}: the URL's file {last!r} is not the lock's filename {filename!r}")
+        packages.append(Package(name=pname, version=ver, sha256=sha, filename=filename, url=url, index=idx,
+                                line=doc.line(*pk)))
 
-    unresolved = v.get(d, (), "unresolved", list, default=[])
-    for i, u in enumerate(unresolved):
-        if not isinstance(u, dict) or "name" not in u or "reason" not in u:
-            v.fail(("unresolved", i), "expected {name, reason}")
+    unresolved = []
+    for uk, u in v.items(d, (), "unresolved", {"name", "requirement", "reason"}, "a mapping with name, reason"):
+        _name(v, u, uk, "name")
+        if u.get("requirement") is not None:
+            _requirement(v, uk + ("requirement",), v.get(u, uk, "requirement", str))
+        v.text(uk + ("reason",), v.get(u, uk, "reason", str, required=True), multiline=True)
+        unresolved.append(u)
 
-    patches = [str(x) for x in v.get(d, (), "patches", list, default=[])]
-    engine = v.get(d, (), "engine", dict, default={})
-    probes = v.get(d, (), "probes", dict, default={})
-    ms = probes.get("min_speedup")
-    if ms is not None and (isinstance(ms, bool) or not isinstance(ms, (int, float)) or ms <= 0):
-        v.fail(("probes", "min_speedup"), f"expected a positive number, got {ms!r}")
-    return Lock(name=name, platform=platform, path=doc.path, description=str(d.get("description") or ""),
+    patches = v.strings(d, (), "patches", REL_PATH_RE, "a relative path inside the repository (no '..')")
+    for i, rel in enumerate(patches):
+        if ".." in rel.split("/"):
+            v.fail(("patches", i), f"{rel!r} is not a relative path inside the repository (no '..')")
+    engine = _engine(v, d)
+    probes = _probes(v, d)
+    return Lock(name=name, platform=platform, path=doc.path, description=description,
                 indexes=indexes, requires=requires, overrides=overrides, packages=packages,
                 unresolved=unresolved, patches=patches, engine=engine, probes=probes, raw=d, doc=doc)
+
+
+def _name(v: _V, obj: dict, keys: tuple, key: str) -> str:
+    """A project name (PEP 508), returned in its PEP 503 canonical form."""
+    return canonicalize_name(v.match(obj, keys, key, PROJECT_RE, "a valid project name (PEP 508)", required=True))
+
+
+def _requirement(v: _V, keys: tuple, text: str) -> Requirement:
+    try:
+        req = Requirement(text)
+    except InvalidRequirement as e:
+        v.fail(keys, f"invalid requirement {text!r}: {e}")
+    if req.url:
+        v.fail(keys, f"{text!r}: direct URL requirements are refused (name the package and its version)")
+    return req
+
+
+def _wheel_filename(v: _V, keys: tuple, filename: str, name: str, version: Version) -> None:
+    if "/" in filename or "\\" in filename or filename in (".", ".."):
+        v.fail(keys, f"{filename!r} must be a plain file name (no path separator)")
+    try:
+        wname, wversion, _, _ = parse_wheel_filename(filename)
+    except (InvalidWheelFilename, InvalidVersion) as e:
+        v.fail(keys, f"{filename!r} is not a wheel file name: {e}")
+    if canonicalize_name(wname) != name or wversion != version:
+        v.fail(keys, f"{filename!r} is a wheel of {wname} {wversion}, not of {name} {version}")
+
+
+def _engine(v: _V, d: dict) -> dict:
+    k = ("engine",)
+    e = v.mapping(v.get(d, (), "engine", dict, default={}), k, ENGINE_KEYS)
+    kind = v.get(e, k, "kind", str, default="none")
+    if kind not in ENGINE_KINDS:
+        v.fail(k + ("kind",), f"expected one of {', '.join(ENGINE_KINDS)}, got {kind!r}")
+    for key in ("model", "draft"):
+        v.match(e, k, key, ARG_RE, "a model path or hub id (not starting with '-')")
+    v.match(e, k, "architecture", IDENT_RE, "a Python class name like KimiK25ForConditionalGeneration")
+    v.match(e, k, "device", DEVICE_RE, "cpu, cuda or cuda:N")
+    v.match(e, k, "dtype", DTYPE_RE, "one of float32, float16, bfloat16")
+    v.number(e, k, "tp", 1, 1024, integer=True)
+    v.number(e, k, "port", 1, 65535, integer=True)
+    v.number(e, k, "max_seq_len", 1, 1 << 22, integer=True)
+    for sk, obj in ((k, e), (k + ("speculative",), v.mapping(v.get(e, k, "speculative", dict, default={}),
+                                                               k + ("speculative",), SPECULATIVE_KEYS))):
+        v.number(obj, sk, "steps", 1, 64, integer=True)
+        v.number(obj, sk, "topk", 1, 64, integer=True)
+        v.number(obj, sk, "num_draft_tokens", 1, 1024, integer=True)
+    v.match(e.get("speculative") or {}, k + ("speculative",), "algorithm", IDENT_RE, "an algorithm name like EAGLE3")
+    launch = e.get("launch")
+    if launch is not None:
+        if not isinstance(launch, list) or not launch:
+            v.fail(k + ("launch",), "expected the command as a non-empty list of strings (argv), not a shell line")
+        v.strings(e, k, "launch")
+        if not launch[0].strip():
+            v.fail(k + ("launch", 0), "the program to run is empty")
+    return e
+
+
+def _probes(v: _V, d: dict) -> dict:
+    k = ("probes",)
+    p = v.mapping(v.get(d, (), "probes", dict, default={}), k, PROBES_KEYS)
+    ms = p.get("min_speedup")
+    if ms is not None and (isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 < ms <= 1000):
+        v.fail(k + ("min_speedup",), f"expected a positive number (at most 1000), got {ms!r}")
+    v.number(p, k, "max_tokens", 1, 1 << 20, integer=True)
+    for key in ("timeout", "engine_timeout", "collective_timeout"):
+        v.number(p, k, key, 1, 7 * 86400)
+    prompts = v.strings(p, k, "prompts")
+    for i, text in enumerate(prompts):
+        v.text(k + ("prompts", i), text, multiline=True)
+    return p
 
 
 def load(path: str | Path) -> Lock:

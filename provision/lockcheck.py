@@ -6,6 +6,7 @@ Findings name the package and the requirement; errors fail the check, warnings d
 from __future__ import annotations
 
 import re
+import shlex
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ class Report:
     packages: int
     findings: list[Finding] = field(default_factory=list)
     overrides_used: list[str] = field(default_factory=list)
+    launch: list[str] | None = None     # engine.launch: the one command a lock makes a host run
 
     @property
     def errors(self) -> list[Finding]:
@@ -60,7 +62,8 @@ class Report:
     def to_json(self) -> dict:
         return {"lock": self.lock, "path": self.path, "packages": self.packages, "ok": self.ok,
                 "errors": len(self.errors), "warnings": len(self.warnings),
-                "overrides_used": self.overrides_used, "findings": [asdict(f) for f in self.findings]}
+                "overrides_used": self.overrides_used, "launch": self.launch,
+                "findings": [asdict(f) for f in self.findings]}
 
 
 def cuda_of_tag(version: str) -> str | None:
@@ -324,7 +327,7 @@ def check(lock: Lock, *, offline: bool = False, workers: int = 16) -> Report:
     used = [f"{lock.overrides[i].package}: {lock.overrides[i].pins} → {lock.overrides[i].use}"
             for i in sorted(c.used_overrides)]
     return Report(lock=lock.name, path=lock.path, packages=len(lock.packages), findings=c.findings,
-                  overrides_used=used)
+                  overrides_used=used, launch=lock.engine.get("launch"))
 
 
 def render_report(r: Report) -> str:
@@ -333,6 +336,10 @@ def render_report(r: Report) -> str:
         lines.append(f"  {f.level:<7} [{f.rule}] {f.package}: {f.message}  ({f.where})")
     for o in r.overrides_used:
         lines.append(f"  override applied: {o}")
+    if r.launch:
+        lines.append("  engine.launch is a command that will run on the host (as the deploying user, from the "
+                     "new generation):")
+        lines.append(f"    {shlex.join(r.launch)}")
     verdict = "FAIL" if r.errors else "ok"
     lines.append(f"  {verdict}: {len(r.errors)} errors, {len(r.warnings)} warnings")
     return "\n".join(lines)

@@ -9,15 +9,34 @@ import base64
 import hashlib
 import json
 import os
+import re
 import shlex
 import subprocess
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import HostError, HostKeyError, HostLockedError
+from .errors import HostError, HostKeyError, HostLockedError, InputError
 
 DEFAULT_KNOWN_HOSTS = Path(os.environ.get("PROVISION_HOME", Path.home() / ".provision")) / "known_hosts"
+HOST_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9._-]{0,252})\Z")
+IPV6_RE = re.compile(r"^[0-9A-Fa-f:.]{2,45}\Z")
+USER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}\Z")
+
+
+def parse_port(text, where: str) -> int:
+    """A TCP port from text (a host spec, an inventory): digits only, 1–65535; InputError otherwise."""
+    value = str(text).strip()
+    if not value.isdigit() or not value.isascii():
+        raise InputError(f"bad port {value!r} (a number 1–65535)", where=where)
+    port = int(value)
+    check_port(port, where)
+    return port
+
+
+def check_port(port, where: str) -> None:
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise InputError(f"port {port!r} is out of range (1–65535)", where=where)
 
 
 def quote(argv: list[str]) -> str:
@@ -48,21 +67,29 @@ class Target:
         port = f":{self.port}" if self.port != 22 else ""
         return f"{user}{self.host}{port}"
 
+    def __post_init__(self):
+        check_port(self.port, self.name if isinstance(self.port, int) else self.host)
+
     @classmethod
     def parse(cls, spec: str, **kw) -> "Target":
-        """`[user@]host[:port]`; `local` means this machine."""
+        """`[user@]host[:port]` (IPv6 as `[addr]:port`); `local` means this machine."""
         if spec == "local":
             return cls(host="local", **kw)
         user, _, hostport = spec.rpartition("@")
-        host, port = hostport, 22
-        if hostport.count(":") == 1:
-            host, p = hostport.split(":")
-            if not p.isdigit():
-                raise HostError(f"bad port {p!r}", where=spec)
-            port = int(p)
+        host, port = hostport, "22"
+        m = re.match(r"^\[([0-9A-Fa-f:.]+)\](?::(.*))?\Z", hostport)
+        if m:
+            host, port = m.group(1), m.group(2) if m.group(2) is not None else "22"
+        elif hostport.count(":") == 1:
+            host, port = hostport.split(":")
         if not host:
-            raise HostError("no host name", where=spec)
-        return cls(host=host, user=user or None, port=port, **kw)
+            raise InputError("no host name", where=f"host {spec!r}")
+        if user and not USER_RE.match(user):
+            raise InputError(f"bad user name {user!r}", where=f"host {spec!r}")
+        if not (HOST_RE.match(host) or (":" in host and IPV6_RE.match(host))):
+            raise InputError(f"bad host name {host!r} (letters, digits, '.', '-', or an IP address)",
+                             where=f"host {spec!r}")
+        return cls(host=host, user=user or None, port=parse_port(port, f"host {spec!r}"), **kw)
 
 
 @dataclass
@@ -331,16 +358,43 @@ def scan_host_key(target: Target):
         t.close()
 
 
-def trust_host(target: Target) -> tuple[str, str]:
-    """Record the host's current key in the managed known_hosts; returns (key type, fingerprint)."""
+def known_host_keys(target: Target) -> list:
+    """The keys the managed known_hosts records for this host (any type)."""
     import paramiko
 
-    key = scan_host_key(target)
+    kh = Path(target.known_hosts)
+    if not kh.exists():
+        return []
+    try:
+        found = paramiko.HostKeys(str(kh)).lookup(known_hosts_name(target)) or {}
+    except (OSError, paramiko.SSHException, ValueError) as e:
+        raise InputError(f"cannot read known_hosts: {e}", where=str(kh)) from None
+    return list(found.values())
+
+
+def record_host_key(target: Target, key) -> list[str]:
+    """Make `key` the one key recorded for this host (others for the same name are removed).
+
+    Returns "type fingerprint" of each different key it replaced."""
+    name = known_hosts_name(target)
+    replaced = [f"{k.get_name()} {fingerprint(k)}" for k in known_host_keys(target)
+                if k.asbytes() != key.asbytes()]
     kh = Path(target.known_hosts)
     kh.parent.mkdir(parents=True, exist_ok=True)
-    hk = paramiko.HostKeys(str(kh)) if kh.exists() else paramiko.HostKeys()
-    hk.add(known_hosts_name(target), key.get_name(), key)
-    hk.save(str(kh))
+    lines = kh.read_text().splitlines() if kh.exists() else []
+    keep = [ln for ln in lines if ln.startswith(("#", "@")) or not ln.strip()
+            or name not in ln.split(None, 1)[0].split(",")]
+    keep.append(f"{name} {key.get_name()} {key.get_base64()}")
+    tmp = kh.with_name(kh.name + ".tmp")
+    tmp.write_text("\n".join(keep) + "\n")
+    os.replace(tmp, kh)
+    return replaced
+
+
+def trust_host(target: Target) -> tuple[str, str]:
+    """Scan the host's key once and record exactly that key; returns (key type, fingerprint)."""
+    key = scan_host_key(target)
+    record_host_key(target, key)
     return key.get_name(), fingerprint(key)
 
 

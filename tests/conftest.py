@@ -14,6 +14,24 @@ from provision.loopback import LoopbackHost  # noqa: E402
 from provision.transport import trust_host  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def wheelhouse_root(tmp_path_factory):
+    """The tests' wheels live under pytest's temporary root: the configured wheelhouse a lock's
+    file:// URLs may point into (besides the lock's own folder)."""
+    import os
+
+    from provision.lock import WHEELHOUSE_ENV
+
+    base = str(tmp_path_factory.getbasetemp())
+    old = os.environ.get(WHEELHOUSE_ENV)
+    os.environ[WHEELHOUSE_ENV] = base
+    yield base
+    if old is None:
+        os.environ.pop(WHEELHOUSE_ENV, None)
+    else:
+        os.environ[WHEELHOUSE_ENV] = old
+
+
 @pytest.fixture(scope="session")
 def sshd():
     host = LoopbackHost().start()

@@ -154,7 +154,7 @@ def test_unresolved_listed_with_reason_and_dependents(tmp_path):
 def test_metadata_unreadable_is_an_error(tmp_path):
     path = build(tmp_path, [("lib", "1.0", [])])
     data = yaml.safe_load(path.read_text())
-    data["packages"][0]["url"] = (tmp_path / "missing.whl").as_uri()
+    data["packages"][0]["url"] = (tmp_path / "gone" / data["packages"][0]["filename"]).as_uri()
     path.write_text(yaml.safe_dump(data))
     r = run(path)
     assert rules(r) == [("metadata", "lib")]

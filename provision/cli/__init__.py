@@ -5,8 +5,8 @@ import importlib
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, add_completion=False,
-                  help="Lockfile-driven upgrades of GPU inference hosts.")
+app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
+                  pretty_exceptions_enable=False, help="Lockfile-driven upgrades of GPU inference hosts.")
 
 # Each sub-module registers its commands on `app` (top-level verbs) or adds a sub-app.
 for _mod in ("core", "lock", "hosts", "patches", "engine", "probe"):

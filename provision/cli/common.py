@@ -1,4 +1,7 @@
-"""Shared CLI plumbing: error edge (one line + exit code), host options, JSON output."""
+"""Shared CLI plumbing: error edge (one line + exit code), host options, JSON and text output.
+
+Output is text, never markup: values (hosts, packages, errors) print literally; styling goes through `styled`.
+"""
 from __future__ import annotations
 
 import functools
@@ -9,12 +12,24 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from ..errors import ProvisionError
 from ..transport import DEFAULT_KNOWN_HOSTS, Target
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+# markup and emoji off: `[six==1.17.0]`, `[/x]` and `host:abc:` are printed as they are.
+console = Console(highlight=False, markup=False, emoji=False)
+err_console = Console(stderr=True, highlight=False, markup=False, emoji=False)
+
+
+def styled(*parts) -> Text:
+    """Text from plain strings and (string, style) pairs; no string is ever read as markup."""
+    return Text.assemble(*parts)
+
+
+def plain(text: str) -> Text:
+    """A value as text for renderables that would read a str as markup (spinners, table cells, titles)."""
+    return Text(str(text))
 
 
 def edge(fn):
@@ -25,7 +40,7 @@ def edge(fn):
         try:
             return fn(*a, **kw)
         except ProvisionError as e:
-            err_console.print(f"[red]error:[/red] {e}", markup=True, soft_wrap=True)
+            err_console.print(styled(("error:", "red"), " ", str(e)), soft_wrap=True)
             raise typer.Exit(e.exit_code)
         except KeyboardInterrupt:
             err_console.print("interrupted")

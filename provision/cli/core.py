@@ -14,7 +14,7 @@ from ..errors import ProvisionError
 from ..plan import render_plan
 from ..transport import connect
 from .common import (HostArg, each_host, InventoryOpt, KeyOpt, KnownHostsOpt, LocalOpt, RootOpt, console, edge,
-                     err_console, one_target, print_json, targets)
+                     err_console, one_target, plain, print_json, styled, targets)
 
 LockOpt = typer.Option(None, "--lock", "-l", help="lockfile (YAML)")
 JsonOpt = typer.Option(False, "--json", help="machine-readable output")
@@ -30,16 +30,16 @@ class StepPrinter:
         if self.quiet:
             return
         if state == "start":
-            self.status = err_console.status(f"{step} …")
+            self.status = err_console.status(plain(f"{step} …"))
             self.status.start()
         elif state == "info" and self.status:
-            self.status.update(f"{step}: {detail[:90]}")
+            self.status.update(plain(f"{step}: {detail[:90]}"))
         elif state in ("done", "fail"):
             if self.status:
                 self.status.stop()
                 self.status = None
-            mark = "[green]✓[/green]" if state == "done" else "[red]✗[/red]"
-            err_console.print(f"  {mark} {step:<10} {detail}")
+            mark = ("✓", "green") if state == "done" else ("✗", "red")
+            err_console.print(styled("  ", mark, f" {step:<10} {detail}"))
 
 
 def register(app: typer.Typer) -> None:
@@ -191,7 +191,7 @@ def register(app: typer.Typer) -> None:
 
 
 def history_table(h: dict, host: str) -> Table:
-    table = Table(title=f"generations on {host}", title_justify="left")
+    table = Table(title=plain(f"generations on {host}"), title_justify="left")
     for col in ("", "generation", "lock", "created", "status", "probes"):
         table.add_column(col)
     for g in h["generations"]:
@@ -200,8 +200,8 @@ def history_table(h: dict, host: str) -> Table:
         status = g.get("status", "?")
         if g.get("skipped_probes"):
             status += f" (skipped: {','.join(g['skipped_probes'])})"
-        table.add_row("→" if g["id"] == h["current"] else "", g["id"], g.get("lock_name", ""),
-                      g.get("created", ""), status, ptxt or "-")
+        table.add_row(*(plain(c) for c in ("→" if g["id"] == h["current"] else "", g["id"], g.get("lock_name", ""),
+                                           g.get("created", ""), status, ptxt or "-")))
     return table
 
 

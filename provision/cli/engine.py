@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from ..errors import EngineError
-from .common import console, edge, print_json
+from .common import console, edge, print_json, styled
 
 app = typer.Typer(no_args_is_help=True, help="The included EAGLE-3 engine (bundled tiny pair by default).")
 
@@ -86,8 +86,8 @@ def generate(prompt: str = typer.Argument(..., help="prompt text"),
     if json_out:
         return print_json(data)
     console.print(prompt + data["text"], markup=False)
-    console.print(f"[dim]{data['completion_tokens']} tokens, {data['tok_s']} tok/s, "
-                  f"accept length {data['accept_length']}[/dim]")
+    console.print(styled((f"{data['completion_tokens']} tokens, {data['tok_s']} tok/s, "
+                          f"accept length {data['accept_length']}", "dim")))
 
 
 @app.command()

@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 
 from ..facts import gather
-from ..transport import Target, connect, scan_host_key, fingerprint, trust_host
+from ..transport import Target, connect, fingerprint, known_host_keys, record_host_key, scan_host_key
 from .common import (HostArg, InventoryOpt, KeyOpt, KnownHostsOpt, LocalOpt, RootOpt, console, edge,
                      one_target, print_json)
 
@@ -20,14 +20,22 @@ def register(app: typer.Typer) -> None:
     @edge
     def trust(host: str, yes: bool = typer.Option(False, "--yes", "-y", help="record without asking"),
               known_hosts: Path = KnownHostsOpt):
-        """Show HOST's SSH key fingerprint and record it in the managed known_hosts."""
+        """Show HOST's SSH key fingerprint and record exactly that key in the managed known_hosts."""
         t = Target.parse(host, known_hosts=known_hosts)
         key = scan_host_key(t)
         console.print(f"{t.name} offers {key.get_name()} {fingerprint(key)}")
+        known = known_host_keys(t)
+        if any(k.asbytes() == key.asbytes() for k in known) and len(known) == 1:
+            console.print(f"Already trusted in {known_hosts}; nothing changed.")
+            return
+        others = [f"{k.get_name()} {fingerprint(k)}" for k in known if k.asbytes() != key.asbytes()]
+        for o in others:
+            console.print(f"This REPLACES the recorded key {o} for {t.name}.")
         if not yes and not typer.confirm("Record this key as trusted?"):
             raise typer.Exit(1)
-        kind, fp = trust_host(t)
-        console.print(f"Recorded {kind} {fp} for {t.name} in {known_hosts}.")
+        replaced = record_host_key(t, key)
+        tail = f" (replaced {', '.join(replaced)})" if replaced else ""
+        console.print(f"Recorded {key.get_name()} {fingerprint(key)} for {t.name} in {known_hosts}{tail}.")
 
     @hosts.command()
     @edge

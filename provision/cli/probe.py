@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from .common import (HostArg, InventoryOpt, KeyOpt, KnownHostsOpt, LocalOpt, RootOpt, console, edge, one_target,
-                     print_json)
+                     plain, print_json, styled)
 
 STYLE = {"pass": "green", "fail": "red", "skip": "dim", "warn": "yellow"}
 
@@ -20,15 +20,15 @@ def probe_table(report: dict) -> Table:
         title += f" on {report['host']}"
     s = report.get("summary") or {}
     caption = " · ".join(f"{v} {k}" for k, v in s.items() if v)
-    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
+    table = Table(title=plain(title), title_justify="left", caption=plain(caption), caption_justify="left")
     for col in ("", "probe", "reason", "s"):
         table.add_column(col, overflow="fold")
     for r in report.get("results", []):
         st = r["status"]
-        mark = f"[{STYLE.get(st, 'white')}]{st}[/]"
+        mark = styled((str(st), STYLE.get(st, "white")))
         name = r["name"] + ("" if r.get("required", True) else " (advisory)")
         secs = f"{r['seconds']:.1f}" if isinstance(r.get("seconds"), (int, float)) else ""
-        table.add_row(mark, name, r.get("reason", ""), secs)
+        table.add_row(mark, plain(name), plain(r.get("reason", "")), secs)
     return table
 
 
@@ -60,8 +60,8 @@ def register(app: typer.Typer) -> None:
             print_json(rep)
         else:
             console.print(probe_table(rep))
-            verdict = "[green]pass[/green]" if rep["status"] == "pass" else \
-                f"[red]fail[/red]: {', '.join(rep['failed'])}"
-            console.print(f"{rep['generation']} on {rep['host']}: {verdict} ({rep['seconds']:.1f}s)")
+            verdict = ("pass", "green") if rep["status"] == "pass" else ("fail", "red")
+            failed = "" if rep["status"] == "pass" else f": {', '.join(rep['failed'])}"
+            console.print(styled(f"{rep['generation']} on {rep['host']}: ", verdict, f"{failed} ({rep['seconds']:.1f}s)"))
         if rep["status"] != "pass":
             raise typer.Exit(1)
