@@ -445,10 +445,15 @@ def free_port():
 
 def run_workers(kind, world, backend, timeout=300):
     port = str(free_port())
+    return run_ranks([[sys.executable, "-c", WORKER, kind, str(r), str(world), port, backend]
+                      for r in range(world)], timeout)
+
+
+def run_ranks(argvs, timeout):
+    """One process per rank; rank 0's last stdout line is the JSON answer."""
     env = dict(os.environ, **SAFE_ENV)
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, kind, str(r), str(world), port, backend],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for r in range(world)]
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for argv in argvs]
     outs = []
     try:
         for p in procs:
@@ -496,6 +501,32 @@ def p_collective(a, name):
         return result(name, "pass", "%d ranks, bf16+fp32 sums correct; bus bandwidth up to %.1f GB/s" % (world, best),
                       **figs)
     return result(name, "pass", "%d ranks, two-shot all-reduce sums correct" % world, **figs)
+
+
+def p_allreduce(a):
+    """All-reduce latency at decode sizes per path; the measuring lives in the shipped agent/allreduce.py."""
+    backend = a.get("allreduce_backend") or "nccl"
+    world = len(a.get("gpus") or []) if backend == "nccl" else int(a.get("world") or 2)
+    if backend == "nccl":
+        if world < 2:
+            return result("allreduce", "skip", "one GPU on this host: no all-reduce across GPUs to measure")
+        early = _need_cuda("allreduce")
+        if early:
+            return early
+        world = min(world, len(torch_facts()["devices"]))
+    script = a.get("allreduce_script")
+    if not script or not os.path.isfile(script):
+        return result("allreduce", "fail", "the tool's all-reduce helper is not on this host (%s)" % script)
+    cfg = dict(a.get("allreduce") or {}, world=world, backend=backend, port=free_port())
+    with tempfile.TemporaryDirectory(prefix="provision-allreduce-") as d:
+        path = os.path.join(d, "config.json")
+        with open(path, "w") as f:
+            json.dump(cfg, f)
+        try:
+            return run_ranks([[sys.executable, "-I", script, path, str(r)] for r in range(world)],
+                             int(a.get("timeout") or 600))
+        except (RuntimeError, subprocess.TimeoutExpired, ValueError, IndexError) as e:
+            return result("allreduce", "fail", "%d ranks: %s" % (world, e), env=SAFE_ENV)
 
 
 def cuda_of_path(text):
@@ -730,7 +761,8 @@ PROBES = {
     "driver": p_driver, "nvcc": p_nvcc, "packages": p_packages, "torch-cuda": p_torch_cuda, "arch": p_arch,
     "matmul": lambda a: p_smoke(a, "matmul"), "flashinfer": lambda a: p_smoke(a, "flashinfer"),
     "sgl-kernel": lambda a: p_smoke(a, "sgl-kernel"), "nccl": lambda a: p_collective(a, "nccl"),
-    "symm-mem": lambda a: p_collective(a, "symm-mem"), "jit-cache": p_jit_cache, "engine": p_engine,
+    "symm-mem": lambda a: p_collective(a, "symm-mem"), "allreduce": p_allreduce, "jit-cache": p_jit_cache,
+    "engine": p_engine,
 }
 
 

@@ -15,6 +15,7 @@ from ..errors import HostError, ProvisionError
 from ..facts import gather, root_of
 from ..lock import Lock
 from ..transport import Transport
+from .ship import ship_tool
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ REGISTRY = [
     Probe("sgl-kernel", "sgl-kernel rmsnorm vs torch on every GPU", ("gpu",)),
     Probe("nccl", "NCCL all-reduce across GPUs (bf16, fp32; bus bandwidth)", ("gpus>=2",)),
     Probe("symm-mem", "torch symmetric-memory two-shot all-reduce", ("gpus>=2",)),
+    Probe("allreduce", "all-reduce latency at decode sizes per path (NCCL, symmetric memory, flashinfer); "
+                       "SGLang's choice", ("gpus>=2",)),
     Probe("patches", "patched files' sha256 = the manifest", side="control"),
     Probe("contract", "EAGLE-3 interface contract of engine.architecture", side="control"),
     Probe("jit-cache", "no flashinfer JIT cache built for another CUDA", required=False),
@@ -125,9 +128,7 @@ def _engine_spec(transport: Transport, lock: Lock, python: str, facts: dict) -> 
             i += 1
         spec.update(argv=argv, baseline_argv=base, device="cuda")
         return spec
-    from .ship import ship_engine
-
-    tool = ship_engine(transport)
+    tool = ship_tool(transport)
     device = e.get("device") or ("cuda" if facts.get("gpus") else "cpu")
     argv = [python, "-m", "provision.engine.serve", "--host", "127.0.0.1", "--port", "0", "--device", device]
     for key, flag in (("model", "--model"), ("draft", "--draft"), ("dtype", "--dtype"), ("steps", "--steps"),
@@ -240,6 +241,8 @@ def run_probes(transport: Transport, lock: Lock | None = None, *, generation: st
                "packages_source": f"{against.name} ({'captured at adoption' if against is gen_lock and adopted else 'lock'})",
                "nvidia_smi": transport.target.vars.get("provision_nvidia_smi") or facts.get("nvidia_smi"),
                "gpus": facts.get("gpus") or [], "timeout": lock.probes.get("collective_timeout")}
+    if "allreduce" in to_host:
+        payload["allreduce_script"] = f"{ship_tool(transport)}/provision/agent/allreduce.py"
     if "engine" in to_host:
         try:
             payload["engine"] = _engine_spec(transport, lock, python, facts)

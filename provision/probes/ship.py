@@ -1,7 +1,7 @@
-"""Ship the tool's host-side engine code to a host, content-addressed: `<root>/tool/<digest>/provision/…`.
+"""Ship the tool's host-side code to a host, content-addressed: `<root>/tool/<digest>/provision/…`.
 
 That directory goes on PYTHONPATH so a generation's interpreter runs `python -m provision.engine.serve`
-without anything being installed into the generation.
+(or a shipped helper script such as agent/allreduce.py) without anything being installed into the generation.
 """
 from __future__ import annotations
 
@@ -37,9 +37,13 @@ print(final)
 """
 
 
+SCRIPTS = ("agent/allreduce.py",)                     # helpers the probe agent starts as their own processes
+
+
 def bundle_files() -> list[tuple[str, bytes]]:
-    """(path relative to the tool dir, content) for provision/__init__.py and provision/engine/**."""
+    """(path relative to the tool dir, content) for provision/__init__.py, provision/engine/** and SCRIPTS."""
     files = [("provision/__init__.py", (PKG / "__init__.py").read_bytes())]
+    files += [(f"provision/{rel}", (PKG / rel).read_bytes()) for rel in SCRIPTS]
     for p in sorted((PKG / "engine").rglob("*")):
         if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".pyo"):
             files.append((f"provision/{p.relative_to(PKG).as_posix()}", p.read_bytes()))
@@ -53,8 +57,8 @@ def digest(files: list[tuple[str, bytes]]) -> str:
     return h.hexdigest()[:16]
 
 
-def ship_engine(transport: Transport) -> str:
-    """Make sure the engine code is on the host; returns the directory to put on PYTHONPATH."""
+def ship_tool(transport: Transport) -> str:
+    """Make sure the engine and helper scripts are on the host; returns the directory to put on PYTHONPATH."""
     files = bundle_files()
     final = f"{root_of(transport)}/tool/{digest(files)}"
     buf = io.BytesIO()
@@ -65,6 +69,6 @@ def ship_engine(transport: Transport) -> str:
             t.addfile(info, io.BytesIO(data))
     r = transport.run(["python3", "-c", _UNPACK, final], stdin=base64.b64encode(buf.getvalue()))
     if r.rc != 0:
-        raise HostError(f"cannot ship the engine to {final}: {(r.stderr.strip() or r.stdout.strip())[-200:]}",
+        raise HostError(f"cannot ship the tool to {final}: {(r.stderr.strip() or r.stdout.strip())[-200:]}",
                         where=transport.target.name)
     return final
