@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import sglang_wheel  # noqa: E402
 
 from provision import patches  # noqa: E402
+from provision.bundled import PATCHES  # noqa: E402
 from provision.agent import allreduce as ar  # noqa: E402
 from provision.agent import probes as agentprobes  # noqa: E402
 from provision.probes import run_probes  # noqa: E402
@@ -108,7 +109,7 @@ def test_sglang_tables_are_the_real_wheels(tmp_path):
     assert "(_is_sm90_supported or _is_sm100_supported)" in comm.read_text()
 
     sp = sglang_wheel.copy(pristine, tmp_path / "sp")
-    series = patches.load_series(sglang_wheel.REPO / "patches" / "sglang-0.5.9")
+    series = patches.load_series(PATCHES / "sglang-0.5.9")
     patches.apply_series(Local(), [series], python=sys.executable, site_packages=str(sp))
     assert _literal(sp / dc / "all_reduce_utils.py", "TORCH_SYMM_MEM_ALL_REDUCE_MAX_SIZES") == \
         ar.SYMM_MAX_SIZES_PATCHED

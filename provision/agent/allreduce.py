@@ -33,10 +33,10 @@ CUSTOM_AR_WORLD_SIZES = (2, 4, 6, 8)          # CustomAllreduce._SUPPORTED_WORLD
 CUSTOM_AR_MAX_BYTES = 8192 * 1024             # CustomAllreduce._MAX_CAR_SIZE (CUDA)
 SYMM_MAX_SIZES = {9: {2: 64 * MiB, 4: 64 * MiB, 6: 128 * MiB, 8: 128 * MiB},   # all_reduce_utils.py
                   10: {2: 64 * MiB, 4: 64 * MiB, 6: 128 * MiB, 8: 128 * MiB}}
-SYMM_MAX_SIZES_PATCHED = {**SYMM_MAX_SIZES, 12: SYMM_MAX_SIZES[9]}             # patches/sglang-0.5.9/0001
+SYMM_MAX_SIZES_PATCHED = {**SYMM_MAX_SIZES, 12: SYMM_MAX_SIZES[9]}             # provision/patches/sglang-0.5.9/0001
 MULTIMEM_WORLD_SIZES = {9: (4, 6, 8), 10: (6, 8)}                              # _WORLD_SIZES_MULTIMEM
 FUSION_MAJORS = (9, 10)                       # communicator.py: is_sm90_supported() or is_sm100_supported()
-FUSION_MAJORS_PATCHED = (9, 10, 12)           # patches/sglang-0.5.9/0002
+FUSION_MAJORS_PATCHED = (9, 10, 12)           # provision/patches/sglang-0.5.9/0002
 FUSION_MAX_TOKENS = 2048                      # FUSE_ALLREDUCE_MAX_BATCH_SIZE
 FLASHINFER_COMM_MAJORS = (9, 10)              # flashinfer 0.6.4 jit/comm.py gen_trtllm_comm_module
 CONFIGS = {
