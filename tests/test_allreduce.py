@@ -68,6 +68,23 @@ def test_merge_takes_the_slowest_rank_and_every_ranks_correctness():
     assert [r["correct"] for r in m["nccl"]["rows"]] == [True, False] and m["nccl"]["rows"][1]["rel_err"] == 0.5
 
 
+def test_a_hung_path_is_named_and_what_finished_is_kept(tmp_path):
+    """Ranks write their results after each path; a run killed mid-path still reports the paths before it."""
+    for i, us in enumerate((10.0, 12.0)):
+        (tmp_path / f"rank{i}.json").write_text(json.dumps(
+            {"paths": {"nccl": {"rows": rows(us)}}, "torch": "2.11.0+cu130", "backend": "nccl", "iters": 400,
+             "cc": "9.0", "topology": NVLINK2}))
+    r = ar.finish(str(tmp_path), 2, None, "still running after 600s (a hung kernel?)")
+    assert r["status"] == "fail"
+    assert r["reason"] == "symm-one-shot: did not finish: still running after 600s (a hung kernel?)"
+    p = r["figures"]["paths"]
+    assert p["nccl"]["status"] == "pass" and p["flashinfer-custom-ar"] == {
+        "status": "skip", "reason": "not run: symm-one-shot did not finish"}
+    assert [s["us"]["nccl"]["median_us"] for s in r["figures"]["sizes"]] == [r_["median_us"] for r_ in rows(12.0)]
+    r = ar.finish(str(tmp_path), 3, None, "rank 2 crashed")
+    assert r["status"] == "fail" and r["reason"] == "rank 2 reported nothing: rank 2 crashed"
+
+
 def test_sglang_choice():
     choice = ar.sglang_paths("12.0", 8, 7168 * 2 * 2, 2, PCIE8)
     assert choice["default"]["unpatched"][0] == "nccl" and "full NVLink" in choice["default"]["unpatched"][1]

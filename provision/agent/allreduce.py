@@ -1,7 +1,7 @@
 """Host agent helper (stdlib + torch): all-reduce latency at decode sizes, one process per GPU.
 
-`python -I allreduce.py CONFIG.json RANK` runs one rank; rank 0 prints the probe result as one JSON line.
-`report()` and `sglang_paths()` are pure: per-path verdicts, the fastest path per size, SGLang 0.5.9's choice.
+`python -I allreduce.py CONFIG.json RANK` runs one rank, writing rankN.json beside CONFIG after each path;
+`finish()` turns those (also a hung run's) into the probe result; `report()`, `sglang_paths()` are pure.
 """
 import json
 import math
@@ -326,7 +326,7 @@ class Rank:
         torch.cuda.synchronize()
         self.dist.barrier()
         rank_data = torch.empty(size, dtype=torch.uint8, device=self.dev)
-        fa = fc.vllm_init_custom_ar(meta, rank_data, self.rank, self.world == 2 or bool(_full_nvlink(self.world)))
+        fa = fc.vllm_init_custom_ar(meta, rank_data, self.rank, bool(_full_nvlink(self.world)))
         fc.vllm_register_buffer(fa, bufs)
         out = torch.empty(tmax * hmax, device=self.dev, dtype=torch.bfloat16)
 
@@ -368,7 +368,10 @@ class Rank:
                     run.y = op(x)
                 run()
                 y, per = run.y, 1
-            # fresh poison in the output, then one run must write every element with the right sum
+            # fresh inputs, poison in the output: one run must write every element with the new sum
+            xs = _inputs(torch, self.world, t, h, seed + 100000)
+            ref = torch.stack([v.double() for v in xs]).sum(0)
+            x.copy_(xs[self.rank])
             y.fill_(float("nan"))
             self.dist.barrier()
             torch.cuda.synchronize()
@@ -467,23 +470,56 @@ def topology(torch, world, cuda):
             "multicast": os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") != "1"}
 
 
+def _write(path, data):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
 def main(argv):
     os.environ.update(SAFE_ENV)
     with open(argv[1]) as f:
         cfg = json.load(f)
     rank = int(argv[2])
+    mine_path = os.path.join(os.path.dirname(os.path.abspath(argv[1])), "rank%d.json" % rank)
     r = Rank(cfg, rank)
-    mine = {name: r.run_path(name) for name in cfg.get("paths") or PATHS}
-    everyone = [None] * r.world
-    r.dist.all_gather_object(everyone, mine)
-    if rank == 0:
-        torch = r.torch
-        cc = "%d.%d" % torch.cuda.get_device_capability(0) if r.cuda else cfg.get("cc", "0.0")
-        res = report(merge(everyone), cc, r.world, topology(torch, r.world, r.cuda), SAFE_ENV)
-        res["figures"].update(torch=torch.__version__, backend=cfg["backend"], iters=r.iters)
-        print(json.dumps(res))
+    torch = r.torch
+    mine = {"paths": {}, "torch": torch.__version__, "backend": cfg["backend"], "iters": r.iters,
+            "cc": "%d.%d" % torch.cuda.get_device_capability(rank) if r.cuda else "0.0",
+            "topology": topology(torch, r.world, r.cuda)}
+    _write(mine_path, mine)
+    for name in cfg.get("paths") or PATHS:      # risky paths last: a hang loses only what follows it
+        mine["paths"][name] = r.run_path(name)
+        _write(mine_path, mine)
     r.dist.barrier()
     r.dist.destroy_process_group()
+    print(json.dumps({"rank": rank, "paths": len(mine["paths"])}))
+
+
+def finish(d, world, paths=None, error=None):
+    """The probe result from the rankN.json files in `d`; `error`: why the ranks did not all finish."""
+    names = list(paths or PATHS)
+    ranks = []
+    for i in range(world):
+        try:
+            with open(os.path.join(d, "rank%d.json" % i)) as f:
+                ranks.append(json.load(f))
+        except (OSError, ValueError):
+            return {"name": "allreduce", "status": "fail", "reason": "rank %d reported nothing: %s" %
+                    (i, error or "no rank%d.json" % i), "figures": {"world": world}}
+    done = [n for n in names if all(n in r["paths"] for r in ranks)]
+    per_rank = [{n: r["paths"][n] for n in done} for r in ranks]
+    merged = merge(per_rank) if done else {}
+    if len(done) < len(names):
+        stuck = names[len(done)]
+        merged[stuck] = {"rows": [], "error": "did not finish: %s" % (error or "ranks ended early")}
+        for n in names[len(done) + 1:]:
+            merged[n] = {"skip": "not run: %s did not finish" % stuck}
+    r0 = ranks[0]
+    res = report(merged, r0["cc"], world, r0["topology"], SAFE_ENV)
+    res["figures"].update(torch=r0["torch"], backend=r0["backend"], iters=r0["iters"])
+    return res
 
 
 if __name__ == "__main__":
