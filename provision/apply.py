@@ -346,13 +346,10 @@ def history(transport: Transport) -> dict:
 
 
 def load_plan(path: str | Path) -> Plan:
-    import json
+    from . import yamlio
+    from .errors import InputError
 
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise PlanError(f"cannot read plan: {e}", where=str(path)) from None
-    return Plan.from_json(data, where=str(path))
+    return Plan.from_json(yamlio.load_json(path, error=InputError), where=str(path))
 
 
 def lock_of_plan(p: Plan) -> Lock:

@@ -137,6 +137,9 @@ class Lock:
         base = Path(self.path).resolve().parent
         for d in (base, *base.parents[:2]):
             if (d / p).exists():
+                if ".." in p.parts or not _inside(os.path.realpath(d / p), d):
+                    raise LockError(f"{rel!r} leads outside {d} (through '..' or a symbolic link); refused",
+                                    where=self.path)
                 return d / p
         from .bundled import find     # a series shipped with provision, e.g. patches/sglang-0.5.9
         return find(rel) or base / p

@@ -5,6 +5,7 @@ also the manifest check and the EAGLE-3 interface contract (`agent/contracts.py`
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,8 @@ from packaging.version import InvalidVersion, Version
 
 from . import agent, yamlio
 from .agent import patcher as diffs
-from .errors import LockError, PatchError, ProvisionError
+from .errors import LockError, PatchError, ProvisionError, SeriesError
+from .lock import PROJECT_RE
 from .facts import root_of
 from .transport import Local, Transport
 
@@ -51,13 +53,28 @@ class Series:
                              "applies_to": str(p.applies_to) if p.applies_to else None} for p in self.patches]}
 
 
+SERIES_KEYS = {"series", "package", "version", "description", "patches"}
+PATCH_KEYS = {"file", "applies_to", "description", "reason"}
+FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}\Z")
+
+
 def _text(doc, data, key, where_keys, required=True) -> str:
     value = data.get(key)
     if value is None and not required:
         return ""
     if not isinstance(value, str) or not value.strip():
-        raise PatchError(f"`{key}` must be a non-empty string", where=doc.where(*where_keys, key))
+        raise SeriesError(f"`{key}` must be a non-empty string", where=doc.where(*where_keys, key))
     return value.strip()
+
+
+def _known(doc, data, keys: tuple, known: set, what: str) -> dict:
+    if not isinstance(data, dict):
+        raise SeriesError(f"expected {what}", where=doc.where(*keys))
+    for k in data:
+        if k not in known:
+            raise SeriesError(f"unknown field {str(k)!r} (known here: {', '.join(sorted(known))})",
+                              where=doc.where(*keys, k))
+    return data
 
 
 def load_series(path) -> Series:
@@ -68,46 +85,48 @@ def load_series(path) -> Series:
     try:
         doc = yamlio.load(f)
     except LockError as e:                    # yamlio speaks for lockfiles; here it is a series
-        raise PatchError(e.message, where=e.where) from None
-    data = doc.data
-    if not isinstance(data, dict):
-        raise PatchError("expected a mapping with `series`, `package`, `version`, `patches`", where=doc.where())
-    if data.get("series") != 1:
-        raise PatchError("`series: 1` is the only format this version reads", where=doc.where("series"))
+        raise SeriesError(e.message, where=e.where) from None
+    data = _known(doc, doc.data, (), SERIES_KEYS, "a mapping with `series`, `package`, `version`, `patches`")
+    if type(data.get("series")) is not int or data["series"] != 1:
+        raise SeriesError("`series: 1` is the only format this version reads", where=doc.where("series"))
     package = _text(doc, data, "package", ())
+    if not PROJECT_RE.match(package):
+        raise SeriesError(f"{package!r} is not a valid project name (PEP 508)", where=doc.where("package"))
     try:
         spec = SpecifierSet(_text(doc, data, "version", ()))
     except InvalidSpecifier:
-        raise PatchError(f"invalid version specifier {data['version']!r}", where=doc.where("version")) from None
+        raise SeriesError(f"invalid version specifier {data['version']!r}", where=doc.where("version")) from None
     series = Series(name=d.name, path=d, package=canonicalize_name(package), specifier=spec,
                     description=_text(doc, data, "description", (), required=False), where=doc.where())
     items = data.get("patches")
     if not isinstance(items, list) or not items:
-        raise PatchError("`patches` must be a non-empty list", where=doc.where("patches"))
+        raise SeriesError("`patches` must be a non-empty list", where=doc.where("patches"))
     seen = set()
+    top = d.resolve()
     for i, item in enumerate(items):
         keys = ("patches", i)
-        if not isinstance(item, dict):
-            raise PatchError("each patch is a mapping with `file`, `description`, `reason`", where=doc.where(*keys))
+        _known(doc, item, keys, PATCH_KEYS, "a mapping with `file`, `description`, `reason`")
         name = _text(doc, item, "file", keys)
-        if "/" in name or name in seen:
-            raise PatchError(f"patch file {name!r} must be a unique plain file name in {d}",
-                             where=doc.where(*keys, "file"))
+        source = d / name
+        if not FILE_RE.match(name) or name in seen or source.is_symlink() or source.resolve().parent != top:
+            raise SeriesError(f"patch file {name!r} must be a unique plain file name in {d} (no path, no link)",
+                              where=doc.where(*keys, "file"))
         seen.add(name)
         try:
-            text = (d / name).read_text()
-        except OSError as e:
-            raise PatchError(f"cannot read {d / name}: {e.strerror}", where=doc.where(*keys, "file")) from None
+            text = source.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise SeriesError(f"cannot read {source}: {getattr(e, 'strerror', None) or 'not UTF-8 text'}",
+                              where=doc.where(*keys, "file")) from None
         try:
             files = [fp.path for fp in diffs.parse(text, name)]
         except diffs.PatchFailed as e:
-            raise PatchError(f"{d / name}: {e}", where=doc.where(*keys, "file")) from None
+            raise SeriesError(f"{source}: {e}", where=doc.where(*keys, "file")) from None
         req = None
         if item.get("applies_to") is not None:
             try:
-                req = Requirement(str(item["applies_to"]))
+                req = Requirement(_text(doc, item, "applies_to", keys))
             except InvalidRequirement as e:
-                raise PatchError(f"invalid requirement: {e}", where=doc.where(*keys, "applies_to")) from None
+                raise SeriesError(f"invalid requirement: {e}", where=doc.where(*keys, "applies_to")) from None
         series.patches.append(Patch(name=name, text=text, files=files, applies_to=req,
                                     description=_text(doc, item, "description", keys),
                                     reason=_text(doc, item, "reason", keys),
@@ -218,8 +237,11 @@ def apply_series(transport: Transport, series_list: list[Series], *, python: str
     if out.get("failed"):
         raise PatchError(out["failed"], where=where)
     by_name = {p["name"]: p for p in payload["series"]}
+    files_of = {(s.name, p.name): p.files for s in series_list for p in s.patches}
     for s in out["series"]:
         s.update({k: by_name[s["name"]][k] for k in ("package", "version", "specifier")})
+        for row in s["patches"]:
+            row["files"] = files_of.get((s["name"], row["name"]), [])
     out["ok"] = all(p["status"] != "failed" for s in out["series"] for p in s["patches"])
     out["host"] = transport.target.name
     out["python"] = python

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 from packaging.version import InvalidVersion, Version
 
-from .errors import PlanError
+from .errors import InputError
 from .lock import Lock, from_data
 
 PLAN_FORMAT = 1
@@ -125,17 +125,48 @@ class Plan:
 
     @classmethod
     def from_json(cls, d: dict, where: str = "plan") -> "Plan":
-        try:
-            if d.get("format") != PLAN_FORMAT:
-                raise PlanError(f"unsupported plan format {d.get('format')!r}", where=where)
-            changes = [Change(**c) for c in d["changes"]]
-            p = cls(**{k: d[k] for k in ("host", "lock", "lock_name", "lock_digest", "facts_digest", "base",
-                                          "warnings", "noop")}, changes=changes)
-        except (KeyError, TypeError, AttributeError) as e:
-            raise PlanError(f"not a provision plan ({e})", where=where) from None
+        """A saved plan, checked field by field (InputError: malformed or edited; exit 2)."""
+        check_plan_data(d, where)
+        p = cls(**{k: d[k] for k in ("host", "lock", "lock_name", "lock_digest", "facts_digest", "base",
+                                      "warnings", "noop")}, changes=[Change(**c) for c in d["changes"]])
         if from_data(p.lock, where).digest != p.lock_digest:
-            raise PlanError("the plan's lock was edited after planning", where=where)
+            raise InputError("the plan's lock was edited after planning", where=where)
         return p
+
+
+PLAN_FIELDS = {"host": str, "lock": dict, "lock_name": str, "lock_digest": str, "facts_digest": str,
+               "base": (str, type(None)), "changes": list, "warnings": list, "noop": bool, "format": int}
+CHANGE_FIELDS = {"category": str, "name": str, "action": str, "old": (str, type(None)), "new": (str, type(None))}
+
+
+def check_plan_data(d, where: str) -> None:
+    """The saved-plan schema: known fields only, each of its type; changes and warnings well formed."""
+    def bad(field_name: str, msg: str):
+        raise InputError(f"{field_name}: {msg}" if field_name else msg, where=where)
+
+    if not isinstance(d, dict):
+        bad("", "not a provision plan (expected a JSON object)")
+    if type(d.get("format")) is not int or d["format"] != PLAN_FORMAT:
+        bad("format", f"unsupported plan format {d.get('format')!r} (this tool reads {PLAN_FORMAT})")
+    for k in d:
+        if k not in PLAN_FIELDS and k != "summary":
+            bad(k, "unknown field in a saved plan")
+    for k, typ in PLAN_FIELDS.items():
+        if k not in d:
+            bad(k, "missing from the saved plan")
+        if not isinstance(d[k], typ) or (typ is int and isinstance(d[k], bool)):
+            bad(k, f"wrong type ({type(d[k]).__name__})")
+    for k in ("lock_digest", "facts_digest"):
+        if len(d[k]) != 64 or any(c not in "0123456789abcdef" for c in d[k]):
+            bad(k, "not a sha256 digest")
+    if not all(isinstance(w, str) for w in d["warnings"]):
+        bad("warnings", "expected a list of strings")
+    for i, c in enumerate(d["changes"]):
+        if (not isinstance(c, dict) or not set(c) <= set(CHANGE_FIELDS) or not {"category", "name", "action"} <= set(c)
+                or not all(isinstance(c[k], CHANGE_FIELDS[k]) for k in c)):
+            bad(f"changes[{i}]", "expected {category, name, action, old, new} of strings")
+        if c["category"] not in ORDER or c["action"] not in ("add", "change", "remove"):
+            bad(f"changes[{i}]", f"unknown category or action ({c['category']!r}, {c['action']!r})")
 
 
 def facts_digest(facts: dict) -> str:

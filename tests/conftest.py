@@ -16,13 +16,14 @@ from provision.transport import trust_host  # noqa: E402
 
 @pytest.fixture(scope="session", autouse=True)
 def wheelhouse_root(tmp_path_factory):
-    """The tests' wheels live under pytest's temporary root: the configured wheelhouse a lock's
-    file:// URLs may point into (besides the lock's own folder)."""
+    """The tests' wheels live under pytest's temporary root and .cache/wheels (the real SGLang wheels): the
+    configured wheelhouses a lock's file:// URLs may point into (besides the lock's own folder)."""
     import os
 
     from provision.lock import WHEELHOUSE_ENV
 
-    base = str(tmp_path_factory.getbasetemp())
+    base = os.pathsep.join([str(tmp_path_factory.getbasetemp()),
+                            str(Path(__file__).resolve().parent.parent / ".cache" / "wheels")])
     old = os.environ.get(WHEELHOUSE_ENV)
     os.environ[WHEELHOUSE_ENV] = base
     yield base

@@ -25,7 +25,7 @@ def sglang_lock(tmp_path, name, patches):
 
 
 def test_patches_applied_in_new_generation_and_recorded(target, tmp_path):
-    lk = sglang_lock(tmp_path, "sgl", [str(PATCHES / "sglang-0.5.9")])
+    lk = sglang_lock(tmp_path, "sgl", ["patches/sglang-0.5.9"])      # the series shipped with provision
     tr = connect(target)
     try:
         rep = applymod.apply(tr, lk)
@@ -75,7 +75,7 @@ def test_series_that_does_not_apply_refused_current_untouched(target, tmp_path, 
     assert text != victim.read_text()
     victim.write_text(text)
     good = lockmod.load(write_lock(tmp_path / "a.yaml", "stack-a", [wheels["alpha-1.0"]]))
-    lk = sglang_lock(tmp_path, "sgl", [str(bad)])
+    lk = sglang_lock(tmp_path, "sgl", [str(bad.relative_to(tmp_path))])
     tr = connect(target)
     try:
         applymod.apply(tr, good)

@@ -105,9 +105,9 @@ def test_saved_plan_applied_exactly_and_refused_after_drift(target, locks, tmp_p
     assert [line for line in p.stderr.splitlines() if line.startswith("error:")] == [p.stderr.splitlines()[-1]]
 
     edited = json.loads(saved.read_text())
-    edited["lock"]["packages"][0]["version"] = "9.9"
+    edited["lock"]["packages"][0]["sha256"] = "0" * 64
     saved.write_text(json.dumps(edited))
-    p = cli("apply", *host_args(target), "--plan", saved, check=1)
+    p = cli("apply", *host_args(target), "--plan", saved, check=2)
     assert "edited after planning" in p.stderr
 
 

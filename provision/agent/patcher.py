@@ -58,6 +58,15 @@ def _strip(path):
     return path.split("/", 1)[1] if path.startswith(("a/", "b/")) else path
 
 
+def _check_target(path, where):
+    """A target path stays inside the package: relative, plain components, no '..'."""
+    if path.startswith("/") or "\\" in path or any(ord(c) < 32 or ord(c) == 127 for c in path):
+        raise PatchFailed(f"{where}: target {path!r} must be a plain path relative to site-packages")
+    if any(part in ("", ".", "..") for part in path.split("/")):
+        raise PatchFailed(f"{where}: target {path!r} has an empty, '.' or '..' component; refused")
+    return path
+
+
 def parse(text, name="<patch>"):
     """Unified diff -> [FilePatch]; paths stripped of their a/ b/ prefix (-p1)."""
     lines = text.splitlines(keepends=True)
@@ -70,7 +79,7 @@ def parse(text, name="<patch>"):
                 raise PatchFailed(f"{name}:{i + 1}: creating or deleting files is not supported")
             if old != new:
                 raise PatchFailed(f"{name}:{i + 1}: renames are not supported ({old} -> {new})")
-            files.append(FilePatch(new))
+            files.append(FilePatch(_check_target(new, f"{name}:{i + 1}")))
             i += 2
             continue
         m = _HUNK.match(line)
@@ -168,13 +177,14 @@ def _read_lines(path):
     return data.decode("utf-8").splitlines(keepends=True)
 
 
-def plan(root, series, mode, keep_going=False, state=None, original=None):
+def plan(root, series, mode, keep_going=False, state=None, original=None, owned=None):
     """Dry run over every patch of every series, in memory.
 
     Returns (report_series, new_lines{abs path: lines}, old_lines{abs path: lines}); pass the
     dicts of an earlier call to continue from its results. A patch that neither applies nor is
     already applied (reverting: the reverse) raises PatchFailed, or with keep_going is reported
-    as failed and left out of the new contents.
+    as failed and left out of the new contents. `owned`: the files the series' package owns (its
+    RECORD, relative to `root`); a patch touching any other file fails.
     """
     state = {} if state is None else state
     original = {} if original is None else original
@@ -189,7 +199,7 @@ def plan(root, series, mode, keep_going=False, state=None, original=None):
                 rows[name] = {"name": name, "status": "skipped-by-gate", "reason": p.get("skip_reason", "")}
                 continue
             try:
-                rows[name] = _plan_patch(root, p, mode, state, original)
+                rows[name] = _plan_patch(root, p, mode, state, original, owned)
             except PatchFailed as e:
                 if not keep_going:
                     raise
@@ -198,13 +208,30 @@ def plan(root, series, mode, keep_going=False, state=None, original=None):
     return reports, state, original
 
 
-def _plan_patch(root, p, mode, state, original):
+def _contained(root, rel, name, owned):
+    """The absolute path of `rel` under `root`, refused unless the package owns it and no component
+    below `root` is a symbolic link."""
+    if owned is not None and rel not in owned:
+        raise PatchFailed(f"patch {name}: {rel}: not a file of the series' package (its RECORD does not list it); "
+                          "refused", name, rel)
+    path = root
+    for part in _check_target(rel, f"patch {name}").split("/"):
+        path = os.path.join(path, part)
+        if os.path.islink(path):
+            raise PatchFailed(f"patch {name}: {rel}: {path} is a symbolic link; refused", name, rel)
+    top = os.path.realpath(root)
+    if not os.path.realpath(path).startswith(top.rstrip(os.sep) + os.sep):
+        raise PatchFailed(f"patch {name}: {rel}: resolves outside {root}; refused", name, rel)
+    return path
+
+
+def _plan_patch(root, p, mode, state, original, owned=None):
     """Apply (or revert) one patch to the in-memory `state`; its report row."""
     name = p["name"]
     fps = parse(p["text"], name)
     staged, statuses = {}, []
     for fp in fps:
-        path = os.path.join(root, fp.path)
+        path = _contained(root, fp.path, name, owned)
         if path not in state:
             if not os.path.isfile(path):
                 raise PatchFailed(f"patch {name}: {fp.path}: file not found in {root}", name, fp.path)
@@ -213,6 +240,10 @@ def _plan_patch(root, p, mode, state, original):
             except UnicodeDecodeError:
                 raise PatchFailed(f"patch {name}: {fp.path}: not UTF-8 text", name, fp.path) from None
         cur = staged.get(path, state[path])
+        for n, h in enumerate(fp.hunks, 1):
+            if cur and not any(tag == " " for tag, _ in h.lines):
+                raise PatchFailed(f"patch {name}: {fp.path}: hunk #{n} {h.header} has no context lines; refused "
+                                  "on a non-empty file (it could land anywhere)", name, fp.path)
         forward = fp.hunks if mode != "revert" else [h.reversed() for h in fp.hunks]
         backward = [h.reversed() for h in fp.hunks] if mode != "revert" else fp.hunks
         new, fwd = apply_hunks(cur, forward)   # fwd: distance, or why not
@@ -284,13 +315,17 @@ def run(payload):
     check = mode == "check"
     reports, state, original, rel = [], {}, {}, {}
     for s in payload["series"]:
-        dist = locate(s["package"], payload.get("site_packages"))
+        dist = _distribution(s["package"], payload.get("site_packages"))
         if dist is None:
             return {"mode": mode, "failed": f"{s['package']} is not installed in this environment",
                     "written": False}
-        root = dist["root"]
+        root = os.path.abspath(str(dist.locate_file("")))
+        if dist.files is None:
+            return {"mode": mode, "failed": f"{s['package']} has no RECORD: cannot tell which files are its own",
+                    "written": False}
+        owned = {str(f).replace(os.sep, "/") for f in dist.files}
         try:
-            rep, _, _ = plan(root, [s], "revert" if mode == "revert" else "apply", check, state, original)
+            rep, _, _ = plan(root, [s], "revert" if mode == "revert" else "apply", check, state, original, owned)
         except PatchFailed as e:
             return {"mode": mode, "failed": str(e), "patch": e.patch, "path": e.path, "written": False}
         rep[0]["site_packages"] = root
@@ -319,18 +354,24 @@ def run(payload):
 
 # ---------------------------------------------------------------- environment
 
-def locate(package, site_packages=None):
-    """{name, version, root} of an installed distribution, from this interpreter or a given dir."""
+def _distribution(package, site_packages=None):
+    """The installed distribution named `package` (PEP 503 comparison), or None."""
     from importlib import metadata
 
-    want = package.lower().replace("_", "-")
+    want = re.sub(r"[-_.]+", "-", package).lower()
     dists = metadata.distributions(path=[site_packages]) if site_packages else metadata.distributions()
     for d in dists:
-        name = (d.metadata["Name"] or "").lower().replace("_", "-")
-        if name == want:
-            root = os.path.abspath(str(d.locate_file("")))
-            return {"name": d.metadata["Name"], "version": d.version, "root": root}
+        if re.sub(r"[-_.]+", "-", d.metadata["Name"] or "").lower() == want:
+            return d
     return None
+
+
+def locate(package, site_packages=None):
+    """{name, version, root} of an installed distribution, from this interpreter or a given dir."""
+    d = _distribution(package, site_packages)
+    if d is None:
+        return None
+    return {"name": d.metadata["Name"], "version": d.version, "root": os.path.abspath(str(d.locate_file("")))}
 
 
 def site_roots(site_packages=None):

@@ -34,6 +34,8 @@ def _render_patches(report: dict) -> None:
         for p in s["patches"]:
             extra = f"  {p['reason']}" if p.get("reason") else ""
             _line(f"  {MARKS.get(p['status'], '?')} {p['name']:<48} {p['status']}{extra}")
+            for f in p.get("files", []):
+                _line(f"      {f}")
     counts: dict = {}
     for s in report["series"]:
         for p in s["patches"]:
