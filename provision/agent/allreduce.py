@@ -334,6 +334,13 @@ class Rank:
             o = out[: x.numel()].view(x.shape)
             fc.vllm_all_reduce(fa, x, o, bufs[self.rank], size, 36)
             return o
+
+        def after_capture():   # as SGLang's CustomAllreduce.capture(): share the graph's buffer addresses
+            handle, offsets = fc.vllm_get_graph_buffer_ipc_meta(fa)
+            everyone = [None] * self.world
+            self.dist.all_gather_object(everyone, ([int(b) for b in handle], [int(o) for o in offsets]))
+            fc.vllm_register_graph_buffers(fa, [e[0] for e in everyone], [e[1] for e in everyone])
+        op.after_capture = after_capture
         return op
 
     # -- measuring ----------------------------------------------------------------------------------
@@ -358,6 +365,8 @@ class Rank:
                 with torch.cuda.graph(g):
                     for _ in range(OPS_PER_GRAPH):
                         y = op(x)
+                if hasattr(op, "after_capture"):
+                    op.after_capture()
                 run, per = g.replay, OPS_PER_GRAPH
                 row["graph"] = True
             except Exception as e:  # noqa: BLE001 - a path that cannot be captured is timed eagerly
