@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import HostError
-from .transport import Target
+from .transport import Target, parse_port
 
 
 def load_inventory(path: Path, known_hosts: Path) -> list[Target]:
@@ -25,7 +25,7 @@ def load_inventory(path: Path, known_hosts: Path) -> list[Target]:
             t = Target(host="local", known_hosts=known_hosts)
         else:
             t = Target(host=str(v.get("ansible_host", h.name)), user=v.get("ansible_user"),
-                       port=int(v.get("ansible_port", 22)), key_file=v.get("ansible_ssh_private_key_file"),
+                       port=parse_port(v.get("ansible_port", 22), f"{path}: host {h.name}: ansible_port"), key_file=v.get("ansible_ssh_private_key_file"),
                        known_hosts=known_hosts)
         t.vars = {k: v[k] for k in ("provision_root", "provision_nvidia_smi") if k in v}
         if "ansible_python_interpreter" in v:

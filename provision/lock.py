@@ -164,7 +164,7 @@ class _V:
                 self.fail(keys + (k,), f"unknown field {str(k)!r} (known here: {', '.join(sorted(known))})")
         return obj
 
-    def get(self, obj: dict, keys: tuple, key: str, typ, required=False, default=None):
+    def get(self, obj: dict, keys: tuple, key: str, typ, required=False, default=None, multiline=False):
         if key not in obj or obj[key] is None:
             if required:
                 self.fail(keys, f"missing required field '{key}'")
@@ -179,7 +179,7 @@ class _V:
             want = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
             self.fail(keys + (key,), f"expected {want}, got {_kind(v)}")
         if typ is str:
-            self.text(keys + (key,), v)
+            self.text(keys + (key,), v, multiline)
         return v
 
     def text(self, keys: tuple, v: str, multiline: bool = False) -> str:
@@ -200,10 +200,10 @@ class _V:
             self.fail(keys + (key,), f"{v!r} is out of range ({lo}–{hi})")
         return v
 
-    def strings(self, obj, keys, key, pattern=None, what="", default=()) -> list[str]:
+    def strings(self, obj, keys, key, pattern=None, what="", default=(), multiline=False) -> list[str]:
         items = self.get(obj, keys, key, list, default=list(default))
         for i, item in enumerate(items):
-            self.get({i: item}, keys + (key,), i, str, required=True)
+            self.get({i: item}, keys + (key,), i, str, required=True, multiline=multiline)
             if pattern is not None and not pattern.match(item):
                 self.fail(keys + (key, i), f"{item!r} is not {what}")
         return items
@@ -268,7 +268,7 @@ def _parse(doc: yamlio.Doc) -> Lock:
     if isinstance(schema, bool) or schema != SCHEMA:
         v.fail(("lock",), f"unsupported lock schema {schema!r} (this tool reads {SCHEMA})")
     name = v.match(d, (), "name", NAME_RE, "a valid name (letters, digits, . _ + -)", required=True)
-    description = v.get(d, (), "description", str, default="")
+    description = v.get(d, (), "description", str, default="", multiline=True)
     base = Path(doc.path).resolve().parent
     houses = wheelhouses()
 
@@ -310,7 +310,8 @@ def _parse(doc: yamlio.Doc) -> Lock:
     overrides = []
     for ok, o in v.items(d, (), "overrides", OVERRIDE_KEYS, "a mapping with package, pins, use, reason"):
         ov = Override(package=_name(v, o, ok, "package"), pins=v.get(o, ok, "pins", str, required=True),
-                      use=v.get(o, ok, "use", str, required=True), reason=v.get(o, ok, "reason", str, required=True),
+                      use=v.get(o, ok, "use", str, required=True),
+                      reason=v.get(o, ok, "reason", str, required=True, multiline=True),
                       line=doc.line(*ok))
         if len(ov.reason.strip()) < 10:
             v.fail(ok + ("reason",), "an override needs a real reason")
@@ -350,7 +351,7 @@ def _parse(doc: yamlio.Doc) -> Lock:
         _name(v, u, uk, "name")
         if u.get("requirement") is not None:
             _requirement(v, uk + ("requirement",), v.get(u, uk, "requirement", str))
-        v.text(uk + ("reason",), v.get(u, uk, "reason", str, required=True), multiline=True)
+        v.get(u, uk, "reason", str, required=True, multiline=True)
         unresolved.append(u)
 
     patches = v.strings(d, (), "patches", REL_PATH_RE, "a relative path inside the repository (no '..')")
@@ -429,9 +430,7 @@ def _probes(v: _V, d: dict) -> dict:
     v.number(p, k, "max_tokens", 1, 1 << 20, integer=True)
     for key in ("timeout", "engine_timeout", "collective_timeout"):
         v.number(p, k, key, 1, 7 * 86400)
-    prompts = v.strings(p, k, "prompts")
-    for i, text in enumerate(prompts):
-        v.text(k + ("prompts", i), text, multiline=True)
+    v.strings(p, k, "prompts", multiline=True)
     return p
 
 

@@ -17,9 +17,10 @@ from rich.text import Text
 from ..errors import ProvisionError
 from ..transport import DEFAULT_KNOWN_HOSTS, Target
 
-# markup and emoji off: `[six==1.17.0]`, `[/x]` and `host:abc:` are printed as they are.
-console = Console(highlight=False, markup=False, emoji=False)
-err_console = Console(stderr=True, highlight=False, markup=False, emoji=False)
+# markup and emoji off: `[six==1.17.0]`, `[/x]` and `host:abc:` are printed as they are; a message is
+# one line however long (soft wrap), so a fingerprint or a path is never split.
+console = Console(highlight=False, markup=False, emoji=False, soft_wrap=True)
+err_console = Console(stderr=True, highlight=False, markup=False, emoji=False, soft_wrap=True)
 
 
 def styled(*parts) -> Text:
