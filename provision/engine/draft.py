@@ -16,6 +16,7 @@ from .model import Attention, FeedForward, KVCache, ModelArgs, RMSNorm, rope_cac
 class DraftArgs(ModelArgs):
     draft_vocab_size: int = 32000
     target_hidden: int = 0            # width of the fused target features (3H); 0 = 3 * dim
+    norm_before_residual: bool = False  # residual from hidden_norm(hidden) instead of hidden
 
     def __post_init__(self):
         super().__post_init__()
@@ -33,16 +34,18 @@ class Eagle3Layer(nn.Module):
         self.attention = Attention(args, in_dim=2 * args.dim)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.intermediate_size)
+        self.norm_before_residual = args.norm_before_residual
 
     def forward(self, emb: Tensor, hidden: Tensor, rope, mask, slots) -> Tensor:
         # emb, hidden: [B, T, H]
-        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)   # [B, T, 2H]
-        h = hidden + self.attention(x, rope, mask, slots)
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(emb), normed], dim=-1)                     # [B, T, 2H]
+        h = (normed if self.norm_before_residual else hidden) + self.attention(x, rope, mask, slots)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Eagle3Draft(nn.Module):
-    def __init__(self, args: DraftArgs):
+    def __init__(self, args: DraftArgs, own_embed: bool = False):
         super().__init__()
         self.args = args
         self.fc = nn.Linear(args.target_hidden, args.dim, bias=False)
@@ -50,7 +53,8 @@ class Eagle3Draft(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(args.draft_vocab_size, dtype=torch.long))  # target = id + d2t[id]
-        self.embed: nn.Embedding | None = None     # shared from the target (not a submodule)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim) if own_embed else None
+        self.embed: nn.Embedding | None = None     # the target's, shared (used unless embed_tokens is set)
         self.max_slots = 0
 
     def setup_caches(self, max_slots: int, embed: nn.Embedding, batch: int = 1):
@@ -68,8 +72,11 @@ class Eagle3Draft(nn.Module):
         """
         if hidden.shape[-1] != self.args.dim:
             hidden = self.fc(hidden)
-        h = self.midlayer(self.embed(idx), hidden, self.rope[pos], mask, slots)
+        h = self.midlayer(self.embed_ids(idx), hidden, self.rope[pos], mask, slots)
         return self.lm_head(self.norm(h)), h
+
+    def embed_ids(self, idx: Tensor) -> Tensor:
+        return (self.embed_tokens if self.embed_tokens is not None else self.embed)(idx)
 
     def to_target(self, draft_ids: Tensor) -> Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -46,11 +46,12 @@ class Engine:
 
     def __init__(self, target: Transformer, draft: Optional[Eagle3Draft] = None, tokenizer=None,
                  max_seq_len: int = 2048, steps: int = 4, topk: int = 1, num_draft_tokens: int = 0,
-                 eos_id: Optional[int] = None):
+                 stop_ids=None):
         self.target, self.draft, self.tokenizer = target.eval(), draft, tokenizer
         self.device = target.output.weight.device
         self.max_seq_len = min(max_seq_len, target.args.max_position_embeddings)
-        self.eos_id = eos_id if eos_id is not None else getattr(tokenizer, "eos_id", None)
+        eos = getattr(tokenizer, "eos_id", None)
+        self.stop_ids = set(stop_ids if stop_ids is not None else [] if eos is None else [eos])   # end of turn
         self.configure(steps, topk, num_draft_tokens)
 
     def configure(self, steps: int, topk: int, num_draft_tokens: int = 0):
@@ -245,8 +246,9 @@ class Engine:
         with torch.inference_mode():
             for chunk, _ in gen:
                 chunk = chunk[:left]
-                if stop_at_eos and self.eos_id is not None and self.eos_id in chunk:
-                    yield chunk[: chunk.index(self.eos_id) + 1]
+                ends = [i for i, t in enumerate(chunk) if t in self.stop_ids] if stop_at_eos else []
+                if ends:
+                    yield chunk[: ends[0] + 1]
                     return
                 left -= len(chunk)
                 yield chunk
@@ -257,6 +259,5 @@ class Engine:
         t0, stats, out = time.perf_counter(), [], []
         for chunk in self.stream(ids, max_new_tokens, stats=stats, **kw):
             out.extend(chunk)
-        reason = "stop" if self.eos_id is not None and out and out[-1] == self.eos_id and kw.get("stop_at_eos", True) \
-            else "length"
+        reason = "stop" if out and out[-1] in self.stop_ids and kw.get("stop_at_eos", True) else "length"
         return Result(out, stats, time.perf_counter() - t0, len(ids), reason)

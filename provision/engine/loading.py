@@ -30,18 +30,43 @@ def _need(cfg: dict, key: str, where: Path):
     return cfg[key]
 
 
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_settings(cfg: dict, d: Path) -> tuple[float, dict | None]:
+    """(theta, scaling) from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling` (4.x)."""
+    rp = cfg.get("rope_parameters")
+    if rp is not None:
+        if not isinstance(rp, dict):
+            raise EngineError(f"{d}/config.json: rope_parameters must be an object")
+        if "rope_type" not in rp and all(isinstance(v, dict) for v in rp.values()):
+            raise EngineError(f"{d}/config.json: per-layer-type rope_parameters {sorted(rp)} are not supported")
+        theta, scaling = rp.get("rope_theta", cfg.get("rope_theta", 10000.0)), rp
+    else:
+        theta, scaling = cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling")
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise EngineError(f"{d}/config.json: rope type {kind!r} is not supported {ROPE_TYPES}")
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
+        raise EngineError(f"{d}/config.json: rope_theta {theta!r} must be a positive number")
+    return float(theta), (None if kind == "default" else dict(scaling))
+
+
 def model_args(cfg: dict, d: Path, cls=ModelArgs, **extra) -> ModelArgs:
-    """HF Llama config.json → ModelArgs (or DraftArgs)."""
+    """HF Llama config.json → ModelArgs (or DraftArgs); refuses what the engine would compute differently."""
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise EngineError(f"{d}/config.json: attention_bias / mlp_bias are not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise EngineError(f"{d}/config.json: hidden_act {cfg['hidden_act']!r} is not supported (silu)")
     heads = _need(cfg, "num_attention_heads", d)
+    theta, scaling = rope_settings(cfg, d)
     try:
         return cls(
             vocab_size=_need(cfg, "vocab_size", d), dim=_need(cfg, "hidden_size", d),
             n_layer=_need(cfg, "num_hidden_layers", d), n_head=heads,
             n_local_heads=cfg.get("num_key_value_heads") or heads, head_dim=cfg.get("head_dim") or 0,
             intermediate_size=_need(cfg, "intermediate_size", d), norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_base=cfg.get("rope_theta", 10000.0), rope_scaling=cfg.get("rope_scaling"),
+            rope_base=theta, rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), **extra)
     except (TypeError, ValueError) as e:
@@ -87,6 +112,11 @@ def _take(tensors, origin, d, key, shape):
     return t
 
 
+LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+              "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+              "post_attention_layernorm.weight")
+
+
 def _layer_weights(get, pre: str, a: ModelArgs, in_dim: int) -> dict:
     """HF names of one decoder layer → ours (q/k/v and gate/up fused)."""
     q, kv = a.n_head * a.head_dim, a.n_local_heads * a.head_dim
@@ -122,31 +152,47 @@ def load_target(d, device="cpu", dtype=torch.float32, aux_layers=None) -> Transf
     return model.to(device=device, dtype=dtype)
 
 
+def _aux_layer_ids(cfg: dict, d: Path, n_layer: int):
+    """The target layers whose outputs feed the draft (`eagle_config` or top level), or None."""
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids",
+                                                cfg.get("eagle_aux_hidden_state_layer_ids"))
+    if ids is not None and (not isinstance(ids, list) or len(ids) != 3
+                            or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_layer
+                                       for i in ids)):
+        raise EngineError(f"{d}/config.json: eagle_aux_hidden_state_layer_ids {ids} do not fit "
+                          f"a {n_layer}-layer target (three layer indices)")
+    return ids
+
+
 def load_draft(d, target: Transformer, device="cpu", dtype=torch.float32) -> Eagle3Draft:
-    """The published EAGLE-3 layout; sets the target's aux layers from the draft config."""
+    """The published EAGLE-3 layout and its variants (`model.`/`layers.0.` prefixes, own embeddings,
+    `norm_before_residual`); anything else is refused. Sets the target's aux layers from the config."""
     d = Path(d)
     cfg = read_config(d)
     arch = (cfg.get("architectures") or ["LlamaForCausalLMEagle3"])[0]
     if arch not in DRAFT_ARCHS:
         raise EngineError(f"{d}/config.json: architecture {arch!r} is not an EAGLE-3 Llama draft {DRAFT_ARCHS}")
+    if cfg.get("num_hidden_layers", 1) != 1:
+        raise EngineError(f"{d}/config.json: num_hidden_layers: {cfg['num_hidden_layers']} (an EAGLE-3 draft "
+                          "here has exactly one decoder layer)")
     ta = target.args
+    th = cfg.get("target_hidden_size") or ta.dim
+    if th != ta.dim:
+        raise EngineError(f"{d}/config.json: target_hidden_size {th} differs from the target's hidden_size {ta.dim}")
     a = model_args(cfg, d, cls=DraftArgs, draft_vocab_size=cfg.get("draft_vocab_size") or cfg.get("vocab_size"),
-                   target_hidden=3 * cfg.get("target_hidden_size", ta.dim))
+                   target_hidden=3 * th, norm_before_residual=bool(cfg.get("norm_before_residual", False)))
     if a.dim != ta.dim:
         raise EngineError(f"{d}/config.json: hidden_size {a.dim} differs from the target's {ta.dim}")
     if a.vocab_size != ta.vocab_size:
         raise EngineError(f"{d}/config.json: vocab_size {a.vocab_size} differs from the target's {ta.vocab_size}")
-    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if ids:
-        if len(ids) != 3 or not all(isinstance(i, int) and 0 <= i < ta.n_layer for i in ids):
-            raise EngineError(f"{d}/config.json: eagle_aux_hidden_state_layer_ids {ids} do not fit "
-                              f"a {ta.n_layer}-layer target")
-        ta.aux_layers = [i + 1 for i in ids]   # the output of layer i feeds layer i + 1
+    ids = _aux_layer_ids(cfg, d, ta.n_layer)
     raw, origin = read_weights(d)
     tensors = {}
     for k, v in raw.items():   # some exports prefix "model." or call the midlayer "layers.0"
         k2 = k[6:] if k.startswith("model.") else k
         k2 = "midlayer." + k2[9:] if k2.startswith("layers.0.") else k2
+        if k2 in tensors:
+            raise EngineError(f"{origin[k]}: key {k!r} duplicates another spelling of {k2!r}")
         tensors[k2], origin[k2] = v, origin[k]
     get = lambda k, s: _take(tensors, origin, d, k, s)  # noqa: E731
     sd = {"fc.weight": get("fc.weight", (a.dim, a.target_hidden)),
@@ -156,19 +202,35 @@ def load_draft(d, target: Transformer, device="cpu", dtype=torch.float32) -> Eag
         sd[f"midlayer.{k}"] = v
     sd["midlayer.input_layernorm.weight"] = get("midlayer.input_layernorm.weight", (a.dim,))
     sd["midlayer.hidden_norm.weight"] = get("midlayer.hidden_norm.weight", (a.dim,))
+    used = {"fc.weight", "norm.weight", "lm_head.weight", "midlayer.input_layernorm.weight",
+            "midlayer.hidden_norm.weight", "d2t", "t2d"} | {f"midlayer.{k}" for k in LAYER_KEYS}
+    if "embed_tokens.weight" in tensors:   # the draft's own embeddings, used instead of the target's
+        sd["embed_tokens.weight"] = get("embed_tokens.weight", (a.vocab_size, a.dim))
+        used.add("embed_tokens.weight")
+    extra = sorted(set(tensors) - used)
+    if extra:
+        raise EngineError(f"{origin[extra[0]]}: key {extra[0]!r} is not part of an EAGLE-3 draft this engine "
+                          f"runs ({len(extra)} unexpected keys)")
     if a.draft_vocab_size != a.vocab_size or "d2t" in tensors:
         d2t = get("d2t", (a.draft_vocab_size,)).long()
         target_ids = torch.arange(a.draft_vocab_size) + d2t
         if target_ids.min() < 0 or target_ids.max() >= a.vocab_size:
             raise EngineError(f"{origin['d2t']}: key 'd2t' maps draft ids outside the target vocabulary")
+        if "t2d" in tensors:
+            t2d = torch.zeros(a.vocab_size, dtype=torch.bool)
+            t2d[target_ids] = True
+            if not torch.equal(get("t2d", (a.vocab_size,)).bool(), t2d):
+                raise EngineError(f"{origin['t2d']}: key 't2d' disagrees with 'd2t'")
         sd["d2t"] = d2t
     else:
         sd["d2t"] = torch.zeros(a.draft_vocab_size, dtype=torch.long)
     with torch.device("meta"):
-        draft = Eagle3Draft(a)
+        draft = Eagle3Draft(a, own_embed="embed_tokens.weight" in sd)
     draft.load_state_dict(sd, assign=True)
     draft = draft.to(device=device, dtype=dtype)
     draft.d2t = draft.d2t.long()
+    if ids:
+        ta.aux_layers = [i + 1 for i in ids]   # the output of layer i feeds layer i + 1
     return draft
 
 
@@ -238,7 +300,7 @@ def load_engine(model=None, draft=None, device: str = "cpu", dtype: str = "float
     """Target + draft + tokenizer as one Engine; the bundled tiny pair when no paths are given."""
     from . import TINY_DIR
     from .generate import Engine
-    from .tokenizer import load_tokenizer
+    from .tokenizer import load_tokenizer, stop_ids
 
     model = Path(model) if model else TINY_DIR
     draft = Path(draft) if draft else (model / "draft" if (model / "draft").exists() else None)
@@ -253,6 +315,5 @@ def load_engine(model=None, draft=None, device: str = "cpu", dtype: str = "float
         raise EngineError(f"device {device!r} is not usable here: {str(e).splitlines()[0]}") from None
     target = load_target(model, device, dt)
     dr = load_draft(draft, target, device, dt) if draft is not None and speculative else None
-    eos = read_config(model).get("eos_token_id")
     return Engine(target, dr, load_tokenizer(model), max_seq_len=max_seq_len, steps=steps, topk=topk,
-                  num_draft_tokens=num_draft_tokens, eos_id=eos[0] if isinstance(eos, list) else eos)
+                  num_draft_tokens=num_draft_tokens, stop_ids=stop_ids(model))

@@ -219,8 +219,7 @@ class Handler(BaseHTTPRequestHandler):
         return u
 
     def _finish(self, out):
-        eos = self.service.engine.eos_id
-        return "stop" if eos is not None and out and out[-1] == eos else "length"
+        return "stop" if out and out[-1] in self.service.engine.stop_ids else "length"
 
     def _complete(self, job):
         out = []

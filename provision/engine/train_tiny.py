@@ -62,7 +62,7 @@ def draft_unrolled(draft: Eagle3Draft, x, aux, ttt: int):
     x: [B, T+1] tokens; aux: [B, T, 3H]. Returns draft logits per step, each [B, T, Vd]."""
     B, T = aux.shape[:2]
     m, att, a = draft.midlayer, draft.midlayer.attention, draft.args
-    emb = draft.embed(x[:, 1:T + 1])                                # token i+1 at position i
+    emb = draft.embed_ids(x[:, 1:T + 1])                                # token i+1 at position i
     rope = draft.rope[:T]
     hidden = draft.fc(aux)
     i = torch.arange(T, device=x.device)
@@ -83,7 +83,8 @@ def draft_unrolled(draft: Eagle3Draft, x, aux, ttt: int):
         K = torch.cat(ks, 2).repeat_interleave(a.n_head // a.n_local_heads, 1)
         V = torch.cat(vs, 2).repeat_interleave(a.n_head // a.n_local_heads, 1)
         y = F.scaled_dot_product_attention(q, K, V, attn_mask=torch.cat(blocks, 1))
-        h = hidden + att.wo(y.transpose(1, 2).reshape(B, T, -1))
+        res = m.hidden_norm(hidden) if m.norm_before_residual else hidden
+        h = res + att.wo(y.transpose(1, 2).reshape(B, T, -1))
         h = h + m.feed_forward(m.ffn_norm(h))
         outs.append(draft.lm_head(draft.norm(h)))
     return outs

@@ -56,10 +56,10 @@ def test_context_end_and_eos(random_engine):
     ids = [i % 96 for i in range(150)]           # 10 tokens of room left in a 160-token context
     plain = e.generate(ids, 100, temperature=0, speculative=False).tokens
     assert e.generate(ids, 100, temperature=0).tokens == plain and len(plain) == 10
-    e.eos_id = plain[3]
+    e.stop_ids = {plain[3]}
     out = e.generate(ids, 100, temperature=0)
     assert out.tokens == plain[:plain.index(plain[3]) + 1] and out.finish_reason == "stop"
-    e.eos_id = None
+    e.stop_ids = set()
     with pytest.raises(EngineError, match="does not fit"):
         e.generate([1] * 160, 4)
     with pytest.raises(EngineError, match="tree settings"):

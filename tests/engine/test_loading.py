@@ -104,3 +104,85 @@ def test_tiny_pair_size():
     from provision.engine import TINY_DIR
     total = sum(p.stat().st_size for p in TINY_DIR.rglob("*.safetensors"))
     assert total <= 10 * 2**20
+
+
+def test_transformers5_rope_parameters(tmp_path):
+    """A config.json written by transformers 5 keeps RoPE under rope_parameters: same logits as 4.x style."""
+    torch.manual_seed(0)
+    a = ModelArgs(vocab_size=64, dim=64, n_layer=3, n_head=4, n_local_heads=2, intermediate_size=96,
+                  rope_base=500000.0, rope_scaling=LLAMA3, max_position_embeddings=256)
+    ours = Transformer(a)
+    for p in ours.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    save_target(ours, tmp_path)
+    ids = torch.randint(0, 64, (1, 48))
+    want, _ = _forward(load_target(tmp_path), ids)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["rope_parameters"] = {**cfg.pop("rope_scaling"), "rope_theta": cfg.pop("rope_theta")}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    got, _ = _forward(load_target(tmp_path), ids)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    plain, _ = _forward(load_target(tmp_path), ids)
+    assert (plain - want).abs().max() > 1e-2          # theta is read, not defaulted
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(EngineError, match="rope type 'yarn' is not supported"):
+        load_target(tmp_path)
+
+
+def _rewrite_draft(d, cfg_update=None, rename=None, add=None, drop=()):
+    from safetensors.torch import load_file, save_file
+    f = d / "model.safetensors"
+    sd = load_file(str(f))
+    sd = {(rename(k) if rename else k): v for k, v in sd.items() if k not in drop}
+    save_file({**sd, **(add or {})}, str(f))
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, **(cfg_update or {})}))
+
+
+def _draft_out(draft, target, n=12):
+    draft.setup_caches(64, target.tok_embeddings)
+    torch.manual_seed(1)
+    idx, hid = torch.randint(0, 64, (1, n)), torch.randn(1, n, 3 * draft.args.dim)
+    pos = torch.arange(n)
+    with torch.inference_mode():
+        return draft(idx, hid, pos, torch.arange(64)[None, :n] <= pos[:, None], pos)[0]
+
+
+def test_draft_layout_variants(tmp_path):
+    """Every variant loads faithfully (same outputs) or is refused with one line naming the key."""
+    import shutil
+    target, draft = random_pair(vocab=64, draft_vocab=32, device="cpu")
+    save_target(target, tmp_path / "t")
+    save_draft(draft, tmp_path / "d")
+    t = load_target(tmp_path / "t")
+    want = _draft_out(load_draft(tmp_path / "d", t), t)
+
+    def variant(name, **kw):
+        shutil.copytree(tmp_path / "d", tmp_path / name)
+        _rewrite_draft(tmp_path / name, **kw)
+        return tmp_path / name
+    for d in (variant("prefixed", rename=lambda k: "model." + k),
+              variant("layers0", rename=lambda k: k.replace("midlayer.", "layers.0.")),
+              variant("no_t2d", drop=("t2d",))):
+        torch.testing.assert_close(_draft_out(load_draft(d, t), t), want, atol=0, rtol=0)
+    own = torch.randn(64, 64)
+    d = variant("own_embed", add={"embed_tokens.weight": own})
+    dr = load_draft(d, t)
+    assert torch.equal(dr.embed_tokens.weight, own) and (_draft_out(dr, t) - want).abs().max() > 1e-3
+    d = variant("nbr", cfg_update={"norm_before_residual": True})
+    assert load_draft(d, t).midlayer.norm_before_residual and (_draft_out(load_draft(d, t), t) - want).abs().max() > 1e-3
+    for name, kw, msg in [
+        ("two_layers", {"cfg_update": {"num_hidden_layers": 2}}, "num_hidden_layers: 2"),
+        ("extra_key", {"add": {"layers.1.self_attn.q_proj.weight": torch.zeros(4)}}, "key 'layers.1.self_attn.q_proj.weight'"),
+        ("fc_bias", {"add": {"fc.bias": torch.zeros(64)}}, "key 'fc.bias' is not part of an EAGLE-3 draft"),
+        ("bad_t2d", {"add": {"t2d": torch.ones(64, dtype=torch.bool)}}, "'t2d' disagrees with 'd2t'"),
+        ("wide_target", {"cfg_update": {"target_hidden_size": 128}}, "target_hidden_size 128 differs"),
+        ("bad_ids", {"cfg_update": {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 99]}}},
+         r"eagle_aux_hidden_state_layer_ids \[1, 2, 99\] do not fit"),
+        ("gelu", {"cfg_update": {"hidden_act": "gelu"}}, "hidden_act 'gelu' is not supported"),
+    ]:
+        with pytest.raises(EngineError, match=msg):
+            load_draft(variant(name, **kw), t)
