@@ -1,7 +1,8 @@
-"""Apply a lock to a host: preflight → build a new generation → patch → probe → atomic switch.
+"""Apply a lock to a host: recover → facts → plan → (reuse | build → patch → probe) → switch.
 
-Any failure leaves `current` untouched and the new generation marked failed with a one-line
-reason. Also: adoption of an unmanaged environment as generation 0, rollback, history.
+The rename of `current` is the one commit point: a failure before it leaves `current` untouched and the
+new generation failed (venv removed at once); after it, apply reports the switch and names the failed
+bookkeeping. Also: adoption of an unmanaged environment as generation 0, rollback, history, gc, logs.
 """
 from __future__ import annotations
 
@@ -13,19 +14,22 @@ from typing import Callable
 from urllib.parse import unquote, urlparse
 
 
-from . import generations, lock as lockmod, runner
+from . import generations, layout, lock as lockmod, runner
 from .errors import HostError, PlanError, ProvisionError
-from .facts import capture_lock, env_paths, gather, root_of
+from .facts import capture_lock, env_paths, gather
 from .lock import Lock
 from .plan import Plan, facts_digest, make_plan, stack_of_lock
 from .transport import Transport
 
-MIN_FREE_BYTES = 1 << 30
 Progress = Callable[[str, str, str], None]   # (step, state: start|done|fail|info, detail)
 
 
 class ProbesFailed(ProvisionError):
     """Required probes failed inside the new generation; it was not switched to."""
+
+
+class SwitchUnknown(HostError):
+    """The connection was lost while `current` was being switched: the next run settles which it is."""
 
 
 @dataclass
@@ -40,11 +44,15 @@ class Step:
 class ApplyReport:
     host: str
     lock_name: str
-    status: str = "pending"            # applied | noop | failed
+    status: str = "pending"            # applied | reused | noop | failed | unknown
     generation: str | None = None
     previous: str | None = None
+    current: str | None = None         # what `current` names on the host when apply returned
+    failed_step: str | None = None
     steps: list[Step] = field(default_factory=list)
     plan: dict | None = None
+    recovered: dict | None = None      # what an interrupted earlier run left, settled under the host lock
+    warnings: list[str] = field(default_factory=list)
     probes: dict | None = None
     patches: dict | None = None
     run_dir: str | None = None
@@ -53,41 +61,6 @@ class ApplyReport:
 
     def to_json(self) -> dict:
         return asdict(self)
-
-
-def _driver_tuple(v: str) -> tuple:
-    return tuple(int(x) for x in v.split(".") if x.isdigit())
-
-
-def preflight_findings(facts: dict, lock: Lock) -> list[tuple[bool, str]]:
-    """(fatal, message) for everything that would stop or weaken an apply of `lock` here."""
-    out: list[tuple[bool, str]] = []
-    py = lock.platform.python
-    if py not in (facts.get("pythons") or {}):
-        have = ", ".join(sorted(facts.get("pythons") or {})) or "none"
-        out.append((True, f"host has no Python {py} (found: {have})"))
-    gpus = facts.get("gpus") or []
-    dmin = lock.platform.driver_min
-    if gpus and dmin and facts.get("driver") and _driver_tuple(facts["driver"]) < _driver_tuple(dmin):
-        out.append((True, f"NVIDIA driver {facts['driver']} is older than the lock's minimum {dmin}"))
-    if not gpus and (dmin or lock.platform.compute_capability):
-        out.append((False, "no NVIDIA GPU found (nvidia-smi absent or empty): driver and GPU checks skipped"))
-    want = set(lock.platform.compute_capability)
-    for g in gpus:
-        if want and g["compute_cap"] not in want:
-            out.append((False, f"GPU {g['index']} ({g['name']}) has compute capability {g['compute_cap']}, "
-                               f"the lock targets {', '.join(sorted(want))}"))
-    free = facts.get("disk_free_bytes")
-    if free is not None and free < MIN_FREE_BYTES:
-        out.append((True, f"only {free >> 20} MiB free under {facts.get('root')}; need {MIN_FREE_BYTES >> 20} MiB"))
-    for p in lock.packages:
-        if not p.sha256:
-            out.append((True, f"{p.pin} has no sha256 in {lock.where('packages')}: cannot install with --require-hashes"))
-        elif not (p.url and p.filename):
-            out.append((True, f"{p.pin} has no url/filename in the lock"))
-    for u in lock.unresolved:
-        out.append((True, f"{u['name']} is unresolved in the lock: {u['reason']}"))
-    return out
 
 
 def _local_wheel(lock: Lock, url: str) -> Path | None:
@@ -133,19 +106,6 @@ def build_vars(lock: Lock, facts: dict, installer: str | None) -> dict:
             "cuda_source": cu.source, "cuda_apt_package": cu.package or ""}
 
 
-def _cuda_home(lock: Lock, venv: str) -> str | None:
-    cu = lock.platform.cuda
-    if cu.source == "wheels" and cu.version:
-        # NVIDIA's CUDA 13 wheels put the toolkit at site-packages/nvidia/cu13 (bin/nvcc, include, lib).
-        major = cu.version.split(".")[0]
-        return f"{venv}/lib/python{lock.platform.python}/site-packages/nvidia/cu{major}"
-    if cu.source == "apt":
-        return cu.home or f"/usr/local/cuda-{'.'.join(cu.version.split('.')[:2])}"
-    if cu.source == "host":
-        return cu.home or "/usr/local/cuda"
-    return None
-
-
 # Hook points filled by the patch engine and the probes; each returns a JSON-able summary.
 def patch_hook(transport: Transport, lock: Lock, gen: dict) -> dict:
     if not lock.patches:
@@ -162,14 +122,20 @@ def patch_hook(transport: Transport, lock: Lock, gen: dict) -> dict:
     return {"status": "applied", "detail": detail, **report}
 
 
-def probe_hook(transport: Transport, lock: Lock, gen: dict, skip: list[str]) -> dict:
-    try:
-        from .probes import run_probes
-    except ImportError:
-        return {"status": "none", "detail": "no probes are installed yet"}
-    report = run_probes(transport, lock, generation=gen["id"], skip=skip, during_apply=True)
+def probe_hook(transport: Transport, lock: Lock, gen: dict, skip: list[str], facts: dict, manifest: dict) -> dict:
+    from .probes import run_probes
+
+    report = run_probes(transport, lock, generation=gen["id"], skip=skip, during_apply=True, facts=facts,
+                        manifest=manifest)
     report.setdefault("detail", " · ".join(f"{n} {k}" for k, n in (report.get("summary") or {}).items() if n))
     return report
+
+
+def probe_failure(gen_id: str, probes: dict, current: str | None) -> str:
+    """One line: each required probe that failed, and why."""
+    why = {r["name"]: r.get("reason") or "no reason given" for r in probes.get("results", [])}
+    failed = "; ".join(f"{n} ({why.get(n, '?')})" for n in probes.get("failed", [])) or "?"
+    return f"probes failed in {gen_id}: {failed}; current left at {current or '(none)'}"
 
 
 class _Steps:
@@ -211,90 +177,147 @@ def adopt(transport: Transport, prefix: str, facts: dict | None = None) -> dict:
 
 def adopt_host(transport: Transport, prefix: str) -> dict:
     """`provision adopt`: adoption on its own, under the host lock like any mutating run."""
-    with transport.hold(f"{root_of(transport)}/.lock"):
+    with transport.hold(layout.of(transport).lock_file):
         return adopt(transport, prefix)
 
 
 def apply(transport: Transport, lock: Lock, *, saved_plan: Plan | None = None, adopt_path: str | None = None,
           skip_probes: list[str] | None = None, installer: str | None = None,
-          progress: Progress | None = None) -> ApplyReport:
-    """One-command upgrade. Raises ProvisionError (after marking the generation failed) on any failure."""
+          progress: Progress | None = None, on_plan: Callable[[Plan], None] | None = None) -> ApplyReport:
+    """One-command upgrade: exactly what `make_plan` says (noop, reuse or build). `on_plan` receives the plan
+    before anything is changed. Raises ProvisionError on failure, with the full report as `.report`."""
     t_start = time.perf_counter()
     report = ApplyReport(host=transport.target.name, lock_name=lock.name)
-    steps = _Steps(report, progress)
-    root = root_of(transport)
-    with transport.hold(f"{root}/.lock"):
-        facts = steps.run("facts", gather, transport)
-        if adopt_path and not facts.get("generations"):
-            steps.run("adopt", adopt, transport, adopt_path, facts)
-            facts = gather(transport)
-        if saved_plan is not None:
-            if saved_plan.host != facts["host"] or saved_plan.facts_digest != facts_digest(facts):
-                raise PlanError("the host changed since this plan was made; plan again", where=facts["host"])
-        plan = make_plan(facts, lock)
-        report.plan, report.previous = plan.to_json(), facts.get("current")
-        if plan.noop:
-            report.status, report.generation = "noop", facts["current"]
-            report.seconds = time.perf_counter() - t_start
-            return report
-
-        def preflight():
-            fatal = [m for f, m in preflight_findings(facts, lock) if f]
-            if fatal:
-                raise HostError(fatal[0] + (f" (+{len(fatal) - 1} more)" if len(fatal) > 1 else ""),
-                                where=facts["host"])
-            return {"detail": "ok"}
-
-        steps.run("preflight", preflight)
-        manifest = {"lock_name": lock.name, "lock_digest": lock.digest, "stack": asdict(stack_of_lock(lock)),
-                    "python": lock.platform.python, "cuda": asdict(lock.platform.cuda)}
-        extravars = build_vars(lock, facts, installer)
-        gen = generations.prepare(transport, lock.name, lockmod.dump(lock), manifest, extravars["packages"])
-        extravars.update(gen_dir=gen["dir"], venv=gen["venv"])
-        report.generation = gen["id"]
-        try:
-
-            def build():
-                res = runner.run_playbook("build", [transport.target], extravars, label=gen["id"],
-                                          interpreters={transport.target.name: facts.get("python_executable")},
-                                          on_event=lambda kind, task, item: progress and progress(
-                                              "build", "info", f"{task} {item}".strip()))
-                report.run_dir = res.run_dir
-                if res.error:
-                    raise HostError(f"build failed: {res.error}", where=facts["host"])
-                return {"detail": f"{len(lock.packages)} packages installed ({res.seconds:.1f}s)"}
-
-            steps.run("build", build)
-            cuda_home = _cuda_home(lock, gen["venv"])
-            generations.mark(transport, gen["id"], status="built", cuda_home=cuda_home,
-                             installer="uv" if extravars["uv"] else "pip", run_dir=report.run_dir)
-            report.patches = steps.run("patch", patch_hook, transport, lock, gen)
-            if report.patches.get("files"):   # recorded before probes: the patches probe checks these sha256
-                generations.mark(transport, gen["id"], patches=report.patches)
-            report.probes = steps.run("probe", probe_hook, transport, lock, gen, list(skip_probes or []))
-            if report.probes.get("status") == "fail":
-                failed = ", ".join(report.probes.get("failed", [])) or "?"
-                raise ProbesFailed(f"probes failed in {gen['id']}: {failed}; current left at {facts.get('current')}",
-                                   where=facts["host"])
-            summary = report.probes.get("summary")
-            generations.mark(transport, gen["id"], status="ready", probes_summary=summary,
-                             patches=report.patches, skipped_probes=list(skip_probes or []))
-            steps.run("switch", generations.switch, transport, gen["id"], "apply",
-                      True, {"lock": lock.name, "skipped_probes": list(skip_probes or [])})
-        except BaseException as e:
-            reason = str(e) or type(e).__name__
-            report.status, report.error = "failed", reason
-            try:
-                # A generation that failed its probes is kept for post-mortems; a broken build is removed.
-                generations.mark(transport, gen["id"], status="failed", reason=reason,
-                                 remove_venv=not isinstance(e, ProbesFailed),
-                                 event={"event": "apply-failed", "lock": lock.name, "reason": reason})
-            except ProvisionError:
-                pass   # the host may be gone; `current` was never touched
-            raise
-    report.status = "applied"
+    try:
+        with transport.hold(layout.of(transport).lock_file):
+            _apply(transport, lock, report, _Steps(report, progress), saved_plan=saved_plan, adopt_path=adopt_path,
+                   skip=list(skip_probes or []), installer=installer, on_plan=on_plan, progress=progress)
+    except ProvisionError as e:
+        if report.status not in ("unknown",):
+            report.status = "failed"
+        report.error = report.error or str(e)
+        report.failed_step = report.failed_step or next((s.name for s in report.steps if s.status == "failed"), None)
+        report.seconds = time.perf_counter() - t_start
+        e.report = report
+        raise
     report.seconds = time.perf_counter() - t_start
     return report
+
+
+def _apply(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps, *, saved_plan, adopt_path,
+           skip: list[str], installer, on_plan, progress) -> None:
+    report.recovered = steps.run("recover", _recover, transport)
+    facts = steps.run("facts", gather, transport)
+    if adopt_path and not facts.get("generations"):
+        steps.run("adopt", adopt, transport, adopt_path, facts)
+        facts = gather(transport)
+    if saved_plan is not None:
+        if saved_plan.host != facts["host"] or saved_plan.facts_digest != facts_digest(facts):
+            raise PlanError("the host changed since this plan was made; plan again", where=facts["host"])
+    report.previous = report.current = facts.get("current")
+
+    def planned() -> Plan:   # the plan is shown before anything changes; its fatal findings stop here
+        plan = make_plan(facts, lock)
+        report.plan = plan.to_json()
+        if on_plan:
+            on_plan(plan)
+        if plan.errors and not plan.noop:
+            raise HostError(plan.errors[0] + (f" (+{len(plan.errors) - 1} more)" if len(plan.errors) > 1 else ""),
+                            where=facts["host"])
+        return plan
+
+    plan = steps.run("plan", planned)
+    if plan.noop:
+        report.status, report.generation = "noop", facts["current"]
+        return
+    if plan.action == "reuse":
+        report.generation = plan.reuse
+        _switch(transport, report, steps, plan.reuse, {"lock": lock.name, "reuse": True})
+        report.status = "reused"
+        return
+
+    lay = layout.of(transport)
+    manifest = {"lock_name": lock.name, "lock_digest": lock.digest, "stack": asdict(stack_of_lock(lock)),
+                "python": lock.platform.python, "cuda": asdict(lock.platform.cuda)}
+    extravars = build_vars(lock, facts, installer)
+    gen = generations.prepare(transport, lock.name, lockmod.dump(lock), manifest, extravars["packages"])
+    extravars.update(gen_dir=gen["dir"], venv=gen["venv"])
+    report.generation = gen["id"]
+    try:
+
+        def build():
+            res = runner.run_playbook("build", [transport.target], extravars, label=gen["id"],
+                                      interpreters={transport.target.name: facts.get("python_executable")},
+                                      on_event=lambda kind, task, item: progress and progress(
+                                          "build", "info", f"{task} {item}".strip()))
+            report.run_dir = res.run_dir
+            if res.error:
+                raise HostError(f"build failed: {res.error}", where=facts["host"])
+            return {"detail": f"{len(lock.packages)} packages installed ({res.seconds:.1f}s)"}
+
+        steps.run("build", build)
+        manifest.update(cuda_home=layout.cuda_home(lock, lay.venv(gen["id"])),
+                        installer="uv" if extravars["uv"] else "pip", run_dir=report.run_dir)
+        generations.mark(transport, gen["id"], status="built", cuda_home=manifest["cuda_home"],
+                         installer=manifest["installer"], run_dir=report.run_dir)
+        report.patches = steps.run("patch", patch_hook, transport, lock, gen)
+        if report.patches.get("files"):   # recorded before probes: the patches probe checks these sha256
+            manifest["patches"] = report.patches
+            generations.mark(transport, gen["id"], patches=report.patches)
+        report.probes = steps.run("probe", probe_hook, transport, lock, gen, skip, facts, manifest)
+        if report.probes.get("status") == "fail":
+            report.failed_step = "probe"
+            raise ProbesFailed(probe_failure(gen["id"], report.probes, facts.get("current")), where=facts["host"])
+        generations.mark(transport, gen["id"], status="verified", probes_summary=report.probes.get("summary"),
+                         patches=report.patches, skipped_probes=skip)
+    except BaseException as e:
+        reason = str(e) or type(e).__name__
+        report.error = reason
+        try:   # space first (the venv goes), then the record; the logs stay in the generation dir
+            generations.mark(transport, gen["id"], status="failed", reason=reason, remove_venv=True,
+                             event={"event": "apply-failed", "lock": lock.name, "reason": reason})
+        except ProvisionError as me:   # the host may be gone: the next run marks it abandoned
+            report.warnings.append(f"could not mark {gen['id']} failed ({me}); the next apply settles it")
+        raise
+    _switch(transport, report, steps, gen["id"], {"lock": lock.name, "skipped_probes": skip})
+    report.status = "applied"
+
+
+def _recover(transport: Transport) -> dict:
+    out = generations.recover(transport)
+    parts = [f"{len(out[k])} {k}" for k in ("abandoned", "repaired", "freed", "removed_tmp") if out.get(k)]
+    out["detail"] = ", ".join(parts) if parts else "nothing to settle"
+    return out
+
+
+def _switch(transport: Transport, report: ApplyReport, steps: _Steps, gen_id: str, event: dict) -> None:
+    """The commit. What the host says after it is the truth: a lost connection is reported as unknown,
+    a failure after the rename as switched with the failed bookkeeping named."""
+    try:
+        sw = steps.run("switch", generations.switch, transport, gen_id, "apply", event)
+    except HostError as e:
+        try:
+            now = generations.history(transport, limit=1)["current"]
+        except ProvisionError:
+            report.status, report.failed_step = "unknown", "switch"
+            raise SwitchUnknown(f"connection lost while switching to {gen_id} ({e.message}); `current` is either "
+                                f"{report.previous or '(none)'} or {gen_id}: the next apply settles and records it",
+                                where=e.where) from None
+        report.current = now
+        if now != gen_id:
+            report.failed_step = "switch"
+            if event.get("reuse") is None:
+                try:
+                    generations.mark(transport, gen_id, status="failed", reason=str(e), remove_venv=True,
+                                     event={"event": "apply-failed", "lock": report.lock_name, "reason": str(e)})
+                except ProvisionError as me:
+                    report.warnings.append(f"could not mark {gen_id} failed ({me})")
+            raise
+        report.warnings.append(f"switched to {gen_id}, but the switch reported: {e.message}")
+        return
+    report.current = sw["to"]
+    for what in sw.get("bookkeeping_failed") or []:
+        report.warnings.append(f"switched to {gen_id}; recording it failed ({what}); the next run repairs it")
 
 
 def apply_fleet(targets: list, lock: Lock, *, serial: int = 0, forks: int = 5,
@@ -313,7 +336,8 @@ def apply_fleet(targets: list, lock: Lock, *, serial: int = 0, forks: int = 5,
         try:
             return apply(tr, lock, progress=progress_for(t.name) if progress_for else None, **kw)
         except ProvisionError as e:
-            return ApplyReport(host=t.name, lock_name=lock.name, status="failed", error=str(e))
+            return getattr(e, "report", None) or ApplyReport(host=t.name, lock_name=lock.name, status="failed",
+                                                             error=str(e))
         finally:
             tr.close()
 
@@ -343,6 +367,16 @@ def rollback(transport: Transport, to: str | None = None) -> dict:
 
 def history(transport: Transport) -> dict:
     return generations.history(transport)
+
+
+def gc(transport: Transport, keep: int = 3, dry_run: bool = False) -> dict:
+    return generations.gc(transport, keep=keep, dry_run=dry_run)
+
+
+def logs(transport: Transport, generation: str | None = None) -> dict:
+    """`provision logs HOST [GEN]`: a generation's logs (default: the newest)."""
+    gen_id = generations.resolve(transport, generation, default="newest")
+    return generations.logs(transport, gen_id)
 
 
 def load_plan(path: str | Path) -> Plan:

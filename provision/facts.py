@@ -6,13 +6,8 @@
 from __future__ import annotations
 
 from . import agent
+from .layout import DEFAULT_ROOT, root_of  # noqa: F401  (re-exported: the root is named in layout)
 from .transport import Transport
-
-DEFAULT_ROOT = "/opt/provision"
-
-
-def root_of(transport: Transport) -> str:
-    return transport.target.vars.get("provision_root", DEFAULT_ROOT)
 
 
 def gather(transport: Transport, *, adopt: str | None = None) -> dict:

@@ -1,5 +1,5 @@
 """Control-side handle on a host's generations store (the `state` agent): prepare, mark, switch,
-roll back, adopt, history. Every call is one round trip; the agent does the atomic work."""
+roll back, adopt, history, recover, gc, logs. Every call is one round trip; the agent does the atomic work."""
 from __future__ import annotations
 
 import base64
@@ -26,8 +26,38 @@ def mark(t: Transport, gen_id: str, event: dict | None = None, remove_venv: bool
     return call(t, "mark", id=gen_id, fields=fields, event=event, remove_venv=remove_venv)
 
 
-def switch(t: Transport, gen_id: str, kind: str = "switch", ready: bool = True, event: dict | None = None) -> dict:
-    return call(t, "switch", id=gen_id, kind=kind, ready=ready, event=event or {})
+def switch(t: Transport, gen_id: str, kind: str = "switch", event: dict | None = None) -> dict:
+    """Commit `gen_id` as current (rename of `current`); `bookkeeping_failed` names what failed after it."""
+    return call(t, "switch", id=gen_id, kind=kind, event=event or {})
+
+
+def recover(t: Transport) -> dict:
+    """Settle what an interrupted run left (the caller holds the host lock): abandoned, repaired, freed."""
+    return call(t, "recover")
+
+
+def logs(t: Transport, gen_id: str, tail: int = 65536) -> dict:
+    """A generation's logs (tail of each), probe results with reasons, failure reason and run dir."""
+    return call(t, "logs", id=gen_id, tail=tail)
+
+
+def gc(t: Transport, keep: int = 3, dry_run: bool = False) -> dict:
+    """Collect old and failed generations and unreferenced cache entries on the host (under its lock),
+    then the controller's run directories of the generations removed."""
+    import shutil
+    from pathlib import Path
+
+    from .runner import RUNS
+
+    out = call(t, "gc", keep=keep, dry_run=dry_run, take_lock=True)
+    out["run_dirs"] = []
+    for g in out["generations"]:
+        rd = g.get("run_dir")
+        if rd and Path(rd).resolve().parent == RUNS.resolve() and Path(rd).is_dir():
+            out["run_dirs"].append(rd)
+            if not dry_run:
+                shutil.rmtree(rd, ignore_errors=True)
+    return out
 
 
 def rollback(t: Transport, to: str | None = None) -> dict:
@@ -40,6 +70,27 @@ def adopt(t: Transport, prefix: str, lock_name: str, lock_text: str, manifest: d
 
 def history(t: Transport, limit: int = 200) -> dict:
     return call(t, "history", limit=limit)
+
+
+def resolve(t: Transport, generation: str | None, default: str = "current") -> str:
+    """A generation's id from its id or number; None means `current` (or the newest, default="newest")."""
+    from .errors import ProvisionError
+
+    h = history(t)
+    gens = h.get("generations") or []
+    if not gens:
+        raise ProvisionError(f"no generations under {root_of(t)}: adopt or apply first", where=t.target.name)
+    if generation is None:
+        if default == "newest":
+            return gens[-1]["id"]
+        if not h.get("current"):
+            raise ProvisionError("no current generation; name one with --generation", where=t.target.name)
+        return h["current"]
+    g = str(generation)
+    for x in gens:
+        if x["id"] == g or (g.isdigit() and int(g) == x["number"]):
+            return x["id"]
+    raise ProvisionError(f"no generation {g} (have: {', '.join(x['id'] for x in gens)})", where=t.target.name)
 
 
 def read(t: Transport, gen_id: str) -> dict:

@@ -8,32 +8,41 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
 from .errors import InputError
 from .lock import Lock, from_data
 
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2
 SYMBOL = {"add": "+", "change": "~", "remove": "-"}
-ORDER = ("toolkit", "driver", "package", "patch", "engine")
+ORDER = ("lock", "python", "toolkit", "driver", "package", "hash", "index", "patch", "probe", "engine")
+HEADINGS = {"package": "  packages", "patch": "  patches", "hash": "  wheel hashes (same version)",
+            "index": "  indexes", "probe": "  probe expectations"}
+MIN_FREE_BYTES = 1 << 30
+UNPACK_FACTOR = 2   # disk estimate: an installed wheel takes about twice its download (uv links, no copy)
 
 
 @dataclass
 class Stack:
-    """What a host runs (or a lock describes), reduced to what a plan compares."""
+    """What a host runs (or a lock describes), reduced to everything apply acts on."""
 
     name: str | None = None
     packages: dict[str, str] = field(default_factory=dict)
     cuda: str | None = None           # "13.0.1 (wheels)"
     driver_min: str | None = None
-    patches: list[str] = field(default_factory=list)
+    patches: dict[str, str] = field(default_factory=dict)   # series name → sha256 of its files
     engine: dict = field(default_factory=dict)
+    python: str | None = None
+    hashes: dict[str, str] = field(default_factory=dict)    # package → wheel sha256
+    indexes: dict[str, str] = field(default_factory=dict)
+    probes: dict = field(default_factory=dict)
 
 
 @dataclass
 class Change:
-    category: str    # toolkit | driver | package | patch | engine
+    category: str    # lock | python | toolkit | driver | package | hash | index | patch | probe | engine
     name: str
     action: str      # add | change | remove
     old: str | None = None
@@ -43,11 +52,21 @@ class Change:
     def direction(self) -> str:
         """upgrade / downgrade for version changes, else ''."""
         try:
-            if self.action == "change" and self.old and self.new:
+            if self.action == "change" and self.old and self.new and self.category in ("package", "python", "driver"):
                 return "upgrade" if Version(self.new) > Version(self.old) else "downgrade"
         except InvalidVersion:
             pass
         return ""
+
+
+def series_digest(path: Path) -> str:
+    """sha256 over a patch series' files (names and bytes): a changed patch changes the plan."""
+    if not path.is_dir():
+        return "missing"
+    h = hashlib.sha256()
+    for f in sorted(x for x in path.rglob("*") if x.is_file() and "__pycache__" not in x.parts):
+        h.update(f.relative_to(path).as_posix().encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
 
 
 def stack_of_lock(lock: Lock) -> Stack:
@@ -55,8 +74,10 @@ def stack_of_lock(lock: Lock) -> Stack:
     return Stack(name=lock.name, packages=lock.versions(),
                  cuda=f"{cu.version} ({cu.source})" if cu.source != "none" else None,
                  driver_min=lock.platform.driver_min,
-                 patches=[p.rstrip("/").rsplit("/", 1)[-1] for p in lock.patches],
-                 engine=lock.engine or {})
+                 patches={p.rstrip("/").rsplit("/", 1)[-1]: series_digest(lock.resolve_path(p)) for p in lock.patches},
+                 engine=lock.engine or {}, python=lock.platform.python,
+                 hashes={p.name: p.sha256 for p in lock.packages if p.sha256},
+                 indexes=dict(lock.indexes or {}), probes=dict(lock.probes or {}))
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, str]:
@@ -81,15 +102,28 @@ def _diff_maps(category: str, old: dict, new: dict) -> list[Change]:
     return changes
 
 
+def _one(category: str, name: str, old, new) -> list[Change]:
+    return _diff_maps(category, {name: old} if old else {}, {name: new} if new else {})
+
+
+def _short(sha: str | None) -> str | None:
+    return sha if sha in (None, "missing") else f"sha256 {sha[:12]}…"
+
+
 def diff_stacks(old: Stack, new: Stack) -> list[Change]:
     changes = []
-    if old.cuda != new.cuda:
-        changes += _diff_maps("toolkit", {"cuda": old.cuda} if old.cuda else {}, {"cuda": new.cuda} if new.cuda else {})
-    if old.driver_min != new.driver_min:
-        changes += _diff_maps("driver", {"driver min": old.driver_min} if old.driver_min else {},
-                              {"driver min": new.driver_min} if new.driver_min else {})
+    if old.python and new.python and old.python != new.python:
+        changes += _one("python", "python", old.python, new.python)
+    changes += _one("toolkit", "cuda", old.cuda, new.cuda)
+    changes += _one("driver", "driver min", old.driver_min, new.driver_min)
     changes += _diff_maps("package", old.packages, new.packages)
-    changes += _diff_maps("patch", {p: "applied" for p in old.patches}, {p: "applied" for p in new.patches})
+    same = [n for n in new.packages if old.packages.get(n) == new.packages[n]]
+    changes += _diff_maps("hash", {n: _short(old.hashes[n]) for n in same if old.hashes.get(n) and new.hashes.get(n)},
+                          {n: _short(new.hashes[n]) for n in same if old.hashes.get(n) and new.hashes.get(n)})
+    changes += _diff_maps("index", old.indexes, new.indexes)
+    changes += _diff_maps("patch", {k: _short(v) for k, v in old.patches.items()},
+                          {k: _short(v) for k, v in new.patches.items()})
+    changes += _diff_maps("probe", _flat(old.probes), _flat(new.probes))
     changes += _diff_maps("engine", _flat(old.engine), _flat(new.engine))
     return changes
 
@@ -110,9 +144,17 @@ class Plan:
     facts_digest: str
     base: str | None                # current generation when planned
     changes: list[Change]
-    warnings: list[str] = field(default_factory=list)
-    noop: bool = False              # the host already runs this exact lock
+    action: str = "build"           # noop | reuse | build: what apply will do, decided here only
+    reuse: str | None = None        # the complete generation apply switches to (action reuse)
+    current_error: str | None = None   # the current generation's interpreter does not run
+    warnings: list[str] = field(default_factory=list)   # every preflight finding
+    errors: list[str] = field(default_factory=list)     # the fatal ones: apply refuses before acting
+    download: dict = field(default_factory=dict)        # wheels, bytes, unknown, disk_needed, disk_free
     format: int = PLAN_FORMAT
+
+    @property
+    def noop(self) -> bool:
+        return self.action == "noop"
 
     @property
     def summary(self) -> dict[str, int]:
@@ -120,22 +162,25 @@ class Plan:
 
     def to_json(self) -> dict:
         d = asdict(self)
-        d["summary"] = self.summary
+        d["summary"], d["noop"] = self.summary, self.noop
         return d
 
     @classmethod
     def from_json(cls, d: dict, where: str = "plan") -> "Plan":
         """A saved plan, checked field by field (InputError: malformed or edited; exit 2)."""
         check_plan_data(d, where)
-        p = cls(**{k: d[k] for k in ("host", "lock", "lock_name", "lock_digest", "facts_digest", "base",
-                                      "warnings", "noop")}, changes=[Change(**c) for c in d["changes"]])
+        p = cls(**{k: d[k] for k in ("host", "lock", "lock_name", "lock_digest", "facts_digest", "base", "action",
+                                      "reuse", "current_error", "warnings", "errors", "download")},
+                changes=[Change(**c) for c in d["changes"]])
         if from_data(p.lock, where).digest != p.lock_digest:
             raise InputError("the plan's lock was edited after planning", where=where)
         return p
 
 
 PLAN_FIELDS = {"host": str, "lock": dict, "lock_name": str, "lock_digest": str, "facts_digest": str,
-               "base": (str, type(None)), "changes": list, "warnings": list, "noop": bool, "format": int}
+               "base": (str, type(None)), "changes": list, "warnings": list, "noop": bool, "format": int,
+               "action": str, "reuse": (str, type(None)), "current_error": (str, type(None)), "errors": list,
+               "download": dict}
 CHANGE_FIELDS = {"category": str, "name": str, "action": str, "old": (str, type(None)), "new": (str, type(None))}
 
 
@@ -159,8 +204,11 @@ def check_plan_data(d, where: str) -> None:
     for k in ("lock_digest", "facts_digest"):
         if len(d[k]) != 64 or any(c not in "0123456789abcdef" for c in d[k]):
             bad(k, "not a sha256 digest")
-    if not all(isinstance(w, str) for w in d["warnings"]):
-        bad("warnings", "expected a list of strings")
+    for k in ("warnings", "errors"):
+        if not all(isinstance(w, str) for w in d[k]):
+            bad(k, "expected a list of strings")
+    if d["action"] not in ("noop", "reuse", "build"):
+        bad("action", f"unknown action {d['action']!r}")
     for i, c in enumerate(d["changes"]):
         if (not isinstance(c, dict) or not set(c) <= set(CHANGE_FIELDS) or not {"category", "name", "action"} <= set(c)
                 or not all(isinstance(c[k], CHANGE_FIELDS[k]) for k in c)):
@@ -171,10 +219,19 @@ def check_plan_data(d, where: str) -> None:
 
 def facts_digest(facts: dict) -> str:
     """What a saved plan depends on: generations, current, and the current environment."""
-    keep = {"current": facts.get("current"),
-            "generations": [(g.get("id"), g.get("status"), g.get("lock_digest")) for g in facts.get("generations", [])],
+    keep = {"current": facts.get("current"), "current_error": facts.get("current_error"),
+            "generations": [(g.get("id"), g.get("status"), g.get("lock_digest"), g.get("venv_ok"))
+                            for g in facts.get("generations", [])],
             "dists": sorted((facts.get("current_dists") or {}).items())}
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
+
+
+def _value(c: Change) -> str:
+    if c.action == "add":
+        return str(c.new)
+    if c.action == "remove":
+        return str(c.old)
+    return f"{c.old} → {c.new}" + (f"  ({c.direction})" if c.direction else "")
 
 
 def render(changes: list[Change], header: str = "", summary: dict | None = None) -> str:
@@ -185,15 +242,8 @@ def render(changes: list[Change], header: str = "", summary: dict | None = None)
         group = [c for c in changes if c.category == cat]
         if not group:
             continue
-        lines.append({"package": "  packages", "patch": "  patches"}.get(cat, f"  {cat}"))
-        for c in group:
-            if c.action == "add":
-                val = c.new
-            elif c.action == "remove":
-                val = c.old
-            else:
-                val = f"{c.old} → {c.new}" + (f"  ({c.direction})" if c.direction else "")
-            lines.append(f"  {SYMBOL[c.action]} {c.name:<{width}}  {val}")
+        lines.append(HEADINGS.get(cat, f"  {cat}"))
+        lines += [f"  {SYMBOL[c.action]} {c.name:<{width}}  {_value(c)}" for c in group]
     s = summary or {"add": 0, "change": 0, "remove": 0}
     if not changes:
         lines.append("No changes.")
@@ -202,49 +252,175 @@ def render(changes: list[Change], header: str = "", summary: dict | None = None)
     return "\n".join(lines)
 
 
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
 def render_plan(plan: Plan) -> str:
     base = plan.base or "no managed generation"
     header = f"Plan for {plan.host}: {base} → {plan.lock_name}"
-    text = render(plan.changes, header, plan.summary)
+    lines = []
+    if plan.current_error:
+        lines.append(f"  ! current generation {plan.base} is broken: {plan.current_error} "
+                     "(compared with what it recorded at apply)")
     if plan.noop:
-        text = f"{header}\nNo changes: the host already runs lock {plan.lock_name} ({plan.base})."
-    if plan.warnings:
-        text += "\n" + "\n".join(f"warning: {w}" for w in plan.warnings)
+        lines.append(f"No changes: the host already runs lock {plan.lock_name} ({plan.base}).")
+        text = "\n".join([header, *lines])
+    else:
+        if plan.action == "reuse":
+            lines.append(f"  reuse: generation {plan.reuse} already holds this lock (built and probed): "
+                         "apply switches to it, nothing is built")
+        else:
+            dl = plan.download
+            if dl:
+                unknown = f" (+{dl['unknown']} of unknown size)" if dl.get("unknown") else ""
+                lines.append(f"  build: {len(plan.lock.get('packages') or [])} packages; download "
+                             f"{dl['wheels']} wheels, {_size(dl['bytes'])}{unknown}; disk needed "
+                             f"{'≥ ' if dl.get('unknown') else ''}{_size(dl['disk_needed'])}"
+                             + (f" of {_size(dl['disk_free'])} free" if dl.get("disk_free") is not None else ""))
+        text = render(plan.changes, "\n".join([header, *lines]), plan.summary)
+    text += "".join(f"\nerror: {w}" for w in plan.errors)
+    text += "".join(f"\nwarning: {w}" for w in plan.warnings if w not in plan.errors)
     return text
 
 
 SEED_PACKAGES = {"pip", "setuptools", "wheel"}   # what `python -m venv` seeds, unless a lock lists them
 
 
+def _generation(facts: dict, gen_id: str | None) -> dict:
+    return next((g for g in facts.get("generations", []) if g["id"] == gen_id), {})
+
+
 def current_stack(facts: dict) -> Stack | None:
-    """The stack of the host's current generation, from its manifest and its installed distributions."""
+    """The stack of the host's current generation: its installed distributions (or, when its interpreter
+    does not run, the versions it recorded) and the rest from its manifest."""
     cur = facts.get("current")
     if not cur:
         return None
-    gen = next((g for g in facts.get("generations", []) if g["id"] == cur), {})
+    gen = _generation(facts, cur)
     stored = gen.get("stack") or {}
-    dists = dict(facts.get("current_dists") or {})
+    if facts.get("current_error") or facts.get("current_dists") is None:
+        dists = dict(stored.get("packages") or {})
+    else:
+        dists = dict(facts.get("current_dists") or {})
+    patches = stored.get("patches") or {}
+    if isinstance(patches, list):   # manifests written before patch content was recorded
+        patches = {p: "unknown" for p in patches}
+    live_py = facts.get("current_python")
     return Stack(name=gen.get("lock_name"), packages=dists, cuda=stored.get("cuda"),
-                 driver_min=stored.get("driver_min"), patches=list(stored.get("patches") or []),
-                 engine=stored.get("engine") or {})
+                 driver_min=stored.get("driver_min"), patches=patches, engine=stored.get("engine") or {},
+                 python=".".join(live_py.split(".")[:2]) if live_py else stored.get("python") or gen.get("python"),
+                 hashes=stored.get("hashes") or {}, indexes=stored.get("indexes") or {},
+                 probes=stored.get("probes") or {})
+
+
+def _reusable(facts: dict, lock: Lock, target: Stack) -> dict | None:
+    """The newest complete generation (probed, committed once, venv intact) built from exactly this lock."""
+    for g in reversed(facts.get("generations", [])):
+        if (g["id"] != facts.get("current") and g.get("lock_digest") == lock.digest and g.get("status") == "ready"
+                and g.get("venv_ok") and ((g.get("stack") or {}).get("patches") or {}) == target.patches):
+            return g
+    return None
+
+
+def _local_size(lock: Lock, url: str | None) -> int | None:
+    from urllib.parse import unquote, urlparse
+
+    if not url:
+        return None
+    parsed = urlparse(url)
+    if parsed.scheme in ("http", "https"):
+        return None
+    path = Path(unquote(parsed.path)) if parsed.scheme == "file" else lock.resolve_path(url)
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
+
+
+def download_estimate(facts: dict, lock: Lock) -> dict:
+    """Wheels the host's cache lacks, their bytes (where known), and the disk a build needs."""
+    cached = set(facts.get("cached_wheels") or [])
+    need = [p for p in lock.packages if p.sha256 not in cached]
+    sizes = {p.name: getattr(p, "size", None) or _local_size(lock, p.url) for p in lock.packages}
+    known = sum(sizes[p.name] or 0 for p in need)
+    total = sum(v or 0 for v in sizes.values())
+    return {"wheels": len(need), "bytes": known, "unknown": sum(sizes[p.name] is None for p in need),
+            "disk_needed": known + UNPACK_FACTOR * total, "disk_free": facts.get("disk_free_bytes")}
 
 
 def make_plan(facts: dict, lock: Lock) -> Plan:
-    """Pure: what applying `lock` would change on the host these facts describe."""
+    """Pure: what applying `lock` would do on the host these facts describe, and why."""
     target = stack_of_lock(lock)
     old = current_stack(facts) or Stack()
     old.packages = {n: v for n, v in old.packages.items() if n not in SEED_PACKAGES or n in target.packages}
     changes = diff_stacks(old, target)
     cur = facts.get("current")
-    gen = next((g for g in facts.get("generations", []) if g["id"] == cur), {})
-    noop = bool(cur) and gen.get("lock_digest") == lock.digest and gen.get("status") == "ready" and not changes
+    gen = _generation(facts, cur)
+    healthy = bool(cur) and not facts.get("current_error") and gen.get("venv_ok", True)
+    same_build = gen.get("lock_digest") == lock.digest and not changes
+    if healthy and same_build and gen.get("status") == "ready":
+        action, reuse = "noop", None
+    else:
+        g = _reusable(facts, lock, target)
+        action, reuse = ("reuse", g["id"]) if g else ("build", None)
+        if not changes and cur:   # nothing in the stack differs, yet apply acts: say why
+            why = ("its interpreter does not run" if facts.get("current_error") else
+                   "its venv is missing" if not gen.get("venv_ok", True) else
+                   f"it is {gen.get('status')}" if gen.get("status") != "ready" else "the lock's content changed")
+            changes.append(Change("lock", lock.name, "change", f"{cur} ({why})", f"lock sha256 {lock.digest[:12]}…"))
+    download = download_estimate(facts, lock) if action == "build" else {}
+    findings = preflight_findings(facts, lock, action, download)
     return Plan(host=facts.get("host", "?"), lock=lock.raw, lock_name=lock.name, lock_digest=lock.digest,
-                facts_digest=facts_digest(facts), base=cur, changes=changes, warnings=preflight_warnings(facts, lock),
-                noop=noop)
+                facts_digest=facts_digest(facts), base=cur, changes=changes, action=action, reuse=reuse,
+                current_error=facts.get("current_error"), warnings=[m for _, m in findings],
+                errors=[m for fatal, m in findings if fatal], download=download)
 
 
-def preflight_warnings(facts: dict, lock: Lock) -> list[str]:
-    """Conditions worth showing in a plan; apply turns the fatal ones into errors (apply.preflight)."""
-    from .apply import preflight_findings
+def _driver_tuple(v: str) -> tuple:
+    return tuple(int(x) for x in v.split(".") if x.isdigit())
 
-    return [msg for fatal, msg in preflight_findings(facts, lock)]
+
+def preflight_findings(facts: dict, lock: Lock, action: str = "build",
+                       download: dict | None = None) -> list[tuple[bool, str]]:
+    """(fatal, message) for everything that would stop or weaken applying `lock` here; what only a build
+    needs (the interpreter, hashes) is checked only when apply will build."""
+    out: list[tuple[bool, str]] = []
+    py = lock.platform.python
+    if action == "build" and py not in (facts.get("pythons") or {}):
+        have = ", ".join(f"{v} ({p})" for v, p in sorted((facts.get("pythons") or {}).items())) or "none"
+        broken = "; ".join(f"{p}: {why}" for p, why in sorted((facts.get("broken_pythons") or {}).items()))
+        out.append((True, f"host has no working Python {py} (found: {have})" + (f"; broken: {broken}" if broken else "")))
+    gpus = facts.get("gpus") or []
+    dmin = lock.platform.driver_min
+    if gpus and dmin and facts.get("driver") and _driver_tuple(facts["driver"]) < _driver_tuple(dmin):
+        out.append((True, f"NVIDIA driver {facts['driver']} is older than the lock's minimum {dmin}"))
+    if not gpus and (dmin or lock.platform.compute_capability):
+        out.append((False, "no NVIDIA GPU found (nvidia-smi absent or empty): driver and GPU checks skipped"))
+    want = set(lock.platform.compute_capability)
+    for g in gpus:
+        if want and g["compute_cap"] not in want:
+            out.append((False, f"GPU {g['index']} ({g['name']}) has compute capability {g['compute_cap']}, "
+                               f"the lock targets {', '.join(sorted(want))}"))
+    free = facts.get("disk_free_bytes")
+    need = MIN_FREE_BYTES + (download or {}).get("disk_needed", 0)
+    if action == "build" and free is not None and free < need:
+        out.append((True, f"only {_size(free)} free under {facts.get('root')}; this build needs about {_size(need)} "
+                          f"(download, install and {_size(MIN_FREE_BYTES)} to spare)"))
+    if action == "build":
+        for p in lock.packages:
+            if not p.sha256:
+                out.append((True, f"{p.pin} has no sha256 in {lock.where('packages')}: cannot install with "
+                                  "--require-hashes"))
+            elif not (p.url and p.filename):
+                out.append((True, f"{p.pin} has no url/filename in the lock"))
+        for u in lock.unresolved:
+            out.append((True, f"{u['name']} is unresolved in the lock: {u['reason']}"))
+        for name, digest in stack_of_lock(lock).patches.items():
+            if digest == "missing":
+                out.append((True, f"patch series {name} not found next to {lock.path}"))
+    return out

@@ -117,8 +117,9 @@ class Transport:
 
     def run_python(self, source: str, args: list[str] | None = None, *, python: str = "python3",
                    env: dict | None = None, timeout: float | None = None) -> Result:
-        """Run a stdlib-only script (its source sent on stdin) with the host's interpreter."""
-        return self.run([python, "-", *(args or [])], stdin=source.encode(), env=env, timeout=timeout)
+        """Run a stdlib-only script (its source sent on stdin) with the host's interpreter, isolated (-I: no
+        PYTHONPATH, user site or working directory on its path)."""
+        return self.run([python, "-I", "-", *(args or [])], stdin=source.encode(), env=env, timeout=timeout)
 
     def run_agent(self, source: str, args: list[str] | None = None, **kw) -> dict:
         """Run an agent script that prints one JSON object; agent errors become HostError."""

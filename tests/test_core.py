@@ -16,6 +16,7 @@ from provision import generations, lock as lockmod
 from provision.errors import HostError, HostKeyError, HostLockedError, LockError, ProvisionError
 from provision.facts import gather
 from provision.loopback import LoopbackHost
+from provision.plan import preflight_findings
 from provision.transport import connect, trust_host
 from wheelhouse import make_wheel, write_lock
 
@@ -67,7 +68,7 @@ def test_plan_apply_noop_rollback_history(target, locks):
 
     rep = json.loads(cli("apply", *host_args(target), "--lock", b, "--json", check=0).stdout)
     assert rep["status"] == "applied" and rep["generation"] == "0002-stack-b" and rep["previous"] == "0001-stack-a"
-    assert [s["name"] for s in rep["steps"]] == ["facts", "preflight", "build", "patch", "probe", "switch"]
+    assert [s["name"] for s in rep["steps"]] == ["recover", "facts", "plan", "build", "patch", "probe", "switch"]
 
     again = json.loads(cli("apply", *host_args(target), "--lock", b, "--json", check=0).stdout)
     assert again["status"] == "noop" and again["generation"] == "0002-stack-b"
@@ -254,7 +255,7 @@ def test_facts_with_recorded_nvidia_smi(target, tmp_path):
     assert f["gpus"][0]["name"] == "NVIDIA H200" and f["gpus"][0]["compute_cap"] == "9.0"
     lk = lockmod.loads("lock: 1\nname: x\nplatform: {python: '3.11', driver: {min: '590.1'}, "
                        "gpus: {compute_capability: ['12.0']}}\n")
-    findings = applymod.preflight_findings(f, lk)
+    findings = preflight_findings(f, lk)
     assert (True, "NVIDIA driver 580.159.04 is older than the lock's minimum 590.1") in findings
     assert any("compute capability 9.0" in m for _, m in findings)
 

@@ -22,9 +22,9 @@ DISTS_SCRIPT = (
 )
 
 
-def sh(argv, timeout=20):
+def sh(argv, timeout=20, env=None, cwd=None):
     try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
         return p.returncode, p.stdout, p.stderr
     except (OSError, subprocess.TimeoutExpired) as e:
         return 127, "", str(e)
@@ -43,15 +43,32 @@ def os_release():
             "kernel": platform.release(), "arch": platform.machine()}
 
 
+CLEAN_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+VERSION_SCRIPT = "import sys;print('%d.%d.%d' % sys.version_info[:3])"
+
+
+def run_isolated(python, script, timeout=60):
+    """`python -I -c script` in a clean environment: no PYTHONPATH, VIRTUAL_ENV, PIP_*, UV_* or cwd."""
+    return sh([python, "-I", "-c", script], timeout=timeout, env=CLEAN_ENV, cwd="/")
+
+
 def pythons():
-    """Interpreters by minor version: this one (exact path), then python3.X on PATH (by name;
-    executing each would cost a process start per name, and apply checks the one it uses)."""
+    """Interpreters that run, by minor version: this one, then each python3.X on PATH, executed
+    (a broken shim is listed under `broken_pythons` with why, not offered to a lock)."""
     found = {"%d.%d" % sys.version_info[:2]: sys.executable}
+    exact = {"%d.%d" % sys.version_info[:2]: "%d.%d.%d" % sys.version_info[:3]}
+    broken = {}
     for m in range(8, 16):
         path = shutil.which("python3.%d" % m)
-        if path:
-            found.setdefault("3.%d" % m, path)
-    return found
+        if not path or "3.%d" % m in found:
+            continue
+        rc, out, err = run_isolated(path, VERSION_SCRIPT, timeout=20)
+        version = out.strip()
+        if rc == 0 and ".".join(version.split(".")[:2]) == "3.%d" % m:
+            found["3.%d" % m], exact["3.%d" % m] = path, version
+        else:
+            broken[path] = ((err or out).strip().splitlines() or ["exit %d" % rc])[-1][:200]
+    return found, exact, broken
 
 
 def gpus(nvidia_smi):
@@ -113,7 +130,8 @@ def generations(root):
                      "status": man.get("status", "incomplete"), "created": man.get("created"),
                      "lock_digest": man.get("lock_digest"), "adopted_from": man.get("adopted_from"),
                      "cuda_home": man.get("cuda_home"), "probes": man.get("probes_summary"),
-                     "stack": man.get("stack"),
+                     "stack": man.get("stack"), "python": man.get("python"),
+                     "venv_ok": os.path.exists(os.path.join(gdir, name, "venv", "bin", "python")),
                      "patches": [p.get("name") for p in (man.get("patches") or {}).get("series", [])]
                      if isinstance(man.get("patches"), dict) else []})
     cur = None
@@ -124,17 +142,33 @@ def generations(root):
 
 
 def dists_of(python):
-    rc, out, err = sh([python, "-c", DISTS_SCRIPT], timeout=60)
+    if not os.path.exists(python):
+        return {"error": "%s does not exist" % python}
+    rc, out, err = run_isolated(python, DISTS_SCRIPT)
     if rc != 0:
         return {"error": (err.strip().splitlines() or ["cannot run " + python])[-1]}
     return json.loads(out)
+
+
+def cached_wheels(root):
+    """sha256 of every complete entry of the content-addressed wheel cache."""
+    cache = os.path.join(root, "cache", "wheels")
+    out = []
+    for sha in sorted(os.listdir(cache)) if os.path.isdir(cache) else []:
+        d = os.path.join(cache, sha)
+        if re.match(r"^[0-9a-f]{64}$", sha) and any(not f.startswith(".") and f.endswith(".whl")
+                                                      for f in os.listdir(d)):
+            out.append(sha)
+    return out
 
 
 def main(argv):
     root = argv[0] if argv else "/opt/provision"
     adopt = argv[argv.index("--adopt") + 1] if "--adopt" in argv else None
     smi = argv[argv.index("--nvidia-smi") + 1] if "--nvidia-smi" in argv else "nvidia-smi"
-    facts = {"root": root, "os": os_release(), "pythons": pythons(), "uv": shutil.which("uv"),
+    found, exact, broken = pythons()
+    facts = {"root": root, "os": os_release(), "pythons": found, "python_versions": exact,
+             "broken_pythons": broken, "uv": shutil.which("uv"), "cached_wheels": cached_wheels(root),
              "python_executable": sys.executable,
              "user": os.environ.get("USER") or str(os.getuid())}
     probe = root

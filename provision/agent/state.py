@@ -17,13 +17,27 @@ def now():
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_atomic(path, text):
+    """Write, fsync, rename, fsync the directory; on any failure the temp file is removed."""
     tmp = "%s.tmp-%d" % (path, os.getpid())
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+    fsync_dir(os.path.dirname(path))
 
 
 def read_json(path, default=None):
@@ -60,14 +74,33 @@ def record(root, event):
 
 
 def switch_link(root, gen_id):
+    """The commit point: rename(2) of a fresh symlink over `current`, then fsync of the root."""
     target = os.path.join("generations", gen_id)
     if not os.path.isdir(os.path.join(root, target)):
         raise SystemExit(json.dumps({"error": "no generation %s under %s" % (gen_id, root)}))
     tmp = os.path.join(root, ".current.tmp-%d" % os.getpid())
-    if os.path.lexists(tmp):
-        os.unlink(tmp)
-    os.symlink(target, tmp)
-    os.replace(tmp, os.path.join(root, "current"))   # rename(2): atomic
+    try:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        os.symlink(target, tmp)
+        os.replace(tmp, os.path.join(root, "current"))   # rename(2): atomic
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+    fsync_dir(root)
+
+
+def remove_venv(root, gen_id):
+    """Free a generation's space first (its venv; an adopted one is a link and only the link goes)."""
+    venv = os.path.join(root, "generations", gen_id, "venv")
+    if os.path.islink(venv):
+        os.unlink(venv)
+    elif os.path.isdir(venv):
+        shutil.rmtree(venv, ignore_errors=True)
+
+
+def oserr(e):
+    return "%s: %s" % (e.filename or "", e.strerror or e)
 
 
 def update_manifest(root, gen_id, fields):
@@ -100,21 +133,184 @@ def op_prepare(root, a):
 
 
 def op_mark(root, a):
+    """Update a generation's manifest (and history); a failure removes the venv before writing anything."""
+    if a.get("fields", {}).get("status") in ("failed", "abandoned") and current(root) == a["id"]:
+        return {"error": "generation %s is current: it is never marked %s" % (a["id"], a["fields"]["status"])}
+    if a.get("remove_venv"):
+        remove_venv(root, a["id"])
     man = update_manifest(root, a["id"], a.get("fields", {}))
     if a.get("event"):
         record(root, dict(a["event"], generation=a["id"]))
-    if a.get("remove_venv"):
-        shutil.rmtree(os.path.join(root, "generations", a["id"], "venv"), ignore_errors=True)
     return {"id": a["id"], "status": man.get("status")}
 
 
 def op_switch(root, a):
+    """Make generation `id` current. Before the rename its manifest says `switching`; the rename is the
+    commit; what follows (manifest `ready`, history) is bookkeeping, and a failure there is reported as
+    such (switched: true) and repaired by `recover` on the next run."""
+    gen_id = a["id"]
     before = current(root)
+    gdir = os.path.join(root, "generations", gen_id)
+    man = read_json(os.path.join(gdir, "manifest.json"), None)
+    if man is None:
+        return {"error": "no generation %s under %s" % (gen_id, root)}
+    if man.get("status") in ("failed", "abandoned", "building", "built"):
+        return {"error": "generation %s is %s: never switched to" % (gen_id, man.get("status"))}
+    if not os.path.exists(os.path.join(gdir, "venv", "bin", "python")):
+        return {"error": "generation %s has no venv/bin/python: not runnable" % gen_id}
+    event = dict(a.get("event", {}), event=a.get("kind", "switch"), **{"from": before, "to": gen_id})
+    update_manifest(root, gen_id, {"status": "switching", "switch_event": event})
     t0 = time.perf_counter()
-    switch_link(root, a["id"])
-    update_manifest(root, a["id"], {"status": "ready"} if a.get("ready") else {})
-    ev = record(root, dict(a.get("event", {}), event=a.get("kind", "switch"), **{"from": before, "to": a["id"]}))
-    return {"from": before, "to": a["id"], "switch_seconds": time.perf_counter() - t0, "event": ev}
+    switch_link(root, gen_id)                       # ---- committed ----
+    seconds = time.perf_counter() - t0
+    failed, ev = [], None
+    try:
+        update_manifest(root, gen_id, {"status": "ready", "committed": now(), "switch_event": None})
+    except OSError as e:
+        failed.append("manifest: " + oserr(e))
+    try:
+        ev = record(root, event)
+    except OSError as e:
+        failed.append("history: " + oserr(e))
+    return {"from": before, "to": gen_id, "switched": True, "switch_seconds": seconds, "event": ev,
+            "bookkeeping_failed": failed}
+
+
+def op_recover(root, a):
+    """Settle what an interrupted run left (the caller holds the host lock): a generation `switching` that
+    `current` names is committed (manifest and history repaired); one left building/built/verified, or
+    switching but not current, is abandoned and its venv removed; failed ones lose their venv; temp
+    files go."""
+    cur = current(root)
+    out = {"abandoned": [], "repaired": [], "freed": [], "removed_tmp": [], "errors": []}
+    for d in [root] + [os.path.join(root, "generations", g) for _, g, _ in gens(root)]:
+        for f in os.listdir(d) if os.path.isdir(d) else []:
+            if re.search(r"\.tmp-\d+$", f) or f.endswith(".tmp"):
+                try:
+                    os.unlink(os.path.join(d, f))
+                    out["removed_tmp"].append(os.path.join(d, f))
+                except OSError as e:
+                    out["errors"].append(oserr(e))
+    for _, gen_id, man in gens(root):
+        status = man.get("status")
+        venv = os.path.join(root, "generations", gen_id, "venv")
+        try:
+            if status == "switching" and gen_id == cur:
+                update_manifest(root, gen_id, {"status": "ready", "committed": man.get("committed") or now(),
+                                               "switch_event": None})
+                record(root, dict(man.get("switch_event") or {"event": "switch", "to": gen_id}, repaired=True))
+                out["repaired"].append(gen_id)
+            elif status in (None, "building", "built", "verified", "switching") and gen_id != cur:
+                remove_venv(root, gen_id)
+                update_manifest(root, gen_id, {"status": "abandoned", "abandoned_from": status or "incomplete",
+                                               "reason": "left %s by an interrupted run" % (status or "incomplete")})
+                record(root, {"event": "abandoned", "generation": gen_id, "was": status or "incomplete"})
+                out["abandoned"].append(gen_id)
+            elif status in ("failed", "abandoned") and os.path.lexists(venv) and gen_id != cur:
+                remove_venv(root, gen_id)
+                out["freed"].append(gen_id)
+        except OSError as e:
+            out["errors"].append("%s: %s" % (gen_id, oserr(e)))
+    return out
+
+
+RUNNABLE = ("ready", "adopted")
+
+
+def rollback_target(all_gens, cur):
+    """What a plain `rollback` returns to: the newest runnable generation below `current`."""
+    if cur is None:
+        return None
+    cur_n = int(cur.split("-", 1)[0])
+    older = [g for g in all_gens if g[0] < cur_n and g[2].get("status") in RUNNABLE]
+    return older[-1] if older else None
+
+
+def du(path):
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                st = os.lstat(os.path.join(dirpath, f))
+            except OSError:
+                continue
+            if st.st_nlink == 1:   # a hard link shared with uv's cache or another generation frees nothing
+                total += st.st_blocks * 512
+    return total
+
+
+def op_gc(root, a):
+    """Remove failed/abandoned generations, runnable ones beyond the newest `keep`, and cache entries
+    no remaining generation needs; never `current` nor what `rollback` returns to. Takes the host lock."""
+    recovered = op_recover(root, a) if not a.get("dry_run") else None
+    cur = current(root)
+    all_gens = gens(root)
+    back = rollback_target(all_gens, cur)
+    protected = {cur, back[1] if back else None}
+    runnable = [g for g in all_gens if g[2].get("status") in RUNNABLE and g[1] not in protected]
+    keep = max(0, int(a.get("keep", 3)) - len([p for p in protected if p]))
+    kept_runnable = {g[1] for g in runnable[len(runnable) - keep:]} if keep else set()
+    doomed = [g for g in all_gens if g[1] not in protected and g[1] not in kept_runnable]
+    kept = [g for g in all_gens if g not in doomed]
+    needed = set()
+    for _, gen_id, _ in kept:
+        try:
+            needed |= set(re.findall(r"--hash=sha256:([0-9a-f]{64})",
+                                     open(os.path.join(root, "generations", gen_id, "requirements.txt")).read()))
+        except OSError:
+            pass
+    out = {"dry_run": bool(a.get("dry_run")), "current": cur, "rollback_target": back[1] if back else None,
+           "generations": [], "cache": [], "bytes": 0, "errors": [], "recovered": recovered}
+    for _, gen_id, man in doomed:
+        path = os.path.join(root, "generations", gen_id)
+        size = du(path)
+        out["generations"].append({"id": gen_id, "status": man.get("status"), "bytes": size,
+                                   "run_dir": man.get("run_dir")})
+        out["bytes"] += size
+    cache = os.path.join(root, "cache", "wheels")
+    for sha in sorted(os.listdir(cache)) if os.path.isdir(cache) else []:
+        if sha not in needed:
+            size = du(os.path.join(cache, sha))
+            out["cache"].append({"sha256": sha, "bytes": size})
+            out["bytes"] += size
+    if a.get("dry_run"):
+        return out
+    for g in out["generations"]:
+        path = os.path.join(root, "generations", g["id"])
+        try:
+            remove_venv(root, g["id"])
+            shutil.rmtree(path)
+        except OSError as e:
+            out["errors"].append(oserr(e))
+    for c in out["cache"]:
+        shutil.rmtree(os.path.join(cache, c["sha256"]), ignore_errors=True)
+    try:
+        record(root, {"event": "gc", "removed": [g["id"] for g in out["generations"]],
+                      "cache_entries": len(out["cache"]), "bytes": out["bytes"]})
+    except OSError as e:
+        out["errors"].append("history: " + oserr(e))
+    return out
+
+
+def op_logs(root, a):
+    """A generation's logs (the tail of each `*.log` in its dir), its probe results and failure reason."""
+    gdir = os.path.join(root, "generations", a["id"])
+    if not os.path.isdir(gdir):
+        return {"error": "no generation %s under %s" % (a["id"], root)}
+    tail = int(a.get("tail", 65536))
+    logs = {}
+    for f in sorted(os.listdir(gdir)):
+        if f.endswith(".log"):
+            with open(os.path.join(gdir, f), "rb") as fh:
+                fh.seek(0, 2)
+                size = fh.tell()
+                fh.seek(max(0, size - tail))
+                logs[f] = {"bytes": size, "text": fh.read().decode("utf-8", "replace")}
+    probes = read_json(os.path.join(gdir, "probes.json"), None)
+    man = read_json(os.path.join(gdir, "manifest.json"), {})
+    return {"id": a["id"], "dir": gdir, "status": man.get("status"), "reason": man.get("reason"),
+            "run_dir": man.get("run_dir"), "logs": logs,
+            "probes": [{k: r.get(k) for k in ("name", "status", "reason")} for r in (probes or {}).get("results", [])]}
 
 
 def op_rollback(root, a):
@@ -133,11 +329,9 @@ def op_rollback(root, a):
         if target[2].get("status") not in ("ready", "adopted"):
             return {"error": "generation %s is %s, not runnable" % (target[1], target[2].get("status"))}
     else:
-        cur_n = int(before.split("-", 1)[0])
-        older = [g for g in all_gens if g[0] < cur_n and g[2].get("status") in ("ready", "adopted")]
-        if not older:
+        target = rollback_target(all_gens, before)
+        if target is None:
             return {"error": "no earlier runnable generation before %s" % before}
-        target = older[-1]
     if target[1] == before:
         return {"from": before, "to": before, "noop": True}
     t0 = time.perf_counter()
@@ -193,7 +387,8 @@ def op_read(root, a):
 
 
 OPS = {"prepare": op_prepare, "mark": op_mark, "switch": op_switch, "rollback": op_rollback,
-       "adopt": op_adopt, "history": op_history, "read": op_read}
+       "adopt": op_adopt, "history": op_history, "read": op_read, "recover": op_recover, "gc": op_gc,
+       "logs": op_logs}
 
 
 def main(argv):

@@ -72,7 +72,7 @@ def register(app: typer.Typer) -> None:
                 console.print(render_plan(p), markup=False)
             if out:
                 console.print(f"Saved plan to {out}; apply it exactly with `provision apply HOST --plan {out}`.")
-        if detailed_exitcode and any(not p.noop and p.changes for p in plans):
+        if detailed_exitcode and any(not p.noop for p in plans):
             raise typer.Exit(2)
 
     @app.command()
@@ -114,7 +114,16 @@ def register(app: typer.Typer) -> None:
             if not json_out:
                 err_console.print(f"apply {lk.name} → {t.name}")
             rep = applymod.apply(tr, lk, saved_plan=saved, adopt_path=adopt, skip_probes=skip_probe,
-                                 installer=installer, progress=StepPrinter(json_out))
+                                 installer=installer, progress=StepPrinter(json_out),
+                                 on_plan=None if json_out else lambda p: err_console.print(render_plan(p), markup=False))
+        except ProvisionError as e:
+            if json_out and getattr(e, "report", None) is not None:
+                print_json(e.report.to_json())   # the report survives a failure
+            elif getattr(e, "report", None) is not None:
+                _print_probes(e.report.probes)
+                for w in e.report.warnings:
+                    err_console.print(f"warning: {w}", markup=False)
+            raise
         finally:
             tr.close()
         if json_out:
@@ -123,7 +132,10 @@ def register(app: typer.Typer) -> None:
             console.print(f"No changes: {t.name} already runs {lk.name} (generation {rep.generation}).")
         else:
             _print_probes(rep.probes)
-            console.print(f"Applied {lk.name} to {t.name}: current {rep.previous or '(none)'} → {rep.generation} "
+            for w in rep.warnings:
+                err_console.print(f"warning: {w}", markup=False)
+            verb = "Switched to the existing" if rep.status == "reused" else "Applied"
+            console.print(f"{verb} {lk.name} on {t.name}: current {rep.previous or '(none)'} → {rep.generation} "
                           f"in {rep.seconds:.1f}s.")
 
     @app.command()
@@ -178,6 +190,47 @@ def register(app: typer.Typer) -> None:
         if events:
             for e in h["events"]:
                 console.print(json.dumps(e, sort_keys=True), markup=False)
+
+    @app.command()
+    @edge
+    def gc(host: Optional[str] = HostArg, keep: int = typer.Option(3, "--keep", help="runnable generations to keep"),
+           dry_run: bool = typer.Option(False, "--dry-run", help="list what would be removed"),
+           json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
+           key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
+        """Remove old/failed generations, unused cache entries, their run dirs (never current or rollback's)."""
+        t = one_target(host, local, inventory, key, known_hosts, root)
+        out = each_host([t], lambda tr: applymod.gc(tr, keep=keep, dry_run=dry_run))[0]
+        if json_out:
+            print_json(out)
+            return
+        verb = "would remove" if dry_run else "removed"
+        for g in out["generations"]:
+            console.print(f"  - {g['id']:<32} {g['status']:<10} {g['bytes'] / 2**20:9.1f} MiB", markup=False)
+        console.print(f"{t.name}: {verb} {len(out['generations'])} generations, {len(out['cache'])} cache entries, "
+                      f"{len(out['run_dirs'])} run dirs, {out['bytes'] / 2**20:.1f} MiB; kept current "
+                      f"{out['current'] or '(none)'} and rollback target {out['rollback_target'] or '(none)'}.",
+                      markup=False)
+
+    @app.command()
+    @edge
+    def logs(host: Optional[str] = HostArg, generation: Optional[str] = typer.Argument(None, help="number or id"),
+             json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
+             key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
+        """A generation's build and probe logs (default: the newest generation)."""
+        t = one_target(host, local, inventory, key, known_hosts, root)
+        out = each_host([t], lambda tr: applymod.logs(tr, generation))[0]
+        if json_out:
+            print_json(out)
+            return
+        console.print(f"{out['id']}: {out['status']}" + (f" ({out['reason']})" if out.get("reason") else ""),
+                      markup=False)
+        for r in out["probes"]:
+            console.print(f"  probe {r['name']:<12} {r['status']:<5} {r.get('reason') or ''}", markup=False)
+        for name, log in out["logs"].items():
+            console.print(f"--- {out['dir']}/{name} ({log['bytes']} bytes)", markup=False)
+            console.print(log["text"], markup=False, end="")
+        if out.get("run_dir"):
+            console.print(f"--- controller run dir: {out['run_dir']}", markup=False)
 
     @app.command()
     @edge

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from .. import generations
 from .. import lock as lockmod
 from ..errors import HostError, ProvisionError
-from ..facts import gather, root_of
+from .. import layout
+from ..facts import gather
 from ..lock import Lock
 from ..transport import Transport
 from .ship import ship_tool
@@ -81,28 +82,7 @@ def unmet(probe: Probe, facts: dict, lock: Lock) -> str | None:
 
 
 def resolve_generation(transport: Transport, generation: str | None) -> str:
-    h = generations.history(transport)
-    gens = h.get("generations") or []
-    if not gens:
-        raise ProvisionError(f"no generations under {root_of(transport)}: adopt or apply first",
-                             where=transport.target.name)
-    if generation is None:
-        if not h.get("current"):
-            raise ProvisionError("no current generation; name one with --generation", where=transport.target.name)
-        return h["current"]
-    g = str(generation)
-    for x in gens:
-        if x["id"] == g or (g.isdigit() and int(g) == x["number"]):
-            return x["id"]
-    raise ProvisionError(f"no generation {g} (have: {', '.join(x['id'] for x in gens)})", where=transport.target.name)
-
-
-def _cuda_home(lock: Lock, manifest: dict, venv: str) -> str | None:
-    if manifest.get("cuda_home"):
-        return manifest["cuda_home"]
-    from ..apply import _cuda_home as derive   # one home for the layout of a generation's toolkit
-
-    return derive(lock, venv)
+    return generations.resolve(transport, generation)
 
 
 def _engine_spec(transport: Transport, lock: Lock, python: str, facts: dict) -> dict:
@@ -196,29 +176,34 @@ def _probe_contract(transport: Transport, lock: Lock, dists: dict, python: str) 
 
 
 def run_probes(transport: Transport, lock: Lock | None = None, *, generation: str | None = None,
-               skip=(), only=None, during_apply: bool = False) -> dict:
+               skip=(), only=None, during_apply: bool = False, facts: dict | None = None,
+               manifest: dict | None = None) -> dict:
     """Run the probes in one generation (default: `current`) and record the report there and in history.
 
     `lock` gives the expectations (default: the generation's own lock). An adopted generation's
-    packages are compared with its captured lock. Returns the report (status pass|fail, results,
-    summary, failed: the required probes that failed).
+    packages are compared with its captured lock. During apply, the caller hands forward the facts,
+    the generation (`generation` is then its id) and its manifest, so nothing is fetched again.
+    Returns the report (status pass|fail, results, summary, failed: the required probes that failed).
     """
     t0 = time.perf_counter()
     check_names(skip, "--skip-probe")
     check_names(only, "--only")
-    root = root_of(transport)
-    gen_id = resolve_generation(transport, generation)
-    info = generations.read(transport, gen_id)
-    manifest = info.get("manifest") or {}
-    gen_lock = lockmod.loads(info["lock_text"], f"{gen_id}/lock.yaml") if info.get("lock_text") else None
+    lay = layout.of(transport)
+    if manifest is None:
+        gen_id = resolve_generation(transport, generation)
+        info = generations.read(transport, gen_id)
+        manifest = info.get("manifest") or {}
+        gen_lock = lockmod.loads(info["lock_text"], f"{gen_id}/lock.yaml") if info.get("lock_text") else None
+    else:
+        gen_id, gen_lock = generation, lock
     if lock is None and gen_lock is None:
         raise ProvisionError(f"generation {gen_id} has no lock.yaml; pass --lock", where=transport.target.name)
     lock = lock or gen_lock
     adopted = manifest.get("status") == "adopted" or manifest.get("installer") == "adopted"
     against = gen_lock if (adopted and gen_lock is not None) else lock
-    venv = f"{root}/generations/{gen_id}/venv"
-    python = f"{venv}/bin/python"
-    facts = gather(transport)
+    venv = lay.venv(gen_id)
+    python = lay.python(gen_id)
+    facts = facts or gather(transport)
 
     selected = [p for p in REGISTRY if not only or p.name in only]
     results: dict[str, dict] = {}
@@ -236,7 +221,8 @@ def run_probes(transport: Transport, lock: Lock | None = None, *, generation: st
 
     payload = {"driver_min": lock.platform.driver_min, "cuda_version": lock.platform.cuda.version,
                "cuda_source": lock.platform.cuda.source, "ccs": lock.platform.compute_capability,
-               "cuda_home": _cuda_home(lock, manifest, venv) if lock.platform.cuda.source != "none" else None,
+               "cuda_home": (manifest.get("cuda_home") or layout.cuda_home(lock, venv))
+               if lock.platform.cuda.source != "none" else None,
                "packages": against.versions(),
                "packages_source": f"{against.name} ({'captured at adoption' if against is gen_lock and adopted else 'lock'})",
                "nvidia_smi": transport.target.vars.get("provision_nvidia_smi") or facts.get("nvidia_smi"),
@@ -292,7 +278,7 @@ def run_probes(transport: Transport, lock: Lock | None = None, *, generation: st
 def record(transport: Transport, report: dict) -> None:
     """probes.json in the generation; a `probe` event in history; the summary in the manifest."""
     gen_id = report["generation"]
-    path = f"{root_of(transport)}/generations/{gen_id}/probes.json"
+    path = layout.of(transport).probes_json(gen_id)
     transport.put(json.dumps(report, indent=2, default=str).encode(), path)
     event = {"event": "probe", "status": report["status"], "summary": report["summary"],
              "failed": report["failed"], "lock": report["lock"], "during_apply": report["during_apply"]}
