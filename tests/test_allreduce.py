@@ -78,7 +78,7 @@ def test_a_hung_path_is_named_and_what_finished_is_kept(tmp_path):
     assert r["status"] == "fail"
     assert r["reason"] == "symm-one-shot: did not finish: still running after 600s (a hung kernel?)"
     p = r["figures"]["paths"]
-    assert p["nccl"]["status"] == "pass" and p["flashinfer-custom-ar"] == {
+    assert p["nccl"]["status"] == "pass" and p["flashinfer-fusion"] == {
         "status": "skip", "reason": "not run: symm-one-shot did not finish"}
     assert [s["us"]["nccl"]["median_us"] for s in r["figures"]["sizes"]] == [r_["median_us"] for r_ in rows(12.0)]
     r = ar.finish(str(tmp_path), 3, None, "rank 2 crashed")
@@ -156,13 +156,13 @@ def test_harness_on_cpu_one_process_per_rank(tmp_path):
     assert r["status"] == "fail" and "not on this host" in r["reason"]
 
 
-def test_one_gpu_skips_and_the_helper_ships(adopted, tmp_path):  # noqa: F811
+def test_one_gpu_skips_and_the_script_ships(adopted, tmp_path):  # noqa: F811
     assert agentprobes.p_allreduce({"gpus": [{"compute_cap": "9.0"}]})["status"] == "skip"
     adopted.target.vars["provision_nvidia_smi"] = fake_smi(tmp_path, gpus=1)
     r = by_name(run_probes(adopted, lock_text(), only=["allreduce"]))["allreduce"]
     assert r["status"] == "skip" and r["reason"].startswith("one GPU on this host")
 
-    # two GPUs listed (recorded nvidia-smi) but a CPU torch: the probe fails saying so, after the helper shipped
+    # two GPUs listed (recorded nvidia-smi) but a CPU torch: the probe fails saying so, after the script shipped
     adopted.target.vars["provision_nvidia_smi"] = fake_smi(tmp_path, gpus=2)
     r = by_name(run_probes(adopted, lock_text(), only=["allreduce"]))["allreduce"]
     assert r["status"] == "fail" and "torch.cuda.is_available() is False" in r["reason"]
@@ -171,7 +171,7 @@ def test_one_gpu_skips_and_the_helper_ships(adopted, tmp_path):  # noqa: F811
     assert "provision/agent/allreduce.py" in dict(bundle_files())
 
 
-def test_helper_is_stdlib_plus_torch():
+def test_script_is_stdlib_plus_torch():
     tree = ast.parse(Path(SCRIPT).read_text())
     mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}

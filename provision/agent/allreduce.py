@@ -1,4 +1,4 @@
-"""Host agent helper (stdlib + torch): all-reduce latency at decode sizes, one process per GPU.
+"""Host-side script (stdlib + torch): all-reduce latency at decode sizes, one process per GPU.
 
 `python -I allreduce.py CONFIG.json RANK` runs one rank, writing rankN.json beside CONFIG after each path;
 `finish()` turns those (also a hung run's) into the probe result; `report()`, `sglang_paths()` are pure.
@@ -13,7 +13,7 @@ import time
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 HIDDENS = (4096, 7168)
 TOKENS = (1, 2, 3, 8, 16)
-PATHS = ("nccl", "symm-one-shot", "symm-two-shot", "flashinfer-fusion", "flashinfer-custom-ar")
+PATHS = ("nccl", "symm-one-shot", "symm-two-shot", "flashinfer-fusion")
 OPS_PER_GRAPH = 8          # back-to-back all-reduces per captured graph; a sample is one replay ÷ 8
 TOLERANCE = 1e-2           # ‖out − ref‖ / ‖ref‖ for bf16 sums (rounding lands near 2e-3)
 MiB = 1 << 20
@@ -55,7 +55,7 @@ def _custom_ar(world, nbytes, topo):
         return None, "custom all-reduce needs GPU peer access (P2P), which this host lacks"
     if nbytes > CUSTOM_AR_MAX_BYTES or nbytes % 16:
         return None, "custom all-reduce takes ≤ 8 MiB, 16-byte multiples"
-    return "custom-ar", "sgl-kernel custom all-reduce (world %d, %d B ≤ 8 MiB)" % (world, nbytes)
+    return "custom-ar", "sgl-kernel custom all-reduce (world %d, ≤ 8 MiB)" % world
 
 
 def _symm(major, world, nbytes, topo, patched):
@@ -134,9 +134,6 @@ def verdicts(paths):
     return out
 
 
-MEASURED_AS = {"custom-ar": "flashinfer-custom-ar"}   # the same kernel (flashinfer's copy of sgl-kernel's)
-
-
 def report(paths, cc, world, topo, env=None):
     """The probe result {name, status, reason, figures} from every path's rows (merged over ranks)."""
     v = verdicts(paths)
@@ -158,7 +155,7 @@ def report(paths, cc, world, topo, env=None):
         for config, variants in choice.items():
             row["sglang"][config] = {}
             for variant, (path, reason) in variants.items():
-                got = lat.get(MEASURED_AS.get(path, path))
+                got = lat.get(path)
                 row["sglang"][config][variant] = {"path": path, "median_us": got and got["median_us"]}
                 why.setdefault(config, {}).setdefault(variant, {}).setdefault(reason, []).append(nbytes)
         if lat:
@@ -299,48 +296,21 @@ class Rank:
         except ImportError as e:
             raise Unavailable("flashinfer is not installed in this generation (%s)" % e)
         tmax, hmax = max(self.tokens), max(self.hiddens)
-        if name == "flashinfer-fusion":
-            # SGLang's call: trtllm_allreduce_fusion over an IPC workspace (here the plain all-reduce pattern)
-            _, ws = fc.trtllm_create_ipc_workspace_for_all_reduce_fusion(
-                self.rank, self.world, FUSION_MAX_TOKENS, hmax, group=self.group)
-            out = torch.empty(tmax * hmax, device=self.dev, dtype=torch.bfloat16)
-
-            def op(x):
-                o = out[: x.numel()].view(x.shape)
-                fc.trtllm_allreduce_fusion(
-                    allreduce_in=x, world_size=self.world, world_rank=self.rank, token_num=x.shape[0],
-                    hidden_dim=x.shape[1], workspace_ptrs=ws, launch_with_pdl=True,
-                    trigger_completion_at_end=False, fp32_acc=False,
-                    pattern_code=fc.AllReduceFusionPattern.kAllReduce, use_oneshot=None, allreduce_out=o,
-                    residual_in=None, residual_out=None, norm_out=None, quant_out=None, scale_out=None,
-                    rms_gamma=None, rms_eps=None, scale_factor=None, layout_code=None)
-                return o
-            return op
-        # The custom all-reduce kernel sgl-kernel and vLLM use (flashinfer's copy), unregistered-input mode.
-        from flashinfer.comm.cuda_ipc import cudart
-
-        size = CUSTOM_AR_MAX_BYTES
-        meta = fc.create_shared_buffer(fc.vllm_meta_size() + size, self.group)
-        bufs = fc.create_shared_buffer(size, self.group)
-        cudart.cudaMemset(_voidp(meta[self.rank]), 0, fc.vllm_meta_size() + size)
-        torch.cuda.synchronize()
-        self.dist.barrier()
-        rank_data = torch.empty(size, dtype=torch.uint8, device=self.dev)
-        fa = fc.vllm_init_custom_ar(meta, rank_data, self.rank, bool(_full_nvlink(self.world)))
-        fc.vllm_register_buffer(fa, bufs)
+        # SGLang's call: trtllm_allreduce_fusion over an IPC workspace (here the plain all-reduce pattern)
+        _, ws = fc.trtllm_create_ipc_workspace_for_all_reduce_fusion(
+            self.rank, self.world, FUSION_MAX_TOKENS, hmax, group=self.group)
         out = torch.empty(tmax * hmax, device=self.dev, dtype=torch.bfloat16)
 
         def op(x):
             o = out[: x.numel()].view(x.shape)
-            fc.vllm_all_reduce(fa, x, o, bufs[self.rank], size, 36)
+            fc.trtllm_allreduce_fusion(
+                allreduce_in=x, world_size=self.world, world_rank=self.rank, token_num=x.shape[0],
+                hidden_dim=x.shape[1], workspace_ptrs=ws, launch_with_pdl=True,
+                trigger_completion_at_end=False, fp32_acc=False,
+                pattern_code=fc.AllReduceFusionPattern.kAllReduce, use_oneshot=None, allreduce_out=o,
+                residual_in=None, residual_out=None, norm_out=None, quant_out=None, scale_out=None,
+                rms_gamma=None, rms_eps=None, scale_factor=None, layout_code=None)
             return o
-
-        def after_capture():   # as SGLang's CustomAllreduce.capture(): share the graph's buffer addresses
-            handle, offsets = fc.vllm_get_graph_buffer_ipc_meta(fa)
-            everyone = [None] * self.world
-            self.dist.all_gather_object(everyone, ([int(b) for b in handle], [int(o) for o in offsets]))
-            fc.vllm_register_graph_buffers(fa, [e[0] for e in everyone], [e[1] for e in everyone])
-        op.after_capture = after_capture
         return op
 
     # -- measuring ----------------------------------------------------------------------------------
@@ -365,8 +335,6 @@ class Rank:
                 with torch.cuda.graph(g):
                     for _ in range(OPS_PER_GRAPH):
                         y = op(x)
-                if hasattr(op, "after_capture"):
-                    op.after_capture()
                 run, per = g.replay, OPS_PER_GRAPH
                 row["graph"] = True
             except Exception as e:  # noqa: BLE001 - a path that cannot be captured is timed eagerly
@@ -444,11 +412,6 @@ class Rank:
         if error:
             res["error"] = error
         return res
-
-
-def _voidp(ptr):
-    import ctypes
-    return ctypes.c_void_p(ptr)
 
 
 def _full_nvlink(world):

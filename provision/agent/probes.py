@@ -516,7 +516,7 @@ def p_allreduce(a):
         world = min(world, len(torch_facts()["devices"]))
     script = a.get("allreduce_script")
     if not script or not os.path.isfile(script):
-        return result("allreduce", "fail", "the tool's all-reduce helper is not on this host (%s)" % script)
+        return result("allreduce", "fail", "the tool's all-reduce script is not on this host (%s)" % script)
     cfg = dict(a.get("allreduce") or {}, world=world, backend=backend, port=free_port())
     with tempfile.TemporaryDirectory(prefix="provision-allreduce-") as d:
         path = os.path.join(d, "config.json")
@@ -533,10 +533,10 @@ def p_allreduce(a):
 
 
 def _load(path):
-    """A helper script the tool shipped beside this agent, as a module (its torch imports stay lazy)."""
+    """A script the tool shipped beside this agent, as a module (its torch imports stay lazy)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("provision_helper", path)
+    spec = importlib.util.spec_from_file_location("provision_shipped", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

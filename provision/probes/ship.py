@@ -1,7 +1,7 @@
 """Ship the tool's host-side code to a host, content-addressed: `<root>/tool/<digest>/provision/…`.
 
 That directory goes on PYTHONPATH so a generation's interpreter runs `python -m provision.engine.serve`
-(or a shipped helper script such as agent/allreduce.py) without anything being installed into the generation.
+(or a shipped script such as agent/allreduce.py) without anything being installed into the generation.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ print(final)
 """
 
 
-SCRIPTS = ("agent/allreduce.py",)                     # helpers the probe agent starts as their own processes
+SCRIPTS = ("agent/allreduce.py",)                     # scripts the probe agent starts as their own processes
 
 
 def bundle_files() -> list[tuple[str, bytes]]:
@@ -58,7 +58,7 @@ def digest(files: list[tuple[str, bytes]]) -> str:
 
 
 def ship_tool(transport: Transport) -> str:
-    """Make sure the engine and helper scripts are on the host; returns the directory to put on PYTHONPATH."""
+    """Make sure the engine and the probe scripts are on the host; returns the directory to put on PYTHONPATH."""
     files = bundle_files()
     final = f"{root_of(transport)}/tool/{digest(files)}"
     buf = io.BytesIO()
