@@ -19,18 +19,19 @@ REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / ".cache" / "wheels"
 
 
-def wheel(version: str = "0.5.9") -> Path:
+def wheel(version: str = "0.5.9", dist: str = "sglang") -> Path:
+    """A pure-Python wheel of `dist` (sglang, or e.g. flashinfer-python) from the index, cached."""
     CACHE.mkdir(parents=True, exist_ok=True)
-    pattern = f"sglang-{version}-py3-none-any.whl"
+    pattern = f"{dist.replace('-', '_')}-{version}-py3-none-any.whl"
     with open(CACHE / ".download.lock", "w") as lock:      # parallel test runs download once
         fcntl.flock(lock, fcntl.LOCK_EX)
         found = CACHE / pattern
         if not found.exists():
             r = subprocess.run([sys.executable, "-m", "pip", "download", "--isolated", "--no-deps",
-                                "--disable-pip-version-check", "-q", f"sglang=={version}", "-d", str(CACHE)],
+                                "--disable-pip-version-check", "-q", f"{dist}=={version}", "-d", str(CACHE)],
                                capture_output=True, text=True)
             if r.returncode != 0 or not found.exists():
-                raise RuntimeError(f"cannot download sglang=={version}: {(r.stderr or r.stdout).strip()[-400:]}")
+                raise RuntimeError(f"cannot download {dist}=={version}: {(r.stderr or r.stdout).strip()[-400:]}")
     return found
 
 

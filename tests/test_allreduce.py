@@ -136,6 +136,19 @@ def test_sglang_tables_are_the_real_wheels(tmp_path):
         (sp / "sglang/srt/layers/communicator.py").read_text()
 
 
+def test_flashinfer_comm_majors_are_the_real_wheels():
+    """flashinfer 0.6.4 builds its trtllm communication module for capability majors 9 and 10 only
+    (so SGLang's fusion cannot run on SM120 with it, patched or not)."""
+    import zipfile
+
+    with zipfile.ZipFile(sglang_wheel.wheel("0.6.4", "flashinfer-python")) as z:
+        tree = ast.parse(z.read("flashinfer/jit/comm.py").decode())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "gen_trtllm_comm_module")
+    kw = next(k for n in ast.walk(fn) if isinstance(n, ast.Call) for k in n.keywords
+              if k.arg == "supported_major_versions")
+    assert tuple(ast.literal_eval(kw.value)) == ar.FLASHINFER_COMM_MAJORS
+
+
 def test_harness_on_cpu_one_process_per_rank(tmp_path):
     """The real script, two ranks over gloo: NCCL's slot runs torch.distributed and is checked against the
     reference sum; every GPU-only path skips with its reason on both ranks."""

@@ -28,7 +28,7 @@ class Unavailable(Exception):
 # custom all-reduce (sgl-kernel; on unless --disable-custom-all-reduce), then torch symmetric memory
 # (--enable-torch-symm-mem), else NCCL in place; layers/communicator.py replaces the all-reduce before
 # each residual RMSNorm with flashinfer's trtllm fusion when --enable-flashinfer-allreduce-fusion passes
-# its capability gate. tests/test_allreduce.py checks these tables against the real wheel.
+# its capability gate. tests/test_allreduce.py checks these tables against the real wheels (and flashinfer 0.6.4).
 CUSTOM_AR_WORLD_SIZES = (2, 4, 6, 8)          # CustomAllreduce._SUPPORTED_WORLD_SIZES
 CUSTOM_AR_MAX_BYTES = 8192 * 1024             # CustomAllreduce._MAX_CAR_SIZE (CUDA)
 SYMM_MAX_SIZES = {9: {2: 64 * MiB, 4: 64 * MiB, 6: 128 * MiB, 8: 128 * MiB},   # all_reduce_utils.py
