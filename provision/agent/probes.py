@@ -21,6 +21,9 @@ import urllib.request
 # NVLink multicast stays off everywhere a probe starts GPU work (it can wedge shared hosts).
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 os.environ.update(SAFE_ENV)
+for _k in list(os.environ):   # verdicts depend on the generation alone, not on the operator's shell
+    if _k.startswith(("PYTHON", "PIP_", "UV_", "CONDA_")) or _k == "VIRTUAL_ENV":
+        del os.environ[_k]
 TORCH_JSON_ENV = "PROVISION_PROBE_TORCH_JSON"   # tests only: recorded torch facts of a real GPU host
 
 
@@ -603,6 +606,72 @@ def _pdeathsig():
         pass
 
 
+def listen_inodes(port):
+    """Inodes of the sockets listening on TCP `port` (IPv4 and IPv6), from /proc/net."""
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                out.add(f[9])
+    return out
+
+
+def cmdline(pid):
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:160]
+    except OSError:
+        return "?"
+
+
+def socket_owners(port):
+    """{pid: command line} of the processes (that this user can see) holding a socket listening on `port`."""
+    inodes = listen_inodes(port)
+    owners = {}
+    for pid in os.listdir("/proc") if inodes else []:
+        if not pid.isdigit():
+            continue
+        try:
+            for fd in os.listdir("/proc/%s/fd" % pid):
+                link = os.readlink("/proc/%s/fd/%s" % (pid, fd))
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    owners[int(pid)] = cmdline(int(pid))
+                    break
+        except OSError:
+            continue
+    return owners
+
+
+def describe_owners(port):
+    owners = socket_owners(port)
+    if owners:
+        return ", ".join("pid %d (%s)" % kv for kv in sorted(owners.items()))
+    return "a process this user cannot see" if listen_inodes(port) else "nothing (no listening socket)"
+
+
+def in_tree(pid, root):
+    """`pid` is `root`, in the session `root` leads (start_new_session), or descends from it."""
+    for _ in range(64):
+        if pid == root:
+            return True
+        try:
+            with open("/proc/%d/stat" % pid) as f:
+                state = f.read().rsplit(")", 1)[1].split()   # state ppid pgrp session ...
+        except OSError:
+            return False
+        if int(state[3]) == root:
+            return True
+        pid = int(state[1])
+        if pid <= 1:
+            return False
+    return False
+
+
 class Server:
     """One engine process: started in its own group, always stopped (TERM, then KILL)."""
 
@@ -628,9 +697,23 @@ class Server:
                     if m:
                         base = m.group(1)
             if base and _healthy(base):
+                self.check_owner(base)
                 return base
             time.sleep(0.2)
         raise RuntimeError("engine not healthy after %.0fs: %s" % (deadline - self.t0, self.tail()))
+
+    def check_owner(self, base):
+        """Trust no answer that the launched process (or its children) did not give: the socket behind
+        `base` must be held by this engine's process tree."""
+        from urllib.parse import urlparse
+
+        u = urlparse(base)
+        if u.hostname not in ("127.0.0.1", "localhost", "::1"):
+            raise RuntimeError("engine announced %s: not a loopback address; refusing to trust it" % base)
+        port = u.port
+        if not any(in_tree(pid, self.p.pid) for pid in socket_owners(port)):
+            raise RuntimeError("port %d answers, but not from the launched engine (pid %d): held by %s" %
+                               (port, self.p.pid, describe_owners(port)))
 
     def tail(self):
         try:
@@ -714,12 +797,19 @@ def p_engine(a):
     min_speedup = float(e.get("min_speedup") or 1.0)
     figs = {"kind": e["kind"], "argv": e["argv"], "device": e.get("device"), "prompts": len(prompts),
             "max_tokens": max_tokens, "min_speedup": min_speedup}
-    log = tempfile.NamedTemporaryFile("w+", prefix="provision-engine-", suffix=".log", delete=False)
+    if e.get("log"):   # the generation's own dir: kept with it, shown by `provision logs`
+        log = open(e["log"], "w+")
+    else:
+        log = tempfile.NamedTemporaryFile("w+", prefix="provision-engine-", suffix=".log", delete=False)
     figs["log"] = log.name
     servers = []
     t_start = time.time()
 
     def launch(argv, base):
+        port = int(base.rsplit(":", 1)[1]) if base else None
+        if port and listen_inodes(port):   # whatever answers there is not the engine this probe launches
+            raise RuntimeError("port %d is already in use by %s: refusing to probe through it" %
+                               (port, describe_owners(port)))
         s = Server(argv, env, log, cwd=e.get("cwd"))   # cwd: so `-m` finds the shipped code, not a checkout
         s.t0 = time.time()
         servers.append(s)
@@ -729,7 +819,7 @@ def p_engine(a):
 
     try:
         if e["kind"] == "sglang":
-            base = "http://127.0.0.1:%s" % e.get("port", 30000)
+            base = "http://127.0.0.1:%d" % int(e.get("port") or 30000)
             s, url = launch(e["argv"], base)
             st, nt, out_s, accepts = _sglang_round(url, prompts, max_tokens, req_timeout, True)
             s.stop()

@@ -231,7 +231,7 @@ def run_probes(transport: Transport, lock: Lock | None = None, *, generation: st
         payload["allreduce_script"] = f"{ship_tool(transport)}/provision/agent/allreduce.py"
     if "engine" in to_host:
         try:
-            payload["engine"] = _engine_spec(transport, lock, python, facts)
+            payload["engine"] = dict(_engine_spec(transport, lock, python, facts), log=lay.engine_log(gen_id))
         except ProvisionError as e:
             to_host.remove("engine")
             results["engine"] = _res("engine", "fail", str(e))

@@ -1,0 +1,169 @@
+"""Verdicts are true: the engine probe cannot be borrowed, and probes/facts depend on the generation alone."""
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from provision import apply as applymod
+from provision import lock as lockmod
+from provision.probes import run_probes
+from provision.transport import Local, Target
+from wheelhouse import make_wheel, write_lock
+
+ROOT = Path(__file__).resolve().parent.parent
+H200 = Path(__file__).parent / "data" / "h200"
+
+
+class StandIn(http.server.BaseHTTPRequestHandler):
+    """Answers like an SGLang server whose speculation works: health, and /generate with 3-token steps."""
+
+    def log_message(self, *a):
+        pass
+
+    def _send(self, body: dict):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._send({"ok": True})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self._send({"text": "same", "output_ids": [1, 2, 3], "meta_info": {"completion_tokens": 12,
+                                                                            "spec_verify_ct": 4}})
+
+
+def stand_in(port: int = 0) -> http.server.ThreadingHTTPServer:
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", port), StandIn)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+@pytest.fixture
+def gpu_host(tmp_path):
+    """This interpreter's environment adopted on a local root whose nvidia-smi replays a recorded H200."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\ncat {H200 / 'nvidia-smi-query.csv'}\n")
+    smi.chmod(0o755)
+    tr = Local(Target(host="local", vars={"provision_root": str(tmp_path / "root"),
+                                          "provision_nvidia_smi": str(smi)}))
+    applymod.adopt(tr, sys.prefix)
+    return tr
+
+
+def sglang_lock(port: int, launch: list[str], timeout: int = 20) -> lockmod.Lock:
+    data = {"lock": 1, "name": "spoof", "platform": {"python": "%d.%d" % sys.version_info[:2]}, "packages": [],
+            "engine": {"kind": "sglang", "port": port, "launch": launch},
+            "probes": {"engine_timeout": timeout, "max_tokens": 4, "prompts": ["a"]}}
+    return lockmod.loads(yaml.safe_dump(data), "spoof.yaml")
+
+
+def engine_result(tr, lk) -> dict:
+    rep = run_probes(tr, lk, only=["engine"])
+    return next(r for r in rep["results"] if r["name"] == "engine")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SLEEPER = ["python", "-c", "import time; time.sleep(120)"]
+
+
+def procs(marker: str) -> list[int]:
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                out.append(int(pid))
+        except OSError:
+            pass
+    return [p for p in out if p != os.getpid()]
+
+
+def test_engine_probe_refuses_a_port_already_answering(gpu_host):
+    srv = stand_in()
+    try:
+        port = srv.server_address[1]
+        r = engine_result(gpu_host, sglang_lock(port, SLEEPER))
+        assert r["status"] == "fail", r
+        assert f"port {port} is already in use by pid {os.getpid()}" in r["reason"]
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_engine_probe_never_trusts_an_answer_it_did_not_launch(gpu_host):
+    """The launch only sleeps; another process starts answering on the port after the launch: fail."""
+    port = free_port()
+    marker = f"spoof-{port}"
+    late: list = []
+
+    def after_launch():
+        deadline = time.time() + 60
+        while time.time() < deadline and not procs(marker):
+            time.sleep(0.05)
+        late.append(stand_in(port))
+
+    t = threading.Thread(target=after_launch)
+    t.start()
+    try:
+        r = engine_result(gpu_host, sglang_lock(port, ["python", "-c", f"import time; time.sleep(120)  # {marker}"]))
+    finally:
+        t.join()
+        for srv in late:
+            srv.shutdown()
+            srv.server_close()
+    assert r["status"] == "fail", r
+    assert f"port {port} answers, but not from the launched engine" in r["reason"]
+    assert f"pid {os.getpid()}" in r["reason"]
+    log = Path(r["figures"]["log"])
+    assert log.parent == Path(gpu_host.target.vars["provision_root"]) / "generations" / "0000-adopted"
+
+
+def test_engine_probe_fails_a_launch_that_never_listens(gpu_host):
+    r = engine_result(gpu_host, sglang_lock(free_port(), SLEEPER, timeout=3))
+    assert r["status"] == "fail" and "engine not healthy after" in r["reason"], r
+
+
+def test_probes_and_facts_ignore_the_operators_environment(tmp_path, wheels):
+    """`apply --local` from a directory holding a foreign dist-info, with PYTHONPATH= and VIRTUAL_ENV set:
+    the generation's `packages` probe and the plan see only the generation."""
+    work = tmp_path / "checkout"
+    (work / "intruder-9.9.dist-info").mkdir(parents=True)
+    (work / "intruder-9.9.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: intruder\nVersion: 9.9\n")
+    lk = write_lock(tmp_path / "a.yaml", "stack-a", [wheels["alpha-1.0"]])
+    root = tmp_path / "root"
+    env = {**os.environ, "VIRTUAL_ENV": str(tmp_path / "elsewhere"), "PIP_INDEX_URL": "http://x.invalid",
+           "COLUMNS": "200"}
+
+    def cli(*args):
+        p = subprocess.run([sys.executable, "-m", "provision.cli", *map(str, args)], capture_output=True, text=True,
+                           cwd=work, env={**env, "PYTHONPATH": f"{ROOT}:"})   # the tool itself, then '' (cwd)
+        assert "Traceback" not in p.stderr, p.stderr
+        return p
+
+    p = cli("apply", "--local", "--root", root, "--lock", lk, "--json")
+    rep = json.loads(p.stdout)
+    assert p.returncode == 0 and rep["status"] == "applied", (rep.get("error"), p.stderr[-500:])
+    pk = next(r for r in rep["probes"]["results"] if r["name"] == "packages")
+    assert pk["status"] == "pass", pk
+    p = cli("plan", "--local", "--root", root, "--lock", lk, "--detailed-exitcode")
+    assert p.returncode == 0 and "No changes" in p.stdout, p.stdout
