@@ -1,0 +1,152 @@
+"""plan is exactly what apply will do: for each kind of lock change, the plan's action and lines, then the
+same change applied for real (local host root, real uv/pip installs) does what the plan said."""
+from __future__ import annotations
+
+import copy
+import re
+import shutil
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import yaml
+
+from provision import apply as applymod
+from provision import lock as lockmod
+from provision.errors import ProvisionError
+from provision.plan import make_plan, render_plan, stack_of_lock
+from provision.transport import Local, Target
+from wheelhouse import make_wheel, write_lock
+
+PY = "%d.%d" % sys.version_info[:2]
+SERIES = Path(applymod.__file__).parent / "patches" / "sglang-0.5.9"
+
+
+def host_facts(lk: lockmod.Lock, **over) -> dict:
+    """Facts of a host whose current generation was built from `lk` and runs."""
+    gen = {"id": "0001-base", "number": 1, "status": "ready", "lock_digest": lk.digest, "venv_ok": True,
+           "stack": asdict(stack_of_lock(lk)), "lock_name": lk.name}
+    facts = {"host": "h", "root": "/r", "current": "0001-base", "generations": [gen],
+             "current_dists": dict(lk.versions()), "current_python": f"{PY}.0", "pythons": {PY: "/usr/bin/python3"},
+             "disk_free_bytes": 1 << 40, "cached_wheels": [p.sha256 for p in lk.packages]}
+    facts.update(over)
+    return facts
+
+
+@pytest.fixture
+def base(tmp_path, wheels):
+    (tmp_path / "series").mkdir()
+    shutil.copytree(SERIES, tmp_path / "series" / "sglang-0.5.9")
+    path = write_lock(tmp_path / "base.yaml", "base", [wheels["alpha-1.0"], wheels["beta-1.0"]],
+                      patches=["series/sglang-0.5.9"])
+    return path
+
+
+def variant(path: Path, name: str, edit) -> lockmod.Lock:
+    data = yaml.safe_load(path.read_text())
+    edit(data)
+    out = path.with_name(f"{name}.yaml")
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return lockmod.load(out)
+
+
+def test_every_kind_of_lock_change_is_a_plan_line_and_a_build(base, tmp_path):
+    lk = lockmod.load(base)
+    assert make_plan(host_facts(lk), lk).action == "noop"
+    other = make_wheel(tmp_path / "rebuilt", "alpha", "1.0", body="REBUILT = True\n")
+    from wheelhouse import sha256
+
+    def rehash(d):
+        d["packages"][0].update(url=other.resolve().as_uri(), sha256=sha256(other))
+
+    kinds = {
+        "hash": rehash,
+        "package": lambda d: d["packages"].pop(1),
+        "probe": lambda d: d["probes"].update(timeout=600),
+        "index": lambda d: d.update(indexes={"extra": "https://example.invalid/simple"}),
+        "engine": lambda d: d["engine"].update(dtype="bfloat16"),
+        "toolkit": lambda d: d["platform"].update(cuda={"version": "13.0.1", "source": "wheels"}),
+        "driver": lambda d: d["platform"].update(driver={"min": "580.65.06"}),
+        "python": lambda d: d["platform"].update(python="3.99"),
+        "lock": lambda d: d.update(description="same stack, new words"),
+    }
+    for kind, edit in kinds.items():
+        new = variant(base, f"v-{kind}", edit)
+        plan = make_plan(host_facts(lk), new)
+        assert plan.action == "build", (kind, plan.action)
+        assert [c.category for c in plan.changes] == [kind], (kind, plan.changes)
+        assert len(re.findall(r"(?m)^  [~+-] ", render_plan(plan))) == 1, render_plan(plan)
+    assert "host has no working Python 3.99" in make_plan(host_facts(lk), variant(base, "py", kinds["python"])).errors[0]
+
+    # the content of a patch changes, the lock does not
+    before = host_facts(lk)
+    patch = tmp_path / "series" / "sglang-0.5.9" / "0001-torch-symm-mem-sm120.patch"
+    patch.write_text(patch.read_text() + "\n")
+    plan = make_plan(before, lockmod.load(base))
+    assert plan.action == "build" and [(c.category, c.name, c.action) for c in plan.changes] == [
+        ("patch", "sglang-0.5.9", "change")]
+
+
+def test_broken_current_and_reuse_are_plan_lines(base):
+    lk = lockmod.load(base)
+    broken = host_facts(lk, current_error="No module named 'encodings'", current_dists=None)
+    plan = make_plan(broken, lk)
+    assert plan.action == "build" and plan.changes[0].category == "lock"
+    text = render_plan(plan)
+    assert "current generation 0001-base is broken: No module named 'encodings'" in text
+    assert "+ alpha" not in text                       # not a silent "+ everything"
+
+    facts = host_facts(lk)
+    older = copy.deepcopy(facts["generations"][0])
+    facts["generations"] = [older, dict(older, id="0002-other", number=2, lock_digest="0" * 64)]
+    facts["current"] = "0002-other"
+    plan = make_plan(facts, lk)
+    assert plan.action == "reuse" and plan.reuse == "0001-base"
+    assert "reuse: generation 0001-base already holds this lock" in render_plan(plan)
+    facts["generations"][0]["venv_ok"] = False          # collected venv: not reusable
+    assert make_plan(facts, lk).action == "build"
+
+
+def action_of(rep: applymod.ApplyReport) -> str:
+    if rep.status in ("noop", "reused"):
+        return {"noop": "noop", "reused": "reuse"}[rep.status]
+    return "build" if any(s.name == "build" for s in rep.steps) else "none"
+
+
+def predict_and_apply(tr, lk) -> tuple[str, str, applymod.ApplyReport]:
+    planned = applymod.plan(tr, lk)
+    try:
+        rep = applymod.apply(tr, lk)
+    except ProvisionError as e:
+        rep = e.report
+    return planned.action, action_of(rep), rep
+
+
+def test_plan_predicts_apply_on_a_real_host(base, tmp_path, wheels):
+    tr = Local(Target(host="local", vars={"provision_root": str(tmp_path / "root")}))
+    a = lockmod.load(write_lock(tmp_path / "a.yaml", "a", [wheels["alpha-1.0"]]))
+    other = make_wheel(tmp_path / "rebuilt", "alpha", "1.0", body="REBUILT = True\n")
+    a_rehashed = lockmod.load(write_lock(tmp_path / "a2.yaml", "a", [other]))
+    a_probes = lockmod.load(write_lock(tmp_path / "a3.yaml", "a", [other], probes={"timeout": 600}))
+    steps = [(a, "build"), (a, "noop"), (a_rehashed, "build"), (a_probes, "build"), (a, "reuse"),
+             (a_probes, "reuse")]
+    for lk, want in steps:
+        planned, did, rep = predict_and_apply(tr, lk)
+        assert (planned, did) == (want, want), (lk.path, planned, did, rep.error)
+        assert rep.status in ("applied", "noop", "reused"), rep.error
+    h = applymod.history(tr)
+    assert [g["id"] for g in h["generations"]] == ["0001-a", "0002-a", "0003-a"] and h["current"] == "0003-a"
+
+    # the current interpreter breaks: plan says so and apply rebuilds (never "No changes")
+    (tmp_path / "root" / "generations" / "0003-a" / "venv" / "bin" / "python").unlink()
+    assert "current generation 0003-a is broken" in render_plan(applymod.plan(tr, a_probes))
+    planned, did, rep = predict_and_apply(tr, a_probes)
+    assert (planned, did) == ("build", "build") and rep.status == "applied"
+
+    # a Python the host lacks is refused before anything is fetched or created
+    py = lockmod.load(write_lock(tmp_path / "py.yaml", "py", [wheels["beta-1.0"]], python="3.99"))
+    planned, did, rep = predict_and_apply(tr, py)
+    assert planned == "build" and did == "none" and rep.failed_step == "plan"
+    assert "no working Python 3.99" in rep.error
+    assert [g["id"] for g in applymod.history(tr)["generations"]][-1] == "0004-a"
