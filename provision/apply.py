@@ -321,9 +321,11 @@ def _switch(transport: Transport, report: ApplyReport, steps: _Steps, gen_id: st
 
 
 def apply_fleet(targets: list, lock: Lock, *, serial: int = 0, forks: int = 5,
-                progress_for: Callable[[str], Progress | None] | None = None, **kw) -> list[ApplyReport]:
+                progress_for: Callable[[str], Progress | None] | None = None,
+                saved_plans: dict | None = None, **kw) -> list[ApplyReport]:
     """Apply to many hosts in batches of `serial` (0: one batch), up to `forks` at a time within a
-    batch; a batch with a failure stops the rollout (later hosts are reported as not attempted)."""
+    batch; a batch with a failure stops the rollout (later hosts are reported as not attempted).
+    `saved_plans` maps host name → its saved Plan, each applied exactly."""
     from concurrent.futures import ThreadPoolExecutor
 
     from .transport import connect
@@ -334,7 +336,8 @@ def apply_fleet(targets: list, lock: Lock, *, serial: int = 0, forks: int = 5,
         except ProvisionError as e:
             return ApplyReport(host=t.name, lock_name=lock.name, status="failed", error=str(e))
         try:
-            return apply(tr, lock, progress=progress_for(t.name) if progress_for else None, **kw)
+            args = dict(kw, saved_plan=saved_plans[t.name]) if saved_plans is not None else kw
+            return apply(tr, lock, progress=progress_for(t.name) if progress_for else None, **args)
         except ProvisionError as e:
             return getattr(e, "report", None) or ApplyReport(host=t.name, lock_name=lock.name, status="failed",
                                                              error=str(e))
@@ -358,9 +361,9 @@ def plan(transport: Transport, lock: Lock) -> Plan:
     return make_plan(gather(transport), lock)
 
 
-def rollback(transport: Transport, to: str | None = None) -> dict:
+def rollback(transport: Transport, to: str | None = None, dry_run: bool = False) -> dict:
     t0 = time.perf_counter()
-    out = generations.rollback(transport, to)
+    out = generations.rollback(transport, to, dry_run=dry_run)
     out["seconds"] = time.perf_counter() - t0
     return out
 
@@ -379,11 +382,18 @@ def logs(transport: Transport, generation: str | None = None) -> dict:
     return generations.logs(transport, gen_id)
 
 
-def load_plan(path: str | Path) -> Plan:
+def load_plans(path: str | Path) -> list[Plan]:
+    """A saved plan file: one host's plan, or a fleet's (a list, one per host, all of one lock)."""
     from . import yamlio
     from .errors import InputError
 
-    return Plan.from_json(yamlio.load_json(path, error=InputError), where=str(path))
+    data = yamlio.load_json(path, error=InputError)
+    plans = [Plan.from_json(d, where=str(path)) for d in (data if isinstance(data, list) else [data])]
+    if not plans:
+        raise InputError("the plan file holds no host's plan", where=str(path))
+    if len({p.lock_digest for p in plans}) > 1:
+        raise InputError("the plans in this file are of different locks", where=str(path))
+    return plans
 
 
 def lock_of_plan(p: Plan) -> Lock:

@@ -33,6 +33,10 @@ class HostError(ProvisionError):
     """A host that cannot be reached, refuses, or fails a step (where = host)."""
 
 
+class InventoryError(InputError, HostError):
+    """An inventory or --limit pattern that cannot be used as written (where = file: host)."""
+
+
 class HostKeyError(HostError):
     """An unknown or changed SSH host key (message shows the fingerprint)."""
 

@@ -7,6 +7,7 @@ import json
 
 from . import agent
 from .facts import root_of
+from .errors import HostError
 from .transport import Transport
 
 
@@ -60,8 +61,14 @@ def gc(t: Transport, keep: int = 3, dry_run: bool = False) -> dict:
     return out
 
 
-def rollback(t: Transport, to: str | None = None) -> dict:
-    return call(t, "rollback", to=to, take_lock=True)
+def rollback(t: Transport, to: str | None = None, dry_run: bool = False) -> dict:
+    """Switch back (or, with `to`, possibly forward: `forward` says so); `dry_run` only names the target."""
+    return call(t, "rollback", to=to, take_lock=not dry_run, dry_run=dry_run)
+
+
+def status(t: Transport) -> dict:
+    """Current generation, its lock, since when, last probe verdict, generations kept, disk used."""
+    return call(t, "status")
 
 
 def adopt(t: Transport, prefix: str, lock_name: str, lock_text: str, manifest: dict) -> dict:
@@ -95,3 +102,19 @@ def resolve(t: Transport, generation: str | None, default: str = "current") -> s
 
 def read(t: Transport, gen_id: str) -> dict:
     return call(t, "read", id=gen_id)
+
+
+def diff(t: Transport, a: str, b: str | None = None) -> dict:
+    """Stack changes from generation `a` to `b` (default: current), each read from its own lock."""
+    from .lock import loads
+    from .plan import diff_stacks, stack_of_lock, summarize
+
+    ids = [resolve(t, a), resolve(t, b)]
+    stacks = []
+    for gen_id in ids:
+        text = read(t, gen_id).get("lock_text")
+        if not text:
+            raise HostError(f"generation {gen_id} has no lock.yaml", where=t.target.name)
+        stacks.append(stack_of_lock(loads(text, f"{t.target.name}:{gen_id}/lock.yaml")))
+    changes = diff_stacks(*stacks)
+    return {"host": t.target.name, "from": ids[0], "to": ids[1], "changes": changes, "summary": summarize(changes)}

@@ -1,36 +1,72 @@
-"""Ansible inventories (YAML or INI) read into Targets, through ansible-core's own inventory parser."""
+"""Ansible inventories read by Ansible itself (InventoryManager + VariableManager): group and host vars,
+group_vars/ and host_vars/, `--limit` patterns; each host becomes a Target named by its inventory name.
+"""
 from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import HostError
+from .errors import InventoryError
 from .transport import Target, parse_port
 
+# Host variables provision reads; everything else stays Ansible's business.
+_KEPT = {"provision_root": "provision_root", "provision_nvidia_smi": "provision_nvidia_smi",
+         "ansible_python_interpreter": "python"}
 
-def load_inventory(path: Path, known_hosts: Path) -> list[Target]:
+
+def load_inventory(path: Path, known_hosts: Path, limit: str | None = None) -> list[Target]:
+    """The inventory's hosts (narrowed by the Ansible pattern `limit`), in inventory order."""
     from ansible.errors import AnsibleError
     from ansible.inventory.manager import InventoryManager
     from ansible.parsing.dataloader import DataLoader
+    from ansible.vars.manager import VariableManager
 
+    where = str(path)
     if not Path(path).exists():
-        raise HostError("inventory not found", where=str(path))
+        raise InventoryError("inventory not found", where=where)
     try:
-        inv = InventoryManager(loader=DataLoader(), sources=[str(path)])
+        loader = DataLoader()
+        inv = InventoryManager(loader=loader, sources=[where])
+        if not inv.list_hosts("all"):
+            raise InventoryError("inventory names no hosts (or Ansible cannot parse it)", where=where)
+        if limit:
+            inv.subset(limit)
+        hosts = inv.get_hosts("all")
+        if not hosts:
+            raise InventoryError(f"--limit {limit!r} matches no host of the inventory", where=where)
+        vm = VariableManager(loader=loader, inventory=inv)
+        out = [_target(h.name, vm.get_vars(host=h, include_hostvars=False, stage="all"), known_hosts, where)
+               for h in hosts]
     except AnsibleError as e:
-        raise HostError(f"cannot read inventory: {e}", where=str(path)) from None
-    out = []
-    for h in inv.get_hosts():
-        v = h.get_vars()
-        if v.get("ansible_connection") == "local":
-            t = Target(host="local", known_hosts=known_hosts)
-        else:
-            t = Target(host=str(v.get("ansible_host", h.name)), user=v.get("ansible_user"),
-                       port=parse_port(v.get("ansible_port", 22), f"{path}: host {h.name}: ansible_port"), key_file=v.get("ansible_ssh_private_key_file"),
-                       known_hosts=known_hosts)
-        t.vars = {k: v[k] for k in ("provision_root", "provision_nvidia_smi") if k in v}
-        if "ansible_python_interpreter" in v:
-            t.vars["python"] = v["ansible_python_interpreter"]
-        out.append(t)
-    if not out:
-        raise HostError("inventory names no hosts", where=str(path))
+        raise InventoryError(f"cannot read inventory: {' '.join(str(e).split())}", where=where) from None
+    _refuse_duplicates(out, where)
     return out
+
+
+def _target(name: str, v: dict, known_hosts: Path, where: str) -> Target:
+    def value(key: str, default=None):
+        x = v.get(key, default)
+        if isinstance(x, str) and ("{{" in x or "{%" in x):
+            raise InventoryError(f"{key} is a template ({x!r}); provision reads inventory values as data: "
+                                 "write the value itself", where=f"{where}: host {name}")
+        return x
+
+    if value("ansible_connection") == "local":
+        t = Target(host="local", known_hosts=known_hosts, alias=name)
+    else:
+        port = parse_port(value("ansible_port", value("ansible_ssh_port", 22)), f"{where}: host {name}: ansible_port")
+        user = value("ansible_user", value("ansible_ssh_user"))
+        key = value("ansible_ssh_private_key_file", value("ansible_private_key_file"))
+        t = Target(host=str(value("ansible_host", name)), user=str(user) if user else None, port=port,
+                   key_file=str(key) if key else None, known_hosts=known_hosts, alias=name)
+    t.vars = {ours: str(value(theirs)) for theirs, ours in _KEPT.items() if value(theirs) is not None}
+    return t
+
+
+def _refuse_duplicates(targets: list[Target], where: str) -> None:
+    seen: dict[tuple, str] = {}
+    for t in targets:
+        k = (t.host, t.port, t.vars.get("provision_root"))
+        if k in seen:
+            raise InventoryError(f"hosts {seen[k]} and {t.name} are the same host ({t.address}, root "
+                            f"{t.vars.get('provision_root') or 'default'}); name it once", where=where)
+        seen[k] = t.name

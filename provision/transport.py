@@ -54,6 +54,7 @@ class Target:
     key_file: str | None = None
     known_hosts: Path = DEFAULT_KNOWN_HOSTS
     vars: dict = field(default_factory=dict)   # inventory host vars (root, python, ...)
+    alias: str | None = None                   # the host's inventory name, when it comes from one
 
     @property
     def local(self) -> bool:
@@ -61,6 +62,11 @@ class Target:
 
     @property
     def name(self) -> str:
+        """How messages name the host: its inventory name, else its address."""
+        return self.alias or self.address
+
+    @property
+    def address(self) -> str:
         if self.local:
             return "local"
         user = f"{self.user}@" if self.user else ""
@@ -295,7 +301,7 @@ class SSH(Transport):
             if "not found in known_hosts" in str(e):
                 key = scan_host_key(target)
                 raise HostKeyError(f"unknown host key {key.get_name()} {fingerprint(key)}; verify it, then "
-                                   f"`provision hosts trust {target.name}`", where=target.name) from None
+                                   f"`provision hosts trust {target.address}`", where=target.name) from None
             raise HostError(f"ssh: {e}", where=target.name) from None
         except OSError as e:
             raise HostError(f"cannot connect: {e.strerror or e}", where=target.name) from None

@@ -334,10 +334,15 @@ def op_rollback(root, a):
             return {"error": "no earlier runnable generation before %s" % before}
     if target[1] == before:
         return {"from": before, "to": before, "noop": True}
+    forward = target[0] > int(before.split("-", 1)[0])
+    if a.get("dry_run"):
+        return {"from": before, "to": target[1], "forward": forward, "dry_run": True}
     t0 = time.perf_counter()
     switch_link(root, target[1])
-    ev = record(root, {"event": "rollback", "from": before, "to": target[1], "lock": target[2].get("lock_name")})
-    return {"from": before, "to": target[1], "switch_seconds": time.perf_counter() - t0, "event": ev}
+    ev = record(root, {"event": "rollback", "from": before, "to": target[1], "lock": target[2].get("lock_name"),
+                       "forward": forward})
+    return {"from": before, "to": target[1], "forward": forward, "switch_seconds": time.perf_counter() - t0,
+            "event": ev}
 
 
 def op_adopt(root, a):
@@ -377,6 +382,51 @@ def op_history(root, a):
             "generations": [dict(m, id=name, number=n) for n, name, m in gens(root)]}
 
 
+def disk_used(path):
+    """Bytes under `path`, each hard-linked file counted once; symlinks are not followed."""
+    seen, total, stack = set(), 0, [path]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:
+            continue
+        for e in entries:
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if e.is_dir(follow_symlinks=False):
+                stack.append(e.path)
+            elif (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+
+
+def op_status(root, a):
+    """One row for a fleet table: current generation, its lock, since when, last probe verdict, disk used."""
+    cur, all_gens = current(root), gens(root)
+    man = next((m for _, name, m in all_gens if name == cur), {})
+    since, probe = None, None
+    try:
+        with open(os.path.join(root, "history.jsonl")) as f:
+            for line in f:
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                if ev.get("to") == cur and "from" in ev or (ev.get("event") == "adopt" and ev.get("generation") == cur):
+                    since = ev.get("time")
+                if ev.get("event") == "probe" and ev.get("generation") == cur:
+                    probe = {"status": ev.get("status"), "time": ev.get("time"), "summary": ev.get("summary")}
+    except OSError:
+        pass
+    return {"root": root, "current": cur, "lock": man.get("lock_name"), "since": since or man.get("created"),
+            "probe": probe, "generations": len(all_gens),
+            "ready": sum(1 for _, _, m in all_gens if m.get("status") in ("ready", "adopted")),
+            "disk_bytes": disk_used(root) if os.path.isdir(root) else 0}
+
+
 def op_read(root, a):
     gdir = os.path.join(root, "generations", a["id"])
     try:
@@ -388,7 +438,7 @@ def op_read(root, a):
 
 OPS = {"prepare": op_prepare, "mark": op_mark, "switch": op_switch, "rollback": op_rollback,
        "adopt": op_adopt, "history": op_history, "read": op_read, "recover": op_recover, "gc": op_gc,
-       "logs": op_logs}
+       "logs": op_logs, "status": op_status}
 
 
 def main(argv):

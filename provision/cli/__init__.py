@@ -5,16 +5,30 @@ import importlib
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
-                  pretty_exceptions_enable=False, help="Lockfile-driven upgrades of GPU inference hosts.")
+from .. import __version__
 
-# Each sub-module registers its commands on `app` (top-level verbs) or adds a sub-app.
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"provision {__version__}")
+        raise typer.Exit()
+
+
+# Help text is plain text: `[user@]host` is printed as written, never read as markup.
+app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, pretty_exceptions_enable=False,
+                  help="Lockfile-driven upgrades of GPU inference hosts.")
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="print the version and exit")) -> None:
+    """Lockfile-driven upgrades of GPU inference hosts."""
+
+
+# Each sub-module registers its commands on `app` (top-level verbs) or adds a sub-app; each imports
+# the library only inside its commands, so starting the tool stays cheap.
 for _mod in ("core", "lock", "hosts", "patches", "engine", "probe"):
-    try:
-        importlib.import_module(f"{__name__}.{_mod}").register(app)
-    except ModuleNotFoundError as e:  # a module not written yet
-        if e.name != f"{__name__}.{_mod}":
-            raise
+    importlib.import_module(f"{__name__}.{_mod}").register(app)
 
 
 def main() -> None:

@@ -1,27 +1,27 @@
-"""The operator's verbs: plan, apply, adopt, rollback, history, demo (parse, call, render)."""
+"""The operator's verbs: plan, apply, adopt, rollback, history, status, diff, demo (parse, call, render).
+
+Library modules are imported inside each verb, so a verb loads only what it uses.
+"""
 from __future__ import annotations
 
 import json
+import threading
+from dataclasses import asdict
 from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.table import Table
 
-from .. import apply as applymod
-from .. import lock as lockmod
-from ..errors import ProvisionError
-from ..plan import render_plan
-from ..transport import connect
-from .common import (HostArg, each_host, InventoryOpt, KeyOpt, KnownHostsOpt, LocalOpt, RootOpt, console, edge,
-                     err_console, one_target, plain, print_json, styled, targets)
+from .common import (ForksOpt, HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHostsOpt, LimitOpt, LocalOpt, RootOpt,
+                     console, edge, err_console, exit_for, one_target, over_hosts, plain, print_json, print_rows,
+                     row_error, styled, targets)
 
 LockOpt = typer.Option(None, "--lock", "-l", help="lockfile (YAML)")
-JsonOpt = typer.Option(False, "--json", help="machine-readable output")
+SerialOpt = typer.Option(0, "--serial", help="fleet: hosts per batch; a failed batch stops the rollout")
 
 
 class StepPrinter:
-    """Renders apply progress: one line per finished step, a spinner while a step runs."""
+    """Renders one host's apply progress: one line per finished step, a spinner while a step runs."""
 
     def __init__(self, quiet: bool):
         self.quiet, self.status = quiet, None
@@ -42,36 +42,63 @@ class StepPrinter:
             err_console.print(styled("  ", mark, f" {step:<10} {detail}"))
 
 
+class FleetPrinter:
+    """Live progress of a fleet run: one line per host and step as it starts and finishes."""
+
+    def __init__(self, quiet: bool, hosts: list[str]):
+        self.quiet, self.width, self.lock = quiet, max(map(len, hosts), default=4), threading.Lock()
+
+    def for_host(self, host: str):
+        def progress(step: str, state: str, detail: str) -> None:
+            if self.quiet or state not in ("start", "done", "fail"):
+                return
+            mark = {"start": "…", "done": "✓", "fail": "✗"}[state]
+            with self.lock:
+                err_console.print(f"  {host:<{self.width}}  {mark} {step:<10} {detail if state != 'start' else ''}",
+                                  markup=False, soft_wrap=True)
+        return progress
+
+
+def _switched(out: dict) -> str:
+    return "Switched forward" if out.get("forward") else "Rolled back"
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     @edge
     def plan(host: Optional[str] = HostArg, lock: Path = LockOpt, json_out: bool = JsonOpt,
-             out: Optional[Path] = typer.Option(None, "--out", help="save the plan for `apply --plan`"),
+             out: Optional[Path] = typer.Option(None, "--out", help="save the plan (a fleet's too) for `apply --plan`"),
              detailed_exitcode: bool = typer.Option(False, "--detailed-exitcode",
                                                     help="exit 0 no changes, 2 changes, 1 error"),
-             local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt, key: Optional[Path] = KeyOpt,
-             known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
-        """Dry-run diff of host vs lock (read-only)."""
+             local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt, limit: Optional[str] = LimitOpt,
+             forks: int = ForksOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
+             root: Optional[str] = RootOpt):
+        """Dry-run diff of host vs lock (read-only); facts of a fleet are gathered in parallel."""
+        from .. import apply as applymod, lock as lockmod
+        from ..errors import ProvisionError
+        from ..plan import render_plan
+
         if lock is None:
             raise typer.BadParameter("--lock is required")
         try:
             lk = lockmod.load(lock)
-            plans = each_host(targets(host, local, inventory, key, known_hosts, root),
-                              lambda tr: applymod.plan(tr, lk))
+            rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit),
+                              lambda tr: applymod.plan(tr, lk), forks)
         except ProvisionError as e:
             if detailed_exitcode:   # 2 means "changes" there; every error is 1
                 e.exit_code = 1
             raise
-        if out:
-            data = plans[0].to_json() if len(plans) == 1 else [p.to_json() for p in plans]
+        plans = [r.value for r in rows if r.ok]
+        if out and plans:
+            data = plans[0].to_json() if len(rows) == 1 else [p.to_json() for p in plans]
             out.write_text(json.dumps(data, indent=2))
-        if json_out:
-            print_json(plans[0].to_json() if len(plans) == 1 else [p.to_json() for p in plans])
-        else:
-            for p in plans:
-                console.print(render_plan(p), markup=False)
-            if out:
-                console.print(f"Saved plan to {out}; apply it exactly with `provision apply HOST --plan {out}`.")
+        print_rows(rows, lambda r: console.print(render_plan(r.value), markup=False), json_out,
+                   to_json=lambda p: p.to_json())
+        if out and plans and not json_out:
+            what = "the plan" if len(plans) == 1 else f"the plans of {len(plans)} hosts"
+            console.print(f"Saved {what} to {out}; apply exactly with `provision apply --plan {out}`"
+                          + (" -i INVENTORY" if len(rows) > 1 else " HOST") + ".", markup=False)
+        exit_for(rows)
         if detailed_exitcode and any(not p.noop for p in plans):
             raise typer.Exit(2)
 
@@ -83,26 +110,45 @@ def register(app: typer.Typer) -> None:
                                                   help="first contact: capture this existing env as generation 0"),
               skip_probe: List[str] = typer.Option([], "--skip-probe", help="emergency: skip a probe (recorded)"),
               installer: Optional[str] = typer.Option(None, "--installer", help="uv or pip (default: uv if on host)"),
-              serial: int = typer.Option(0, "--serial", help="fleet: hosts per batch; a failed batch stops the rollout"),
+              serial: int = SerialOpt,
               forks: int = typer.Option(5, "--forks", help="fleet: hosts applied at once within a batch"),
               json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
-              key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
+              limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
+              root: Optional[str] = RootOpt):
         """One-command upgrade: build a new generation, patch, probe, switch `current`."""
-        saved = applymod.load_plan(plan_file) if plan_file else None
+        from .. import apply as applymod, lock as lockmod
+        from ..errors import PlanError, ProvisionError
+        from ..plan import render_plan
+        from ..transport import connect
+
+        saved = applymod.load_plans(plan_file) if plan_file else None
         if saved is None and lock is None:
             raise typer.BadParameter("give --lock or --plan")
-        lk = applymod.lock_of_plan(saved) if saved else lockmod.load(lock)
-        ts = targets(host, local, inventory, key, known_hosts, root)
+        lk = applymod.lock_of_plan(saved[0]) if saved else lockmod.load(lock)
+        ts = targets(host, local, inventory, key, known_hosts, root, limit)
+        by_host = None
+        if saved:
+            by_host = {p.host: p for p in saved}
+            if len(ts) == 1 and len(saved) == 1:
+                by_host = {ts[0].name: saved[0]}
+            missing = [t.name for t in ts if t.name not in by_host]
+            if missing:
+                raise PlanError(f"the saved plan has no entry for {', '.join(missing)} (planned: "
+                                f"{', '.join(by_host)}); plan those hosts first", where=str(plan_file))
         if len(ts) > 1:
-            if saved:
-                raise typer.BadParameter("a saved plan is for one host")
+            printer = FleetPrinter(json_out, [t.name for t in ts])
+            if not json_out:
+                err_console.print(f"apply {lk.name} → {len(ts)} hosts", markup=False)
             reports = applymod.apply_fleet(ts, lk, serial=serial, forks=forks, adopt_path=adopt,
-                                           skip_probes=skip_probe, installer=installer)
+                                           skip_probes=skip_probe, installer=installer,
+                                           progress_for=printer.for_host, saved_plans=by_host)
             if json_out:
                 print_json([r.to_json() for r in reports])
             else:
+                width = max(len(r.host) for r in reports)
                 for r in reports:
-                    console.print(f"  {r.host:<28} {r.status:<14} {r.generation or ''} {r.error or ''}", markup=False)
+                    console.print(f"  {r.host:<{width}}  {r.status:<14} {r.generation or ''} {r.error or ''}",
+                                  markup=False)
                 counts = {s: sum(r.status == s for r in reports) for s in ("applied", "noop", "failed", "not-attempted")}
                 console.print("Fleet: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + ".")
             if any(r.status in ("failed", "not-attempted") for r in reports):
@@ -112,17 +158,17 @@ def register(app: typer.Typer) -> None:
         tr = connect(t)
         try:
             if not json_out:
-                err_console.print(f"apply {lk.name} → {t.name}")
-            rep = applymod.apply(tr, lk, saved_plan=saved, adopt_path=adopt, skip_probes=skip_probe,
-                                 installer=installer, progress=StepPrinter(json_out),
-                                 on_plan=None if json_out else lambda p: err_console.print(render_plan(p), markup=False))
+                err_console.print(f"apply {lk.name} → {t.name}", markup=False)
+            rep = applymod.apply(tr, lk, saved_plan=by_host[t.name] if by_host else None, adopt_path=adopt,
+                                 skip_probes=skip_probe, installer=installer, progress=StepPrinter(json_out),
+                                 on_plan=None if json_out else lambda p: err_console.print(render_plan(p)))
         except ProvisionError as e:
             if json_out and getattr(e, "report", None) is not None:
                 print_json(e.report.to_json())   # the report survives a failure
             elif getattr(e, "report", None) is not None:
                 _print_probes(e.report.probes)
                 for w in e.report.warnings:
-                    err_console.print(f"warning: {w}", markup=False)
+                    err_console.print(f"warning: {w}")
             raise
         finally:
             tr.close()
@@ -133,7 +179,7 @@ def register(app: typer.Typer) -> None:
         else:
             _print_probes(rep.probes)
             for w in rep.warnings:
-                err_console.print(f"warning: {w}", markup=False)
+                err_console.print(f"warning: {w}")
             verb = "Switched to the existing" if rep.status == "reused" else "Applied"
             console.print(f"{verb} {lk.name} on {t.name}: current {rep.previous or '(none)'} → {rep.generation} "
                           f"in {rep.seconds:.1f}s.")
@@ -143,94 +189,164 @@ def register(app: typer.Typer) -> None:
     def adopt(host: Optional[str] = HostArg,
               path: Optional[str] = typer.Argument(None, help="prefix (or bin/python) of the existing environment"),
               json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
-              key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
-        """Capture an existing, unmanaged environment as generation 0 (recorded, never moved)."""
+              limit: Optional[str] = LimitOpt, forks: int = ForksOpt, key: Optional[Path] = KeyOpt,
+              known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
+        """Capture an existing, unmanaged environment (the same PATH on each host) as generation 0."""
+        from .. import apply as applymod
+
         if path is None and local and host:   # `provision adopt --local PATH`
             host, path = None, host
         if path is None:
             raise typer.BadParameter("name the environment to adopt (PATH)")
-        t = one_target(host, local, inventory, key, known_hosts, root)
-        out = each_host([t], lambda tr: applymod.adopt_host(tr, path))[0]
-        if json_out:
-            print_json(out)
-        elif out.get("id"):
-            console.print(f"Adopted {path} on {t.name} as generation {out['id']}.")
-        else:
-            console.print(out.get("detail", "nothing adopted"))
+        rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit),
+                          lambda tr: applymod.adopt_host(tr, path), forks)
+
+        def show(r):
+            v = r.value
+            console.print(f"Adopted {path} on {r.host} as generation {v['id']}." if v.get("id")
+                          else f"{r.host}: {v.get('detail', 'nothing adopted')}", markup=False)
+        print_rows(rows, show, json_out)
+        exit_for(rows)
 
     @app.command()
     @edge
     def rollback(host: Optional[str] = HostArg,
-                 to: Optional[str] = typer.Option(None, "--to", help="generation number or id"),
+                 to: Optional[str] = typer.Option(None, "--to", help="generation number or id (may be newer)"),
+                 dry_run: bool = typer.Option(False, "--dry-run", help="say where each host would switch; change nothing"),
+                 serial: int = SerialOpt, forks: int = ForksOpt,
                  json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
-                 key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
-        """Switch `current` back to the prior generation (atomic, offline, nothing reinstalled)."""
-        t = one_target(host, local, inventory, key, known_hosts, root)
-        out = each_host([t], lambda tr: applymod.rollback(tr, to))[0]
-        if json_out:
-            print_json(out)
-        elif out.get("noop"):
-            console.print(f"{t.name} is already on {out['to']}.")
-        else:
-            console.print(f"Rolled back {t.name}: current {out['from']} → {out['to']} in {out['seconds']:.2f}s.")
+                 limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
+                 root: Optional[str] = RootOpt):
+        """Switch `current` back to the prior generation (atomic, offline, nothing reinstalled); fleets in batches."""
+        from .. import apply as applymod
+        from ..fleet import rollout
+
+        ts = targets(host, local, inventory, key, known_hosts, root, limit)
+        rows = rollout(ts, lambda tr: applymod.rollback(tr, to, dry_run=dry_run), serial=serial, forks=forks)
+        if len(rows) == 1 and not rows[0].ok:
+            raise rows[0].error
+
+        def show(r):
+            out = r.value
+            if out.get("noop"):
+                console.print(f"{r.host} is already on {out['to']}.", markup=False)
+            elif out.get("dry_run"):
+                verb = "switch forward" if out.get("forward") else "roll back"
+                console.print(f"Would {verb} {r.host}: current {out['from']} → {out['to']} (dry run: nothing changed).",
+                              markup=False)
+            else:
+                console.print(f"{_switched(out)} {r.host}: current {out['from']} → {out['to']} "
+                              f"in {out['seconds']:.2f}s.", markup=False)
+        print_rows(rows, show, json_out)
+        exit_for(rows)
 
     @app.command()
     @edge
     def history(host: Optional[str] = HostArg, json_out: bool = JsonOpt, local: bool = LocalOpt,
-                inventory: Optional[Path] = InventoryOpt, key: Optional[Path] = KeyOpt,
-                known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt,
+                inventory: Optional[Path] = InventoryOpt, limit: Optional[str] = LimitOpt, forks: int = ForksOpt,
+                key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt,
                 events: bool = typer.Option(False, "--events", help="also list history.jsonl events")):
         """Generations with lock, time, status and probe summary."""
-        t = one_target(host, local, inventory, key, known_hosts, root)
-        h = each_host([t], applymod.history)[0]
+        from .. import generations
+
+        rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit), generations.history, forks)
+
+        def show(r):
+            console.print(history_table(r.value, r.host))
+            if events:
+                for e in r.value["events"]:
+                    console.print(json.dumps(e, sort_keys=True), markup=False)
+        print_rows(rows, show, json_out)
+        exit_for(rows)
+
+    @app.command()
+    @edge
+    def status(host: Optional[str] = HostArg, json_out: bool = JsonOpt, local: bool = LocalOpt,
+               inventory: Optional[Path] = InventoryOpt, limit: Optional[str] = LimitOpt, forks: int = ForksOpt,
+               key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
+        """One table for the fleet: current generation, lock, since when, last probe, generations, disk."""
+        from .. import generations
+        from ..fleet import each
+
+        rows = each(targets(host, local, inventory, key, known_hosts, root, limit), generations.status, forks=forks)
         if json_out:
-            print_json(h)
-            return
-        console.print(history_table(h, t.name))
-        if events:
-            for e in h["events"]:
-                console.print(json.dumps(e, sort_keys=True), markup=False)
+            print_json([r.to_json() for r in rows])
+        else:
+            console.print(status_table(rows))
+        exit_for(rows)
+
+    @app.command()
+    @edge
+    def diff(host: Optional[str] = HostArg,
+             a: str = typer.Argument(..., help="from this generation (number or id)"),
+             b: Optional[str] = typer.Argument(None, help="to this generation (default: current)"),
+             json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
+             limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
+             root: Optional[str] = RootOpt):
+        """Stack changes between two generations of HOST, rendered like plan."""
+        from .. import generations
+        from ..plan import render
+
+        if (local or inventory) and host is not None:   # `provision diff --local A [B]`: no HOST positional
+            if b is not None:
+                raise typer.BadParameter("with --local or -i, give only the generations A [B]")
+            host, a, b = None, host, a
+        t = one_target(host, local, inventory, key, known_hosts, root, limit)
+        d = over_hosts([t], lambda tr: generations.diff(tr, a, b))[0].value
+        if json_out:
+            print_json(dict(d, changes=[asdict(c) for c in d["changes"]]))
+        else:
+            console.print(render(d["changes"], header=f"Diff on {d['host']}: {d['from']} → {d['to']}",
+                                 summary=d["summary"]), markup=False)
 
     @app.command()
     @edge
     def gc(host: Optional[str] = HostArg, keep: int = typer.Option(3, "--keep", help="runnable generations to keep"),
            dry_run: bool = typer.Option(False, "--dry-run", help="list what would be removed"),
            json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
-           key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
+           limit: Optional[str] = LimitOpt, forks: int = ForksOpt, key: Optional[Path] = KeyOpt,
+           known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
         """Remove old/failed generations, unused cache entries, their run dirs (never current or rollback's)."""
-        t = one_target(host, local, inventory, key, known_hosts, root)
-        out = each_host([t], lambda tr: applymod.gc(tr, keep=keep, dry_run=dry_run))[0]
-        if json_out:
-            print_json(out)
-            return
+        from .. import apply as applymod
+
+        rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit),
+                          lambda tr: applymod.gc(tr, keep=keep, dry_run=dry_run), forks)
         verb = "would remove" if dry_run else "removed"
-        for g in out["generations"]:
-            console.print(f"  - {g['id']:<32} {g['status']:<10} {g['bytes'] / 2**20:9.1f} MiB", markup=False)
-        console.print(f"{t.name}: {verb} {len(out['generations'])} generations, {len(out['cache'])} cache entries, "
-                      f"{len(out['run_dirs'])} run dirs, {out['bytes'] / 2**20:.1f} MiB; kept current "
-                      f"{out['current'] or '(none)'} and rollback target {out['rollback_target'] or '(none)'}.",
-                      markup=False)
+
+        def show(r):
+            out = r.value
+            for g in out["generations"]:
+                console.print(f"  - {g['id']:<32} {g['status']:<10} {g['bytes'] / 2**20:9.1f} MiB")
+            console.print(f"{r.host}: {verb} {len(out['generations'])} generations, {len(out['cache'])} cache entries, "
+                          f"{len(out['run_dirs'])} run dirs, {out['bytes'] / 2**20:.1f} MiB; kept current "
+                          f"{out['current'] or '(none)'} and rollback target {out['rollback_target'] or '(none)'}.")
+        print_rows(rows, show, json_out)
+        exit_for(rows)
 
     @app.command()
     @edge
     def logs(host: Optional[str] = HostArg, generation: Optional[str] = typer.Argument(None, help="number or id"),
              json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
-             key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
+             limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
+             root: Optional[str] = RootOpt):
         """A generation's build and probe logs (default: the newest generation)."""
-        t = one_target(host, local, inventory, key, known_hosts, root)
-        out = each_host([t], lambda tr: applymod.logs(tr, generation))[0]
+        from .. import apply as applymod
+
+        if (local or inventory) and host is not None and generation is None:   # `provision logs --local GEN`
+            host, generation = None, host
+        t = one_target(host, local, inventory, key, known_hosts, root, limit)
+        out = over_hosts([t], lambda tr: applymod.logs(tr, generation))[0].value
         if json_out:
             print_json(out)
             return
-        console.print(f"{out['id']}: {out['status']}" + (f" ({out['reason']})" if out.get("reason") else ""),
-                      markup=False)
+        console.print(f"{out['id']}: {out['status']}" + (f" ({out['reason']})" if out.get("reason") else ""))
         for r in out["probes"]:
-            console.print(f"  probe {r['name']:<12} {r['status']:<5} {r.get('reason') or ''}", markup=False)
+            console.print(f"  probe {r['name']:<12} {r['status']:<5} {r.get('reason') or ''}")
         for name, log in out["logs"].items():
-            console.print(f"--- {out['dir']}/{name} ({log['bytes']} bytes)", markup=False)
-            console.print(log["text"], markup=False, end="")
+            console.print(f"--- {out['dir']}/{name} ({log['bytes']} bytes)")
+            console.print(log["text"], end="")
         if out.get("run_dir"):
-            console.print(f"--- controller run dir: {out['run_dir']}", markup=False)
+            console.print(f"--- controller run dir: {out['run_dir']}")
 
     @app.command()
     @edge
@@ -243,10 +359,12 @@ def register(app: typer.Typer) -> None:
                  show_probes=_print_probes, keep=keep)
 
 
-def history_table(h: dict, host: str) -> Table:
+def history_table(h: dict, host: str):
+    from rich.table import Table
+
     table = Table(title=plain(f"generations on {host}"), title_justify="left")
     for col in ("", "generation", "lock", "created", "status", "probes"):
-        table.add_column(col)
+        table.add_column(col, no_wrap=True)
     for g in h["generations"]:
         probes = g.get("probes_summary") or {}
         ptxt = " ".join(f"{k}={v}" for k, v in probes.items() if v) if isinstance(probes, dict) else str(probes)
@@ -258,10 +376,38 @@ def history_table(h: dict, host: str) -> Table:
     return table
 
 
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def status_table(rows):
+    from rich.table import Table
+
+    table = Table(title_justify="left")
+    for col in ("host", "current", "lock", "since", "last probe", "generations", "disk"):
+        table.add_column(col, no_wrap=True)
+    for r in rows:
+        if not r.ok:
+            table.add_row(*(plain(c) for c in (r.host, "unreachable" if r.stage == "connect" else "error",
+                                               row_error(r).split(": ", 1)[1], "", "", "", "")))
+            continue
+        s = r.value
+        p = s.get("probe")
+        probe = f"{p['status']} ({p['time']})" if p else "-"
+        table.add_row(*(plain(c) for c in (r.host, s.get("current") or "(none)", s.get("lock") or "-",
+                                           s.get("since") or "-", probe, f"{s['generations']} ({s['ready']} runnable)",
+                                           _size(s["disk_bytes"]))))
+    return table
+
+
 def _print_probes(probes: dict | None) -> None:
     if not probes or not probes.get("results"):
         if probes and probes.get("detail"):
-            err_console.print(f"  probes: {probes['detail']}")
+            err_console.print(f"  probes: {probes['detail']}", markup=False)
         return
     from .probe import probe_table
 

@@ -6,10 +6,9 @@ from typing import Optional
 
 import typer
 
-from ..facts import gather
-from ..transport import Target, connect, fingerprint, known_host_keys, record_host_key, scan_host_key
-from .common import (HostArg, InventoryOpt, KeyOpt, KnownHostsOpt, LocalOpt, RootOpt, console, edge,
-                     one_target, print_json)
+from ..transport import Target, fingerprint, known_host_keys, record_host_key, scan_host_key
+from .common import (ForksOpt, HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHostsOpt, LimitOpt, LocalOpt, RootOpt,
+                     console, edge, exit_for, over_hosts, print_rows, targets)
 
 
 def register(app: typer.Typer) -> None:
@@ -39,22 +38,22 @@ def register(app: typer.Typer) -> None:
 
     @hosts.command()
     @edge
-    def facts(host: Optional[str] = HostArg, json_out: bool = typer.Option(False, "--json"),
-              local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt, key: Optional[Path] = KeyOpt,
-              known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
-        """The facts a plan is made from (one round trip)."""
-        t = one_target(host, local, inventory, key, known_hosts, root)
-        tr = connect(t)
-        try:
-            f = gather(tr)
-        finally:
-            tr.close()
-        if json_out:
-            print_json(f)
-            return
-        gpus = ", ".join(f"{g['index']}:{g['name']} sm{g['compute_cap']}" for g in f["gpus"]) or "none"
-        console.print(f"{f['host']}: {f['os'].get('pretty')} {f['os'].get('arch')}, pythons "
-                      f"{', '.join(f['pythons'])}, uv {'yes' if f['uv'] else 'no'}\n"
-                      f"  GPUs: {gpus}; driver {f.get('driver') or '-'}; nvcc {f.get('nvcc_on_path_version') or '-'}\n"
-                      f"  root {f['root']}: {len(f['generations'])} generations, current {f['current'] or '-'}; "
-                      f"{f['disk_free_bytes'] >> 30} GiB free", markup=False)
+    def facts(host: Optional[str] = HostArg, json_out: bool = JsonOpt,
+              local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt, limit: Optional[str] = LimitOpt,
+              forks: int = ForksOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
+              root: Optional[str] = RootOpt):
+        """The facts a plan is made from (one round trip per host, hosts in parallel)."""
+        from ..facts import gather
+
+        rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit), gather, forks)
+
+        def show(r):
+            f = r.value
+            gpus = ", ".join(f"{g['index']}:{g['name']} sm{g['compute_cap']}" for g in f["gpus"]) or "none"
+            console.print(f"{r.host}: {f['os'].get('pretty')} {f['os'].get('arch')}, pythons "
+                          f"{', '.join(f['pythons'])}, uv {'yes' if f['uv'] else 'no'}\n"
+                          f"  GPUs: {gpus}; driver {f.get('driver') or '-'}; nvcc {f.get('nvcc_on_path_version') or '-'}\n"
+                          f"  root {f['root']}: {len(f['generations'])} generations, current {f['current'] or '-'}; "
+                          f"{f['disk_free_bytes'] >> 30} GiB free", markup=False)
+        print_rows(rows, show, json_out)
+        exit_for(rows)

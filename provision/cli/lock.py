@@ -6,10 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from .. import lock as lockmod
-from .. import lockcheck, resolve as resolvemod
-from ..transport import connect
-from .common import (HostArg, InventoryOpt, KeyOpt, KnownHostsOpt, LocalOpt, console, edge, err_console,
+from .common import (HostArg, InventoryOpt, KeyOpt, KnownHostsOpt, LimitOpt, LocalOpt, console, edge, err_console,
                      one_target, print_json)
 
 JsonOpt = typer.Option(False, "--json", help="machine-readable output")
@@ -24,6 +21,8 @@ def register(app: typer.Typer) -> None:
     def check(locks: List[Path] = typer.Argument(..., help="lockfiles"), json_out: bool = JsonOpt,
               offline: bool = typer.Option(False, "--offline", help="read wheel METADATA from the cache only")):
         """Prove each lock consistent: Requires-Dist closure, CUDA tags, driver, flashinfer, hashes."""
+        from .. import lock as lockmod, lockcheck
+        
         reports = [lockcheck.check(lockmod.load(p), offline=offline) for p in locks]
         if json_out:
             print_json([r.to_json() for r in reports])
@@ -37,6 +36,8 @@ def register(app: typer.Typer) -> None:
     def resolve(lock: Path = typer.Argument(..., help="lockfile whose `requires` to resolve"),
                 out: Optional[Path] = typer.Option(None, "-o", "--out", help="write here (default: rewrite LOCK)")):
         """Resolve `requires` into the full hashed closure for the lock's platform and indexes."""
+        from .. import lock as lockmod, resolve as resolvemod
+        
         lk = lockmod.load(lock)
         with err_console.status(f"resolving {lk.name} …"):
             data, res = resolvemod.resolve_data(lk)
@@ -55,6 +56,8 @@ def register(app: typer.Typer) -> None:
     def diff(old: Path = typer.Argument(..., help="from this lock"), new: Path = typer.Argument(..., help="to this lock"),
              json_out: bool = JsonOpt):
         """Stack changes between two lockfiles, rendered like `plan` (no host involved)."""
+        from .. import lock as lockmod, lockcheck
+        
         d = lockcheck.diff(lockmod.load(old), lockmod.load(new))
         if json_out:
             print_json(d.to_json())
@@ -67,12 +70,13 @@ def register(app: typer.Typer) -> None:
                 out: Path = typer.Option(..., "-o", "--out", help="write the captured lock here"),
                 python: str = typer.Option("python3", "--python", help="interpreter or environment prefix to capture"),
                 name: str = typer.Option("adopted", "--name", help="name of the captured lock"),
-                local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt, key: Optional[Path] = KeyOpt,
-                known_hosts: Path = KnownHostsOpt):
+                local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt, limit: Optional[str] = LimitOpt,
+                key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt):
         """A lock from a live host's environment (what `apply` adopts as generation 0)."""
-        from .. import facts
+        from .. import facts, lock as lockmod
+        from ..transport import connect
 
-        t = one_target(host, local, inventory, key, known_hosts)
+        t = one_target(host, local, inventory, key, known_hosts, limit=limit)
         tr = connect(t)
         try:
             data = facts.capture_lock(tr, python, name=name)

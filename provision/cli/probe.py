@@ -5,16 +5,17 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.table import Table
 
-from .common import (HostArg, InventoryOpt, KeyOpt, KnownHostsOpt, LocalOpt, RootOpt, console, edge, one_target,
-                     plain, print_json, styled)
+from .common import (ForksOpt, HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHostsOpt, LimitOpt, LocalOpt, RootOpt,
+                     console, edge, exit_for, over_hosts, plain, print_rows, styled, targets)
 
 STYLE = {"pass": "green", "fail": "red", "skip": "dim", "warn": "yellow"}
 
 
-def probe_table(report: dict) -> Table:
+def probe_table(report: dict):
     """One row per probe: status, name, reason (and whether a failure blocks the switch)."""
+    from rich.table import Table
+
     title = f"probes in {report.get('generation', '?')}"
     if report.get("host"):
         title += f" on {report['host']}"
@@ -41,27 +42,24 @@ def register(app: typer.Typer) -> None:
                                                        help="generation number or id (default: current)"),
               lock: Optional[Path] = typer.Option(None, "--lock", "-l",
                                                   help="expectations (default: the generation's own lock)"),
-              json_out: bool = typer.Option(False, "--json", help="machine-readable report"),
-              local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt, key: Optional[Path] = KeyOpt,
+              json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
+              limit: Optional[str] = LimitOpt, forks: int = ForksOpt, key: Optional[Path] = KeyOpt,
               known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
         """Run the verification probes inside a generation; exit 1 if a required probe fails."""
         from .. import lock as lockmod
         from ..probes import run_probes
-        from ..transport import connect
 
         lk = lockmod.load(lock) if lock else None
-        t = one_target(host, local, inventory, key, known_hosts, root)
-        tr = connect(t)
-        try:
-            rep = run_probes(tr, lk, generation=generation, only=only or None)
-        finally:
-            tr.close()
-        if json_out:
-            print_json(rep)
-        else:
+        rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit),
+                          lambda tr: run_probes(tr, lk, generation=generation, only=only or None), forks)
+
+        def show(r):
+            rep = r.value
             console.print(probe_table(rep))
             verdict = ("pass", "green") if rep["status"] == "pass" else ("fail", "red")
             failed = "" if rep["status"] == "pass" else f": {', '.join(rep['failed'])}"
-            console.print(styled(f"{rep['generation']} on {rep['host']}: ", verdict, f"{failed} ({rep['seconds']:.1f}s)"))
-        if rep["status"] != "pass":
+            console.print(styled(f"{rep['generation']} on {r.host}: ", verdict, f"{failed} ({rep['seconds']:.1f}s)"))
+        print_rows(rows, show, json_out)
+        exit_for(rows)
+        if any(r.value["status"] != "pass" for r in rows):
             raise typer.Exit(1)

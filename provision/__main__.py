@@ -1,0 +1,4 @@
+"""`python -m provision`: the command line."""
+from .cli import main
+
+main()
