@@ -362,10 +362,7 @@ def plan(transport: Transport, lock: Lock) -> Plan:
 
 
 def rollback(transport: Transport, to: str | None = None, dry_run: bool = False) -> dict:
-    t0 = time.perf_counter()
-    out = generations.rollback(transport, to, dry_run=dry_run)
-    out["seconds"] = time.perf_counter() - t0
-    return out
+    return generations.rollback(transport, to, dry_run=dry_run)
 
 
 def history(transport: Transport) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 
 from . import agent
 from .facts import root_of
@@ -63,7 +64,10 @@ def gc(t: Transport, keep: int = 3, dry_run: bool = False) -> dict:
 
 def rollback(t: Transport, to: str | None = None, dry_run: bool = False) -> dict:
     """Switch back (or, with `to`, possibly forward: `forward` says so); `dry_run` only names the target."""
-    return call(t, "rollback", to=to, take_lock=not dry_run, dry_run=dry_run)
+    t0 = time.perf_counter()
+    out = call(t, "rollback", to=to, take_lock=not dry_run, dry_run=dry_run)
+    out["seconds"] = time.perf_counter() - t0
+    return out
 
 
 def status(t: Transport) -> dict:

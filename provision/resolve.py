@@ -540,5 +540,52 @@ def resolve_data(lock: Lock, **kw) -> tuple[dict, Resolution]:
     return res.data(lock), res
 
 
-__all__ = ["resolve", "resolve_data", "Resolution", "ResolveError", "wheel_metadata", "requires_dist",
+# ------------------------------------------------- what people wrote, and what the machine wrote
+
+MACHINE_KEYS = ("packages", "unresolved")     # the only sections `lock resolve` writes
+
+
+def rewrite_resolved(text: str, res: Resolution) -> str:
+    """The lock's text with only its machine-written sections replaced by the resolution; every
+    line people wrote (requires, overrides, engine, probes, their comments) is kept as written."""
+    from .yamlio import dump
+
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
+    for key in MACHINE_KEYS:
+        block = dump({key: getattr(res, key)})
+        start = next((i for i, ln in enumerate(lines) if ln.startswith(f"{key}:")), None)
+        if start is None:
+            lines.append(block)
+            continue
+        end = start + 1             # the block: indented lines and column-0 list items under the key
+        while end < len(lines) and (lines[end].startswith((" ", "\t", "- ")) or lines[end].strip() in ("", "-")):
+            end += 1
+        while end > start + 1 and not lines[end - 1].strip():   # blank lines after it stay people's
+            end -= 1
+        lines[start:end] = [block]
+    return "".join(lines)
+
+
+def _closure(packages: list, unresolved: list) -> tuple:
+    return (sorted((canonicalize_name(p["name"]), str(p["version"]), p.get("sha256") or "") for p in packages),
+            sorted(canonicalize_name(u["name"]) for u in unresolved))
+
+
+def staleness(lock: Lock, res: Resolution) -> list[str]:
+    """How the lock's resolved sections differ from a fresh resolution (empty: up to date)."""
+    have, want = _closure(lock.raw.get("packages") or [], lock.raw.get("unresolved") or []), \
+        _closure(res.packages, res.unresolved)
+    out = []
+    old, new = {(n, v) for n, v, _ in have[0]}, {(n, v) for n, v, _ in want[0]}
+    out += [f"+ {n}=={v}" for n, v in sorted(new - old)] + [f"- {n}=={v}" for n, v in sorted(old - new)]
+    if not out and have[0] != want[0]:
+        out.append("the same versions with different hashes")
+    if have[1] != want[1]:
+        out.append(f"unresolved: {', '.join(have[1]) or 'none'} → {', '.join(want[1]) or 'none'}")
+    return out
+
+
+__all__ = ["resolve", "resolve_data", "rewrite_resolved", "staleness", "Resolution", "ResolveError", "wheel_metadata", "requires_dist",
            "marker_env", "marker_true", "platform_tags", "project_files"]

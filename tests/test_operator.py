@@ -1,6 +1,7 @@
 """The built wheel is the product: it holds every file the package needs at run time."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import zipfile
@@ -34,3 +35,45 @@ def test_lock_outside_the_checkout_finds_the_shipped_series(tmp_path):
     lk = lockmod.load(path)
     assert lk.resolve_path(lk.patches[0]) == bundled.PATCHES / "sglang-0.5.9"
     assert bundled.find("../pyproject.toml") is None and bundled.find("/etc/passwd") is None
+
+
+def provision(*args, code: str | None = None) -> subprocess.CompletedProcess:
+    """The command as an operator runs it, output piped (not a terminal)."""
+    argv = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "provision", *args]
+    return subprocess.run(argv, capture_output=True, text=True, cwd=PKG.parent)
+
+
+def test_version_completion_and_plain_help():
+    assert provision("--version").stdout.strip() == f"provision {__import__('provision').__version__}"
+    assert "--show-completion" in provision("--help").stdout
+    assert "[user@]host[:port]" in provision("rollback", "--help").stdout
+
+
+def test_piped_output_is_full_width_and_errors_are_json(tmp_path, sshd):
+    t = sshd.target
+    long_root = tmp_path / ("r" * 150)
+    p = provision("history", f"{t.user}@{t.host}:{t.port}", "--key", t.key_file, "--known-hosts",
+                  str(t.known_hosts), "--root", str(long_root), "--json")
+    assert p.returncode == 0 and json.loads(p.stdout)["generations"] == []
+    p = provision("rollback", f"{t.user}@{t.host}:{t.port}", "--key", t.key_file, "--known-hosts",
+                  str(t.known_hosts), "--root", str(long_root), "--json")
+    err = json.loads(p.stdout)
+    assert p.returncode == 1 and "nothing to roll back" in err["error"] and err["where"] == f"{t.user}@{t.host}:{t.port}"
+    line = [ln for ln in p.stderr.splitlines() if "nothing to roll back" in ln]
+    assert len(line) == 1 and len(line[0]) > 80          # one line, not wrapped at 80 columns
+    p = provision("history", "somehost:99999", "--json")
+    assert p.returncode == 2 and "bad port" in json.loads(p.stdout)["error"]
+
+
+def test_missing_extra_is_named():
+    code = ("import sys\n"
+            "class NoSafetensors:   # as if the package were not installed\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] == 'safetensors':\n"
+            "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+            "sys.meta_path.insert(0, NoSafetensors())\n"
+            "sys.argv = ['provision'] + sys.argv[1:]\n"
+            "from provision.cli import main\nmain()\n")
+    p = provision("engine", "generate", "hello", "--max-tokens", "2", code=code)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert "install provision[engine]" in p.stderr and "safetensors" in p.stderr

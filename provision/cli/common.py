@@ -37,6 +37,10 @@ def plain(text: str) -> Text:
     return Text(str(text))
 
 
+# Modules of optional features → the extra that brings them (pyproject's optional-dependencies).
+OPTIONAL = {"torch": "engine", "safetensors": "engine"}
+
+
 def edge(fn):
     """Turn a user-caused ProvisionError into one line on stderr and its exit code."""
 
@@ -54,6 +58,15 @@ def edge(fn):
                 raise
             print_json({"error": e.format_message(), "where": None, "exit_code": 2})
             raise typer.Exit(2)
+        except ModuleNotFoundError as e:
+            extra = OPTIONAL.get((e.name or "").split(".")[0])
+            if extra is None:
+                raise
+            msg = f"this needs the optional `{extra}` dependencies (no module {e.name}): install provision[{extra}]"
+            if kw.get("json_out"):
+                print_json({"error": msg, "where": None, "exit_code": 1})
+            err_console.print(f"error: {msg}", markup=False, soft_wrap=True)
+            raise typer.Exit(1)
         except KeyboardInterrupt:
             err_console.print("interrupted")
             raise typer.Exit(130)

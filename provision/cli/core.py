@@ -218,11 +218,11 @@ def register(app: typer.Typer) -> None:
                  limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
                  root: Optional[str] = RootOpt):
         """Switch `current` back to the prior generation (atomic, offline, nothing reinstalled); fleets in batches."""
-        from .. import apply as applymod
+        from .. import generations
         from ..fleet import rollout
 
         ts = targets(host, local, inventory, key, known_hosts, root, limit)
-        rows = rollout(ts, lambda tr: applymod.rollback(tr, to, dry_run=dry_run), serial=serial, forks=forks)
+        rows = rollout(ts, lambda tr: generations.rollback(tr, to, dry_run=dry_run), serial=serial, forks=forks)
         if len(rows) == 1 and not rows[0].ok:
             raise rows[0].error
 

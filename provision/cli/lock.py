@@ -34,22 +34,40 @@ def register(app: typer.Typer) -> None:
     @lock_app.command("resolve")
     @edge
     def resolve(lock: Path = typer.Argument(..., help="lockfile whose `requires` to resolve"),
-                out: Optional[Path] = typer.Option(None, "-o", "--out", help="write here (default: rewrite LOCK)")):
-        """Resolve `requires` into the full hashed closure for the lock's platform and indexes."""
+                out: Optional[Path] = typer.Option(None, "-o", "--out", help="write here (default: update LOCK)"),
+                check: bool = typer.Option(False, "--check", help="write nothing; exit 1 if LOCK's resolution is stale"),
+                json_out: bool = JsonOpt):
+        """Resolve `requires` into the hashed closure; only `packages` and `unresolved` are (re)written."""
         from .. import lock as lockmod, resolve as resolvemod
-        
+
         lk = lockmod.load(lock)
         with err_console.status(f"resolving {lk.name} …"):
-            data, res = resolvemod.resolve_data(lk)
+            res = resolvemod.resolve(lk)
+        for k, why in res.indexes_down.items():
+            err_console.print(f"index {k} ({lk.indexes[k]}): {why}", soft_wrap=True, markup=False)
+        for u in res.unresolved:
+            err_console.print(f"unresolved {u['requirement']}: {u['reason']}", soft_wrap=True, markup=False)
+        if check:
+            stale = resolvemod.staleness(lk, res)
+            if json_out:
+                print_json({"lock": str(lock), "stale": bool(stale), "differences": stale})
+            else:
+                for line in stale:
+                    console.print(f"  {line}", markup=False, soft_wrap=True)
+                console.print(f"{lock}: {'stale, run `provision lock resolve`' if stale else 'up to date'}.",
+                              markup=False, soft_wrap=True)
+            if stale:
+                raise typer.Exit(1)
+            return
         dest = out or lock
-        text = lockmod.dump(data)
+        text = resolvemod.rewrite_resolved(Path(lock).read_text(), res)
         lockmod.loads(text, str(dest))          # what we write must load
         dest.write_text(text)
-        for k, why in res.indexes_down.items():
-            err_console.print(f"index {k} ({lk.indexes[k]}): {why}", soft_wrap=True)
-        for u in res.unresolved:
-            err_console.print(f"unresolved {u['requirement']}: {u['reason']}", soft_wrap=True)
-        console.print(f"Wrote {dest}: {len(res.packages)} packages, {len(res.unresolved)} unresolved.", soft_wrap=True)
+        if json_out:
+            print_json({"lock": str(dest), "packages": len(res.packages), "unresolved": len(res.unresolved)})
+        else:
+            console.print(f"Wrote {dest}: {len(res.packages)} packages, {len(res.unresolved)} unresolved "
+                          "(only `packages` and `unresolved` rewritten).", soft_wrap=True, markup=False)
 
     @lock_app.command("diff")
     @edge

@@ -87,9 +87,10 @@ def read_weights(d: Path) -> tuple[dict, dict]:
     tensors, origin = {}, {}
     for name in files:
         f = d / name
+        if name.endswith(".safetensors"):
+            from safetensors.torch import load_file   # outside the try: a missing extra is named as such
         try:
             if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
                 part = load_file(str(f))
             else:
                 part = torch.load(str(f), map_location="cpu", weights_only=True)
