@@ -62,7 +62,7 @@ def test_piped_output_is_full_width_and_errors_are_json(tmp_path, sshd):
     line = [ln for ln in p.stderr.splitlines() if "nothing to roll back" in ln]
     assert len(line) == 1 and len(line[0]) > 80          # one line, not wrapped at 80 columns
     p = provision("history", "somehost:99999", "--json")
-    assert p.returncode == 2 and "bad port" in json.loads(p.stdout)["error"]
+    assert p.returncode == 2 and "out of range" in json.loads(p.stdout)["error"]
 
 
 def test_missing_extra_is_named():

@@ -147,8 +147,8 @@ def register(app: typer.Typer) -> None:
             else:
                 width = max(len(r.host) for r in reports)
                 for r in reports:
-                    console.print(f"  {r.host:<{width}}  {r.status:<14} {r.generation or ''} {r.error or ''}",
-                                  markup=False)
+                    err = (r.error or "").removeprefix(f"{r.host}: ")
+                    console.print(f"  {r.host:<{width}}  {r.status:<14} {r.generation or ''} {err}")
                 counts = {s: sum(r.status == s for r in reports) for s in ("applied", "noop", "failed", "not-attempted")}
                 console.print("Fleet: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + ".")
             if any(r.status in ("failed", "not-attempted") for r in reports):
