@@ -300,7 +300,7 @@ def test_base_plan_is_valid(world):
     path = world.dir / "plans" / "base.json"
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(base_plan(world)))
-    assert applymod.load_plan(path).lock_name == "corpus"
+    assert [p.lock_name for p in applymod.load_plans(path)] == ["corpus"]
 
 
 @pytest.mark.parametrize("case", PLAN_CASES, ids=[c[0] for c in PLAN_CASES])
