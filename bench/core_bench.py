@@ -128,3 +128,7 @@ def fleet_figures(host, a, b, n: int) -> dict:
         cli(verb, *common, "--limit", limit, "--lock", lk.path, *(["--forks", str(n)] if verb == "apply" else []))
         fig[key] = time.perf_counter() - t0
     return fig
+
+
+if __name__ == "__main__":
+    main()

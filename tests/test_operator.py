@@ -77,3 +77,13 @@ def test_missing_extra_is_named():
     p = provision("engine", "generate", "hello", "--max-tokens", "2", code=code)
     assert p.returncode == 1 and "Traceback" not in p.stderr
     assert "install provision[engine]" in p.stderr and "safetensors" in p.stderr
+
+
+def test_hosts_trust_json_needs_yes_and_reports_the_key(tmp_path, sshd):
+    spec, kh = f"{sshd.target.user}@{sshd.target.host}:{sshd.target.port}", str(tmp_path / "kh")
+    p = provision("hosts", "trust", spec, "--known-hosts", kh, "--json")
+    assert p.returncode == 2 and "add --yes" in json.loads(p.stdout)["error"] and not Path(kh).exists()
+    first = json.loads(provision("hosts", "trust", spec, "--known-hosts", kh, "--json", "--yes").stdout)
+    assert first["recorded"] is True and first["fingerprint"].startswith("SHA256:")
+    again = json.loads(provision("hosts", "trust", spec, "--known-hosts", kh, "--json", "--yes").stdout)
+    assert again["recorded"] is False and again["fingerprint"] == first["fingerprint"]

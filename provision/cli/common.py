@@ -38,7 +38,7 @@ def plain(text: str) -> Text:
 
 
 # Modules of optional features → the extra that brings them (pyproject's optional-dependencies).
-OPTIONAL = {"torch": "engine", "safetensors": "engine"}
+OPTIONAL = {"torch": "engine", "safetensors": "engine", "tokenizers": "engine", "gguf": "engine"}
 
 
 def edge(fn):

@@ -350,11 +350,16 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     @edge
-    def demo(keep: bool = typer.Option(False, "--keep", help="leave the sandbox for inspection")):
+    def demo(keep: bool = typer.Option(False, "--keep", help="leave the sandbox for inspection"),
+             json_out: bool = typer.Option(False, "--json", help="print only the measured figures, as JSON")):
         """Throwaway loopback host: plan → apply A → plan → apply B → plan → rollback → history."""
         from ..demo import run_demo
 
-        run_demo(say=lambda text: console.print(text, markup=False), progress=StepPrinter(False),
+        if json_out:
+            print_json(run_demo(say=lambda text: None, progress=None, show_history=lambda h, name: None,
+                                show_probes=lambda p: None, keep=keep))
+            return
+        run_demo(say=lambda text: console.print(text), progress=StepPrinter(False),
                  show_history=lambda h, name: console.print(history_table(h, name)),
                  show_probes=_print_probes, keep=keep)
 

@@ -8,7 +8,7 @@ import typer
 
 from ..transport import Target, fingerprint, known_host_keys, record_host_key, scan_host_key
 from .common import (ForksOpt, HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHostsOpt, LimitOpt, LocalOpt, RootOpt,
-                     console, edge, exit_for, over_hosts, print_rows, targets)
+                     console, edge, exit_for, over_hosts, print_json, print_rows, targets)
 
 
 def register(app: typer.Typer) -> None:
@@ -18,23 +18,33 @@ def register(app: typer.Typer) -> None:
     @hosts.command()
     @edge
     def trust(host: str, yes: bool = typer.Option(False, "--yes", "-y", help="record without asking"),
-              known_hosts: Path = KnownHostsOpt):
+              known_hosts: Path = KnownHostsOpt, json_out: bool = JsonOpt):
         """Show HOST's SSH key fingerprint and record exactly that key in the managed known_hosts."""
+        from ..errors import InputError
+
+        if json_out and not yes:
+            raise InputError("--json cannot ask: add --yes to record the key shown", where="--json")
+        say = (lambda text: None) if json_out else console.print
         t = Target.parse(host, known_hosts=known_hosts)
         key = scan_host_key(t)
-        console.print(f"{t.name} offers {key.get_name()} {fingerprint(key)}")
+        shown = {"host": t.name, "key": key.get_name(), "fingerprint": fingerprint(key)}
+        say(f"{t.name} offers {key.get_name()} {fingerprint(key)}")
         known = known_host_keys(t)
         if any(k.asbytes() == key.asbytes() for k in known) and len(known) == 1:
-            console.print(f"Already trusted in {known_hosts}; nothing changed.")
+            if json_out:
+                print_json(dict(shown, recorded=False, replaced=[]))
+            say(f"Already trusted in {known_hosts}; nothing changed.")
             return
         others = [f"{k.get_name()} {fingerprint(k)}" for k in known if k.asbytes() != key.asbytes()]
         for o in others:
-            console.print(f"This REPLACES the recorded key {o} for {t.name}.")
+            say(f"This REPLACES the recorded key {o} for {t.name}.")
         if not yes and not typer.confirm("Record this key as trusted?"):
             raise typer.Exit(1)
         replaced = record_host_key(t, key)
+        if json_out:
+            print_json(dict(shown, recorded=True, replaced=replaced))
         tail = f" (replaced {', '.join(replaced)})" if replaced else ""
-        console.print(f"Recorded {key.get_name()} {fingerprint(key)} for {t.name} in {known_hosts}{tail}.")
+        say(f"Recorded {key.get_name()} {fingerprint(key)} for {t.name} in {known_hosts}{tail}.")
 
     @hosts.command()
     @edge

@@ -89,7 +89,7 @@ def register(app: typer.Typer) -> None:
                 python: str = typer.Option("python3", "--python", help="interpreter or environment prefix to capture"),
                 name: str = typer.Option("adopted", "--name", help="name of the captured lock"),
                 local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt, limit: Optional[str] = LimitOpt,
-                key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt):
+                key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt, json_out: bool = JsonOpt):
         """A lock from a live host's environment (what `apply` adopts as generation 0)."""
         from .. import facts, lock as lockmod
         from ..transport import connect
@@ -103,5 +103,8 @@ def register(app: typer.Typer) -> None:
         text = lockmod.dump(data)
         lk = lockmod.loads(text, str(out))
         out.write_text(text)
+        if json_out:
+            print_json({"lock": str(out), "name": lk.name, "packages": len(lk.packages)})
+            return
         console.print(f"Wrote {out}: lock {lk.name}, {len(lk.packages)} packages (versions only, no hashes).",
                       soft_wrap=True)
