@@ -64,3 +64,47 @@ def held_out_prompts(n: int = 8, seed: int = 12345) -> list[str]:
         text = " ".join(sentence(r) for _ in range(r.randrange(1, 3))) + " " + sentence(r)
         out.append(text[: len(text) - r.randrange(10, 40)])
     return out
+
+
+TOPICS = ("photosynthesis", "the water cycle", "gravity", "volcanoes", "the immune system", "black holes",
+          "electricity", "the internet", "vaccines", "climate change", "the moon's phases", "rainbows",
+          "earthquakes", "the human heart", "bees", "recycling", "compound interest", "machine learning",
+          "the French Revolution", "the Roman Empire", "democracy", "inflation", "plate tectonics", "DNA",
+          "the solar system", "tides", "sleep", "exercise", "coffee", "chess", "the printing press", "bridges",
+          "airplanes", "batteries", "magnets", "clouds", "deserts", "coral reefs", "the stock market", "music")
+THINGS = ("the ocean", "a lighthouse", "autumn leaves", "a cat", "the city at night", "a mountain", "friendship",
+          "a rainy day", "the stars", "an old library", "a garden", "a train journey", "snow", "the sunrise")
+GOALS = ("learning a new language", "sleeping better", "saving money", "staying focused", "writing an essay",
+         "cooking for a family", "running a first marathon", "keeping a houseplant alive", "public speaking",
+         "starting a small business", "studying for exams", "making friends in a new city")
+TEMPLATES = ("Explain {topic} in simple terms.", "What is {topic}?", "Why does {topic} matter?",
+             "Write a short poem about {thing}.", "Give me three tips for {goal}.",
+             "Describe {thing} in a few sentences.", "How does {topic} work?",
+             "Write a short story about {thing}.", "What are common mistakes when {goal}?",
+             "Summarize what everyone should know about {topic}.", "Tell me a fun fact about {topic}.",
+             "What are the pros and cons of {goal}?")
+
+
+STYLES = ("", " Keep it brief.", " Use an example.", " Answer in two short paragraphs.",
+          " Explain it to a ten-year-old.", " Use a numbered list.")
+HELD_OUT = 8   # the last topics, and the last 3 things and goals, appear only in held-out prompts
+
+
+def _prompts(topics, things, goals) -> list[str]:
+    fill = {"topic": topics, "thing": things, "goal": goals}
+    return [t.format(**{k: v}) + s for t in TEMPLATES for k in fill if "{" + k + "}" in t
+            for v in fill[k] for s in STYLES]
+
+
+def chat_prompts(n: int, seed: int = 0) -> list[str]:
+    """Training user messages (templates × topics × styles), shuffled; held-out topics excluded."""
+    out = _prompts(TOPICS[:-HELD_OUT], THINGS[:-3], GOALS[:-3])
+    random.Random(seed).shuffle(out)
+    return out[:n]
+
+
+def held_out_chat_prompts(n: int = 8, seed: int = 12345) -> list[str]:
+    """Benchmark user messages about topics no training prompt mentions."""
+    out = _prompts(TOPICS[-HELD_OUT:], THINGS[-3:], GOALS[-3:])
+    random.Random(seed).shuffle(out)
+    return out[:n]

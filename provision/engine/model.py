@@ -79,6 +79,21 @@ def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def gqa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Grouped-query attention without repeating K/V: the g query heads sharing a KV head become g*T rows.
+
+    q: [B, h, T, hd]; k, v: [B, kv, W, hd]; mask: [T, W] or [B, 1, T, W] bool. Returns [B, T, h, hd]."""
+    B, h, T, hd = q.shape
+    kv = k.shape[1]
+    g = h // kv
+    qg = q.reshape(B, kv, g * T, hd)                                  # head kv*g + j → group kv, rows (j, t)
+    s = (qg @ k.transpose(-1, -2)).float().view(B, kv, g, T, -1) * hd ** -0.5
+    m = mask if mask.dim() == 2 else mask.unsqueeze(2)                # [T, W] or [B, 1, 1, T, W]
+    p = torch.softmax(s.masked_fill(~m, float("-inf")), dim=-1).to(v.dtype)
+    y = p.view(B, kv, g * T, -1) @ v                                  # [B, kv, g*T, hd]
+    return y.view(B, h, T, hd).transpose(1, 2)
+
+
 class KVCache(nn.Module):
     """Preallocated [B, kv_heads, S, hd] buffers, written in place at `slots`."""
 
@@ -131,11 +146,7 @@ class Attention(nn.Module):
         if self.kv_cache is not None:                            # None only when training
             k, v = self.kv_cache.update(slots, k, v)             # [B, kv, S, hd]
             k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]   # attend to the mask's span only
-        if self.n_kv != self.n_head:
-            k = k.repeat_interleave(self.n_head // self.n_kv, dim=1)
-            v = v.repeat_interleave(self.n_head // self.n_kv, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_head * self.hd))
+        return self.wo(gqa_attention(q, k, v, mask).reshape(B, T, self.n_head * self.hd))
 
 
 class FeedForward(nn.Module):

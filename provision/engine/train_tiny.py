@@ -90,7 +90,8 @@ def draft_unrolled(draft: Eagle3Draft, x, aux, ttt: int):
     return outs
 
 
-def train_draft(target, draft, data, steps, B, T, ttt, d_ids, log):
+def train_draft(target, draft, data, steps, B, T, ttt, d_ids, log, deadline: float = float("inf")):
+    """Distil the target into the draft; stops early (and says so) at `deadline` (time.time())."""
     params = [p for n, p in draft.named_parameters()]
     opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0, betas=(0.9, 0.95))
     dev = draft.fc.weight.device
@@ -114,6 +115,9 @@ def train_draft(target, draft, data, steps, B, T, ttt, d_ids, log):
         opt.step()
         if step % 50 == 0 or step == steps - 1:
             log(f"draft step {step} loss {loss.item():.3f}")
+        if time.time() > deadline:
+            log(f"draft training stopped at step {step} of {steps}: time budget spent")
+            break
 
 
 def main(argv=None):

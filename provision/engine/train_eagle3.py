@@ -1,0 +1,109 @@
+"""Trains an EAGLE-3 draft for a served checkpoint by self-distillation: the target answers generated
+chat prompts greedily, then the draft learns the target's next-token distributions on that text with
+training-time test. `python -m provision.engine.train_eagle3 --model DIR --out DIR [--device cuda]`"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from .corpus import chat_prompts
+from .draft import DraftArgs, Eagle3Draft
+from .loading import load_target, save_draft
+from .tokenizer import load_tokenizer, stop_ids
+from .train_tiny import train_draft
+
+
+@torch.inference_mode()
+def answer(target, prompts: list[list[int]], max_new: int, stops: set) -> list[list[int]]:
+    """Greedy answers for a batch of prompts, left-padded into one static cache (RoPE is relative)."""
+    B, L = len(prompts), max(len(p) for p in prompts)
+    dev = target.output.weight.device
+    target.setup_caches(L + max_new, batch=B)
+    ids = torch.zeros(B, L, dtype=torch.long, device=dev)
+    valid = torch.zeros(B, L + max_new, dtype=torch.bool, device=dev)
+    for b, p in enumerate(prompts):
+        ids[b, L - len(p):] = torch.tensor(p)
+        valid[b, L - len(p):L] = True
+    pos = torch.arange(L, device=dev)
+    causal = pos[None, :] <= pos[:, None]
+    mask = (causal & valid[:, None, :L]) | torch.eye(L, dtype=torch.bool, device=dev)   # pads see themselves
+    tok = target(ids, pos, mask[:, None], pos)[:, -1].argmax(-1)
+    out = [tok]
+    for t in range(L, L + max_new - 1):
+        valid[:, t] = True
+        p = pos.new_full((1,), t)
+        tok = target(tok[:, None], p, valid[:, None, None, : t + 1], p)[:, -1].argmax(-1)
+        out.append(tok)
+    rows = torch.stack(out, 1).tolist()
+    cut = [next((i + 1 for i, x in enumerate(r) if x in stops), len(r)) for r in rows]
+    return [r[:c] for r, c in zip(rows, cut)]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", type=Path, required=True, help="target checkpoint (with its tokenizer)")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--prompts", type=int, default=1512)
+    ap.add_argument("--max-new", type=int, default=320)
+    ap.add_argument("--gen-batch", type=int, default=128)
+    ap.add_argument("--draft-vocab", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--ttt", type=int, default=5, help="training-time test depth (draft steps unrolled)")
+    ap.add_argument("--max-minutes", type=float, default=float("inf"), help="stop training after this long")
+    a = ap.parse_args(argv)
+    t0 = time.time()
+    log = lambda s: print(f"[{time.time() - t0:6.1f}s] {s}", flush=True)  # noqa: E731
+    torch.manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    tok = load_tokenizer(a.model)
+    if tok is None or getattr(tok, "chat_template", None) is None:
+        raise SystemExit(f"error: {a.model}: needs a tokenizer and a chat template")
+    stops = set(stop_ids(a.model))
+    target = load_target(a.model, a.device).requires_grad_(False)
+    prompts = [tok.encode(tok.chat_template.render([{"role": "user", "content": p}]), bos=False)
+               for p in chat_prompts(a.prompts)]
+    from .generate import Engine
+    single = Engine(target, None, tok, max_seq_len=512, stop_ids=stops)
+    want = [single.generate(p, 48).tokens for p in prompts[:2]]
+    log(f"batched greedy answers equal single-sequence greedy: {answer(target, prompts[:2], 48, stops) == want}")
+    convs = []
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))     # similar lengths share a batch
+    for s in range(0, len(order), a.gen_batch):
+        batch = [prompts[i] for i in order[s:s + a.gen_batch]]
+        convs += [p + r for p, r in zip(batch, answer(target, batch, a.max_new, stops))]
+        log(f"answered {len(convs)}/{len(prompts)} prompts")
+    data = torch.tensor([t for c in convs for t in c])
+    log(f"self-distillation corpus: {len(convs)} conversations, {len(data)} tokens")
+    target.setup_caches(a.seq + 1)                                         # the RoPE table; no caches
+    for layer in target.layers:
+        layer.attention.kv_cache = None
+    ta = target.args
+    freq = Counter(data.tolist())
+    d_ids = torch.tensor(sorted(t for t, _ in freq.most_common(a.draft_vocab)), device=a.device)
+    log(f"draft vocabulary covers {sum(freq[int(t)] for t in d_ids) / len(data):.1%} of the corpus tokens")
+    da = DraftArgs(vocab_size=ta.vocab_size, dim=ta.dim, n_layer=1, n_head=ta.n_head, n_local_heads=ta.n_local_heads,
+                   head_dim=ta.head_dim, intermediate_size=ta.intermediate_size, norm_eps=ta.norm_eps,
+                   rope_base=ta.rope_base, rope_scaling=ta.rope_scaling,
+                   max_position_embeddings=ta.max_position_embeddings, draft_vocab_size=len(d_ids))
+    draft = Eagle3Draft(da).to(a.device)
+    draft.d2t.copy_(d_ids - torch.arange(len(d_ids), device=a.device))
+    draft.embed = target.tok_embeddings
+    train_draft(target, draft, data, a.steps, a.batch, a.seq, a.ttt, d_ids, log, deadline=t0 + 60 * a.max_minutes)
+    save_draft(draft, a.out, dtype=torch.float16)
+    (a.out / "training.json").write_text(json.dumps({
+        "target": str(a.model.name), "conversations": len(convs), "tokens": len(data), "steps": a.steps,
+        "batch": a.batch, "seq": a.seq, "ttt": a.ttt, "draft_vocab": len(d_ids), "seconds": round(time.time() - t0),
+        "reproduce": "python -m provision.engine.train_eagle3 --model DIR --out DIR --device cuda"}, indent=2) + "\n")
+    log(f"saved to {a.out}")
+
+
+if __name__ == "__main__":
+    main()
