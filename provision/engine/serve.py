@@ -1,14 +1,18 @@
-"""The OpenAI-compatible HTTP API (stdlib ThreadingHTTPServer): /v1/completions (SSE streaming),
-/v1/models, /health, /metrics. Handler threads validate and queue; one worker owns the model.
+"""The OpenAI-compatible HTTP API (stdlib): /v1/completions and /v1/chat/completions (SSE streaming, stop
+strings), /v1/models[/{id}], /health, /metrics. Bounded connections, queue and read time; handler threads
+validate and queue, one worker owns the model and stops work whose client went away.
     python -m provision.engine.serve [--model DIR] [--draft DIR] [--port N] [--device cuda]"""
 from __future__ import annotations
 
 import argparse
 import json
 import queue
+import select
+import socket
 import sys
 import threading
 import time
+import urllib.parse
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -16,10 +20,23 @@ from .errors import EngineError
 from .generate import Engine
 
 MAX_BODY = 1 << 20
+READ_TIMEOUT = 30.0         # seconds a client may take to send its request
+MAX_CONNECTIONS = 64        # concurrent connections handled; more are answered 503 at once
+MAX_QUEUED = 32             # requests waiting for the model; more are answered 503
+BACKLOG = 1024              # listen backlog: bursts wait in the kernel instead of being reset
+MAX_STOP = 4
 FIELDS = {  # request field → accepted types (bool is excluded from numbers below)
-    "prompt": (str, list), "max_tokens": (int,), "temperature": (int, float), "top_p": (int, float),
-    "stream": (bool,), "speculative": (bool,), "seed": (int, type(None)), "model": (str,),
+    "prompt": (str, list), "messages": (list,), "max_tokens": (int,), "max_completion_tokens": (int,),
+    "temperature": (int, float), "top_p": (int, float), "stream": (bool,), "speculative": (bool,),
+    "seed": (int, type(None)), "model": (str,), "stop": (str, list, type(None)), "n": (int,),
+    "logprobs": (bool, int, type(None)), "echo": (bool,), "top_logprobs": (int, type(None)),
+    "best_of": (int,), "presence_penalty": (int, float), "frequency_penalty": (int, float),
+    "stream_options": (dict, type(None)), "user": (str,),
 }
+# accepted only at their neutral value; anything else is refused by name
+NEUTRAL = {"n": (1,), "logprobs": (None, False, 0), "echo": (False,), "top_logprobs": (None, 0), "best_of": (1,),
+           "presence_penalty": (0,), "frequency_penalty": (0,), "tools": (None, []), "tool_choice": (None, "none"),
+           "response_format": (None, {"type": "text"}), "logit_bias": (None, {}), "functions": (None, [])}
 
 
 class BadRequest(Exception):
@@ -28,12 +45,49 @@ class BadRequest(Exception):
         self.status = status
 
 
+def _depth_ok(body: bytes, limit: int = 64) -> bool:
+    """JSON nesting at most `limit` deep (brackets inside strings may over-count: still bounded)."""
+    depth = 0
+    for c in body:
+        if c in b"[{":
+            depth += 1
+            if depth > limit:
+                return False
+        elif c in b"]}":
+            depth -= 1
+    return True
+
+
+class StopText:
+    """Cuts generated text at the first stop string; holds back a possible stop prefix while streaming."""
+
+    def __init__(self, stops: list):
+        self.stops, self.text, self.sent = stops, "", 0
+        self.hold = max((len(x) for x in stops), default=1) - 1
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """New text safe to emit, and whether a stop string was reached."""
+        self.text += delta
+        hits = [i for i in (self.text.find(x, max(self.sent - len(x), 0)) for x in self.stops) if i >= 0]
+        if hits:
+            out, self.sent = self.text[self.sent:min(hits)], min(hits)
+            return out, True
+        safe = max(len(self.text) - self.hold, self.sent)
+        out, self.sent = self.text[self.sent:safe], safe
+        return out, False
+
+    def flush(self) -> str:
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out
+
+
 class Metrics:
     """Counters and the acceptance-length histogram, rendered as Prometheus text."""
 
     def __init__(self, max_accept: int):
         self.lock = threading.Lock()
-        self.c = {"requests": 0, "errors": 0, "prompt_tokens": 0, "generation_tokens": 0, "spec_steps": 0}
+        self.c = {"requests": 0, "errors": 0, "cancelled": 0, "prompt_tokens": 0, "generation_tokens": 0,
+                  "spec_steps": 0}
         self.buckets = list(range(1, max_accept + 1))
         self.hist = [0] * len(self.buckets)
         self.hist_sum = 0
@@ -53,12 +107,18 @@ class Metrics:
         with self.lock:
             self.c["errors"] += 1
 
+    def cancel(self):
+        with self.lock:
+            self.c["cancelled"] += 1
+
     def render(self, queued: int) -> str:
         with self.lock:
             c, n = dict(self.c), self.c["spec_steps"]
             lines = []
             for key, name, help_ in (("requests", "engine_requests_total", "completed requests"),
                                      ("errors", "engine_request_errors_total", "rejected or failed requests"),
+                                     ("cancelled", "engine_requests_cancelled_total",
+                                      "requests stopped because their client went away"),
                                      ("prompt_tokens", "engine_prompt_tokens_total", "prompt tokens processed"),
                                      ("generation_tokens", "engine_generation_tokens_total", "tokens generated"),
                                      ("spec_steps", "engine_speculative_steps_total", "verification steps")):
@@ -81,21 +141,26 @@ class Job:
 
 
 class Service:
-    """The queue and the single model worker."""
+    """The bounded queue and the single model worker."""
 
-    def __init__(self, engine: Engine, name: str = "provision-tiny"):
+    def __init__(self, engine: Engine, name: str = "provision-tiny", max_queued: int = MAX_QUEUED):
         self.engine, self.name = engine, name
-        self.jobs: queue.Queue = queue.Queue()
+        self.jobs: queue.Queue = queue.Queue(maxsize=max_queued)
         self.metrics = Metrics(engine.steps + 1)
+        self.created = int(time.time())
         threading.Thread(target=self._work, daemon=True, name="engine-worker").start()
 
     def _work(self):
         while True:
             job = self.jobs.get()
             stats: list = []
+            if job.cancelled:                               # abandoned while it waited
+                self.metrics.cancel()
+                continue
             try:
                 for chunk in self.engine.stream(job.ids, stats=stats, **job.params):
-                    if job.cancelled:
+                    if job.cancelled:                       # its client went away: stop computing
+                        self.metrics.cancel()
                         break
                     job.out.put(chunk)
                 job.out.put(("done", stats))
@@ -104,14 +169,23 @@ class Service:
 
     def submit(self, ids, params) -> Job:
         job = Job(ids, params)
-        self.jobs.put(job)
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            raise BadRequest(503, f"server busy: {self.jobs.maxsize} requests already wait for the model") from None
         return job
 
-    def parse(self, body: bytes):
-        """Request body → (prompt ids, engine params, stream); BadRequest on anything malformed."""
+    def model_card(self) -> dict:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "provision",
+                "max_model_len": self.engine.max_seq_len}
+
+    def parse(self, body: bytes, chat: bool = False):
+        """Request body → (prompt ids, engine params, stream, stop strings); BadRequest on anything malformed."""
+        if not _depth_ok(body):
+            raise BadRequest(400, "malformed JSON: nested more than 64 levels deep")
         try:
             req = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise BadRequest(400, f"malformed JSON: {e}") from None
         if not isinstance(req, dict):
             raise BadRequest(400, "the request body must be a JSON object")
@@ -119,9 +193,42 @@ class Service:
             v = req.get(k)
             if k in req and (not isinstance(v, types) or (isinstance(v, bool) and bool not in types)):
                 raise BadRequest(400, f"field {k!r} has the wrong type ({type(v).__name__})")
+        bad = sorted(k for k, ok in NEUTRAL.items() if k in req and req[k] not in ok)
+        if bad:
+            raise BadRequest(400, f"unsupported parameter(s): {', '.join(bad)} (this server returns one choice, "
+                                  "without logprobs, echo, penalties or tools)")
+        if "model" in req and req["model"] != self.name:
+            raise BadRequest(404, f"model {req['model']!r} not found (this server serves {self.name!r})")
+        ids = self._chat_ids(req) if chat else self._prompt_ids(req)
+        S = self.engine.max_seq_len
+        V = self.engine.target.args.vocab_size
+        if not all(0 <= i < V for i in ids):
+            raise BadRequest(400, f"prompt token ids must lie in [0, {V})")
+        if len(ids) >= S:
+            raise BadRequest(400, f"prompt of {len(ids)} tokens does not fit the context of {S} tokens")
+        mt = req.get("max_completion_tokens", req.get("max_tokens", 16 if not chat else S - len(ids)))
+        if not 1 <= mt <= S:
+            raise BadRequest(400, f"max_tokens must lie in [1, {S}]")
+        t, tp = float(req.get("temperature", 1.0)), float(req.get("top_p", 1.0))
+        if not 0.0 <= t <= 100.0 or not 0.0 < tp <= 1.0:
+            raise BadRequest(400, "temperature must lie in [0, 100] and top_p in (0, 1]")
+        seed = req.get("seed")
+        if seed is not None and not 0 <= seed < 2 ** 63:
+            raise BadRequest(400, "seed must lie in [0, 2^63)")
+        stop = req.get("stop")
+        stop = [stop] if isinstance(stop, str) else (stop or [])
+        if len(stop) > MAX_STOP or not all(isinstance(x, str) and 0 < len(x) <= 256 for x in stop):
+            raise BadRequest(400, f"stop must be a string or a list of at most {MAX_STOP} non-empty strings")
+        if stop and self.engine.tokenizer is None:
+            raise BadRequest(400, "this model has no tokenizer: stop strings cannot be matched")
+        params = {"max_new_tokens": mt, "temperature": t, "top_p": tp,
+                  "speculative": req.get("speculative", True), "seed": seed}
+        return ids, params, req.get("stream", False), stop
+
+    def _prompt_ids(self, req) -> list:
         if "prompt" not in req:
             raise BadRequest(400, "field 'prompt' is required")
-        S, tok, p = self.engine.max_seq_len, self.engine.tokenizer, req["prompt"]
+        tok, p = self.engine.tokenizer, req["prompt"]
         if isinstance(p, list):
             if len(p) == 1 and isinstance(p[0], str):
                 p = p[0]
@@ -130,28 +237,41 @@ class Service:
         if isinstance(p, str):
             if tok is None:
                 raise BadRequest(400, "this model has no tokenizer: send 'prompt' as token ids")
-            ids = tok.encode(p)
-        else:
-            ids = p
-        V = self.engine.target.args.vocab_size
-        if not all(0 <= i < V for i in ids):
-            raise BadRequest(400, f"prompt token ids must lie in [0, {V})")
-        if len(ids) >= S:
-            raise BadRequest(400, f"prompt of {len(ids)} tokens does not fit the context of {S} tokens")
-        mt = req.get("max_tokens", 16)
-        if not 1 <= mt <= S:
-            raise BadRequest(400, f"max_tokens must lie in [1, {S}]")
-        t, tp = float(req.get("temperature", 1.0)), float(req.get("top_p", 1.0))
-        if not 0.0 <= t <= 100.0 or not 0.0 < tp <= 1.0:
-            raise BadRequest(400, "temperature must lie in [0, 100] and top_p in (0, 1]")
-        params = {"max_new_tokens": mt, "temperature": t, "top_p": tp,
-                  "speculative": req.get("speculative", True), "seed": req.get("seed")}
-        return ids, params, req.get("stream", False)
+            return tok.encode(p)
+        return p
+
+    def _chat_ids(self, req) -> list:
+        msgs = req.get("messages")
+        if not msgs:
+            raise BadRequest(400, "field 'messages' is required (a non-empty list)")
+        tmpl = getattr(self.engine.tokenizer, "chat_template", None)
+        if tmpl is None:
+            raise BadRequest(400, "this model has no chat template: use /v1/completions")
+        clean = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise BadRequest(400, f"messages[{i}] must be an object with a string 'role'")
+            c = m.get("content")
+            if isinstance(c, list):                     # content parts: text only
+                if not all(isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str)
+                           for x in c):
+                    raise BadRequest(400, f"messages[{i}].content: only text parts are supported")
+                c = "".join(x["text"] for x in c)
+            if not isinstance(c, str):
+                raise BadRequest(400, f"messages[{i}].content must be a string or a list of text parts")
+            clean.append({"role": m["role"], "content": c})
+        try:
+            text = tmpl.render(clean, add_generation_prompt=True)
+        except EngineError as e:
+            raise BadRequest(400, str(e)) from None
+        return self.engine.tokenizer.encode_chat(text)
 
 
 class Handler(BaseHTTPRequestHandler):
     service: Service
-    server_version = "provision-engine/0.1"
+    server_version = "provision-engine/0.2"
+    protocol_version = "HTTP/1.0"
+    timeout = READ_TIMEOUT           # per-connection socket timeout (StreamRequestHandler applies it)
 
     def log_message(self, fmt, *args):  # quiet; errors still reach stderr via send_error paths
         pass
@@ -166,7 +286,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def _error(self, status: int, message: str):
         self.service.metrics.error()
-        kind = "invalid_request_error" if status < 500 else "server_error"
+        kind = {404: "not_found_error", 503: "server_busy"}.get(status,
+                                                              "invalid_request_error" if status < 500 else "server_error")
         self._send(status, {"error": {"message": message, "type": kind, "code": status}})
 
     def do_GET(self):
@@ -174,43 +295,91 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/health":
             self._send(200, {"status": "ok", "queued": svc.jobs.qsize()})
         elif self.path == "/v1/models":
-            self._send(200, {"object": "list", "data": [{"id": svc.name, "object": "model", "owned_by": "provision",
-                                                          "max_model_len": svc.engine.max_seq_len}]})
+            self._send(200, {"object": "list", "data": [svc.model_card()]})
+        elif self.path.startswith("/v1/models/"):
+            mid = urllib.parse.unquote(self.path[len("/v1/models/"):])
+            if mid == svc.name:
+                self._send(200, svc.model_card())
+            else:
+                self._error(404, f"model {mid!r} not found")
         elif self.path == "/metrics":
             self._send(200, svc.metrics.render(svc.jobs.qsize()), "text/plain; version=0.0.4")
         else:
             self._error(404, f"no route GET {self.path}")
 
+    def _read_body(self) -> bytes:
+        raw = self.headers.get("Content-Length")
+        if raw is None:
+            raise BadRequest(411, "Content-Length is required")
+        if not raw.strip().isdigit():
+            raise BadRequest(400, f"bad Content-Length {raw[:40]!r}")
+        n = int(raw)
+        if n > MAX_BODY:
+            raise BadRequest(413, f"request body over {MAX_BODY} bytes")
+        try:
+            body = self.rfile.read(n)
+        except (TimeoutError, OSError):
+            raise BadRequest(408, f"request body not received within {self.timeout:g} s") from None
+        if len(body) != n:
+            raise BadRequest(400, f"request body ended after {len(body)} of {n} bytes")
+        return body
+
     def do_POST(self):
-        if self.path != "/v1/completions":
+        chat = self.path == "/v1/chat/completions"
+        if self.path != "/v1/completions" and not chat:
             return self._error(404, f"no route POST {self.path}")
         try:
-            n = int(self.headers.get("Content-Length") or 0)
-            if n > MAX_BODY:
-                raise BadRequest(413, f"request body over {MAX_BODY} bytes")
-            ids, params, stream = self.service.parse(self.rfile.read(n))
+            ids, params, stream, stop = self.service.parse(self._read_body(), chat)
+            job = self.service.submit(ids, params)
         except BadRequest as e:
             return self._error(e.status, str(e))
-        except ValueError:
-            return self._error(400, "bad Content-Length")
-        job = self.service.submit(ids, params)
-        (self._stream if stream else self._complete)(job)
+        try:
+            (self._stream if stream else self._complete)(job, chat, stop)
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            pass
+        finally:
+            job.cancelled = True                 # finished, failed or abandoned: the worker stops either way
 
-    def _results(self, job):
+    # ---- generation ------------------------------------------------------------------------
+    def _gone(self) -> bool:
+        """The client closed its side (readable with nothing to read)."""
+        try:
+            r, _, _ = select.select([self.connection], [], [], 0)
+            return bool(r) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    def _pieces(self, job, stop: list):
+        """(text delta, new ids) while generating; returns (finish reason, ids, stats)."""
+        tok = self.service.engine.tokenizer
+        dec = tok.stream_decoder() if tok else (lambda ids: "")
+        cut, out = StopText(stop), []
         while True:
-            item = job.out.get()
+            try:
+                item = job.out.get(timeout=0.25)
+            except queue.Empty:
+                if self._gone():
+                    job.cancelled = True
+                    raise BrokenPipeError("client went away")
+                continue
             if isinstance(item, tuple):
                 if item[0] == "error":
                     raise item[1]
-                return item[1]
-            yield item
+                tail = cut.flush()
+                if tail:
+                    yield tail, []
+                return self._finish(out), out, item[1]
+            out.extend(item)
+            text, hit = cut.feed(dec(item))
+            if hit:
+                job.cancelled = True
+                if text:
+                    yield text, item
+                return "stop", out, []
+            yield text, item
 
-    def _body(self, cid, text, ids, finish, usage=None):
-        b = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": self.service.name,
-             "choices": [{"index": 0, "text": text, "token_ids": ids, "logprobs": None, "finish_reason": finish}]}
-        if usage is not None:
-            b["usage"] = usage
-        return b
+    def _finish(self, out):
+        return "stop" if out and out[-1] in self.service.engine.stop_ids else "length"
 
     def _usage(self, job, out, stats):
         u = {"prompt_tokens": len(job.ids), "completion_tokens": len(out), "total_tokens": len(job.ids) + len(out),
@@ -218,63 +387,103 @@ class Handler(BaseHTTPRequestHandler):
         self.service.metrics.record(len(job.ids), len(out), stats)
         return u
 
-    def _finish(self, out):
-        return "stop" if out and out[-1] in self.service.engine.stop_ids else "length"
+    def _envelope(self, cid, chat, choice, usage=None, chunk=False):
+        obj = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
+        b = {"id": cid, "object": obj, "created": int(time.time()), "model": self.service.name,
+             "choices": [{"index": 0, **choice}]}
+        if usage is not None:
+            b["usage"] = usage
+        return b
 
-    def _complete(self, job):
-        out = []
+    def _complete(self, job, chat, stop):
+        cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        text, gen = [], self._pieces(job, stop)
         try:
-            gen = self._results(job)
             while True:
-                out.extend(next(gen))
-        except StopIteration as stop:
-            stats = stop.value
+                text.append(next(gen)[0])
+        except StopIteration as done:
+            finish, out, stats = done.value
         except EngineError as e:
             return self._error(400, str(e))
+        except (BrokenPipeError, ConnectionResetError):
+            raise
         except Exception as e:  # a bug: answer 500, keep serving
             return self._error(500, f"{type(e).__name__}: {e}")
-        tok = self.service.engine.tokenizer
-        text = tok.decode(out) if tok else ""
-        self._send(200, self._body(f"cmpl-{uuid.uuid4().hex[:24]}", text, out, self._finish(out),
-                                   self._usage(job, out, stats)))
+        body = "".join(text)
+        choice = ({"message": {"role": "assistant", "content": body}, "logprobs": None, "finish_reason": finish}
+                  if chat else {"text": body, "token_ids": out, "logprobs": None, "finish_reason": finish})
+        self._send(200, self._envelope(cid, chat, choice, self._usage(job, out, stats)))
 
-    def _stream(self, job):
-        cid, tok, out = f"cmpl-{uuid.uuid4().hex[:24]}", self.service.engine.tokenizer, []
-        dec = tok.stream_decoder() if tok else (lambda ids: "")
+    def _stream(self, job, chat, stop):
+        cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.end_headers()
+        piece = (lambda text, ids, fin: {"delta": {"content": text} if text else {}, "logprobs": None,
+                                         "finish_reason": fin}) if chat else \
+            (lambda text, ids, fin: {"text": text, "token_ids": ids, "logprobs": None, "finish_reason": fin})
+        if chat:
+            self._event(self._envelope(cid, chat, {"delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                                   "finish_reason": None}, chunk=True))
+        gen = self._pieces(job, stop)
         try:
-            gen = self._results(job)
-            try:
-                while True:
-                    chunk = next(gen)
-                    out.extend(chunk)
-                    self._event(self._body(cid, dec(chunk), chunk, None))
-            except StopIteration as stop:
-                stats = stop.value
-            except Exception as e:
-                self.service.metrics.error()
-                self._event({"error": {"message": str(e), "type": "server_error"}})
-                return
-            self._event(self._body(cid, "", [], self._finish(out), self._usage(job, out, stats)))
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
+            while True:
+                text, ids = next(gen)
+                self._event(self._envelope(cid, chat, piece(text, ids, None), chunk=True))
+        except StopIteration as done:
+            finish, out, stats = done.value
         except (BrokenPipeError, ConnectionResetError):
-            job.cancelled = True
+            raise
+        except Exception as e:
+            self.service.metrics.error()
+            self._event({"error": {"message": str(e), "type": "server_error"}})
+            return
+        self._event(self._envelope(cid, chat, piece("", [], finish), self._usage(job, out, stats), chunk=True))
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
 
     def _event(self, obj):
         self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
         self.wfile.flush()
 
 
-def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 8000, name: str = "provision-tiny"):
-    """A ready, not yet serving, ThreadingHTTPServer (port 0 picks a free port)."""
-    handler = type("BoundHandler", (Handler,), {"service": Service(engine, name)})
-    httpd = ThreadingHTTPServer((host, port), handler)
-    httpd.daemon_threads = True
-    return httpd
+class EngineServer(ThreadingHTTPServer):
+    """A thread per connection up to `max_connections` (more get 503 at once), a deep listen backlog."""
+
+    daemon_threads = True
+    request_queue_size = BACKLOG
+
+    def __init__(self, addr, handler, max_connections: int = MAX_CONNECTIONS):
+        self.slots = threading.BoundedSemaphore(max_connections)
+        super().__init__(addr, handler)
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):
+            try:
+                request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                b"Connection: close\r\n\r\n"
+                                b'{"error": {"message": "server busy: too many connections", "type": "server_busy", '
+                                b'"code": 503}}')
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 8000, name: str = "provision-tiny",
+                max_connections: int = MAX_CONNECTIONS, max_queued: int = MAX_QUEUED,
+                read_timeout: float = READ_TIMEOUT):
+    """A ready, not yet serving, server (port 0 picks a free port)."""
+    handler = type("BoundHandler", (Handler,), {"service": Service(engine, name, max_queued), "timeout": read_timeout})
+    return EngineServer((host, port), handler, max_connections)
 
 
 def main(argv=None):

@@ -12,9 +12,13 @@ from .errors import EngineError
 class ByteTokenizer:
     def __init__(self, bos_id: int = 256, eos_id: int = 257):
         self.bos_id, self.eos_id = bos_id, eos_id
+        self.chat_template = None
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
         return ([self.bos_id] if bos else []) + list(text.encode("utf-8"))
+
+    def encode_chat(self, text: str) -> list[int]:
+        return self.encode(text, bos=True)     # BOS has no text: the template cannot render it
 
     def decode(self, ids) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -42,6 +46,9 @@ class HFTokenizer:
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
         return self.tok.encode(text, add_special_tokens=bos).ids
+
+    def encode_chat(self, text: str) -> list[int]:
+        return self.encode(text, bos=False)    # the template renders any BOS itself
 
     def decode(self, ids) -> str:
         return self.tok.decode(list(ids))
@@ -138,7 +145,9 @@ def load_tokenizer(d) -> ByteTokenizer | HFTokenizer | None:
     d = Path(d)
     if (d / "byte_tokenizer.json").exists():
         cfg = _read_json(d / "byte_tokenizer.json")
-        return ByteTokenizer(cfg.get("bos_id", 256), cfg.get("eos_id", 257))
+        tok = ByteTokenizer(cfg.get("bos_id", 256), cfg.get("eos_id", 257))
+        tok.chat_template = load_chat_template(d)
+        return tok
     if (d / "tokenizer.json").exists():
         cfg = _read_json(d / "config.json") if (d / "config.json").exists() else {}
         stops = stop_ids(d)

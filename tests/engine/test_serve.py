@@ -1,7 +1,10 @@
-"""The HTTP API answers a real client (requests): completions, SSE streaming, A/B with
-`speculative: false`, 4xx on bad requests while serving on, queued concurrent clients, metrics."""
+"""The HTTP API answers real clients (requests, the official openai client): completions and chat
+completions, SSE streaming, stop strings, A/B with `speculative: false`, 4xx on bad requests while
+serving on, queued concurrent clients, metrics, and the server's limits (body, time, queue, connections)."""
 import json
+import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -14,11 +17,16 @@ from provision.engine.serve import make_server
 PROMPT = "the quick cat watches the"
 
 
+def serving(**kw):
+    httpd = make_server(load_engine(device=DEVICE, max_seq_len=256), port=0, **kw)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
 @pytest.fixture(scope="module")
 def url():
-    httpd = make_server(load_engine(device=DEVICE, max_seq_len=256), port=0)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd, u = serving()
+    yield u
     httpd.shutdown()
     httpd.server_close()
 
@@ -79,6 +87,132 @@ def test_bad_requests_then_serving_on(url, body, status, words):
 def test_unknown_route(url):
     assert requests.get(f"{url}/nope", timeout=10).status_code == 404
     assert requests.post(f"{url}/v1/chat", json={}, timeout=10).status_code == 404
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_openai_client_completions_and_chat(client, url):
+    openai = pytest.importorskip("openai")
+    assert [m.id for m in client.models.list().data] == ["provision-tiny"]
+    assert client.models.retrieve("provision-tiny").id == "provision-tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-nope")
+    c = client.completions.create(model="provision-tiny", prompt=PROMPT, max_tokens=32, temperature=0)
+    assert c.choices[0].text == complete(url, prompt=PROMPT, max_tokens=32, temperature=0).json()["choices"][0]["text"]
+    chat = client.chat.completions.create(model="provision-tiny", messages=[{"role": "user", "content": PROMPT}],
+                                          max_tokens=32, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content == c.choices[0].text
+    assert chat.usage.completion_tokens == 32 and chat.choices[0].finish_reason == "length"
+    parts = list(client.chat.completions.create(model="provision-tiny", max_tokens=32, temperature=0, stream=True,
+                                                messages=[{"role": "user", "content": PROMPT}]))
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == chat.choices[0].message.content
+    assert parts[-1].choices[0].finish_reason == "length" and len(parts) > 3
+
+
+def test_stop_strings(client):
+    full = client.completions.create(model="provision-tiny", prompt=PROMPT, max_tokens=40, temperature=0)
+    text = full.choices[0].text
+    stop = text[10:13]                       # a string the greedy output is known to reach
+    for stream in (False, True):
+        kw = dict(model="provision-tiny", prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop, "zzzz"])
+        if stream:
+            parts = list(client.completions.create(stream=True, **kw))
+            got, finish = "".join(p.choices[0].text for p in parts), parts[-1].choices[0].finish_reason
+        else:
+            r = client.completions.create(**kw)
+            got, finish = r.choices[0].text, r.choices[0].finish_reason
+        assert got == text[:text.index(stop)] and finish == "stop"
+
+
+@pytest.mark.parametrize("kw,name", [({"n": 2}, "n"), ({"logprobs": True}, "logprobs"),
+                                     ({"presence_penalty": 0.5}, "presence_penalty")])
+def test_unsupported_parameters_named(client, kw, name):
+    openai = pytest.importorskip("openai")
+    with pytest.raises(openai.BadRequestError, match=f"unsupported parameter.*{name}"):
+        client.chat.completions.create(model="provision-tiny", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=2, **kw)
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model="provision-tiny", prompt="x", max_tokens=2, echo=True)
+
+
+def raw(url, data: bytes, timeout=10) -> bytes:
+    host, port = url.rsplit("/", 1)[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        s.sendall(data)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+@pytest.mark.parametrize("head,body,status", [
+    (b"Content-Length: -1", b"{}", b"400"), (b"Content-Length: 1e3", b"{}", b"400"),
+    (b"Content-Length: 99999999999", b"{}", b"413"), (b"X-None: 1", b"", b"411"),
+])
+def test_content_length_checked(url, head, body, status):
+    r = raw(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n\r\n" + body)
+    assert r.split(b" ")[1] == status
+
+
+@pytest.mark.parametrize("body,words", [
+    ({"prompt": "x", "seed": 2 ** 70}, "seed"),
+    ({"prompt": "x", "max_tokens": 2, "stop": ["a"] * 5}, "stop"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": "hi"}, "messages"),
+])
+def test_malformed_fields_are_4xx(url, body, words):
+    chat = "messages" in body
+    r = requests.post(f"{url}/v1/{'chat/' if chat else ''}completions", json=body, timeout=30)
+    assert r.status_code == 400 and words in r.json()["error"]["message"]
+    deep = b"[" * 100000 + b"]" * 100000
+    r = requests.post(f"{url}/v1/completions", data=deep, timeout=30)
+    assert r.status_code == 400 and "nested" in r.json()["error"]["message"]
+
+
+def test_limits_timeout_queue_connections_cancel():
+    httpd, u = serving(max_queued=1, max_connections=4, read_timeout=0.5)
+    try:
+        assert httpd.request_queue_size >= 128
+        host, port = httpd.server_address
+        t0 = time.time()                                   # a client that never sends its body
+        r = raw(u, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n{")
+        assert r.split(b" ")[1] == b"408" and time.time() - t0 < 5
+        long = {"prompt": PROMPT, "max_tokens": 250, "temperature": 0, "stream": True, "speculative": False}
+        a = requests.post(f"{u}/v1/completions", json=long, stream=True, timeout=60)
+        lines = a.iter_lines()
+        next(lines)                                       # the worker is busy with a
+        with ThreadPoolExecutor(2) as pool:
+            b = pool.submit(requests.post, f"{u}/v1/completions", json={**long, "stream": False}, timeout=60)
+            time.sleep(0.2)                               # b waits in the queue (size 1)
+            c = requests.post(f"{u}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+            assert c.status_code == 503 and "busy" in c.json()["error"]["message"]
+            a.close()                                     # a's client goes away: its work stops
+            assert b.result().status_code == 200
+        text = requests.get(f"{u}/metrics", timeout=10).text
+        assert "engine_requests_cancelled_total 1" in text
+        idle = [socket.create_connection((host, port)) for _ in range(4)]    # every slot held
+        time.sleep(0.1)
+        busy = raw(u, b"GET /health HTTP/1.0\r\n\r\n")
+        assert busy.split(b" ")[1] == b"503"
+        for s in idle:
+            s.close()
+        time.sleep(0.7)                                   # slots come back after the read timeout at most
+        assert requests.get(f"{u}/health", timeout=10).status_code == 200
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_many_clients_at_once(url):
+    with ThreadPoolExecutor(64) as pool:
+        codes = list(pool.map(lambda _: requests.get(f"{url}/health", timeout=30).status_code, range(64)))
+    assert codes == [200] * 64
 
 
 def test_concurrent_clients_are_queued(url):
