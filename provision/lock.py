@@ -222,11 +222,13 @@ def _kind(v) -> str:
         type(v), f"a {type(v).__name__}")
 
 
-def _url(v: _V, keys: tuple, url: str, base: Path, wheelhouses: list[Path]) -> str:
-    """https://, http:// to this machine only, or file:// inside the lock's folder or a configured wheelhouse."""
+def _url(v: _V, keys: tuple, url: str, base: Path | None, wheelhouses: list[Path]) -> str:
+    """https://, http:// to this machine only, or file:// inside the lock's folder (`base`) or a configured
+    wheelhouse."""
     try:
         u = urlsplit(url)
-        host, port = u.hostname, u.port
+        host = u.hostname
+        u.port                      # raises ValueError for a port that is not a number 0-65535
     except ValueError as e:
         v.fail(keys, f"invalid URL: {e}")
     if u.username or u.password:
@@ -243,8 +245,7 @@ def _url(v: _V, keys: tuple, url: str, base: Path, wheelhouses: list[Path]) -> s
         if not path.is_absolute() or ".." in path.parts:
             v.fail(keys, f"file:// URL must be an absolute path without '..': {url!r}")
         real = os.path.realpath(path)
-        allowed = [base, *wheelhouses]
-        if not any(_inside(real, d) for d in allowed):
+        if base is not None and not any(_inside(real, d) for d in (base, *wheelhouses)):
             v.fail(keys, f"file:// URL outside the lock's folder ({base}) and the configured wheelhouses "
                          f"({WHEELHOUSE_ENV}): {url!r}")
         return url
@@ -269,7 +270,9 @@ def _parse(doc: yamlio.Doc) -> Lock:
         v.fail(("lock",), f"unsupported lock schema {schema!r} (this tool reads {SCHEMA})")
     name = v.match(d, (), "name", NAME_RE, "a valid name (letters, digits, . _ + -)", required=True)
     description = v.get(d, (), "description", str, default="", multiline=True)
-    base = Path(doc.path).resolve().parent
+    # file:// containment is judged against the folder of a lock read from a file here; a lock carried
+    # in a saved plan was judged when the plan was read, and one read back from a host is never built.
+    base = Path(doc.path).resolve().parent if Path(doc.path).is_file() else None
     houses = wheelhouses()
 
     k = ("platform",)

@@ -238,6 +238,17 @@ def test_document_case(world, case):
     refused(world, ["lock", "check", "--offline", path], f"{path}:{line}:" if line else f"{path}:", expect)
 
 
+def test_lock_read_back_from_a_host_is_not_judged_against_this_folder(world, monkeypatch):
+    """A generation's lock.yaml (text from the host) is never built from: its file:// URLs are checked for
+    form only, so probes of a generation built from wheels beside its lock still read it."""
+    monkeypatch.delenv(lockmod.WHEELHOUSE_ENV)
+    text = world.lock_text.replace(world.lock_text.split("  url: ")[1].split("\n")[0],
+                                   "file:///srv/locks/wheels/alpha-1.0-py3-none-any.whl")
+    assert lockmod.loads(text, "0001-corpus/lock.yaml").packages[0].url.startswith("file:///srv/")
+    with pytest.raises(lockmod.LockError, match="must be an absolute path without '..'"):
+        lockmod.loads(text.replace("file:///srv/", "file:///srv/../"), "0001-corpus/lock.yaml")
+
+
 def test_not_utf8(world):
     path = world.dir / "locks" / "latin1.yaml"
     path.parent.mkdir(exist_ok=True)
@@ -291,6 +302,8 @@ PLAN_CASES = [
      False),
     ("lock-unknown-key", _lock_edit(lambda lk: lk["engine"].update(pre_launch="id")), "unknown field 'pre_launch'",
      False),
+    ("lock-file-url-outside", _lock_edit(lambda lk: lk["packages"][0].update(
+        url="file:///etc/alpha-1.0-py3-none-any.whl")), "outside the lock's folder", False),
     ("not-an-object", lambda d: json.dumps([d]), "expected a JSON object", False),
     ("deep", lambda d: "[" * 100_000 + "]" * 100_000, "nested deeper than 64 levels", False),
 ]
