@@ -424,6 +424,8 @@ ARG_CASES = [
     ("lock-emoji-path", ["lock", "check", "host:abc:"], "host:abc:", "cannot read"),
     ("plan-missing", ["apply", "local", "--plan", "/nonexistent/plan.json"], "/nonexistent/plan.json",
      "cannot read"),
+    ("plan-out-unwritable", ["plan", "local", "--lock", "LOCK", "--root", "ROOT", "--out", "/nonexistent/plan.json"],
+     "/nonexistent/plan.json", "No such file or directory"),
 ]
 
 
@@ -433,7 +435,7 @@ def test_argument_case(world, case):
     good = world.dir / "locks" / "base.yaml"
     good.parent.mkdir(exist_ok=True)
     good.write_text(world.lock_text)
-    subst = {"LOCK": str(good), "KH": str(world.dir / "known_hosts")}
+    subst = {"LOCK": str(good), "KH": str(world.dir / "known_hosts"), "ROOT": str(world.dir / "no-root")}
     refused(world, [subst.get(a, a) for a in args], where, expect)
 
 

@@ -67,6 +67,14 @@ def edge(fn):
                 print_json({"error": msg, "where": None, "exit_code": 1})
             err_console.print(f"error: {msg}", markup=False, soft_wrap=True)
             raise typer.Exit(1)
+        except OSError as e:      # a file named on the command line that cannot be read or written
+            where = f"{e.filename}: " if e.filename else ""
+            code = 2 if isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError,
+                                       PermissionError)) else 1
+            if kw.get("json_out"):
+                print_json({"error": e.strerror or str(e), "where": e.filename, "exit_code": code})
+            err_console.print(styled(("error:", "red"), f" {where}{e.strerror or e}"), soft_wrap=True)
+            raise typer.Exit(code)
         except KeyboardInterrupt:
             err_console.print("interrupted")
             raise typer.Exit(130)
