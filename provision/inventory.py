@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import InventoryError
-from .transport import Target, parse_port
+from .transport import Target, check_address, parse_port
 
 # Host variables provision reads; everything else stays Ansible's business.
 _KEPT = {"provision_root": "provision_root", "provision_nvidia_smi": "provision_nvidia_smi",
@@ -56,8 +56,10 @@ def _target(name: str, v: dict, known_hosts: Path, where: str) -> Target:
         port = parse_port(value("ansible_port", value("ansible_ssh_port", 22)), f"{where}: host {name}: ansible_port")
         user = value("ansible_user", value("ansible_ssh_user"))
         key = value("ansible_ssh_private_key_file", value("ansible_private_key_file"))
-        t = Target(host=str(value("ansible_host", name)), user=str(user) if user else None, port=port,
-                   key_file=str(key) if key else None, known_hosts=known_hosts, alias=name)
+        host, user = str(value("ansible_host", name)), str(user) if user else None
+        check_address(host, user, f"{where}: host {name}")
+        t = Target(host=host, user=user, port=port, key_file=str(key) if key else None, known_hosts=known_hosts,
+                   alias=name)
     t.vars = {ours: str(value(theirs)) for theirs, ours in _KEPT.items() if value(theirs) is not None}
     return t
 

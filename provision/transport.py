@@ -34,6 +34,16 @@ def parse_port(text, where: str) -> int:
     return port
 
 
+def check_address(host, user, where: str) -> None:
+    """A host name or IP address and an optional user name that no program can read as an option."""
+    if user is not None and not (isinstance(user, str) and USER_RE.match(user)):
+        raise InputError(f"bad user name {user!r}", where=where)
+    if not isinstance(host, str) or not host:
+        raise InputError("no host name", where=where)
+    if not (HOST_RE.match(host) or (":" in host and IPV6_RE.match(host))):
+        raise InputError(f"bad host name {host!r} (letters, digits, '.', '-', or an IP address)", where=where)
+
+
 def check_port(port, where: str) -> None:
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
         raise InputError(f"port {port!r} is out of range (1–65535)", where=where)
@@ -73,8 +83,9 @@ class Target:
         port = f":{self.port}" if self.port != 22 else ""
         return f"{user}{self.host}{port}"
 
-    def __post_init__(self):
-        check_port(self.port, self.name if isinstance(self.port, int) else self.host)
+    def __post_init__(self):     # every Target, however built (spec, inventory), names a real address
+        check_address(self.host, self.user, f"host {self.host!r}")
+        check_port(self.port, f"host {self.host!r}")
 
     @classmethod
     def parse(cls, spec: str, **kw) -> "Target":
@@ -88,13 +99,7 @@ class Target:
             host, port = m.group(1), m.group(2) if m.group(2) is not None else "22"
         elif hostport.count(":") == 1:
             host, port = hostport.split(":")
-        if not host:
-            raise InputError("no host name", where=f"host {spec!r}")
-        if user and not USER_RE.match(user):
-            raise InputError(f"bad user name {user!r}", where=f"host {spec!r}")
-        if not (HOST_RE.match(host) or (":" in host and IPV6_RE.match(host))):
-            raise InputError(f"bad host name {host!r} (letters, digits, '.', '-', or an IP address)",
-                             where=f"host {spec!r}")
+        check_address(host, user or None, f"host {spec!r}")
         return cls(host=host, user=user or None, port=parse_port(port, f"host {spec!r}"), **kw)
 
 

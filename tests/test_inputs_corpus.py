@@ -446,6 +446,8 @@ INVENTORY_CASES = [
     ("port-high", ("ansible_port=PORT", "ansible_port=99999"), "ansible_port: port 99999 is out of range"),
     ("port-zero", ("ansible_port=PORT", "ansible_port=0"), "ansible_port: port 0 is out of range"),
     ("port-text", ("ansible_port=PORT", "ansible_port=ssh"), "ansible_port: bad port 'ssh'"),
+    ("host-option", ("ansible_host=127.0.0.1", "ansible_host=-oProxyCommand=id"), "bad host name"),
+    ("user-option", ("ansible_user=corpus", "ansible_user=-oProxyCommand=id"), "bad user name"),
 ]
 
 
