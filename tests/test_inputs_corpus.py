@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from provision import apply as applymod
 from provision import lock as lockmod
 from provision.cli import app
+from provision.plan import PLAN_FORMAT, Change, Plan
 from wheelhouse import make_wheel, sha256
 
 HERE = Path(__file__).parent / "adversarial"
@@ -260,10 +261,9 @@ def test_not_utf8(world):
 
 def base_plan(world) -> dict:
     lk = lockmod.loads(world.lock_text, str(world.dir / "locks" / "base.yaml"))
-    return {"host": "corpus-host", "lock": lk.raw, "lock_name": lk.name, "lock_digest": lk.digest,
-            "facts_digest": "0" * 64, "base": None, "warnings": [], "noop": False, "format": 1,
-            "changes": [{"category": "package", "name": "alpha", "action": "add", "old": None, "new": "1.0"}],
-            "summary": {"add": 1, "change": 0, "remove": 0}}
+    p = Plan(host="corpus-host", lock=lk.raw, lock_name=lk.name, lock_digest=lk.digest, facts_digest="0" * 64,
+             base=None, changes=[Change("package", "alpha", "add", None, "1.0")])
+    return json.loads(json.dumps(p.to_json()))
 
 
 def _edit(key, value):
@@ -289,7 +289,7 @@ PLAN_CASES = [
     ("syntax", _trailing_comma, "invalid JSON", True),
     ("duplicate-key", lambda d: json.dumps(d)[:-1] + ', "host": "other"}', "duplicate key 'host'", False),
     ("unknown-field", _edit("run_before", "touch /tmp/x"), "run_before: unknown field", False),
-    ("format-2", _edit("format", 2), "unsupported plan format 2", False),
+    ("format-future", _edit("format", PLAN_FORMAT + 1), f"unsupported plan format {PLAN_FORMAT + 1}", False),
     ("format-true", _edit("format", True), "unsupported plan format True", False),
     ("digest-not-hex", _edit("lock_digest", "z" * 64), "lock_digest: not a sha256 digest", False),
     ("noop-string", _edit("noop", "no"), "noop: wrong type", False),
