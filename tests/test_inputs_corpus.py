@@ -304,7 +304,8 @@ PLAN_CASES = [
      False),
     ("lock-file-url-outside", _lock_edit(lambda lk: lk["packages"][0].update(
         url="file:///etc/alpha-1.0-py3-none-any.whl")), "outside the lock's folder", False),
-    ("not-an-object", lambda d: json.dumps([d]), "expected a JSON object", False),
+    ("not-an-object", lambda d: json.dumps([d, "plan"]), "expected a JSON object", False),
+    ("empty-fleet", lambda d: "[]", "holds no host's plan", False),
     ("deep", lambda d: "[" * 100_000 + "]" * 100_000, "nested deeper than 64 levels", False),
 ]
 
