@@ -44,6 +44,13 @@ def check_address(host, user, where: str) -> None:
         raise InputError(f"bad host name {host!r} (letters, digits, '.', '-', or an IP address)", where=where)
 
 
+def check_root(root, where: str) -> None:
+    """A host root: an absolute path, not `/`, without `..` or control characters."""
+    if (not isinstance(root, str) or not root.startswith("/") or not root.strip("/") or ".." in root.split("/")
+            or any(ord(c) < 32 or ord(c) == 127 for c in root)):
+        raise InputError(f"host root {root!r} must be an absolute path other than / without '..'", where=where)
+
+
 def check_port(port, where: str) -> None:
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
         raise InputError(f"port {port!r} is out of range (1–65535)", where=where)

@@ -65,7 +65,7 @@ def refused(world: World, args: list, where: str, expect: str) -> None:
         *r.exc_info))
     out = r.output
     assert r.exit_code == 2, (args, r.exit_code, out)
-    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    errors = [line for line in out.splitlines() if line.startswith(("error:", "Error:"))]   # ours, or click's usage
     assert len(errors) == 1, out
     assert "Traceback" not in out
     assert where in errors[0], (where, errors[0])
@@ -425,6 +425,11 @@ ARG_CASES = [
     ("lock-emoji-path", ["lock", "check", "host:abc:"], "host:abc:", "cannot read"),
     ("plan-missing", ["apply", "local", "--plan", "/nonexistent/plan.json"], "/nonexistent/plan.json",
      "cannot read"),
+    ("installer", ["apply", "local", "--lock", "LOCK", "--installer", "curl|sh"], "--installer", "'curl|sh'"),
+    ("root-relative", ["history", "local", "--root", "relative/root"], "--root", "must be an absolute path"),
+    ("root-dotdot", ["plan", "local", "--lock", "LOCK", "--root", "/opt/../etc"], "--root", "without '..'"),
+    ("root-slash", ["rollback", "local", "--root", "/"], "--root", "other than /"),
+    ("no-host", ["rollback"], "HOST", "name a host"),
     ("plan-out-unwritable", ["plan", "local", "--lock", "LOCK", "--root", "ROOT", "--out", "/nonexistent/plan.json"],
      "/nonexistent/plan.json", "No such file or directory"),
 ]

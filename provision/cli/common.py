@@ -14,8 +14,8 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from ..errors import InventoryError, ProvisionError
-from ..transport import DEFAULT_KNOWN_HOSTS, Target
+from ..errors import InputError, InventoryError, ProvisionError
+from ..transport import DEFAULT_KNOWN_HOSTS, Target, check_root
 
 # markup and emoji off: `[six==1.17.0]`, `[/x]` and `host:abc:` are printed as they are; a message is
 # one line however long (soft wrap), so a fingerprint or a path is never split. Piped output is never
@@ -112,19 +112,21 @@ def targets(host: Optional[str], local: bool, inventory: Optional[Path], key: Op
     elif host:
         ts = [Target.parse(host, known_hosts=known_hosts)]
     else:
-        raise ProvisionError("name a host, or use --local or -i INVENTORY")
+        raise InputError("name a host, or use --local or -i INVENTORY", where="HOST")
     for t in ts:
         if key:
             t.key_file = str(key)
         if root:
             t.vars["provision_root"] = root
+        if "provision_root" in t.vars:
+            check_root(t.vars["provision_root"], "--root" if root else f"{inventory}: host {t.name}: provision_root")
     return ts
 
 
 def one_target(*a, **kw) -> Target:
     ts = targets(*a, **kw)
     if len(ts) != 1:
-        raise ProvisionError(f"this command acts on one host; {len(ts)} match (narrow with --limit)")
+        raise InputError(f"this command acts on one host; {len(ts)} match (narrow with --limit)", where="-i")
     return ts[0]
 
 

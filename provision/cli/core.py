@@ -10,6 +10,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import List, Optional
 
+from enum import Enum
+
 import typer
 
 from .common import (ForksOpt, HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHostsOpt, LimitOpt, LocalOpt, RootOpt,
@@ -18,6 +20,11 @@ from .common import (ForksOpt, HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHost
 
 LockOpt = typer.Option(None, "--lock", "-l", help="lockfile (YAML)")
 SerialOpt = typer.Option(0, "--serial", help="fleet: hosts per batch; a failed batch stops the rollout")
+
+
+class Installer(str, Enum):
+    uv = "uv"
+    pip = "pip"
 
 
 class StepPrinter:
@@ -109,7 +116,8 @@ def register(app: typer.Typer) -> None:
               adopt: Optional[str] = typer.Option(None, "--adopt",
                                                   help="first contact: capture this existing env as generation 0"),
               skip_probe: List[str] = typer.Option([], "--skip-probe", help="emergency: skip a probe (recorded)"),
-              installer: Optional[str] = typer.Option(None, "--installer", help="uv or pip (default: uv if on host)"),
+              installer: Optional[Installer] = typer.Option(None, "--installer",
+                                                           help="uv or pip (default: uv if on host)"),
               serial: int = SerialOpt,
               forks: int = typer.Option(5, "--forks", help="fleet: hosts applied at once within a batch"),
               json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
@@ -140,7 +148,7 @@ def register(app: typer.Typer) -> None:
             if not json_out:
                 err_console.print(f"apply {lk.name} → {len(ts)} hosts", markup=False)
             reports = applymod.apply_fleet(ts, lk, serial=serial, forks=forks, adopt_path=adopt,
-                                           skip_probes=skip_probe, installer=installer,
+                                           skip_probes=skip_probe, installer=installer.value if installer else None,
                                            progress_for=printer.for_host, saved_plans=by_host)
             if json_out:
                 print_json([r.to_json() for r in reports])
@@ -160,7 +168,8 @@ def register(app: typer.Typer) -> None:
             if not json_out:
                 err_console.print(f"apply {lk.name} → {t.name}", markup=False)
             rep = applymod.apply(tr, lk, saved_plan=by_host[t.name] if by_host else None, adopt_path=adopt,
-                                 skip_probes=skip_probe, installer=installer, progress=StepPrinter(json_out),
+                                 skip_probes=skip_probe, installer=installer.value if installer else None,
+                                 progress=StepPrinter(json_out),
                                  on_plan=None if json_out else lambda p: err_console.print(render_plan(p)))
         except ProvisionError as e:
             if json_out and getattr(e, "report", None) is not None:
