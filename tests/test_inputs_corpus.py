@@ -480,3 +480,19 @@ def test_inventory_case(world, case):
     good.write_text(world.lock_text)
     refused(world, ["plan", "-i", path, "--lock", good, "--known-hosts", world.dir / "known_hosts"],
             f"{path}: host gpu1", expect)
+
+
+# ---------------------------------------------------------------- what ships passes the same checks
+
+def test_shipped_locks_and_series_pass_the_strict_schema():
+    from provision import patches
+    from provision.bundled import DEMO_LOCKS, PATCHES
+
+    repo = Path(__file__).resolve().parent.parent
+    locks = sorted((repo / "lockfiles").glob("*.yaml")) + sorted(DEMO_LOCKS.glob("*.yaml"))
+    assert len(locks) >= 6
+    for path in locks:
+        lk = lockmod.load(path)
+        for rel in lk.patches:
+            assert patches.load_series(lk.resolve_path(rel)).patches
+    assert [s.name for s in map(patches.load_series, patches.discover_series(PATCHES))] == ["sglang-0.5.9"]
