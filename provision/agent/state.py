@@ -158,22 +158,37 @@ def op_switch(root, a):
         return {"error": "generation %s is %s: never switched to" % (gen_id, man.get("status"))}
     if not os.path.exists(os.path.join(gdir, "venv", "bin", "python")):
         return {"error": "generation %s has no venv/bin/python: not runnable" % gen_id}
-    event = dict(a.get("event", {}), event=a.get("kind", "switch"), **{"from": before, "to": gen_id})
+    event = dict(a.get("event", {}), event=a.get("kind", "switch"), switch_id="%s@%s" % (gen_id, time.time()),
+                 **{"from": before, "to": gen_id})
     update_manifest(root, gen_id, {"status": "switching", "switch_event": event})
     t0 = time.perf_counter()
-    switch_link(root, gen_id)                       # ---- committed ----
+    try:
+        switch_link(root, gen_id)                   # ---- the commit ----
+    except OSError:
+        if current(root) != gen_id:
+            raise
     seconds = time.perf_counter() - t0
     failed, ev = [], None
-    try:
-        update_manifest(root, gen_id, {"status": "ready", "committed": now(), "switch_event": None})
-    except OSError as e:
-        failed.append("manifest: " + oserr(e))
-    try:
+    try:   # history first: a manifest still `switching` tells `recover` the event may be missing
         ev = record(root, event)
     except OSError as e:
         failed.append("history: " + oserr(e))
+    if not failed:
+        try:
+            update_manifest(root, gen_id, {"status": "ready", "committed": now(), "switch_event": None})
+        except OSError as e:
+            failed.append("manifest: " + oserr(e))
     return {"from": before, "to": gen_id, "switched": True, "switch_seconds": seconds, "event": ev,
             "bookkeeping_failed": failed}
+
+
+def recorded(root, switch_id):
+    """Whether history holds the event of this switch (looked for from the end)."""
+    try:
+        with open(os.path.join(root, "history.jsonl")) as f:
+            return any(switch_id in line for line in reversed(f.readlines()[-1000:]))
+    except OSError:
+        return False
 
 
 def op_recover(root, a):
@@ -196,9 +211,11 @@ def op_recover(root, a):
         venv = os.path.join(root, "generations", gen_id, "venv")
         try:
             if status == "switching" and gen_id == cur:
+                ev = man.get("switch_event") or {"event": "switch", "to": gen_id, "switch_id": gen_id}
+                if not recorded(root, ev.get("switch_id") or gen_id):
+                    record(root, dict(ev, repaired=True))
                 update_manifest(root, gen_id, {"status": "ready", "committed": man.get("committed") or now(),
                                                "switch_event": None})
-                record(root, dict(man.get("switch_event") or {"event": "switch", "to": gen_id}, repaired=True))
                 out["repaired"].append(gen_id)
             elif status in (None, "building", "built", "verified", "switching") and gen_id != cur:
                 remove_venv(root, gen_id)

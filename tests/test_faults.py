@@ -1,0 +1,440 @@
+"""The fault matrix on real sshd hosts: ssh drops, a full disk, unwritable history, the controller killed at
+seven moments, concurrent applies, rollback during apply, a spoofed engine port, a failing probe.
+
+After each fault: the host is on exactly one complete, runnable generation; what apply's report and
+`history` say matches the host; a re-run converges (and then is a no-op); nothing is left half-done in
+the host root, and no ssh master of the run survives on the controller.
+Disk full is a real ENOSPC: the host root is a small tmpfs filled at the chosen moment. History is made
+unwritable with `chattr +i` (root ignores file modes).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from provision import apply as applymod
+from provision import lock as lockmod
+from provision import plan as planmod
+from provision.errors import HostLockedError, ProvisionError
+from provision.loopback import LoopbackHost
+from provision.transport import connect, trust_host
+from wheelhouse import make_wheel, write_lock
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------- what every fault must leave
+
+def host_state(target) -> dict:
+    """The host's truth read from its files: `current`, each generation's status and venv."""
+    root = Path(target.vars["provision_root"])
+    link = root / "current"
+    cur = os.readlink(link).split("/")[-1] if link.is_symlink() else None
+    gens = {}
+    for d in sorted((root / "generations").iterdir()) if (root / "generations").is_dir() else []:
+        man = json.loads((d / "manifest.json").read_text()) if (d / "manifest.json").exists() else {}
+        gens[d.name] = {"status": man.get("status"), "venv": (d / "venv").exists()}
+    return {"current": cur, "generations": gens}
+
+
+def assert_settled(target, expect_current: str | None, report=None) -> dict:
+    """Exactly one complete, runnable current generation; history and the report agree with the files."""
+    root = Path(target.vars["provision_root"])
+    st = host_state(target)
+    assert st["current"] == expect_current, st
+    if expect_current:
+        assert st["generations"][expect_current]["status"] in ("ready", "adopted"), st
+        py = root / "current" / "venv" / "bin" / "python"
+        assert subprocess.run([py, "-I", "-c", "import alpha"], capture_output=True).returncode == 0
+    tr = connect(target)
+    try:
+        h = applymod.history(tr)
+    finally:
+        tr.close()
+    assert h["current"] == st["current"]
+    assert {g["id"]: g["status"] for g in h["generations"]} == {k: v["status"] for k, v in st["generations"].items()}
+    if report is not None:
+        assert report.current in (st["current"], None) or report.status == "unknown", (report.current, st)
+    leftovers = [p for p in root.rglob("*") if ".tmp-" in p.name or p.name.endswith(".tmp")]
+    assert not leftovers, leftovers
+    return st
+
+
+def converge(target, lk, expect_new: bool = True) -> applymod.ApplyReport:
+    """Re-run the apply with the fault gone: it settles what was left, lands on the lock, then is a no-op."""
+    tr = connect(target)
+    try:
+        rep = applymod.apply(tr, lk)
+        assert rep.status in (("applied", "reused") if expect_new else ("applied", "reused", "noop")), rep
+        again = applymod.apply(tr, lk)
+        assert again.status == "noop", again
+        h = applymod.history(tr)
+    finally:
+        tr.close()
+    st = assert_settled(target, rep.generation, rep)
+    for gid, g in st["generations"].items():   # nothing half-built survives a settling run
+        assert g["status"] in ("ready", "adopted", "failed", "abandoned"), (gid, g)
+        if g["status"] in ("failed", "abandoned"):
+            assert not g["venv"], (gid, g)
+    assert h["current"] == rep.generation
+    return rep
+
+
+def ssh_masters(target) -> list[int]:
+    """ssh ControlMaster processes for this host still running on the controller (ControlPath %C: the
+    sha1 of local host name, host, port and user)."""
+    import hashlib
+    import socket
+
+    c = hashlib.sha1(f"{socket.gethostname()}{target.host}{target.port}{target.user}".encode()).hexdigest()
+    return [pid for pid in host_processes(c) if b"[mux]" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+def host_processes(marker: str) -> list[int]:
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes() and int(pid) != os.getpid():
+                out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
+def wait_quiet(marker: str, timeout: float = 60) -> None:
+    """Wait until no process works under `marker` (what a killed run left running winds down)."""
+    deadline = time.time() + timeout
+    while host_processes(marker) and time.time() < deadline:
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def stacks(tmp_path, wheels):
+    """Locks a..h: each one builds a distinct generation (alpha plus one distinct tiny wheel)."""
+    extra = [make_wheel(tmp_path / "wh", f"pkg{i}", "1.0") for i in range(8)]
+    return [lockmod.load(write_lock(tmp_path / f"{c}.yaml", f"stack-{c}", [wheels["alpha-1.0"], extra[i]]))
+            for i, c in enumerate("abcdefgh")]
+
+
+def applied(target, lk) -> applymod.ApplyReport:
+    tr = connect(target)
+    try:
+        return applymod.apply(tr, lk)
+    finally:
+        tr.close()
+
+
+# ---------------------------------------------------------------- the controller killed at seven moments
+
+KILLER = r"""
+import os, signal, sys, threading, time, json
+sys.path.insert(0, sys.argv[1])
+from provision import apply as applymod, lock as lockmod
+from provision.transport import Target, connect
+t = Target(**json.loads(sys.argv[2]))
+step, state, delay = sys.argv[4], sys.argv[5], float(sys.argv[6])
+def progress(s, st, detail):
+    if (s, st) == (step, state):
+        print("at", s, st, flush=True)
+        threading.Timer(delay, lambda: os.killpg(0, signal.SIGKILL)).start() if delay else os.killpg(0, signal.SIGKILL)
+tr = connect(t)
+applymod.apply(tr, lockmod.load(sys.argv[3]), progress=progress)
+print("finished", flush=True)
+"""
+
+MOMENTS = [("build", "start", 0.4), ("build", "done", 0), ("patch", "done", 0), ("probe", "start", 0),
+           ("probe", "done", 0), ("switch", "start", 0), ("switch", "done", 0)]
+
+
+def test_controller_killed_at_seven_moments(target, stacks, tmp_path):
+    """SIGKILL of the controller (its process group: the tool and what it started) from mid-build to just
+    after the switch; each time the host is on one complete generation and the re-run converges."""
+    root = target.vars["provision_root"]
+    tspec = json.dumps({"host": target.host, "user": target.user, "port": target.port, "key_file": target.key_file,
+                        "known_hosts": str(target.known_hosts), "vars": target.vars})
+    base = applied(target, stacks[0])
+    cur = base.generation
+    for i, (step, state, delay) in enumerate(MOMENTS):
+        lk = stacks[1 + i]
+        p = subprocess.run([sys.executable, "-c", KILLER, str(ROOT), tspec, lk.path, step, state, str(delay)],
+                           capture_output=True, text=True, timeout=300, start_new_session=True,
+                           env={**os.environ, "PYTHONPATH": ""})
+        assert p.returncode == -signal.SIGKILL and f"at {step} {state}" in p.stdout, (step, p.stdout, p.stderr[-800:])
+        wait_quiet(root)
+        st = host_state(target)
+        committed = (step, state) == ("switch", "done")
+        new = [g for g in st["generations"] if g.endswith(lk.name)]
+        assert len(new) == 1, st
+        # before the commit `current` is untouched; after it, the new generation is current
+        assert st["current"] == (new[0] if committed else cur), (step, state, st)
+        rep = converge(target, lk, expect_new=not committed)
+        if committed:
+            assert rep.status == "noop" and rep.generation == new[0]
+        else:
+            assert rep.generation != new[0]
+            assert host_state(target)["generations"][new[0]]["status"] == "abandoned", (step, state)
+        cur = rep.generation
+    assert not ssh_masters(target)
+    events = applymod.history(connect(target))["events"]
+    assert sum(e["event"] == "abandoned" for e in events) == len(MOMENTS) - 1
+
+
+# ---------------------------------------------------------------- ssh drops
+
+def kill_sessions(host: LoopbackHost) -> None:
+    """Drop every ssh session of this host (its sshd's children), but not the listening sshd."""
+    doomed, frontier = [], [host.proc.pid]
+    while frontier:
+        parent = frontier.pop()
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == parent:
+                doomed.append(int(stat.parent.name))
+                frontier.append(int(stat.parent.name))
+    for pid in doomed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.parametrize("how", ["whole sshd", "sessions only"])
+def test_ssh_drop_mid_build(tmp_path, stacks, how):
+    with LoopbackHost(base=tmp_path) as h:
+        trust_host(h.target)
+        t = h.target
+        a = applied(t, stacks[0])
+        tr = connect(t)
+        drop = (lambda: (time.sleep(0.3), h.vanish())) if how == "whole sshd" else (lambda: (time.sleep(0.3),
+                                                                                            kill_sessions(h)))
+        killer = threading.Thread(target=drop)
+
+        def progress(step, state, detail):
+            if (step, state) == ("build", "start"):
+                killer.start()
+
+        with pytest.raises(ProvisionError) as e:
+            applymod.apply(tr, stacks[1], progress=progress)
+        killer.join()
+        tr.close()
+        rep = e.value.report
+        assert rep.status in ("failed", "unknown") and "\n" not in str(e.value)
+        wait_quiet(h.root)
+        if how == "whole sshd":
+            h.start()
+        assert host_state(t)["current"] == a.generation
+        converge(t, stacks[1])
+        assert not ssh_masters(t)
+
+
+# ---------------------------------------------------------------- a full disk, unwritable history
+
+@pytest.fixture
+def small_root(target, tmp_path, monkeypatch):
+    """The host root on a 48 MiB tmpfs (real ENOSPC when full); the plan's reserve shrunk to match."""
+    mnt = tmp_path / "root"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    monkeypatch.setattr(planmod, "MIN_FREE_BYTES", 1 << 20)
+    yield target
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def fill(root: str) -> Path:
+    filler = Path(root) / "filler"
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 16))
+                f.flush()
+        except OSError:
+            pass
+    return filler
+
+
+@pytest.mark.parametrize("moment", ["build", "switch"])
+def test_disk_full(small_root, stacks, moment):
+    t = small_root
+    root = t.vars["provision_root"]
+    a = applied(t, stacks[0])
+    filler: list[Path] = []
+
+    def progress(step, state, detail):
+        if (step, state) == (moment, "start"):
+            filler.append(fill(root))
+
+    tr = connect(t)
+    try:
+        with pytest.raises(ProvisionError) as e:
+            applymod.apply(tr, stacks[1], progress=progress)
+    finally:
+        tr.close()
+    rep = e.value.report
+    assert rep.status == "failed" and rep.failed_step == moment, (rep.failed_step, rep.error)
+    st = host_state(t)
+    gid = rep.generation
+    if moment == "switch":   # the venv's space is freed first, so the failure can be recorded
+        assert "No space left on device" in rep.error
+        assert st["generations"][gid] == {"status": "failed", "venv": False}, st
+    elif st["generations"][gid]["status"] != "failed":   # nothing to free: the report says so, truthfully
+        assert any(f"could not mark {gid} failed" in w for w in rep.warnings), (rep.warnings, st)
+    filler[0].unlink()
+    if moment == "switch":
+        assert_settled(t, a.generation, rep)
+    converge(t, stacks[1])
+    assert host_state(t)["generations"][gid]["status"] in ("failed", "abandoned")
+
+
+def test_history_unwritable_after_the_commit(target, stacks):
+    """The switch commits; writing history then fails: apply says it switched and names what failed;
+    the next run (history writable again) records the missing event once."""
+    a = applied(target, stacks[0])
+    hist = Path(target.vars["provision_root"]) / "history.jsonl"
+    tr = connect(target)
+    try:
+
+        def progress(step, state, detail):
+            if (step, state) == ("switch", "start"):
+                subprocess.run(["chattr", "+i", str(hist)], check=True)
+
+        try:
+            rep = applymod.apply(tr, stacks[1], progress=progress)
+        finally:
+            subprocess.run(["chattr", "-i", str(hist)], check=True)
+        assert rep.status == "applied" and rep.current == rep.generation
+        assert any("recording it failed (history:" in w and "Operation not permitted" in w for w in rep.warnings)
+        assert host_state(target)["generations"][rep.generation]["status"] == "switching"
+        applied_events = lambda: [e for e in applymod.history(tr)["events"] if e["event"] == "apply"]  # noqa: E731
+        assert [e["to"] for e in applied_events()] == [a.generation]
+        again = applymod.apply(tr, stacks[1])
+        assert again.status == "noop" and again.recovered["repaired"] == [rep.generation]
+        assert [e["to"] for e in applied_events()] == [a.generation, rep.generation]
+        assert applied_events()[-1]["repaired"] is True
+    finally:
+        tr.close()
+    assert_settled(target, rep.generation)
+
+
+# ---------------------------------------------------------------- concurrency
+
+def test_two_concurrent_applies_and_rollback_during_apply(target, stacks):
+    a = applied(target, stacks[0])
+    results: dict = {}
+    gate = threading.Barrier(2)
+
+    def run(lk):
+        tr = connect(target)
+        try:
+            gate.wait()
+            results[lk.name] = applymod.apply(tr, lk)
+        except ProvisionError as e:
+            results[lk.name] = e
+        finally:
+            tr.close()
+
+    threads = [threading.Thread(target=run, args=(lk,)) for lk in stacks[1:3]]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    won = [r for r in results.values() if isinstance(r, applymod.ApplyReport)]
+    lost = [r for r in results.values() if isinstance(r, ProvisionError)]
+    assert len(won) == 1 and len(lost) == 1, results
+    assert isinstance(lost[0], HostLockedError) and lost[0].report.generation is None
+    st = assert_settled(target, won[0].generation, won[0])
+    assert len(st["generations"]) == 2                       # the loser created nothing
+
+    # a rollback while an apply builds is refused; the apply completes
+    tr = connect(target)
+    refusals = []
+
+    def progress(step, state, detail):
+        if (step, state) == ("build", "start"):
+            side = connect(target)
+            try:
+                applymod.rollback(side)
+            except ProvisionError as e:
+                refusals.append(str(e))
+            finally:
+                side.close()
+
+    try:
+        rep = applymod.apply(tr, stacks[3], progress=progress)
+    finally:
+        tr.close()
+    assert refusals and "another run holds the host lock" in refusals[0]
+    assert_settled(target, rep.generation, rep)
+    rb = applymod.rollback(connect(target))
+    assert rb["to"] == won[0].generation
+    assert_settled(target, won[0].generation)
+
+
+# ---------------------------------------------------------------- probes that fail
+
+def test_spoofed_engine_port_and_failing_probe(target, stacks, tmp_path):
+    """A server already answering on the engine's port fails the probe (it is never trusted), as does a
+    required probe failing; both leave `current` where it was, the venv gone, the reasons in the report."""
+    import http.server
+
+    from test_truth import StandIn
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\ncat {ROOT / 'tests' / 'data' / 'h200' / 'nvidia-smi-query.csv'}\n")
+    smi.chmod(0o755)
+    target.vars["provision_nvidia_smi"] = str(smi)
+    a = applied(target, stacks[0])
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    port = srv.server_address[1]
+    data = yaml.safe_load(Path(stacks[1].path).read_text())
+    data["engine"] = {"kind": "sglang", "port": port, "launch": ["python", "-c", "import time; time.sleep(60)"]}
+    data["probes"] = {"engine_timeout": 20, "max_tokens": 4, "prompts": ["a"]}
+    spoof = Path(stacks[1].path).with_name("spoof.yaml")
+    spoof.write_text(yaml.safe_dump(data))
+    nocuda = dict(yaml.safe_load(Path(stacks[2].path).read_text()))
+    nocuda["platform"]["cuda"] = {"version": "13.0", "source": "host", "home": str(tmp_path / "no-cuda")}
+    broken = Path(stacks[2].path).with_name("nocuda.yaml")
+    broken.write_text(yaml.safe_dump(nocuda))
+    gpu_only = ["driver", "arch", "matmul", "flashinfer", "sgl-kernel", "torch-cuda"]
+    host = [f"{target.user}@{target.host}:{target.port}", "--key", target.key_file, "--known-hosts",
+            target.known_hosts, "--root", target.vars["provision_root"]]
+    def check(rep: dict, probe: str, why: str) -> None:
+        assert rep["status"] == "failed" and rep["failed_step"] == "probe" and rep["run_dir"]
+        failed = {r["name"]: r["reason"] for r in rep["probes"]["results"] if r["status"] == "fail"}
+        assert why in failed[probe], failed
+        assert f"{probe} (" in rep["error"] and why in rep["error"]
+        assert host_state(target)["generations"][rep["generation"]] == {"status": "failed", "venv": False}
+        assert_settled(target, a.generation)
+        logs = applymod.logs(connect(target), rep["generation"])
+        assert logs["status"] == "failed" and any(r["name"] == probe for r in logs["probes"])
+
+    tr = connect(target)   # the recorded nvidia-smi is a host variable: through the library
+    try:
+        with pytest.raises(applymod.ProbesFailed) as e:
+            applymod.apply(tr, lockmod.load(spoof), skip_probes=gpu_only)
+        check(e.value.report.to_json(), "engine", f"port {port} is already in use by pid {os.getpid()}")
+        assert "engine.log" in applymod.logs(tr, e.value.report.generation)["logs"]
+    finally:
+        tr.close()
+        srv.shutdown()
+        srv.server_close()
+    del target.vars["provision_nvidia_smi"]
+    p = subprocess.run([sys.executable, "-m", "provision.cli", "apply", *map(str, host), "--lock", str(broken),
+                        "--json"], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    check(json.loads(p.stdout), "nvcc", "no nvcc at")   # `apply --json` prints the report of a failure
+    converge(target, stacks[1])
