@@ -167,3 +167,40 @@ def test_probes_and_facts_ignore_the_operators_environment(tmp_path, wheels):
     assert pk["status"] == "pass", pk
     p = cli("plan", "--local", "--root", root, "--lock", lk, "--detailed-exitcode")
     assert p.returncode == 0 and "No changes" in p.stdout, p.stdout
+
+
+def test_gc_keeps_current_and_rollback_target_and_failed_drop_their_venv_at_once(tmp_path, wheels):
+    root = tmp_path / "root"
+    tr = Local(Target(host="local", vars={"provision_root": str(root)}))
+    only_a = make_wheel(tmp_path / "wh", "onlya", "1.0")
+    locks = [lockmod.load(write_lock(tmp_path / "a.yaml", "a", [wheels["alpha-1.0"], only_a])),
+             lockmod.load(write_lock(tmp_path / "b.yaml", "b", [wheels["alpha-2.0"]])),
+             lockmod.load(write_lock(tmp_path / "c.yaml", "c", [wheels["beta-1.0"]]))]
+    reps = [applymod.apply(tr, lk) for lk in locks]
+    bad = yaml.safe_load(Path(locks[2].path).read_text())
+    bad["platform"]["cuda"] = {"version": "13.0", "source": "host", "home": str(tmp_path / "no-cuda")}
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
+    with pytest.raises(applymod.ProbesFailed) as e:
+        applymod.apply(tr, lockmod.load(tmp_path / "bad.yaml"))
+    failed = e.value.report.generation
+    assert not (root / "generations" / failed / "venv").exists()          # dropped at once
+    assert (root / "generations" / failed / "probes.json").exists()       # its record kept
+
+    def cli(*args):
+        p = subprocess.run([sys.executable, "-m", "provision.cli", "gc", "--local", "--root", str(root), *args,
+                            "--json"], capture_output=True, text=True, cwd=ROOT)
+        assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+        return json.loads(p.stdout)
+
+    dry = cli("--keep", "2", "--dry-run")
+    assert (dry["current"], dry["rollback_target"]) == (reps[2].generation, reps[1].generation)
+    assert sorted(g["id"] for g in dry["generations"]) == sorted([reps[0].generation, failed])
+    assert {c["sha256"] for c in dry["cache"]} == {p.sha256 for p in locks[0].packages}   # only `a` used them
+    assert (root / "generations" / reps[0].generation / "venv").exists()   # a dry run removes nothing
+    out = cli("--keep", "2")
+    assert sorted(g["id"] for g in out["generations"]) == sorted(g["id"] for g in dry["generations"])
+    assert sorted(p.name for p in (root / "generations").iterdir()) == [reps[1].generation, reps[2].generation]
+    assert not (root / "cache" / "wheels" / dry["cache"][0]["sha256"]).exists()
+    assert reps[0].run_dir in out["run_dirs"] and not Path(reps[0].run_dir).exists()
+    assert applymod.rollback(tr)["to"] == reps[1].generation              # what rollback needs is kept
+    assert applymod.history(tr)["events"][-2]["event"] == "gc"
