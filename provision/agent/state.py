@@ -243,19 +243,6 @@ def rollback_target(all_gens, cur):
     return older[-1] if older else None
 
 
-def du(path):
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for f in files:
-            try:
-                st = os.lstat(os.path.join(dirpath, f))
-            except OSError:
-                continue
-            if st.st_nlink == 1:   # a hard link shared with uv's cache or another generation frees nothing
-                total += st.st_blocks * 512
-    return total
-
-
 def op_gc(root, a):
     """Remove failed/abandoned generations, runnable ones beyond the newest `keep`, and cache entries
     no remaining generation needs; never `current` nor what `rollback` returns to. Takes the host lock."""
@@ -280,14 +267,14 @@ def op_gc(root, a):
            "generations": [], "cache": [], "bytes": 0, "errors": [], "recovered": recovered}
     for _, gen_id, man in doomed:
         path = os.path.join(root, "generations", gen_id)
-        size = du(path)
+        size = disk_used(path)
         out["generations"].append({"id": gen_id, "status": man.get("status"), "bytes": size,
                                    "run_dir": man.get("run_dir")})
         out["bytes"] += size
     cache = os.path.join(root, "cache", "wheels")
     for sha in sorted(os.listdir(cache)) if os.path.isdir(cache) else []:
         if sha not in needed:
-            size = du(os.path.join(cache, sha))
+            size = disk_used(os.path.join(cache, sha))
             out["cache"].append({"sha256": sha, "bytes": size})
             out["bytes"] += size
     if a.get("dry_run"):
