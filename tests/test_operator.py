@@ -87,3 +87,13 @@ def test_hosts_trust_json_needs_yes_and_reports_the_key(tmp_path, sshd):
     assert first["recorded"] is True and first["fingerprint"].startswith("SHA256:")
     again = json.loads(provision("hosts", "trust", spec, "--known-hosts", kh, "--json", "--yes").stdout)
     assert again["recorded"] is False and again["fingerprint"] == first["fingerprint"]
+
+
+def test_hosts_trust_a_whole_inventory(tmp_path, sshd):
+    t, kh = sshd.target, tmp_path / "kh"
+    inv = tmp_path / "hosts.yml"
+    inv.write_text(f"all:\n  vars: {{ansible_host: {t.host}, ansible_port: {t.port}}}\n"
+                   "  hosts:\n    a: {provision_root: /tmp/ra}\n    b: {provision_root: /tmp/rb}\n")
+    rows = json.loads(provision("hosts", "trust", "-i", str(inv), "--known-hosts", str(kh), "--json", "--yes").stdout)
+    assert [(r["host"], r["recorded"]) for r in rows] == [("a", True), ("b", False)]   # one sshd behind both
+    assert len(kh.read_text().splitlines()) == 1

@@ -17,34 +17,22 @@ def register(app: typer.Typer) -> None:
 
     @hosts.command()
     @edge
-    def trust(host: str, yes: bool = typer.Option(False, "--yes", "-y", help="record without asking"),
+    def trust(host: Optional[str] = typer.Argument(None, help="[user@]host[:port], or omit with -i",
+                                                   show_default=False),
+              yes: bool = typer.Option(False, "--yes", "-y", help="record without asking"),
+              inventory: Optional[Path] = InventoryOpt, limit: Optional[str] = LimitOpt,
               known_hosts: Path = KnownHostsOpt, json_out: bool = JsonOpt):
-        """Show HOST's SSH key fingerprint and record exactly that key in the managed known_hosts."""
+        """Show each host's SSH key fingerprint and record exactly that key in the managed known_hosts."""
         from ..errors import InputError
 
         if json_out and not yes:
             raise InputError("--json cannot ask: add --yes to record the key shown", where="--json")
-        say = (lambda text: None) if json_out else console.print
-        t = Target.parse(host, known_hosts=known_hosts)
-        key = scan_host_key(t)
-        shown = {"host": t.name, "key": key.get_name(), "fingerprint": fingerprint(key)}
-        say(f"{t.name} offers {key.get_name()} {fingerprint(key)}")
-        known = known_host_keys(t)
-        if any(k.asbytes() == key.asbytes() for k in known) and len(known) == 1:
-            if json_out:
-                print_json(dict(shown, recorded=False, replaced=[]))
-            say(f"Already trusted in {known_hosts}; nothing changed.")
-            return
-        others = [f"{k.get_name()} {fingerprint(k)}" for k in known if k.asbytes() != key.asbytes()]
-        for o in others:
-            say(f"This REPLACES the recorded key {o} for {t.name}.")
-        if not yes and not typer.confirm("Record this key as trusted?"):
-            raise typer.Exit(1)
-        replaced = record_host_key(t, key)
+        ts = targets(host, False, inventory, None, known_hosts, None, limit)
+        out = [_trust(t, yes, (lambda text: None) if json_out else console.print) for t in ts]
         if json_out:
-            print_json(dict(shown, recorded=True, replaced=replaced))
-        tail = f" (replaced {', '.join(replaced)})" if replaced else ""
-        say(f"Recorded {key.get_name()} {fingerprint(key)} for {t.name} in {known_hosts}{tail}.")
+            print_json(out[0] if len(out) == 1 else out)
+        if any(r is None for r in out):
+            raise typer.Exit(1)
 
     @hosts.command()
     @edge
@@ -67,3 +55,23 @@ def register(app: typer.Typer) -> None:
                           f"{f['disk_free_bytes'] >> 30} GiB free", markup=False)
         print_rows(rows, show, json_out)
         exit_for(rows)
+
+
+def _trust(t: Target, yes: bool, say) -> dict | None:
+    """Scan t's key once, show it, record exactly it (after asking unless `yes`); None if declined."""
+    key = scan_host_key(t)
+    shown = {"host": t.name, "address": t.address, "key": key.get_name(), "fingerprint": fingerprint(key)}
+    say(f"{t.name} offers {key.get_name()} {fingerprint(key)}")
+    known = known_host_keys(t)
+    if any(k.asbytes() == key.asbytes() for k in known) and len(known) == 1:
+        say(f"Already trusted in {t.known_hosts}; nothing changed.")
+        return dict(shown, recorded=False, replaced=[])
+    for k in known:
+        if k.asbytes() != key.asbytes():
+            say(f"This REPLACES the recorded key {k.get_name()} {fingerprint(k)} for {t.name}.")
+    if not yes and not typer.confirm("Record this key as trusted?"):
+        return None
+    replaced = record_host_key(t, key)
+    tail = f" (replaced {', '.join(replaced)})" if replaced else ""
+    say(f"Recorded {key.get_name()} {fingerprint(key)} for {t.name} in {t.known_hosts}{tail}.")
+    return dict(shown, recorded=True, replaced=replaced)
