@@ -97,3 +97,20 @@ def test_hosts_trust_a_whole_inventory(tmp_path, sshd):
     rows = json.loads(provision("hosts", "trust", "-i", str(inv), "--known-hosts", str(kh), "--json", "--yes").stdout)
     assert [(r["host"], r["recorded"]) for r in rows] == [("a", True), ("b", False)]   # one sshd behind both
     assert len(kh.read_text().splitlines()) == 1
+
+
+def test_fast_verbs_import_only_what_they_use(tmp_path, sshd):
+    t = sshd.target
+    host = [f"{t.user}@{t.host}:{t.port}", "--key", t.key_file, "--known-hosts", str(t.known_hosts),
+            "--root", str(tmp_path / "root")]
+    code = ("import atexit, sys\n"
+            "out = sys.argv[1]\n"
+            "atexit.register(lambda: open(out, 'w').write('\\n'.join(sorted(k for k, v in sys.modules.items() if v))))\n"
+            "sys.argv = ['provision'] + sys.argv[2:]\n"
+            "from provision.cli import main\nmain()\n")
+    for verb in ("rollback", "history", "status"):
+        out = tmp_path / f"{verb}.modules"
+        p = provision(str(out), verb, *host, code=code)
+        assert "Traceback" not in p.stderr and "paramiko" in out.read_text().split()
+        loaded = {m.split(".")[0] for m in out.read_text().split()}
+        assert not loaded & {"ansible", "ansible_runner", "yaml", "requests", "packaging", "invoke"}, (verb, loaded)
