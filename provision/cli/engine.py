@@ -97,22 +97,44 @@ def bench(prompts: int = typer.Option(8, "--prompts", help="held-out prompts"),
           max_new_tokens: int = typer.Option(128, "--max-new-tokens"), repeats: int = typer.Option(1, "--repeats"),
           model: Optional[Path] = ModelOpt, draft: Optional[Path] = DraftOpt, device: str = DeviceOpt,
           dtype: str = DtypeOpt, steps: int = StepsOpt, topk: int = TopkOpt, num_draft_tokens: int = NdtOpt,
-          max_seq_len: int = SeqOpt, threads: int = ThreadsOpt, json_out: bool = typer.Option(False, "--json")):
+          max_seq_len: int = SeqOpt, threads: int = ThreadsOpt, json_out: bool = typer.Option(False, "--json"),
+          chat: bool = typer.Option(False, "--chat", help="held-out chat prompts through the model's template"),
+          peer: bool = typer.Option(False, "--peer", help="also time transformers on the same weights and threads"),
+          shape: Optional[str] = typer.Option(None, "--shape", help="llama3-8b: random weights of that shape; "
+                                              "roofline, CUDA-graph step costs, transformers peer")):
     """Baseline vs EAGLE-3 greedy decoding in one run: tok/s, ratio, acceptance length, identical output."""
-    from ..engine.bench import run_bench
-    from ..engine.corpus import held_out_prompts
+    from ..engine import TINY_DIR
+    if shape:
+        import torch
+
+        from ..engine.shape_bench import SHAPES, shape_bench
+        if shape not in SHAPES:
+            raise EngineError(f"--shape {shape!r}: one of {', '.join(sorted(SHAPES))}")
+        r = shape_bench(shape, device, getattr(torch, dtype if device != "cpu" else "float32"),
+                        log=lambda s: None if json_out else console.print(s, markup=False))
+        return print_json(r) if json_out else None
+    from ..engine.bench import encode_prompts, run_bench, transformers_peer
     eng = _load(model, draft, device, dtype, max_seq_len, steps, topk, num_draft_tokens, threads)
     if eng.draft is None:
         raise EngineError(f"{model}: no EAGLE-3 draft to benchmark (pass --draft)")
-    r = run_bench(eng, held_out_prompts(prompts), max_new_tokens, repeats)
+    enc = encode_prompts(eng, chat, prompts)
+    r = run_bench(eng, enc, max_new_tokens, repeats)
+    if peer:
+        r.update(transformers_peer(model or TINY_DIR, eng, enc, max_new_tokens, r["plain_outputs"]))
+        r["plain_vs_transformers"] = round(r["baseline_tok_s"] / r["transformers_tok_s"], 3)
+    r["threads"] = threads
     if json_out:
-        return print_json({k: v for k, v in r.items() if k != "outputs"})
+        return print_json({k: v for k, v in r.items() if k not in ("outputs", "plain_outputs")})
     console.print(f"device {r['device']}  tree steps={r['steps']} topk={r['topk']} "
                   f"draft tokens={r['num_draft_tokens']}  {r['prompts']} prompts x {r['max_new_tokens']} tokens")
     console.print(f"baseline  {r['baseline_tok_s']:>8} tok/s")
     console.print(f"EAGLE-3   {r['eagle3_tok_s']:>8} tok/s")
-    console.print(f"ratio     {r['ratio']:>8}x   accept length {r['accept_length']}   "
+    console.print(f"ratio     {r['ratio']:>8}x   accept length {r['accept_length']} ({r['tree']})   "
                   f"greedy identical {'yes' if r['greedy_identical'] else 'NO'}")
+    if peer:
+        console.print(f"transformers {r['transformers_tok_s']:>5} tok/s (same weights, {threads} threads): engine plain "
+                      f"is {r['plain_vs_transformers']}x of it; same tokens "
+                      f"{'yes' if r['transformers_same_tokens'] else 'NO'}")
 
 
 @app.command("import")

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 
 from .corpus import held_out_prompts
+from .errors import EngineError
 from .generate import Engine
 
 
@@ -16,7 +18,7 @@ def _sync(engine: Engine):
         torch.cuda.synchronize()
 
 
-def run_bench(engine: Engine, prompts: list[str], max_new_tokens: int = 128, repeats: int = 1) -> dict:
+def run_bench(engine: Engine, prompts: list, max_new_tokens: int = 128, repeats: int = 1) -> dict:
     """Greedy decode every prompt plainly and with speculation, interleaved (fair under noise)."""
     tok = engine.tokenizer
     enc = [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
@@ -25,7 +27,7 @@ def run_bench(engine: Engine, prompts: list[str], max_new_tokens: int = 128, rep
         engine.generate(enc[0], max_new_tokens=8, speculative=spec, stop_at_eos=False)
     t_plain = t_spec = 0.0
     n_plain = n_spec = 0
-    accepts, identical, outputs = [], True, []
+    accepts, identical, outputs, plain = [], True, [], []
     for _ in range(repeats):
         for ids in enc:
             _sync(engine)
@@ -38,12 +40,47 @@ def run_bench(engine: Engine, prompts: list[str], max_new_tokens: int = 128, rep
             accepts += b.accept_lengths
             identical &= a.tokens == b.tokens
             outputs.append(b.tokens)
+            plain.append(a.tokens)
     base, eagle = n_plain / t_plain, n_spec / t_spec
     return {"device": str(engine.device), "prompts": len(enc), "max_new_tokens": max_new_tokens,
             "steps": engine.steps, "topk": engine.topk, "num_draft_tokens": engine.n_tree,
             "baseline_tok_s": round(base, 2), "eagle3_tok_s": round(eagle, 2), "ratio": round(eagle / base, 3),
             "accept_length": round(sum(accepts) / max(len(accepts), 1), 3),
-            "greedy_identical": identical, "outputs": outputs[: len(enc)]}
+            "greedy_identical": identical, "outputs": outputs[: len(enc)], "plain_outputs": plain[: len(enc)],
+            "tree": "chain" if engine.topk == 1 else "tree"}
+
+
+def encode_prompts(engine: Engine, chat: bool, n: int) -> list:
+    """Held-out prompts as token ids: chat messages through the model's template, or plain text."""
+    from .corpus import held_out_chat_prompts
+    tok = engine.tokenizer
+    if not chat:
+        return [tok.encode(p) for p in held_out_prompts(n)]
+    if getattr(tok, "chat_template", None) is None:
+        raise EngineError("--chat needs a model with a chat template")
+    return [tok.encode_chat(tok.chat_template.render([{"role": "user", "content": p}]))
+            for p in held_out_chat_prompts(n)]
+
+
+def transformers_peer(model_dir, engine: Engine, prompts: list, max_new_tokens: int, plain: list) -> dict:
+    """transformers' LlamaForCausalLM on the same weights and threads: greedy tok/s, and whether its
+    tokens equal the engine's plain greedy output."""
+    import transformers
+    dev = engine.device
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(model_dir), dtype=engine.target.output.weight.dtype)
+    hf = hf.to(dev).eval()
+    kw = dict(max_new_tokens=max_new_tokens, do_sample=False, top_p=None, top_k=None, temperature=None)
+    t, n, same = 0.0, 0, True
+    with torch.inference_mode():
+        hf.generate(torch.tensor([prompts[0]], device=dev), **{**kw, "max_new_tokens": 8})
+        for ids, want in zip(prompts, plain):
+            _sync(engine)
+            t0 = time.perf_counter()
+            out = hf.generate(torch.tensor([ids], device=dev), **kw)[0, len(ids):].tolist()
+            _sync(engine)
+            t, n = t + time.perf_counter() - t0, n + len(out)
+            same &= out == want[: len(out)]      # transformers stops at end of turn; the bench does not
+    return {"transformers_tok_s": round(n / t, 2), "transformers_same_tokens": same}
 
 
 def add_engine_args(ap: argparse.ArgumentParser):

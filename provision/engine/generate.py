@@ -117,7 +117,7 @@ class Engine:
         for s in range(1, self.steps):
             own = (s - 1) * K + self.ar[:K]
             anc = anc.clone()
-            anc[self.ar[:K], own] = True
+            anc[self.ar[:K], own] = self.ar[:K] >= 0                           # True, as a device tensor
             pos = self.ar.new_full((K,), n - 1 + s)
             logits, h = dr(tok[None], hid[None], pos, torch.cat([ctx, anc], -1), W + own)
             cs, ci = torch.log_softmax(logits[0].float(), -1).topk(K)          # [K, K]
@@ -145,8 +145,7 @@ class Engine:
 
     def _accept_greedy(self, logits, tokens, parent, A):
         tgt = logits.argmax(-1)                                                  # [N]
-        correct = tokens == tgt[parent]
-        correct[0] = True
+        correct = (tokens == tgt[parent]) | (self.ar[: len(tokens)] == 0)       # the root is given
         acc = ~(A & ~correct[None]).any(-1)                                      # nodes on the accepted path
         return acc, tgt
 
@@ -180,8 +179,34 @@ class Engine:
             cur = torch.where(has, child, cur)
         return acc, choice
 
+    def _spec_step(self, n: int, root, dlogits, dhid, temperature, top_p, g):
+        """Draft a tree, verify it in one target forward, accept: (accepted count, emitted tokens padded
+        to L, their tree nodes, target features [1, N, 3H]); all on the device."""
+        N, L = self.n_tree, min(self.steps + 1, self.n_tree)
+        tokens, parent, A = self._draft_tree(n, root, dlogits, dhid)
+        depth = A.sum(-1) - 1
+        mask = (self.t_arange[: self._w(n + N)] < n).expand(N, -1).clone()     # [N, W]: context + tree
+        mask[:, n:n + N] = A
+        vlogits, vaux = self.target(tokens[None], n + depth, mask, n + self.ar[:N], capture=True)
+        if temperature <= 0:
+            acc, choice = self._accept_greedy(vlogits[0], tokens, parent, A)
+        else:
+            acc, choice = self._accept_sample(vlogits[0], tokens, parent, A, temperature, top_p, g)
+        path = torch.where(acc, self.ar[:N], N).sort().values[:L].clamp(max=N - 1)   # [L]
+        return acc.sum(), choice[path], path, vaux
+
+    def _advance(self, n: int, out, path, vaux):
+        """Compact the target's KV to the accepted path; extend the draft over positions n..n+L-1
+        (padded: the caller reads the row of the last accepted token)."""
+        L = path.shape[0]
+        for layer in self.target.layers:
+            layer.attention.kv_cache.move(n + path, n + self.ar[:L])
+        dpos = n + self.ar[:L]
+        dmask = self.d_arange[None, : self._w(n + L)] <= dpos[:, None]
+        return self.draft(out[None], vaux[0, path][None], dpos, dmask, dpos)
+
     def _spec(self, ids, max_new, temperature, top_p, g, stats) -> Iterator[list]:
-        tg, dr, S, L = self.target, self.draft, self.max_seq_len, min(self.steps + 1, self.n_tree)
+        tg, dr, S = self.target, self.draft, self.max_seq_len
         logits, aux = self._prefill(ids, True)
         n = len(ids)
         root = self._pick(logits[0, -1], temperature, top_p, g)
@@ -193,26 +218,11 @@ class Engine:
         yield [int(root)], 0
         produced, N = 1, self.n_tree
         while produced < max_new and n + N <= S:
-            tokens, parent, A = self._draft_tree(n, root, dlogits, dhid)
-            depth = A.sum(-1) - 1
-            mask = (self.t_arange[: self._w(n + N)] < n).expand(N, -1).clone()  # [N, W]: context + tree
-            mask[:, n:n + N] = A
-            vlogits, vaux = tg(tokens[None], n + depth, mask, n + self.ar[:N], capture=True)
-            if temperature <= 0:
-                acc, choice = self._accept_greedy(vlogits[0], tokens, parent, A)
-            else:
-                acc, choice = self._accept_sample(vlogits[0], tokens, parent, A, temperature, top_p, g)
-            path = torch.where(acc, self.ar[:N], N).sort().values[:L].clamp(max=N - 1)   # [L]
-            out = choice[path]                                                    # emitted tokens, padded
-            a, *emitted = torch.cat([acc.sum().view(1), out]).tolist()           # the one host sync
+            count, out, path, vaux = self._spec_step(n, root, dlogits, dhid, temperature, top_p, g)
+            a, *emitted = torch.cat([count.view(1), out]).tolist()               # the one host sync
             emitted = emitted[:a]
             stats.append(a)
-            for layer in tg.layers:                                              # compact to the accepted path
-                layer.attention.kv_cache.move(n + path, n + self.ar[:L])
-            # draft extend over the accepted positions n..n+a-1 (padded to L): (next token, features)
-            dpos = n + self.ar[:L]
-            dmask = self.d_arange[None, : self._w(n + L)] <= dpos[:, None]
-            dl, dh = dr(out[None], vaux[0, path][None], dpos, dmask, dpos)
+            dl, dh = self._advance(n, out, path, vaux)
             dlogits, dhid = dl[0, a - 1], dh[0, a - 1:a]
             n, root = n + a, out[a - 1]
             produced += a

@@ -266,8 +266,8 @@ def _save(tensors: dict, d: Path, cfg: dict, dtype):
     (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def save_target(model: Transformer, d, dtype=torch.float32, **cfg_extra):
-    """Write an HF Llama checkpoint (config.json + model.safetensors)."""
+def hf_state(model: Transformer) -> dict:
+    """Our target's tensors under HF Llama names (views where the fused ones split)."""
     a, sd = model.args, model.state_dict()
     out = {"model.embed_tokens.weight": sd["tok_embeddings.weight"], "model.norm.weight": sd["norm.weight"]}
     if not a.tie_word_embeddings:
@@ -275,7 +275,12 @@ def save_target(model: Transformer, d, dtype=torch.float32, **cfg_extra):
     for i in range(a.n_layer):
         out.update(_split_layer(sd, f"layers.{i}.", f"model.layers.{i}.", a))
         out[f"model.layers.{i}.input_layernorm.weight"] = sd[f"layers.{i}.attention_norm.weight"]
-    _save(out, Path(d), hf_config(a, **cfg_extra), dtype)
+    return out
+
+
+def save_target(model: Transformer, d, dtype=torch.float32, **cfg_extra):
+    """Write an HF Llama checkpoint (config.json + model.safetensors)."""
+    _save(hf_state(model), Path(d), hf_config(model.args, **cfg_extra), dtype)
 
 
 def save_draft(draft: Eagle3Draft, d, aux_layer_ids=None, dtype=torch.float32):

@@ -1,0 +1,197 @@
+"""A model shape with random weights, timed in one run against the copy-bandwidth roofline: plain decode,
+target forward at 1/16/64 tokens, a draft step and a whole speculative step (each replayed from a CUDA
+graph on GPUs), and transformers on the same weights (static cache, one CUDA graph per step) as the peer."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .draft import DraftArgs, Eagle3Draft
+from .generate import Engine
+from .model import ModelArgs, Transformer
+
+SHAPES = {  # name → (target args, draft intermediate size)
+    "llama3-8b": dict(vocab_size=128256, dim=4096, n_layer=32, n_head=32, n_local_heads=8, intermediate_size=14336,
+                      rope_base=500000.0, max_position_embeddings=8192),
+    "tiny": dict(vocab_size=512, dim=128, n_layer=4, n_head=4, n_local_heads=2, intermediate_size=256,
+                 max_position_embeddings=1024),
+}
+
+
+def random_pair(shape: str, device, dtype, draft_vocab: int = 32000):
+    torch.manual_seed(0)
+    ta = ModelArgs(**SHAPES[shape])
+    with torch.device(device):
+        target = Transformer(ta).to(dtype)
+        da = DraftArgs(**{**SHAPES[shape], "n_layer": 1}, draft_vocab_size=min(draft_vocab, ta.vocab_size))
+        draft = Eagle3Draft(da).to(dtype)
+    for p in list(target.parameters()) + list(draft.parameters()):
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5)
+        else:
+            p.data.fill_(1.0)
+    return target.eval(), draft.eval()
+
+
+class Timed:
+    """fn captured in a CUDA graph (on CUDA) and timed per replay; plain calls elsewhere."""
+
+    def __init__(self, fn, device):
+        self.fn, self.cuda = fn, device.type == "cuda"
+        if self.cuda:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(2):
+                    fn()
+            torch.cuda.current_stream().wait_stream(s)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = fn()
+
+    def __call__(self):
+        return self.graph.replay() if self.cuda else self.fn()
+
+    def seconds(self, reps: int) -> float:
+        self()
+        _sync(self.cuda)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            self()
+        _sync(self.cuda)
+        return (time.perf_counter() - t0) / reps
+
+
+def _sync(cuda: bool):
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device, nbytes: int) -> float:
+    """Bytes/s of a device-to-device copy (read + write counted), the roofline's denominator."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    b = torch.empty_like(a)
+    t = Timed(lambda: b.copy_(a), device).seconds(50)
+    return 2 * a.numel() * a.element_size() / t
+
+
+@torch.inference_mode()
+def shape_bench(shape: str = "llama3-8b", device="cuda", dtype=torch.bfloat16, prompt: int = 128,
+                new: int = 256, steps: int = 5, topk: int = 4, num_draft_tokens: int = 16, peer: bool = True,
+                log=print) -> dict:
+    dev = torch.device(device)
+    target, draft = random_pair(shape, dev, dtype)
+    eng = Engine(target, draft, None, max_seq_len=prompt + new + 64, steps=steps, topk=topk,
+                 num_draft_tokens=num_draft_tokens)
+    # bytes a decode step must read: every weight but the embedding table (one row of it is read)
+    weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters()) \
+        - target.tok_embeddings.weight.numel() * target.tok_embeddings.weight.element_size()
+    bw = copy_bandwidth(dev, 1 << 30) if dev.type == "cuda" else float("nan")
+    r = {"shape": shape, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+         "dtype": str(dtype).removeprefix("torch."), "weight_gb": round(weight_bytes / 1e9, 2),
+         "copy_bandwidth_tb_s": round(bw / 1e12, 3), "roofline_tok_s": round(bw / weight_bytes, 1),
+         "prompt": prompt, "new_tokens": new, "steps": steps, "topk": topk, "num_draft_tokens": num_draft_tokens}
+    log(f"{shape}: {r['weight_gb']} GB of weights, copy bandwidth {r['copy_bandwidth_tb_s']} TB/s, "
+        f"roofline {r['roofline_tok_s']} tok/s")
+    ids = torch.randint(0, target.args.vocab_size, (prompt,)).tolist()
+    logits, aux = eng._prefill(ids, True)
+    # plain decode: the whole step (mask, forward, argmax, position) replays on the device, no host sync
+    tok = logits[:, -1].argmax(-1).view(1, 1)
+    pos = torch.full((1,), prompt, device=dev)
+
+    def decode():
+        out = target(tok, pos, (eng.t_arange[None, :] <= pos[:, None]), pos)
+        tok.copy_(out[:, -1].argmax(-1).view(1, 1))
+        pos.add_(1)
+    step = Timed(decode, dev)
+    pos.fill_(prompt)
+    t_step = step.seconds(new)
+    r["plain_tok_s"] = round(1 / t_step, 1)
+    r["plain_pct_roofline"] = round(100 * r["plain_tok_s"] / r["roofline_tok_s"], 1)
+    log(f"plain decode {r['plain_tok_s']} tok/s = {r['plain_pct_roofline']} % of roofline")
+    # target forward at T tokens (verification widths), at context `prompt`
+    for T in (1, 16, 64):
+        x = torch.randint(0, target.args.vocab_size, (1, T), device=dev)
+        p = prompt + torch.arange(T, device=dev)
+        m = eng.t_arange[None, :] <= p[:, None]
+        r[f"forward_{T}_ms"] = round(1e3 * Timed(lambda: target(x, p, m, p, capture=True), dev).seconds(20), 3)
+    for T in (16, 64):
+        r[f"forward_{T}_vs_1"] = round(r[f"forward_{T}_ms"] / r["forward_1_ms"], 3)
+    log(f"target forward 1/16/64 tokens: {r['forward_1_ms']} / {r['forward_16_ms']} / {r['forward_64_ms']} ms")
+    # one draft step (topk beams) and one whole speculative step, at a fixed context
+    n = prompt
+    hid = torch.randn(1, topk, target.args.dim, device=dev, dtype=dtype)
+    xk = torch.randint(0, target.args.vocab_size, (1, topk), device=dev)
+    pk = torch.full((topk,), n, device=dev)
+    mk = torch.cat([(eng.d_arange[: eng.d_ctx] < n).expand(topk, -1),
+                    torch.eye(topk, steps * topk, dtype=torch.bool, device=dev)], -1)
+    r["draft_step_ms"] = round(1e3 * Timed(lambda: draft(xk, hid, pk, mk, eng.d_ctx + eng.ar[:topk]), dev)
+                               .seconds(20), 3)
+    dl, dh = draft(torch.tensor([ids[1:] + ids[:1]], device=dev), aux, torch.arange(n, device=dev),
+                   eng.d_arange[None, : eng._w(n)] <= torch.arange(n, device=dev)[:, None],
+                   torch.arange(n, device=dev))
+    root, dlog, dhid = logits[0, -1].argmax(), dl[0, -1], dh[0, -1:]
+
+    def spec():
+        count, out, path, vaux = eng._spec_step(n, root, dlog, dhid, 0.0, 1.0, None)
+        return count, eng._advance(n, out, path, vaux)
+    r["spec_step_ms"] = round(1e3 * Timed(spec, dev).seconds(20), 3)
+    r["spec_step_in_plain_steps"] = round(r["spec_step_ms"] / (1e3 * t_step), 3)
+    log(f"draft step {r['draft_step_ms']} ms; speculative step ({num_draft_tokens}-token tree) "
+        f"{r['spec_step_ms']} ms = {r['spec_step_in_plain_steps']} plain steps")
+    if peer:
+        try:
+            r.update(transformers_graph_peer(target, dev, dtype, prompt, new, ids))
+            r["plain_vs_transformers"] = round(r["plain_tok_s"] / r["transformers_tok_s"], 3)
+            log(f"transformers (static cache, CUDA graph, same weights) {r['transformers_tok_s']} tok/s")
+        except Exception as e:  # noqa: BLE001 - the peer is reported, never fatal
+            r["transformers_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            log(f"transformers peer not measured: {r['transformers_error']}")
+    return r
+
+
+def transformers_graph_peer(target: Transformer, dev, dtype, prompt: int, new: int, ids: list) -> dict:
+    """transformers' LlamaForCausalLM holding our weights, one decode step per CUDA graph replay."""
+    import transformers
+    from transformers import StaticCache
+
+    from .loading import hf_config, hf_state
+
+    cfg = transformers.LlamaConfig(**{k: v for k, v in hf_config(target.args).items() if k != "architectures"})
+    with torch.device(dev):
+        hf = transformers.LlamaForCausalLM(cfg).to(dtype).eval()
+    hf.load_state_dict(hf_state(target), strict=False, assign=True)
+    cache = StaticCache(config=cfg, max_cache_len=prompt + new + 8)
+    x = torch.tensor([ids], device=dev)
+    logits = hf(x, cache_position=torch.arange(prompt, device=dev), past_key_values=cache, use_cache=True).logits
+    tok = logits[:, -1].argmax(-1).view(1, 1)
+    pos = torch.full((1,), prompt, device=dev)
+
+    def step():
+        out = hf(tok, position_ids=pos.view(1, 1), cache_position=pos, past_key_values=cache, use_cache=True).logits
+        tok.copy_(out[:, -1].argmax(-1).view(1, 1))
+        pos.add_(1)
+    t = Timed(step, dev)
+    pos.fill_(prompt)
+    return {"transformers_tok_s": round(1 / t.seconds(new), 1), "transformers_version": transformers.__version__}
+
+
+def main(argv=None):
+    import argparse
+    import json
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", help="write the JSON here too")
+    a = ap.parse_args(argv)
+    r = shape_bench(a.shape, a.device, torch.bfloat16 if a.device != "cpu" else torch.float32)
+    r["torch"] = torch.__version__
+    print(json.dumps(r, indent=2))
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(json.dumps(r, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
