@@ -6,15 +6,13 @@ bookkeeping. Also: adoption of an unmanaged environment as generation 0, rollbac
 """
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
-from urllib.parse import unquote, urlparse
 
 
-from . import generations, layout, lock as lockmod, runner
+from . import build as buildmod, generations, layout, lock as lockmod
 from .errors import HostError, PlanError, ProvisionError
 from .facts import capture_lock, env_paths, gather
 from .lock import Lock
@@ -56,54 +54,12 @@ class ApplyReport:
     probes: dict | None = None
     patches: dict | None = None
     run_dir: str | None = None
+    build: dict | None = None          # the build's figures: fetched, cached, pushed, seconds per phase
     error: str | None = None
     seconds: float = 0.0
 
     def to_json(self) -> dict:
         return asdict(self)
-
-
-def _local_wheel(lock: Lock, url: str) -> Path | None:
-    """A package url the controller holds (file:// or a path), else None (fetched by the host)."""
-    parsed = urlparse(url)
-    if parsed.scheme in ("http", "https"):
-        return None
-    path = Path(unquote(parsed.path)) if parsed.scheme == "file" else Path(url)
-    return path if path.is_absolute() else lock.resolve_path(url)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def build_vars(lock: Lock, facts: dict, installer: str | None) -> dict:
-    """Extravars for playbooks/build.yml; local wheels are checked against their sha256 here."""
-    pkgs = []
-    for p in lock.packages:
-        item = {"name": p.name, "version": p.version, "sha256": p.sha256, "filename": p.filename}
-        local = _local_wheel(lock, p.url)
-        if local is None:
-            item["url"] = p.url
-        else:
-            if not local.exists():
-                raise ProvisionError(f"{p.pin}: wheel {local} not found", where=f"{lock.path}:{p.line}")
-            got = _sha256(local)
-            if got != p.sha256:
-                raise ProvisionError(f"{p.pin}: sha256 mismatch for {local.name}: lock says {p.sha256[:16]}…, "
-                                     f"file is {got[:16]}…; refusing", where=f"{lock.path}:{p.line}")
-            item["src"] = str(local)
-        pkgs.append(item)
-    uv = facts.get("uv") or "" if installer in (None, "uv") else ""
-    if installer == "uv" and not uv:
-        raise HostError("--installer uv, but uv is not on the host's PATH", where=facts["host"])
-    cu = lock.platform.cuda
-    root = facts["root"]
-    return {"root": root, "cache": f"{root}/cache/wheels", "python": facts["pythons"][lock.platform.python], "packages": pkgs, "uv": uv,
-            "cuda_source": cu.source, "cuda_apt_package": cu.package or ""}
 
 
 # Hook points filled by the patch engine and the probes; each returns a JSON-able summary.
@@ -239,27 +195,21 @@ def _apply(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps,
     lay = layout.of(transport)
     manifest = {"lock_name": lock.name, "lock_digest": lock.digest, "stack": asdict(stack_of_lock(lock)),
                 "python": lock.platform.python, "cuda": asdict(lock.platform.cuda)}
-    extravars = build_vars(lock, facts, installer)
-    gen = generations.prepare(transport, lock.name, lockmod.dump(lock), manifest, extravars["packages"])
-    extravars.update(gen_dir=gen["dir"], venv=gen["venv"])
+    packages, _ = buildmod.packages_of(lock)
+    gen = generations.prepare(transport, lock.name, lockmod.dump(lock), manifest, packages)
     report.generation = gen["id"]
     try:
 
         def build():
-            res = runner.run_playbook("build", [transport.target], extravars, label=gen["id"],
-                                      interpreters={transport.target.name: facts.get("python_executable")},
-                                      on_event=lambda kind, task, item: progress and progress(
-                                          "build", "info", f"{task} {item}".strip()))
-            report.run_dir = res.run_dir
-            if res.error:
-                raise HostError(f"build failed: {res.error}", where=facts["host"])
-            return {"detail": f"{len(lock.packages)} packages installed ({res.seconds:.1f}s)"}
+            figs = buildmod.build(transport, lock, facts, gen, installer, progress)
+            report.build, report.run_dir = figs, figs.get("run_dir")
+            return {"detail": buildmod.summary(figs, len(lock.packages))}
 
         steps.run("build", build)
         manifest.update(cuda_home=layout.cuda_home(lock, lay.venv(gen["id"])),
-                        installer="uv" if extravars["uv"] else "pip", run_dir=report.run_dir)
+                        installer=report.build["installer"], run_dir=report.run_dir)
         generations.mark(transport, gen["id"], status="built", cuda_home=manifest["cuda_home"],
-                         installer=manifest["installer"], run_dir=report.run_dir)
+                         installer=manifest["installer"], run_dir=report.run_dir, build=report.build)
         report.patches = steps.run("patch", patch_hook, transport, lock, gen)
         if report.patches.get("files"):   # recorded before probes: the patches probe checks these sha256
             manifest["patches"] = report.patches

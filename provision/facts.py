@@ -5,19 +5,14 @@
 """
 from __future__ import annotations
 
-from . import agent
 from .layout import DEFAULT_ROOT, root_of  # noqa: F401  (re-exported: the root is named in layout)
 from .transport import Transport
 
 
 def gather(transport: Transport, *, adopt: str | None = None) -> dict:
-    args = [root_of(transport)]
-    if adopt:
-        args += ["--adopt", adopt]
-    smi = transport.target.vars.get("provision_nvidia_smi")
-    if smi:
-        args += ["--nvidia-smi", smi]
-    facts = transport.run_agent(agent.source("facts"), args, python=transport.target.vars.get("python", "python3"))
+    payload = {"root": root_of(transport), "adopt": adopt,
+               "nvidia_smi": transport.target.vars.get("provision_nvidia_smi")}
+    facts = transport.run_agent("facts", payload, python=transport.target.vars.get("python", "python3"))
     facts["host"] = transport.target.name
     return facts
 

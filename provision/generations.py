@@ -2,20 +2,15 @@
 roll back, adopt, history, recover, gc, logs. Every call is one round trip; the agent does the atomic work."""
 from __future__ import annotations
 
-import base64
-import json
 import time
 
-from . import agent
 from .facts import root_of
 from .errors import HostError
 from .transport import Transport
 
 
 def call(transport: Transport, op: str, **args) -> dict:
-    args["root"] = root_of(transport)
-    payload = base64.b64encode(json.dumps(args).encode()).decode()
-    return transport.run_agent(agent.source("state"), [op, payload])
+    return transport.run_agent("state", dict(args, op=op, root=root_of(transport)))
 
 
 def prepare(t: Transport, lock_name: str, lock_text: str, manifest: dict, packages: list[dict]) -> dict:

@@ -61,13 +61,6 @@ def of(transport) -> Layout:
 
 def cuda_home(lock, venv: str) -> str | None:
     """Where a generation built from `lock` finds its CUDA toolkit (recorded in its manifest)."""
-    cu = lock.platform.cuda
-    if cu.source == "wheels" and cu.version:
-        # NVIDIA's CUDA 13 wheels put the toolkit at site-packages/nvidia/cu13 (bin/nvcc, include, lib).
-        major = cu.version.split(".")[0]
-        return f"{venv}/lib/python{lock.platform.python}/site-packages/nvidia/cu{major}"
-    if cu.source == "apt":
-        return cu.home or f"/usr/local/cuda-{'.'.join(cu.version.split('.')[:2])}"
-    if cu.source == "host":
-        return cu.home or "/usr/local/cuda"
-    return None
+    from .toolkit import home
+
+    return home(lock, venv)

@@ -18,6 +18,7 @@ from packaging.version import InvalidVersion, Version
 from . import plan as planmod
 from .lock import Lock
 from .resolve import marker_true, requires_dist, wheel_metadata
+from .toolkit import nvcc_missing
 
 # Minimum Linux driver for each CUDA major (NVIDIA's CUDA toolkit release notes, table 3:
 # minor-version compatibility). CUDA 13.x needs the R580 branch.
@@ -241,6 +242,10 @@ class _Checker:
                 if m and m.group(1) != major:
                     self.add("warning", "cuda-tag", p.name, p.pin,
                              f"a CUDA {m.group(1)} library in a CUDA {cu.version} stack", self.at_pkg(p.name))
+        why = nvcc_missing(self.lock)
+        if why:
+            self.add("error", "toolkit", "cuda-toolkit", f"cuda {cu.source} {cu.version}", why,
+                     self.lock.where("platform", "cuda"))
         if cu.source == "wheels" and cu.version:
             tk = self.pkgs.get("cuda-toolkit")
             if tk is None:

@@ -4,9 +4,7 @@ also the manifest check and the EAGLE-3 interface contract (`agent/contracts.py`
 """
 from __future__ import annotations
 
-import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,12 +13,12 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
-from . import agent, yamlio
+from . import yamlio
 from .agent import patcher as diffs
 from .errors import LockError, PatchError, ProvisionError, SeriesError
 from .lock import PROJECT_RE
 from .facts import root_of
-from .transport import Local, Transport
+from .transport import Transport
 
 SERIES_FILE = "series.yaml"
 
@@ -149,8 +147,8 @@ def env_python(transport: Transport, python: str | None, site_packages: str | No
     return f"{root_of(transport)}/current/venv/bin/python"
 
 
-def _sp_args(site_packages):
-    return ["--site-packages", str(site_packages)] if site_packages else []
+def _sp(site_packages):
+    return str(site_packages) if site_packages else None
 
 
 def _where(transport, python, site_packages):
@@ -159,8 +157,8 @@ def _where(transport, python, site_packages):
 
 def installed(transport: Transport, packages: list[str], *, python: str, site_packages=None) -> dict:
     """{package: {name, version, root} or None} in the target environment."""
-    out = transport.run_agent(agent.source("patcher"), ["inspect", *packages, *_sp_args(site_packages)],
-                              python=python)
+    out = transport.run_agent("patcher", {"cmd": "inspect", "packages": packages,
+                                          "site_packages": _sp(site_packages)}, python=python)
     return out["packages"]
 
 
@@ -201,18 +199,6 @@ def _version(text: str, where: str) -> Version:
         raise PatchError(f"installed version {text!r} is not a PEP 440 version", where=where) from None
 
 
-def _put_payload(transport: Transport, data: dict) -> str:
-    """Write a JSON payload for an agent; the agent deletes it after reading (name provision-payload-*)."""
-    if isinstance(transport, Local):
-        import tempfile
-        directory = tempfile.gettempdir()
-    else:
-        directory = "/tmp"
-    path = f"{directory}/provision-payload-{uuid.uuid4().hex}.json"
-    transport.put(json.dumps(data).encode(), path, mode=0o600)
-    return path
-
-
 def apply_series(transport: Transport, series_list: list[Series], *, python: str, check_only: bool = False,
                  revert: bool = False, site_packages: str | None = None) -> dict:
     """Apply (or check, or revert) every series in the environment of `python` (or `site_packages`).
@@ -230,10 +216,9 @@ def apply_series(transport: Transport, series_list: list[Series], *, python: str
     names = sorted({s.package for s in series_list}
                    | {canonicalize_name(p.applies_to.name) for s in series_list for p in s.patches if p.applies_to})
     dists = installed(transport, names, python=python, site_packages=site_packages)
-    payload = {"mode": mode, "site_packages": str(site_packages) if site_packages else None,
+    payload = {"cmd": "run", "mode": mode, "site_packages": _sp(site_packages),
                "series": gate(series_list, dists, where)}
-    path = _put_payload(transport, payload)
-    out = transport.run_agent(agent.source("patcher"), ["run", path], python=python)
+    out = transport.run_agent("patcher", payload, python=python)
     if out.get("failed"):
         raise PatchError(out["failed"], where=where)
     by_name = {p["name"]: p for p in payload["series"]}
@@ -251,13 +236,14 @@ def apply_series(transport: Transport, series_list: list[Series], *, python: str
 def verify_manifest(transport: Transport, manifest_files: dict, python: str, *, site_packages=None) -> list:
     """[{path, expected, actual}] for each file whose sha256 differs from the manifest (actual None:
     missing). Relative paths are taken from the environment's site-packages."""
-    path = _put_payload(transport, {"files": manifest_files})
-    out = transport.run_agent(agent.source("patcher"), ["verify", path, *_sp_args(site_packages)], python=python)
+    out = transport.run_agent("patcher", {"cmd": "verify", "files": manifest_files,
+                                          "site_packages": _sp(site_packages)}, python=python)
     return out["mismatches"]
 
 
 def check_contract(transport: Transport, arch: str, python: str, *, site_packages=None) -> dict:
     """The EAGLE-3 interface contract of `arch` (a name or a config.json on the host), statically."""
-    out = transport.run_agent(agent.source("contracts"), [arch, *_sp_args(site_packages)], python=python)
+    out = transport.run_agent("contracts", {"architecture": arch, "site_packages": _sp(site_packages)},
+                              python=python)
     out["host"] = transport.target.name
     return out

@@ -1,11 +1,14 @@
 """ansible-runner wrapper: a fresh private data dir per run, host-key-checked SSH, events → progress.
 
+Inventory and variables reach Ansible as files whose every value is tagged !unsafe (data, never a
+template); each host gets a remote temp dir of its own per run under its provision root.
 `run_playbook` returns a RunResult whose `error` is one line (task, host, item, message) on failure;
 the run directory is kept as the run's artifacts for post-mortems.
 """
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -15,7 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import yaml
+
 from .bundled import PLAYBOOKS
+from .layout import DEFAULT_ROOT
 from .transport import Target
 
 RUNS = Path(os.environ.get("PROVISION_HOME", Path.home() / ".provision")) / "runs"
@@ -31,11 +37,47 @@ class RunResult:
     tasks: list[str] = field(default_factory=list)
 
 
-def inventory(targets: list[Target], interpreters: dict[str, str] | None = None) -> dict:
-    """Ansible inventory for targets; `interpreters` maps host name → python path found by facts."""
+class Unsafe(str):
+    """A value Ansible must never render as a template (YAML tag !unsafe)."""
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+_Dumper.add_representer(Unsafe, lambda d, v: d.represent_scalar("!unsafe", str(v)))
+
+
+def unsafe(data):
+    """`data` with every string value (not key) marked !unsafe, at any depth."""
+    if isinstance(data, dict):
+        return {str(k): unsafe(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [unsafe(v) for v in data]
+    return Unsafe(data) if isinstance(data, str) else data
+
+
+def write_vars(path: Path, data: dict) -> Path:
+    """A YAML vars file in which no value can be templated: what reaches Ansible stays data."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.dump(unsafe(data), Dumper=_Dumper, sort_keys=True))
+    return path
+
+
+def remote_tmp(t: Target, run_id: str) -> str:
+    """This run's own temp dir on the host, under its provision root."""
+    return f"{t.vars.get('provision_root', DEFAULT_ROOT)}/tmp/ansible-{run_id}"
+
+
+def inventory(targets: list[Target], run_id: str, interpreters: dict[str, str] | None = None) -> dict:
+    """Ansible inventory for targets (every value data, never a template); each host gets its own
+    remote temp dir for this run under its provision root. `interpreters`: host name → a python the
+    host's facts found (checked by the caller)."""
     hosts = {}
     for t in targets:
-        v = {"ansible_python_interpreter": (interpreters or {}).get(t.name) or t.vars.get("python", "python3")}
+        py = (interpreters or {}).get(t.name) or t.vars.get("python") or "/usr/bin/python3"
+        v = {"ansible_python_interpreter": py,
+             "ansible_remote_tmp": remote_tmp(t, run_id)}
         if t.local:
             v["ansible_connection"] = "local"
         else:
@@ -55,7 +97,6 @@ def _env(run_dir: Path, sock_dir: str) -> dict:
     return {
         "ANSIBLE_HOME": str(run_dir / "ansible"),
         "ANSIBLE_LOCAL_TEMP": str(run_dir / "tmp"),
-        "ANSIBLE_REMOTE_TMP": "/tmp/.ansible-provision",
         "ANSIBLE_PIPELINING": "True",
         "ANSIBLE_HOST_KEY_CHECKING": "True",
         "ANSIBLE_SSH_ARGS": f"-o ControlMaster=auto -o ControlPersist=60s -o ControlPath={sock_dir}/%C",
@@ -84,13 +125,15 @@ def _failure(ev: dict) -> str:
 
 
 def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: str = "",
-                 interpreters: dict[str, str] | None = None,
-                 on_event: Callable[[str, str, str], None] | None = None, check: bool = False) -> RunResult:
+                 interpreters: dict[str, str] | None = None, on_event: Callable[[str, str, str], None] | None = None, check: bool = False) -> RunResult:
     import ansible_runner
 
     RUNS.mkdir(parents=True, exist_ok=True)
-    run_dir = RUNS / f"{time.strftime('%Y%m%dT%H%M%S')}-{name}-{label or 'run'}-{os.getpid()}-{time.monotonic_ns() % 10**6}"
+    run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{time.monotonic_ns() % 10**6}"
+    run_dir = RUNS / f"{run_id}-{name}-{label or 'run'}"
     (run_dir / "tmp").mkdir(parents=True)
+    hosts = write_vars(run_dir / "inventory" / "hosts.yml", inventory(targets, run_id, interpreters))
+    extra = write_vars(run_dir / "vars.yml", extravars)
     failures: list[str] = []
     tasks: list[str] = []
 
@@ -113,9 +156,9 @@ def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: st
     sock_dir = tempfile.mkdtemp(prefix="pv-", dir="/tmp")   # ControlPath must stay under 108 bytes
     env = _env(run_dir, sock_dir)
     r = ansible_runner.run(private_data_dir=str(run_dir), playbook=str(PLAYBOOKS / f"{name}.yml"),
-                           inventory=inventory(targets, interpreters), extravars=extravars, envvars=env,
+                           inventory=str(hosts), envvars=env,
                            suppress_env_files=True, quiet=True, event_handler=handler,
-                           cmdline="--check --diff" if check else None,
+                           cmdline=shlex.join(["-e", f"@{extra}"] + (["--check", "--diff"] if check else [])),
                            settings={"suppress_ansible_output": True})
     _stop_masters(Path(sock_dir))
     seconds = time.perf_counter() - t0
@@ -133,5 +176,3 @@ def _stop_masters(sock_dir: Path) -> None:
     shutil.rmtree(sock_dir, ignore_errors=True)
 
 
-if __name__ == "__main__":  # pragma: no cover - manual debugging aid
-    print(inventory([Target.parse(a) for a in sys.argv[1:]]))

@@ -1,12 +1,13 @@
 """Transports to a host: Local (subprocess) and SSH (paramiko, verified host keys only).
 
-Both offer run / run_python / put / get / hold; remote command lines are quoted here and
+Both offer run / run_agent / put / hold / spawn; remote command lines are quoted here and
 nowhere else (`shlex.join`). Hosts are named `[user@]host[:port]` or `local`.
 """
 from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import subprocess
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterable
 
 from .errors import HostError, HostKeyError, HostLockedError, InputError
 
@@ -118,12 +120,15 @@ class Result:
 
 
 class Transport:
-    """What every transport offers; see Local and SSH."""
+    """What every transport offers; see Local and SSH. Nothing proportional to the data goes on a
+    command line: agents get their payload on stdin (`run_agent`)."""
 
     target: Target
 
-    def run(self, argv: list[str], *, stdin: bytes | None = None, env: dict | None = None,
-            timeout: float | None = None) -> Result:
+    def run(self, argv: list[str], *, stdin: bytes | Iterable[bytes] | None = None, timeout: float | None = None,
+            on_line: Callable[[str], None] | None = None) -> Result:
+        """Run argv (no shell on Local; quoted by `quote` on SSH) with stdin (bytes, or chunks streamed);
+        `on_line` sees stdout lines as they come."""
         raise NotImplementedError
 
     def check(self, argv: list[str], **kw) -> str:
@@ -133,84 +138,81 @@ class Transport:
             raise HostError(f"{argv[0]} failed: {last[0]}", where=self.target.name)
         return r.stdout
 
-    def run_python(self, source: str, args: list[str] | None = None, *, python: str = "python3",
-                   env: dict | None = None, timeout: float | None = None) -> Result:
-        """Run a stdlib-only script (its source sent on stdin) with the host's interpreter, isolated (-I: no
-        PYTHONPATH, user site or working directory on its path)."""
-        return self.run([python, "-I", "-", *(args or [])], stdin=source.encode(), env=env, timeout=timeout)
+    def run_agent(self, name: str, payload: dict, *, python: str = "python3", env: dict | None = None,
+                  timeout: float | None = None, on_event: Callable[[dict], None] | None = None,
+                  extra_stdin: Iterable[bytes] | None = None) -> dict:
+        """Run host agent `name` on `payload` (one JSON line on stdin; `extra_stdin` streams after it) with
+        interpreter `python`; returns the agent's result (its last stdout line). Earlier lines
+        {"_event": {...}} go to `on_event` (progress); agent errors become HostError."""
+        from . import agent
 
-    def run_agent(self, source: str, args: list[str] | None = None, **kw) -> dict:
-        """Run an agent script that prints one JSON object; agent errors become HostError."""
-        r = self.run_python(source, args, **kw)
+        def line(text: str) -> None:
+            if on_event and text.startswith("{"):
+                try:
+                    ev = json.loads(text)
+                except ValueError:
+                    return
+                if isinstance(ev, dict) and isinstance(ev.get("_event"), dict):
+                    on_event(ev["_event"])
+
+        msg = agent.message(name, payload, env)
+        r = self.run(agent.command(python), stdin=itertools.chain([msg], extra_stdin) if extra_stdin else msg,
+                     timeout=timeout,
+                     on_line=line if on_event else None)
         try:
             data = json.loads(r.stdout.strip().splitlines()[-1]) if r.stdout.strip() else None
         except (json.JSONDecodeError, IndexError):
             data = None
-        if not isinstance(data, dict):
+        if not isinstance(data, dict) or "_event" in data:
             detail = (r.stderr.strip() or r.stdout.strip() or f"exit {r.rc}").splitlines()[-1]
-            raise HostError(f"host agent failed: {detail}", where=self.target.name)
+            raise HostError(f"host agent {name} failed: {detail}", where=self.target.name)
         if data.get("error"):
-            raise HostError(data["error"], where=self.target.name)
+            raise HostError(str(data["error"]), where=self.target.name)
         return data
 
-    def put(self, data: bytes, path: str, mode: int = 0o644) -> None:
-        script = ("import base64,os,sys\np=sys.argv[1]\nos.makedirs(os.path.dirname(p) or '.',exist_ok=True)\n"
-                  "t=p+'.tmp'\nopen(t,'wb').write(base64.b64decode(sys.stdin.buffer.read()))\n"
-                  "os.chmod(t,int(sys.argv[2],8))\nos.replace(t,p)\n")
-        r = self.run(["python3", "-c", script, path, oct(mode)[2:]], stdin=base64.b64encode(data))
+    def put(self, data: bytes, path: str, mode: int = 0o640) -> None:
+        """Write `data` to `path` on the host atomically (the path is the only argument)."""
+        script = ("import os,sys\np=sys.argv[1]\nos.makedirs(os.path.dirname(p) or '.',mode=0o750,exist_ok=True)\n"
+                  "t=p+'.tmp-%d'%os.getpid()\nf=os.open(t,os.O_WRONLY|os.O_CREAT|os.O_TRUNC,int(sys.argv[2],8))\n"
+                  "os.write(f,sys.stdin.buffer.read())\nos.close(f)\nos.replace(t,p)\n")
+        r = self.run(["python3", "-I", "-c", script, path, oct(mode)[2:]], stdin=data)
         if r.rc != 0:
             raise HostError(f"cannot write {path}: {r.stderr.strip()}", where=self.target.name)
-
-    def get(self, path: str) -> bytes:
-        r = self.run(["python3", "-c", "import base64,sys;sys.stdout.write(base64.b64encode("
-                      "open(sys.argv[1],'rb').read()).decode())", path])
-        if r.rc != 0:
-            raise HostError(f"cannot read {path}", where=self.target.name)
-        return base64.b64decode(r.stdout)
 
     def hold(self, lock_path: str) -> "HeldLock":
         """Take the host's flock for one mutating run; released when the run ends or dies."""
         return HeldLock(self, lock_path)
 
-    def spawn(self, argv: list[str], env: dict | None = None):
-        """Start a long-running process; returns an object with .stdin, .stdout, .close()."""
+    def spawn(self, argv: list[str]):
+        """Start a long-running process; returns an object with .send(), .readline(), .close()."""
         raise NotImplementedError
 
     def close(self) -> None:
         pass
 
 
-_LOCK_SCRIPT = r"""
-import fcntl, json, os, sys, time
-p = sys.argv[1]
-os.makedirs(os.path.dirname(p), exist_ok=True)
-f = open(p, "a+")
-try:
-    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-except OSError:
-    f.seek(0)
-    print(json.dumps({"held": False, "by": f.read().strip()}), flush=True)
-    sys.exit(0)
-f.seek(0); f.truncate(); f.write(json.dumps({"pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})); f.flush()
-print(json.dumps({"held": True}), flush=True)
-sys.stdin.read()   # hold until the controller closes stdin or its connection dies
-"""
-
-
 class HeldLock:
-    """A host flock held by a helper process whose stdin we keep open."""
+    """A host flock held by the `host` agent (op hold) whose stdin we keep open."""
 
     def __init__(self, transport: Transport, path: str):
         self.transport, self.path, self.proc = transport, path, None
 
     def __enter__(self):
-        self.proc = self.transport.spawn(["python3", "-c", _LOCK_SCRIPT, self.path])
+        from . import agent
+
+        root = self.path.rsplit("/", 1)[0] if self.path.endswith("/.lock") else self.path
+        self.proc = self.transport.spawn(agent.command())
+        self.proc.send(agent.message("host", {"op": "hold", "root": root}))
         line = self.proc.readline()
         try:
             state = json.loads(line)
         except json.JSONDecodeError:
             self.proc.close()
             raise HostError(f"cannot take host lock {self.path}", where=self.transport.target.name)
+        if state.get("error") or "held" not in state:
+            self.proc.close()
+            raise HostError(f"cannot take host lock {self.path}: {state.get('error')}",
+                            where=self.transport.target.name)
         if not state["held"]:
             self.proc.close()
             raise HostLockedError(f"another run holds the host lock {self.path} ({state['by'] or 'unknown'})",
@@ -222,12 +224,15 @@ class HeldLock:
 
 
 class _LocalProc:
-    def __init__(self, argv, env):
-        self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.DEVNULL, env=env, text=True)
+    def __init__(self, argv):
+        self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+    def send(self, data: bytes) -> None:
+        self.p.stdin.write(data)
+        self.p.stdin.flush()
 
     def readline(self) -> str:
-        return self.p.stdout.readline()
+        return self.p.stdout.readline().decode(errors="replace")
 
     def close(self):
         try:
@@ -240,27 +245,72 @@ class _LocalProc:
             self.p.kill()
 
 
+def _drain(stream, on_line) -> bytes:
+    """Read a binary stream to its end, handing each complete line to `on_line` as it arrives."""
+    chunks = []
+    for raw in iter(stream.readline, b""):
+        chunks.append(raw)
+        if on_line:
+            on_line(raw.decode(errors="replace").rstrip("\n"))
+    return b"".join(chunks)
+
+
 class Local(Transport):
     """This machine, through subprocess (no shell)."""
 
     def __init__(self, target: Target | None = None):
         self.target = target or Target(host="local")
 
-    def _env(self, env):
-        return {**os.environ, **env} if env else None
-
-    def run(self, argv, *, stdin=None, env=None, timeout=None) -> Result:
+    def run(self, argv, *, stdin=None, timeout=None, on_line=None) -> Result:
         try:
-            p = subprocess.run([str(a) for a in argv], input=stdin, capture_output=True,
-                               env=self._env(env), timeout=timeout)
+            p = subprocess.Popen([str(a) for a in argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE)
         except FileNotFoundError as e:
             return Result(127, "", str(e))
-        except subprocess.TimeoutExpired:
-            return Result(124, "", f"timed out after {timeout}s")
-        return Result(p.returncode, p.stdout.decode(errors="replace"), p.stderr.decode(errors="replace"))
+        err_box: list[bytes] = []
+        t = threading.Thread(target=lambda: err_box.append(p.stderr.read()), daemon=True)
+        t.start()
+        feeder = threading.Thread(target=_feed, args=(p.stdin, stdin), daemon=True)
+        feeder.start()
+        expired: list[bool] = []
+        timer = threading.Timer(timeout, lambda: (expired.append(True), p.kill())) if timeout else None
+        if timer:
+            timer.start()
+        try:
+            out = _drain(p.stdout, on_line)
+            rc = p.wait()
+        finally:
+            if timer:
+                timer.cancel()
+        t.join()
+        if expired:
+            return Result(124, out.decode(errors="replace"), f"timed out after {timeout}s")
+        return Result(rc, out.decode(errors="replace"), (err_box[0] if err_box else b"").decode(errors="replace"))
 
-    def spawn(self, argv, env=None):
-        return _LocalProc([str(a) for a in argv], self._env(env))
+    def spawn(self, argv):
+        return _LocalProc([str(a) for a in argv])
+
+
+def _chunks(data) -> Iterable[bytes]:
+    return [] if data is None else [data] if isinstance(data, (bytes, bytearray)) else data
+
+
+def _feed(pipe, data) -> None:
+    try:
+        for chunk in _chunks(data):
+            pipe.write(chunk)
+        pipe.close()
+    except OSError:
+        pass   # the process exited without reading all of it
+
+
+def _send(chan, data) -> None:
+    try:
+        for chunk in _chunks(data):
+            chan.sendall(chunk)
+        chan.shutdown_write()
+    except Exception:  # noqa: BLE001 - the remote end exited or the connection went; the reader reports it
+        pass
 
 
 def fingerprint(key) -> str:
@@ -277,6 +327,9 @@ class _SSHProc:
     def __init__(self, chan):
         self.chan = chan
         self.f = chan.makefile("r")
+
+    def send(self, data: bytes) -> None:
+        self.chan.sendall(data)
 
     def readline(self) -> str:
         return self.f.readline()
@@ -318,21 +371,17 @@ class SSH(Transport):
         except OSError as e:
             raise HostError(f"cannot connect: {e.strerror or e}", where=target.name) from None
 
-    def run(self, argv, *, stdin=None, env=None, timeout=None) -> Result:
-        cmd = quote(argv)
-        if env:
-            cmd = quote(["env", *[f"{k}={v}" for k, v in env.items()]]) + " " + cmd
+    def run(self, argv, *, stdin=None, timeout=None, on_line=None) -> Result:
         try:
             chan = self.client.get_transport().open_session()
             chan.settimeout(timeout)
-            chan.exec_command(cmd)
-            if stdin:
-                chan.sendall(stdin)
-            chan.shutdown_write()
+            chan.exec_command(quote(argv))
             err_box: list[bytes] = []
             t = threading.Thread(target=lambda: err_box.append(chan.makefile_stderr("rb").read()), daemon=True)
             t.start()
-            out = chan.makefile("rb").read()
+            feeder = threading.Thread(target=_send, args=(chan, stdin), daemon=True)
+            feeder.start()
+            out = _drain(chan.makefile("rb"), on_line)
             t.join(timeout)
             rc = chan.recv_exit_status()
             err = err_box[0] if err_box else b""
@@ -341,12 +390,9 @@ class SSH(Transport):
             raise HostError(f"connection lost: {e or type(e).__name__}", where=self.target.name) from None
         return Result(rc, out.decode(errors="replace"), err.decode(errors="replace"))
 
-    def spawn(self, argv, env=None):
+    def spawn(self, argv):
         chan = self.client.get_transport().open_session()
-        cmd = quote(argv)
-        if env:
-            cmd = quote(["env", *[f"{k}={v}" for k, v in env.items()]]) + " " + cmd
-        chan.exec_command(cmd)
+        chan.exec_command(quote(argv))
         return _SSHProc(chan)
 
     def close(self):

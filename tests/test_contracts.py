@@ -97,11 +97,12 @@ def test_config_json_unknown_arch_and_fallback(pristine, tmp_path):
 
 
 def test_runs_as_a_host_agent_without_sglang_importable(pristine):
-    """Through a transport, as source on stdin, with an isolated interpreter (no torch, no sglang)."""
+    """Through a transport, shipped on stdin, with an isolated interpreter (no torch, no sglang)."""
     via_transport = patches.check_contract(Local(), KIMI, sys.executable, site_packages=str(pristine))
     assert via_transport["methods"] == check_contract(str(pristine), KIMI)["methods"]
-    out = subprocess.run([sys.executable, "-I", "-", DSV3, "--site-packages", str(pristine)],
-                         input=agent.source("contracts"), capture_output=True, text=True, check=True)
+    out = subprocess.run(agent.command(sys.executable), capture_output=True, text=True, check=True,
+                         input=agent.message("contracts", {"architecture": DSV3,
+                                                           "site_packages": str(pristine)}).decode())
     assert json.loads(out.stdout.strip().splitlines()[-1])["ok"] is True
 
 

@@ -200,15 +200,6 @@ def test_applier_offsets_and_missing_final_newline():
     assert failed is None and n == 1 and header == "@@ -1,2 +1,2 @@" and "line 2" in detail
 
 
-def test_agents_are_stdlib_only():
-    import ast
-    for name in ("patcher", "contracts"):
-        tree = ast.parse((Path(patcher.__file__).parent / f"{name}.py").read_text())
-        mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        assert mods <= set(sys.stdlib_module_names) | {"__future__"}, (name, mods)
-
-
 # ---------------------------------------------------------------- CLI
 
 def test_cli_apply_check_and_refusal(sp, tmp_path):

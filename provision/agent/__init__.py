@@ -1,10 +1,41 @@
-"""Stdlib-only scripts that run ON the host (sent as source on stdin); `source(name)` reads one."""
+"""Host-side agents (stdlib only), shipped as one bundle with their shared helpers (`host.py`).
+
+An agent is a module here with `main(payload) -> dict`. The controller runs it as
+`PYTHON -I -c host.BOOT` and writes one JSON line to its stdin: {bundle, agent, input, env}.
+"""
 from __future__ import annotations
 
+import base64
+import json
+import zlib
 from functools import lru_cache
 from pathlib import Path
 
+from .host import BOOT
+
+PKG = Path(__file__).resolve().parent.parent        # the local `provision` package
+
 
 @lru_cache(maxsize=None)
-def source(name: str) -> str:
-    return (Path(__file__).parent / f"{name}.py").read_text()
+def bundle() -> str:
+    """provision/__init__.py and provision/agent/*.py (this file excepted), by path, as zlib-compressed
+    base64 JSON."""
+    files = {"provision/__init__.py": (PKG / "__init__.py").read_text()}
+    for p in sorted((PKG / "agent").glob("*.py")):
+        files[f"provision/agent/{p.name}"] = p.read_text()
+    files["provision/agent/__init__.py"] = '"""Host-side agents (this file\'s controller part stays behind)."""\n'
+
+    return base64.b64encode(zlib.compress(json.dumps(files, sort_keys=True).encode(), 9)).decode()
+
+
+def command(python: str = "python3") -> list[str]:
+    """The command line of every agent run: an interpreter and the constant loader, nothing else."""
+    return [python, "-I", "-c", BOOT]
+
+
+def message(name: str, payload: dict, env: dict | None = None) -> bytes:
+    """The one stdin line that tells the loader which agent to run on what."""
+    msg = {"bundle": bundle(), "agent": name, "input": payload}
+    if env:
+        msg["env"] = {str(k): str(v) for k, v in env.items()}
+    return (json.dumps(msg) + "\n").encode()

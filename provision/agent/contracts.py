@@ -1,7 +1,7 @@
 """Host agent: the EAGLE-3 interface contract of a target architecture, read statically with `ast`.
 
-Never imports SGLang (runs on any host, GPU or not). Stdlib only, one file: `python3 - ARCH
-[--site-packages DIR] < contracts.py` prints one JSON object; also importable (`check_contract`).
+Never imports SGLang (runs on any host, GPU or not). Stdlib only; payload {architecture,
+site_packages?}; also importable (`check_contract`).
 """
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import glob
 import json
 import os
 import sys
+
+from .host import locate
 
 PACKAGE = "sglang"
 # Used only when the installed EAGLE worker cannot be scanned (layout changed): what 0.5.9 calls.
@@ -287,18 +289,6 @@ def lookup(index, cls, method, mro=None):
     return "missing", None
 
 
-def locate(package, site_packages=None):
-    from importlib import metadata
-
-    want = package.lower().replace("_", "-")
-    dists = metadata.distributions(path=[site_packages]) if site_packages else metadata.distributions()
-    for d in dists:
-        if (d.metadata["Name"] or "").lower().replace("_", "-") == want:
-            return {"name": d.metadata["Name"], "version": d.version,
-                    "root": os.path.abspath(str(d.locate_file("")))}
-    return None
-
-
 def architecture_of(arch):
     """An architecture name, or the first of `architectures` in a model's config.json."""
     if arch.endswith(".json") or os.path.isdir(arch):
@@ -360,23 +350,8 @@ def check_contract(site_packages, arch):
     return report
 
 
-def main(argv):
-    args = list(argv)
-    sp = None
-    if "--site-packages" in args:
-        i = args.index("--site-packages")
-        sp = args[i + 1] if i + 1 < len(args) else None
-        del args[i:i + 2]
-        if not sp or not os.path.isdir(sp):
-            return {"error": f"no such directory: {sp}"}
-    if len(args) != 1:
-        return {"error": "usage: contracts.py ARCH|config.json [--site-packages DIR]"}
-    return check_contract(sp, args[0])
-
-
-if __name__ == "__main__":
-    try:
-        result = main(sys.argv[1:])
-    except Exception as e:  # noqa: BLE001 - the controller wants one JSON line, never a traceback
-        result = {"error": f"{type(e).__name__}: {e}"}
-    print(json.dumps(result))
+def main(a):
+    sp = a.get("site_packages")
+    if sp and not os.path.isdir(sp):
+        return {"error": f"no such directory: {sp}"}
+    return check_contract(sp, a["architecture"])

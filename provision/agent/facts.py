@@ -1,33 +1,16 @@
 """Host agent (stdlib only): every fact a plan needs, gathered in one run, printed as one JSON line.
 
-Run as `python3 - ROOT [--adopt PYTHON] [--nvidia-smi CMD] < facts.py`. Facts: OS, pythons, uv,
-disk, GPUs and driver (nvidia-smi), CUDA toolkits, generations, `current` and its distributions.
+Payload: {root, adopt?: PYTHON, nvidia_smi?: CMD}. Facts: OS, pythons, uv, disk, GPUs and driver
+(nvidia-smi), CUDA toolkits, generations, `current` and its distributions.
 """
 import glob
-import json
 import os
 import platform
 import re
 import shutil
-import subprocess
 import sys
 
-DISTS_SCRIPT = (
-    "import json,importlib.metadata as m,sys\n"
-    "d={}\n"
-    "for x in m.distributions():\n"
-    "  n=(x.metadata['Name'] or '').lower().replace('_','-').replace('.','-')\n"
-    "  if n: d[n]=x.version\n"
-    "print(json.dumps({'dists':d,'python':'%d.%d.%d'%sys.version_info[:3],'prefix':sys.prefix}))\n"
-)
-
-
-def sh(argv, timeout=20, env=None, cwd=None):
-    try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
-        return p.returncode, p.stdout, p.stderr
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return 127, "", str(e)
+from .host import CLEAN_ENV, current, generations as host_generations, query_gpus, run_agent, sh
 
 
 def os_release():
@@ -43,7 +26,6 @@ def os_release():
             "kernel": platform.release(), "arch": platform.machine()}
 
 
-CLEAN_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 VERSION_SCRIPT = "import sys;print('%d.%d.%d' % sys.version_info[:3])"
 
 
@@ -72,25 +54,18 @@ def pythons():
 
 
 def gpus(nvidia_smi):
-    cmd = shutil.which(nvidia_smi) or (nvidia_smi if os.path.exists(nvidia_smi) else None)
-    if not cmd:
-        return {"nvidia_smi": None, "gpus": [], "driver": None}
-    rc, out, err = sh([cmd, "--query-gpu=index,name,uuid,driver_version,compute_cap,memory.total,pci.bus_id",
-                       "--format=csv,noheader"])
-    if rc != 0:
-        return {"nvidia_smi": cmd, "gpus": [], "driver": None, "error": (err or out).strip()[:200]}
-    rows = []
-    for line in out.strip().splitlines():
-        f = [x.strip() for x in line.split(",")]
-        if len(f) >= 7:
-            rows.append({"index": int(f[0]), "name": f[1], "uuid": f[2], "driver": f[3], "compute_cap": f[4],
-                         "memory": f[5], "pci": f[6]})
+    found = query_gpus(nvidia_smi)
+    rows = found["gpus"]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:   # what CUDA programs here will see: by index or UUID, in that order
         keys = [v.strip() for v in visible.split(",") if v.strip()]
         rows = [r for k in keys for r in rows if k == str(r["index"]) or r["uuid"].startswith(k)]
-    return {"nvidia_smi": cmd, "gpus": rows, "driver": rows[0]["driver"] if rows else None,
-            "cuda_visible_devices": visible}
+    out = {"nvidia_smi": found["nvidia_smi"], "gpus": rows, "driver": rows[0]["driver"] if rows else None}
+    if found["nvidia_smi"]:
+        out["cuda_visible_devices"] = visible
+    if found.get("error"):
+        out["error"] = found["error"]
+    return out
 
 
 def nvcc_version(nvcc):
@@ -110,44 +85,24 @@ def toolkits():
     return {"toolkits": found, "nvcc_on_path": path_nvcc, "nvcc_on_path_version": nvcc_version(path_nvcc) if path_nvcc else None}
 
 
-def read_json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
 def generations(root):
     gens = []
-    gdir = os.path.join(root, "generations")
-    for name in sorted(os.listdir(gdir)) if os.path.isdir(gdir) else []:
-        m = re.match(r"^(\d{4})-(.+)$", name)
-        if not m:
-            continue
-        man = read_json(os.path.join(gdir, name, "manifest.json")) or {}
-        gens.append({"id": name, "number": int(m.group(1)), "lock_name": man.get("lock_name", m.group(2)),
+    for number, name, man in host_generations(root):
+        gens.append({"id": name, "number": number, "lock_name": man.get("lock_name", name.split("-", 1)[1]),
                      "status": man.get("status", "incomplete"), "created": man.get("created"),
                      "lock_digest": man.get("lock_digest"), "adopted_from": man.get("adopted_from"),
                      "cuda_home": man.get("cuda_home"), "probes": man.get("probes_summary"),
                      "stack": man.get("stack"), "python": man.get("python"),
-                     "venv_ok": os.path.exists(os.path.join(gdir, name, "venv", "bin", "python")),
+                     "venv_ok": os.path.exists(os.path.join(root, "generations", name, "venv", "bin", "python")),
                      "patches": [p.get("name") for p in (man.get("patches") or {}).get("series", [])]
                      if isinstance(man.get("patches"), dict) else []})
-    cur = None
-    link = os.path.join(root, "current")
-    if os.path.islink(link):
-        cur = os.path.basename(os.readlink(link).rstrip("/"))
-    return gens, cur
+    return gens, current(root)
 
 
 def dists_of(python):
     if not os.path.exists(python):
         return {"error": "%s does not exist" % python}
-    rc, out, err = run_isolated(python, DISTS_SCRIPT)
-    if rc != 0:
-        return {"error": (err.strip().splitlines() or ["cannot run " + python])[-1]}
-    return json.loads(out)
+    return run_agent(python, "host", {"op": "dists"}, timeout=60)
 
 
 def cached_wheels(root):
@@ -162,10 +117,10 @@ def cached_wheels(root):
     return out
 
 
-def main(argv):
-    root = argv[0] if argv else "/opt/provision"
-    adopt = argv[argv.index("--adopt") + 1] if "--adopt" in argv else None
-    smi = argv[argv.index("--nvidia-smi") + 1] if "--nvidia-smi" in argv else "nvidia-smi"
+def main(a):
+    root = a.get("root") or "/opt/provision"
+    adopt = a.get("adopt")
+    smi = a.get("nvidia_smi") or "nvidia-smi"
     found, exact, broken = pythons()
     facts = {"root": root, "os": os_release(), "pythons": found, "python_versions": exact,
              "broken_pythons": broken, "uv": shutil.which("uv"), "cached_wheels": cached_wheels(root),
@@ -191,10 +146,5 @@ def main(argv):
     if adopt:
         facts["adopt"] = dists_of(adopt)
         facts["adopt"]["path"] = adopt
-    lock = os.path.join(root, ".lock")
-    facts["lock_file"] = lock
-    print(json.dumps(facts))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
+    facts["lock_file"] = os.path.join(root, ".lock")
+    return facts

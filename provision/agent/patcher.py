@@ -1,7 +1,6 @@
 """Host agent: applies, checks and reverts unified-diff patch series inside one Python environment.
 
-Stdlib only, one file, run as `python3 - inspect|run|verify ARGS < patcher.py`; prints one JSON object
-on its last line. Exact context, all-or-nothing over every hunk of every patch, idempotent, reversible.
+Stdlib only; payload {cmd: inspect|run|verify, site_packages?, ...}; returns one JSON object. Exact context, all-or-nothing over every hunk of every patch, idempotent, reversible.
 """
 from __future__ import annotations
 
@@ -13,10 +12,12 @@ import sys
 import sysconfig
 import tempfile
 
+from .host import AgentError, distribution, locate
+
 _HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
 
-class PatchFailed(Exception):
+class PatchFailed(AgentError):
     """One line naming the patch, the file and the first failing hunk."""
 
     def __init__(self, message, patch=None, path=None):
@@ -315,7 +316,7 @@ def run(payload):
     check = mode == "check"
     reports, state, original, rel = [], {}, {}, {}
     for s in payload["series"]:
-        dist = _distribution(s["package"], payload.get("site_packages"))
+        dist = distribution(s["package"], payload.get("site_packages"))
         if dist is None:
             return {"mode": mode, "failed": f"{s['package']} is not installed in this environment",
                     "written": False}
@@ -354,26 +355,6 @@ def run(payload):
 
 # ---------------------------------------------------------------- environment
 
-def _distribution(package, site_packages=None):
-    """The installed distribution named `package` (PEP 503 comparison), or None."""
-    from importlib import metadata
-
-    want = re.sub(r"[-_.]+", "-", package).lower()
-    dists = metadata.distributions(path=[site_packages]) if site_packages else metadata.distributions()
-    for d in dists:
-        if re.sub(r"[-_.]+", "-", d.metadata["Name"] or "").lower() == want:
-            return d
-    return None
-
-
-def locate(package, site_packages=None):
-    """{name, version, root} of an installed distribution, from this interpreter or a given dir."""
-    d = _distribution(package, site_packages)
-    if d is None:
-        return None
-    return {"name": d.metadata["Name"], "version": d.version, "root": os.path.abspath(str(d.locate_file("")))}
-
-
 def site_roots(site_packages=None):
     if site_packages:
         return [os.path.abspath(site_packages)]
@@ -397,53 +378,15 @@ def verify(manifest, site_packages=None):
     return bad
 
 
-def _opt(args, flag):
-    if flag in args:
-        i = args.index(flag)
-        if i + 1 >= len(args):
-            raise PatchFailed(f"{flag} needs a value")
-        value = args[i + 1]
-        del args[i:i + 2]
-        return value
-    return None
-
-
-def _load_payload(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    finally:
-        if os.path.basename(path).startswith("provision-payload-"):
-            os.unlink(path)
-
-
-def main(argv):
-    args = list(argv)
-    sp = _opt(args, "--site-packages")
-    if not args:
-        raise PatchFailed("usage: patcher.py inspect PKG... | run PAYLOAD.json | verify PAYLOAD.json "
-                          "[--site-packages DIR]")
-    cmd, rest = args[0], args[1:]
+def main(a):
+    cmd, sp = a.get("cmd"), a.get("site_packages")
     if sp and not os.path.isdir(sp):
         raise PatchFailed(f"no such directory: {sp}")
     if cmd == "inspect":
-        return {"packages": {p: locate(p, sp) for p in rest}, "python": sys.executable,
+        return {"packages": {p: locate(p, sp) for p in a.get("packages", [])}, "python": sys.executable,
                 "site_packages": site_roots(sp)}
     if cmd == "run":
-        payload = _load_payload(rest[0])
-        payload.setdefault("site_packages", sp)
-        return run(payload)
+        return run(a)
     if cmd == "verify":
-        payload = _load_payload(rest[0])
-        return {"mismatches": verify(payload["files"], sp)}
+        return {"mismatches": verify(a["files"], sp)}
     raise PatchFailed(f"unknown command {cmd!r}")
-
-
-if __name__ == "__main__":
-    try:
-        result = main(sys.argv[1:])
-    except PatchFailed as e:
-        result = {"error": str(e)}
-    except Exception as e:  # noqa: BLE001 - the controller wants one JSON line, never a traceback
-        result = {"error": f"{type(e).__name__}: {e}"}
-    print(json.dumps(result))

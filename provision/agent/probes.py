@@ -1,9 +1,8 @@
 """Host agent (stdlib + optional torch): the probes that run inside a generation's own interpreter.
 
-Run as `GEN/venv/bin/python - run B64JSON < probes.py`; prints one JSON line {results: [...]}.
+Run with the generation's interpreter; payload {probes: [...], ...}; returns {results: [...]}.
 Each result: {name, status: pass|fail|skip|warn, reason, figures}. Never imports SGLang.
 """
-import base64
 import glob
 import json
 import os
@@ -17,6 +16,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+
+from .host import installed_dists, norm, query_gpus
 
 # NVLink multicast stays off everywhere a probe starts GPU work (it can wedge shared hosts).
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -37,10 +38,6 @@ def sh(argv, timeout=120, env=None, cwd=None):
         return p.returncode, p.stdout, p.stderr
     except (OSError, subprocess.TimeoutExpired) as e:
         return 127, "", str(e)
-
-
-def norm(name):
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def major_minor(v):
@@ -93,33 +90,19 @@ def torch_facts():
     return _TORCH
 
 
-def installed_dists():
-    from importlib import metadata
-
-    out = {}
-    for d in metadata.distributions():
-        n = d.metadata["Name"]
-        if n:
-            out.setdefault(norm(n), d.version)
-    return out
-
-
 # ------------------------------------------------------------------ probes
 
 def p_driver(a):
-    smi = a.get("nvidia_smi") or "nvidia-smi"
-    cmd = shutil.which(smi) or (smi if os.path.exists(smi) else None)
-    if not cmd:
+    found = query_gpus(a.get("nvidia_smi") or "nvidia-smi")
+    if not found["nvidia_smi"]:
         return result("driver", "fail", "nvidia-smi not found, but the host's facts listed GPUs")
-    rc, out, err = sh([cmd, "--query-gpu=index,name,uuid,driver_version,compute_cap,memory.total,pci.bus_id",
-                       "--format=csv,noheader"], timeout=30)
-    if rc != 0:
-        return result("driver", "fail", "nvidia-smi failed: %s" % (err or out).strip()[:200])
-    rows = [[x.strip() for x in line.split(",")] for line in out.strip().splitlines() if line.strip()]
-    drivers = sorted({r[3] for r in rows if len(r) > 3})
+    if found.get("error"):
+        return result("driver", "fail", "nvidia-smi failed: %s" % found["error"])
+    rows = found["gpus"]
+    drivers = sorted({r["driver"] for r in rows})
     want = a.get("driver_min")
     figs = {"driver": drivers[0] if drivers else None, "gpus": len(rows), "min": want,
-            "names": sorted({r[1] for r in rows if len(r) > 1})}
+            "names": sorted({r["name"] for r in rows})}
     if not drivers:
         return result("driver", "fail", "nvidia-smi listed no driver version", **figs)
     if not want:
@@ -143,6 +126,9 @@ def p_nvcc(a):
     home = a.get("cuda_home")
     figs = {"cuda_home": home, "lock_cuda": want, "source": a.get("cuda_source")}
     nvcc = os.path.join(home, "bin", "nvcc") if home else None
+    if (not nvcc or not os.path.exists(nvcc)) and a.get("cuda_source") == "host":
+        return result("nvcc", "skip", "no nvcc at %s: the lock takes CUDA %s from the host (source host), and this "
+                      "host has no toolkit there" % (nvcc, want), **figs)
     if not nvcc or not os.path.exists(nvcc):
         return result("nvcc", "fail", "no nvcc at %s (CUDA_HOME of this generation)" % nvcc, **figs)
     rc, out, err = sh([nvcc, "--version"], timeout=60)
@@ -873,8 +859,7 @@ def _stop(signum, frame):
     raise SystemExit(128 + signum)   # unwinds through `finally`, which stops any engine
 
 
-def main(argv):
-    a = json.loads(base64.b64decode(argv[1]).decode()) if len(argv) > 1 else {}
+def main(a):
     for s in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, _stop)
     out = []
@@ -888,11 +873,3 @@ def main(argv):
         out.append(r)
     return {"results": out, "python": sys.executable, "version": "%d.%d.%d" % sys.version_info[:3],
             "dists": installed_dists()}
-
-
-if __name__ == "__main__":
-    try:
-        res = main(sys.argv[1:])
-    except Exception as e:  # noqa: BLE001 - the controller wants one JSON line, never a traceback
-        res = {"error": "%s: %s" % (type(e).__name__, e)}
-    print(json.dumps(res))

@@ -1,16 +1,15 @@
 """Host agent (stdlib only): the generations store — create, mark, switch `current`, roll back, history.
 
-Run as `python3 - OP B64JSON < state.py`; prints one JSON line. `current` is only ever changed by
+Payload: {op, root, ...}; returns one JSON object. `current` is only ever changed by
 rename(2) of a freshly made symlink, so it always points at a complete generation.
 """
-import base64
-import fcntl
 import json
 import os
 import re
 import shutil
-import sys
 import time
+
+from .host import AgentError, current, ensure_root, generations as gens, read_json, try_lock
 
 
 def now():
@@ -40,30 +39,6 @@ def write_atomic(path, text):
     fsync_dir(os.path.dirname(path))
 
 
-def read_json(path, default=None):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return default
-
-
-def gens(root):
-    gdir = os.path.join(root, "generations")
-    out = []
-    for name in sorted(os.listdir(gdir)) if os.path.isdir(gdir) else []:
-        m = re.match(r"^(\d{4})-(.+)$", name)
-        if m:
-            man = read_json(os.path.join(gdir, name, "manifest.json"), {})
-            out.append((int(m.group(1)), name, man))
-    return out
-
-
-def current(root):
-    link = os.path.join(root, "current")
-    return os.path.basename(os.readlink(link).rstrip("/")) if os.path.islink(link) else None
-
-
 def record(root, event):
     event = dict(event, time=now())
     with open(os.path.join(root, "history.jsonl"), "a") as f:
@@ -77,7 +52,7 @@ def switch_link(root, gen_id):
     """The commit point: rename(2) of a fresh symlink over `current`, then fsync of the root."""
     target = os.path.join("generations", gen_id)
     if not os.path.isdir(os.path.join(root, target)):
-        raise SystemExit(json.dumps({"error": "no generation %s under %s" % (gen_id, root)}))
+        raise AgentError("no generation %s under %s" % (gen_id, root))
     tmp = os.path.join(root, ".current.tmp-%d" % os.getpid())
     try:
         if os.path.lexists(tmp):
@@ -113,6 +88,7 @@ def update_manifest(root, gen_id, fields):
 
 def op_prepare(root, a):
     """Allocate the next generation directory and write its lock and a 'building' manifest."""
+    ensure_root(root)
     for sub in ("generations", "cache/wheels", "runs"):
         os.makedirs(os.path.join(root, sub), exist_ok=True)
     existing = gens(root)
@@ -351,6 +327,7 @@ def op_rollback(root, a):
 
 def op_adopt(root, a):
     """Record an unmanaged environment as generation 0000 (a symlink to it; nothing is moved)."""
+    ensure_root(root)
     for sub in ("generations", "cache/wheels", "runs"):
         os.makedirs(os.path.join(root, sub), exist_ok=True)
     gen_id = "0000-%s" % a["lock_name"]
@@ -445,27 +422,19 @@ OPS = {"prepare": op_prepare, "mark": op_mark, "switch": op_switch, "rollback": 
        "logs": op_logs, "status": op_status}
 
 
-def main(argv):
-    op, arg = argv[0], json.loads(base64.b64decode(argv[1]).decode()) if len(argv) > 1 else {}
-    root = arg["root"]
+def main(a):
+    root, op = a["root"], a.get("op")
     if op not in OPS:
-        print(json.dumps({"error": "unknown op %s" % op}))
-        return
+        return {"error": "unknown op %s" % op}
     held = None
-    if arg.get("take_lock"):
-        os.makedirs(root, exist_ok=True)
-        held = open(os.path.join(root, ".lock"), "a+")
-        try:
-            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            held.seek(0)
-            print(json.dumps({"error": "another run holds the host lock %s/.lock (%s)" % (root, held.read().strip())}))
-            return
+    if a.get("take_lock"):
+        held, holder = try_lock(root)
+        if held is None:
+            return {"error": "another run holds the host lock %s/.lock (%s)" % (root, holder)}
     try:
-        print(json.dumps(OPS[op](root, arg)))
+        return OPS[op](root, a)
     except OSError as e:
-        print(json.dumps({"error": "%s: %s" % (e.filename or root, e.strerror)}))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
+        return {"error": "%s: %s" % (e.filename or root, e.strerror)}
+    finally:
+        if held is not None:
+            held.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import List, Optional
@@ -28,25 +29,38 @@ class Installer(str, Enum):
 
 
 class StepPrinter:
-    """Renders one host's apply progress: one line per finished step, a spinner while a step runs."""
+    """Renders apply progress: one line per finished step with its time; while a step runs, a spinner with
+    its latest progress on a terminal, or plain progress lines (fetch at most every few seconds) in logs."""
+
+    EVERY = 5.0   # seconds between repeated progress lines of one kind when not on a terminal
 
     def __init__(self, quiet: bool):
-        self.quiet, self.status = quiet, None
+        self.quiet, self.status, self.t0, self.last = quiet, None, 0.0, {}
+        self.tty = err_console.is_terminal
 
     def __call__(self, step: str, state: str, detail: str) -> None:
         if self.quiet:
             return
+        now = time.monotonic()
         if state == "start":
-            self.status = err_console.status(plain(f"{step} …"))
-            self.status.start()
-        elif state == "info" and self.status:
-            self.status.update(plain(f"{step}: {detail[:90]}"))
+            self.t0, self.last = now, {}
+            if self.tty:
+                self.status = err_console.status(plain(f"{step} …"))
+                self.status.start()
+        elif state == "info" and self.tty and self.status:
+            self.status.update(plain(f"{step}: {detail[:110]}"))
+        elif state == "info" and not self.tty:
+            counter = detail.split(" ", 1)[0] if detail.startswith("fetch ") else None   # "fetch 37/118 · …"
+            if counter is None or now - self.last.get(step, -self.EVERY) >= self.EVERY:
+                if counter:
+                    self.last[step] = now
+                err_console.print(plain(f"    {step}: {detail}"))
         elif state in ("done", "fail"):
             if self.status:
                 self.status.stop()
                 self.status = None
             mark = ("✓", "green") if state == "done" else ("✗", "red")
-            err_console.print(styled("  ", mark, f" {step:<10} {detail}"))
+            err_console.print(styled("  ", mark, f" {step:<10} {now - self.t0:6.1f}s  {detail}"))
 
 
 class FleetPrinter:
@@ -117,7 +131,7 @@ def register(app: typer.Typer) -> None:
                                                   help="first contact: capture this existing env as generation 0"),
               skip_probe: List[str] = typer.Option([], "--skip-probe", help="emergency: skip a probe (recorded)"),
               installer: Optional[Installer] = typer.Option(None, "--installer",
-                                                           help="uv or pip (default: uv if on host)"),
+                                                           help="uv (default; the tool brings its own if the host lacks one) or pip"),
               serial: int = SerialOpt,
               forks: int = typer.Option(5, "--forks", help="fleet: hosts applied at once within a batch"),
               json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,

@@ -4,7 +4,6 @@ in history. Host-side probes live in `agent/probes.py`; patches and the contract
 """
 from __future__ import annotations
 
-import base64
 import json
 import time
 from dataclasses import dataclass
@@ -121,14 +120,10 @@ def _engine_spec(transport: Transport, lock: Lock, python: str, facts: dict) -> 
 
 
 def _run_host(transport: Transport, names: list[str], payload: dict, python: str, timeout: float) -> dict:
-    from .. import agent
-
     payload = dict(payload, probes=names)
-    arg = base64.b64encode(json.dumps(payload).encode()).decode()
     env = {str(k): str(v) for k, v in (transport.target.vars.get("provision_probe_env") or {}).items()}
     try:
-        out = transport.run_agent(agent.source("probes"), ["run", arg], python=python, env=env or None,
-                                  timeout=timeout)
+        out = transport.run_agent("probes", payload, python=python, env=env or None, timeout=timeout)
     except HostError as e:
         return {"results": [_res(n, "fail", f"probe agent failed in {python}: {e.message}") for n in names],
                 "dists": {}}

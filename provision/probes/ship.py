@@ -1,4 +1,5 @@
-"""Ship the tool's host-side code to a host, content-addressed: `<root>/tool/<digest>/provision/…`.
+"""Ship the tool's host-side code to a host, content-addressed: `<root>/tool/<digest>/provision/…`
+(unpacked by the `build` agent; host agents themselves travel with every call, see `agent/__init__.py`).
 
 That directory goes on PYTHONPATH so a generation's interpreter runs `python -m provision.engine.serve`
 (or a shipped script such as agent/allreduce.py) without anything being installed into the generation.
@@ -11,33 +12,12 @@ import io
 import tarfile
 from pathlib import Path
 
-from ..errors import HostError
 from ..facts import root_of
 from ..transport import Transport
 
 PKG = Path(__file__).resolve().parent.parent          # the local `provision` package
 
-_UNPACK = r"""
-import base64, io, os, shutil, sys, tarfile
-final = sys.argv[1]
-if os.path.exists(os.path.join(final, ".complete")):
-    print(final); sys.exit(0)
-tmp = final + ".tmp-%d" % os.getpid()
-os.makedirs(tmp)
-with tarfile.open(fileobj=io.BytesIO(base64.b64decode(sys.stdin.buffer.read()))) as t:
-    for m in t.getmembers():
-        if m.name.startswith("/") or ".." in m.name.split("/"):
-            raise SystemExit("unsafe path in bundle: " + m.name)
-    t.extractall(tmp)
-open(os.path.join(tmp, ".complete"), "w").close()
-if os.path.exists(final):
-    shutil.rmtree(final)
-os.replace(tmp, final)
-print(final)
-"""
-
-
-SCRIPTS = ("agent/allreduce.py",)                     # scripts the probe agent starts as their own processes
+SCRIPTS = ("agent/allreduce.py",)                     # helpers the probe agent starts as their own processes
 
 
 def bundle_files() -> list[tuple[str, bytes]]:
@@ -60,15 +40,16 @@ def digest(files: list[tuple[str, bytes]]) -> str:
 def ship_tool(transport: Transport) -> str:
     """Make sure the engine and the probe scripts are on the host; returns the directory to put on PYTHONPATH."""
     files = bundle_files()
-    final = f"{root_of(transport)}/tool/{digest(files)}"
+    name = digest(files)
+    ask = {"op": "unpack", "root": root_of(transport), "name": name}
+    there = transport.run_agent("build", ask)
+    if there["complete"]:
+        return there["path"]
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as t:
         for rel, data in files:
             info = tarfile.TarInfo(rel)
             info.size, info.mode, info.mtime = len(data), 0o644, 0
             t.addfile(info, io.BytesIO(data))
-    r = transport.run(["python3", "-c", _UNPACK, final], stdin=base64.b64encode(buf.getvalue()))
-    if r.rc != 0:
-        raise HostError(f"cannot ship the tool to {final}: {(r.stderr.strip() or r.stdout.strip())[-200:]}",
-                        where=transport.target.name)
-    return final
+    out = transport.run_agent("build", dict(ask, tar=base64.b64encode(buf.getvalue()).decode()))
+    return out["path"]

@@ -1,0 +1,162 @@
+"""Benchmark of real stacks on a throwaway loopback host (real sshd, uv, wheels from PyPI): the CUDA 12.8
+baseline, then a PyPI-only CUDA 13 lock, then back. Prints cold apply, cached apply, reuse, rollback and gc
+beside the line rate measured in the same run (a plain download of the biggest wheel), with ratios.
+Usage: python bench/real_stack.py [--python /path/to/python3.12] [--json] [--workdir DIR]
+It downloads the wheels of both locks (about 8 GB) into a fresh host root and removes it afterwards.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from provision import apply as applymod  # noqa: E402
+from provision import lock as lockmod  # noqa: E402
+from provision.loopback import LoopbackHost  # noqa: E402
+from provision.transport import connect, trust_host  # noqa: E402
+
+LOCKS = Path(__file__).resolve().parent.parent / "lockfiles"
+BASELINE, TARGET = LOCKS / "cuda12.8-sglang0.5.9.yaml", LOCKS / "cuda13-torch2.11-pypi.yaml"
+SKIP = ["engine"]          # no GPU here: the engine probe would only skip; everything else runs
+
+
+def find_python(minor: str) -> str | None:
+    """An interpreter of `minor` that really runs (pyenv shims may not)."""
+    cands = [shutil.which(f"python{minor}")] + sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{minor}*/bin/python{minor}")))
+    for c in filter(None, cands):
+        r = subprocess.run([c, "-c", "import sys;print('%d.%d' % sys.version_info[:2])"], capture_output=True, text=True)
+        if r.returncode == 0 and r.stdout.strip() == minor:
+            return c
+    return None
+
+
+def line_rate(url: str) -> tuple[float, int]:
+    """Bytes per second of a plain streamed download of `url` (read and dropped), and its size."""
+    t0, n = time.perf_counter(), 0
+    with urllib.request.urlopen(url, timeout=60) as r:
+        for chunk in iter(lambda: r.read(1 << 20), b""):
+            n += len(chunk)
+    return n / (time.perf_counter() - t0), n
+
+
+def du(path: Path) -> int:
+    """Bytes on disk under `path`, each hard-linked file counted once."""
+    out = subprocess.run(["du", "-s", "-B1", str(path)], capture_output=True, text=True)
+    return int(out.stdout.split()[0]) if out.returncode == 0 else 0
+
+
+def renamed(lk: lockmod.Lock, name: str, where: Path) -> lockmod.Lock:
+    """The same closure under another name: a new generation, every wheel already in the host's cache."""
+    data = copy.deepcopy(lk.raw)
+    data["name"] = name
+    path = where / f"{name}.yaml"
+    path.write_text(lockmod.dump(data))
+    return lockmod.load(path)
+
+
+def step_seconds(rep) -> dict:
+    return {s.name: round(s.seconds, 2) for s in rep.steps}
+
+
+def apply(tr, lk, label: str, rows: list, quiet: bool) -> dict:
+    def say(step, state, detail):
+        if not quiet and state in ("done", "fail"):
+            print(f"  [{label}] {step}: {detail}", file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    rep = applymod.apply(tr, lk, skip_probes=SKIP, progress=say)
+    wall = time.perf_counter() - t0
+    b = rep.build or {}
+    row = {"phase": label, "lock": lk.name, "status": rep.status, "wall_s": round(wall, 2), "steps": step_seconds(rep),
+           "fetched": b.get("fetched", 0), "cached": b.get("cached", 0), "bytes": b.get("fetched_bytes", 0),
+           "fetch_s": b.get("fetch_seconds", 0.0), "install_s": b.get("install_seconds", 0.0),
+           "probes": (rep.probes or {}).get("summary")}
+    rows.append(row)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--python", help="the hosts' Python 3.12 (default: one found that runs)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--workdir", help="where the host root goes (default: a temp dir; needs ~25 GB)")
+    args = ap.parse_args()
+    python = args.python or find_python("3.12")
+    if not python:
+        sys.exit("no Python 3.12 that runs; pass --python")
+    base, target = lockmod.load(BASELINE), lockmod.load(TARGET)
+    work = Path(tempfile.mkdtemp(prefix="real-stack-", dir=args.workdir))
+    biggest = max(base.packages + target.packages, key=lambda p: ("torch" == p.name, p.name))
+    rows: list[dict] = []
+    fig: dict = {"python": python}
+    try:
+        with LoopbackHost() as host:
+            trust_host(host.target)
+            t = host.target
+            t.vars.update(provision_root=str(work / "root"), python=python)
+            tr = connect(t)
+            try:
+                rate, size = line_rate(biggest.url)
+                fig.update(line_rate_Bps=rate, line_rate_wheel=biggest.filename, line_rate_wheel_bytes=size)
+                apply(tr, base, "cold: baseline", rows, args.json)
+                apply(tr, target, "cold: CUDA 13", rows, args.json)
+                apply(tr, renamed(target, "cuda13-torch2.11-pypi-again", work), "cached: CUDA 13", rows, args.json)
+                apply(tr, base, "reuse: baseline", rows, args.json)
+                t0 = time.perf_counter()
+                rb = applymod.rollback(tr)
+                fig["rollback"] = {"wall_s": round(time.perf_counter() - t0, 3), "from": rb.get("from"),
+                                   "to": rb.get("to"), "host_switch_s": rb.get("switch_seconds")}
+                root = work / "root"
+                fig["disk_before_gc"] = du(root)
+                fig["cache_bytes"] = du(root / "cache")
+                t0 = time.perf_counter()
+                g = applymod.gc(tr, keep=1)
+                fig["gc"] = {"wall_s": round(time.perf_counter() - t0, 2),
+                             **{k: v for k, v in g.items() if isinstance(v, (int, float, str))}}
+                fig["disk_after_gc"] = du(root)
+            finally:
+                tr.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    fig["rows"] = rows
+    if args.json:
+        print(json.dumps(fig, indent=2, default=str))
+        return
+    print(render(fig))
+
+
+def render(fig: dict) -> str:
+    rate = fig["line_rate_Bps"]
+    lines = [f"line rate: {rate / 1e6:.0f} MB/s (plain download of {fig['line_rate_wheel']}, "
+             f"{fig['line_rate_wheel_bytes'] / 1e9:.2f} GB)", "",
+             "| phase | packages fetched / cached | GB fetched | fetch s (MB/s) | install s | wall s | "
+             "bound: bytes ÷ line rate + install | wall ÷ bound |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in fig["rows"]:
+        bound = r["bytes"] / rate + r["install_s"]
+        mbps = f"{r['bytes'] / r['fetch_s'] / 1e6:.0f}" if r["fetch_s"] else "–"
+        ratio = f"{r['wall_s'] / bound:.2f}" if bound > 0 else "–"
+        lines.append(f"| {r['phase']} ({r['status']}) | {r['fetched']} / {r['cached']} | {r['bytes'] / 1e9:.2f} | "
+                     f"{r['fetch_s']:.1f} ({mbps}) | {r['install_s']:.1f} | {r['wall_s']:.1f} | {bound:.1f} | {ratio} |")
+    rb = fig["rollback"]
+    lines += ["", f"rollback {rb['from']} → {rb['to']}: {rb['wall_s']:.2f} s wall, host switch "
+                  f"{(rb['host_switch_s'] or 0) * 1000:.1f} ms",
+              f"gc --keep 1: {fig['gc']['wall_s']:.1f} s; disk {fig['disk_before_gc'] / 1e9:.1f} GB → "
+              f"{fig['disk_after_gc'] / 1e9:.1f} GB (wheel and uv caches {fig['cache_bytes'] / 1e9:.1f} GB)",
+              "step seconds per phase: " + "; ".join(f"{r['phase']}: {r['steps']}" for r in fig["rows"])]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""Host side, shared by every agent (stdlib only): the entry point that reads the one JSON payload,
+the host layout, the host lock, nvidia-smi, installed distributions and path containment.
+
+Agents are modules of `provision.agent`; each has `main(payload) -> dict`. See `agent/__init__.py`.
+"""
+import fcntl
+import importlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+CLEAN_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+UMASK = 0o027           # the host root and everything under it: dirs 0750, files 0640
+
+# The one command line an agent runs with: `PYTHON -I -c BOOT`. Its stdin's first line is one JSON
+# message {bundle, agent, input, env}: `bundle` holds this package's sources (zlib, base64), which
+# BOOT imports from memory; nothing proportional to the input is ever on a command line.
+BOOT = r"""
+import base64, importlib.abc, importlib.util, json, sys, zlib
+m = json.loads(sys.stdin.buffer.readline())
+S = json.loads(zlib.decompress(base64.b64decode(m["bundle"])))
+class L(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, n, p=None, t=None):
+        f = n.replace(".", "/")
+        for k, pkg in ((f + "/__init__.py", True), (f + ".py", False)):
+            if k in S:
+                return importlib.util.spec_from_loader(n, self, origin=k, is_package=pkg)
+    def create_module(self, spec):
+        return None
+    def exec_module(self, mod):
+        exec(compile(S[mod.__spec__.origin], mod.__spec__.origin, "exec"), mod.__dict__)
+sys.meta_path.insert(0, L())
+import provision.agent.host
+provision.agent.host.serve(m)
+""".strip()
+MESSAGE = {}            # the message this process was started with (to start sibling agents)
+
+
+class AgentError(Exception):
+    """A refusal or failure an agent reports as its one-line `error`."""
+
+
+# ------------------------------------------------------------------ entry
+
+def serve(message):
+    """Run `message["agent"]` on `message["input"]`; print its result as the last stdout line."""
+    MESSAGE.update(message)
+    os.umask(UMASK)
+    os.environ.update({str(k): str(v) for k, v in (message.get("env") or {}).items()})
+    try:
+        mod = importlib.import_module("provision.agent." + message["agent"])
+        result = mod.main(message.get("input") or {})
+    except AgentError as e:
+        result = {"error": str(e)}
+    except SystemExit:
+        raise
+    except Exception as e:  # noqa: BLE001 - the controller wants one JSON line, never a traceback
+        result = {"error": "%s: %s" % (type(e).__name__, (str(e).splitlines() or [""])[0][:300])}
+    emit(result)
+
+
+def emit(obj):
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def event(**fields):
+    """A progress event for the controller (a line before the result)."""
+    emit({"_event": fields})
+
+
+# ------------------------------------------------------------------ layout
+
+def layout(root):
+    """Every path provision keeps under a host root."""
+    return {
+        "root": root,
+        "generations": os.path.join(root, "generations"),
+        "current": os.path.join(root, "current"),
+        "history": os.path.join(root, "history.jsonl"),
+        "lock": os.path.join(root, ".lock"),
+        "wheels": os.path.join(root, "cache", "wheels"),
+        "uv_cache": os.path.join(root, "cache", "uv"),
+        "tool": os.path.join(root, "tool"),
+        "uv": os.path.join(root, "cache", "uv-bin"),
+        "tmp": os.path.join(root, "tmp"),
+        "runs": os.path.join(root, "runs"),
+    }
+
+
+def ensure_root(root):
+    """Create the host root (0750) if needed; tighten it if it is ours and wider."""
+    if not os.path.isabs(root):
+        raise AgentError("host root %r is not an absolute path" % root)
+    os.makedirs(root, mode=0o750, exist_ok=True)
+    st = os.stat(root)
+    if st.st_uid == os.getuid() and st.st_mode & 0o027:
+        os.chmod(root, st.st_mode & ~0o027 & 0o7777)
+    return layout(root)
+
+
+def inside(root, path):
+    """`path` if it is absolute and stays under `root` once resolved, else AgentError."""
+    if not isinstance(path, str) or not os.path.isabs(path) or "\0" in path:
+        raise AgentError("not an absolute path: %r" % (path,))
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)
+    if real != real_root and not real.startswith(real_root + os.sep):
+        raise AgentError("%s is outside %s" % (path, root))
+    return path
+
+
+def read_json(path, default=None):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return default
+
+
+def current(root):
+    link = os.path.join(root, "current")
+    return os.path.basename(os.readlink(link).rstrip("/")) if os.path.islink(link) else None
+
+
+def generations(root):
+    """[(number, id, manifest)] of the generation directories, oldest first."""
+    gdir = os.path.join(root, "generations")
+    out = []
+    for name in sorted(os.listdir(gdir)) if os.path.isdir(gdir) else []:
+        m = re.match(r"^(\d{4})-(.+)$", name)
+        if m:
+            out.append((int(m.group(1)), name, read_json(os.path.join(gdir, name, "manifest.json"), {}) or {}))
+    return out
+
+
+# ------------------------------------------------------------------ host lock
+
+def try_lock(root):
+    """Take the host's flock without waiting: (file, None) when held, (None, holder) when another run has it."""
+    path = ensure_root(root)["lock"]
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        return None, holder
+    f.seek(0)
+    f.truncate()
+    f.write(json.dumps({"pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
+    f.flush()
+    return f, None
+
+
+# ------------------------------------------------------------------ processes, GPUs, distributions
+
+def sh(argv, timeout=20, env=None, cwd=None):
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+        return p.returncode, p.stdout, p.stderr
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return 127, "", str(e)
+
+
+GPU_FIELDS = ("index", "name", "uuid", "driver", "compute_cap", "memory", "pci")
+
+
+def query_gpus(nvidia_smi="nvidia-smi"):
+    """{nvidia_smi, gpus: [{index, name, uuid, driver, compute_cap, memory, pci}], error?} from nvidia-smi."""
+    cmd = shutil.which(nvidia_smi) or (nvidia_smi if os.path.exists(nvidia_smi) else None)
+    if not cmd:
+        return {"nvidia_smi": None, "gpus": []}
+    rc, out, err = sh([cmd, "--query-gpu=index,name,uuid,driver_version,compute_cap,memory.total,pci.bus_id",
+                       "--format=csv,noheader"], timeout=30)
+    if rc != 0:
+        return {"nvidia_smi": cmd, "gpus": [], "error": (err or out).strip()[:200]}
+    rows = []
+    for line in out.strip().splitlines():
+        f = [x.strip() for x in line.split(",")]
+        if len(f) >= len(GPU_FIELDS) and f[0].isdigit():
+            row = dict(zip(GPU_FIELDS, f))
+            row["index"] = int(row["index"])
+            rows.append(row)
+    return {"nvidia_smi": cmd, "gpus": rows}
+
+
+def norm(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def installed_dists(path=None):
+    """{normalized name: version} of the distributions this interpreter sees (or those in `path`)."""
+    from importlib import metadata
+
+    out = {}
+    for d in metadata.distributions(path=[path]) if path else metadata.distributions():
+        n = d.metadata["Name"]
+        if n:
+            out.setdefault(norm(n), d.version)
+    return out
+
+
+def distribution(package, site_packages=None):
+    """The installed distribution named `package` (PEP 503 comparison), from this interpreter or a given dir."""
+    from importlib import metadata
+
+    want = norm(package)
+    for d in metadata.distributions(path=[site_packages]) if site_packages else metadata.distributions():
+        if norm(d.metadata["Name"] or "") == want:
+            return d
+    return None
+
+
+def locate(package, site_packages=None):
+    """{name, version, root} of one installed distribution, or None."""
+    d = distribution(package, site_packages)
+    if d is None:
+        return None
+    return {"name": d.metadata["Name"], "version": d.version, "root": os.path.abspath(str(d.locate_file("")))}
+
+
+def run_agent(python, agent, payload, timeout=120):
+    """Run another agent in another interpreter on this host (e.g. a generation's), through the same
+    channel the controller uses, isolated (`-I`, clean environment, cwd /); returns its result dict."""
+    line = json.dumps({"bundle": MESSAGE["bundle"], "agent": agent, "input": payload}) + "\n"
+    try:
+        p = subprocess.run([python, "-I", "-c", BOOT], input=line.encode(), capture_output=True, timeout=timeout,
+                           env=CLEAN_ENV, cwd="/")
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"error": "cannot run %s: %s" % (python, e)}
+    out = p.stdout.decode(errors="replace").strip().splitlines()
+    try:
+        return json.loads(out[-1])
+    except (IndexError, ValueError):
+        err = p.stderr.decode(errors="replace").strip().splitlines()
+        return {"error": "cannot run %s: %s" % (python, (err or ["exit %d" % p.returncode])[-1])}
+
+
+# ------------------------------------------------------------------ this module as an agent
+
+def main(a):
+    """`hold`: take the host lock and keep it until stdin closes; `dists`: this interpreter's distributions."""
+    if a.get("op") == "hold":
+        f, holder = try_lock(a["root"])
+        if f is None:
+            return {"held": False, "by": holder}
+        emit({"held": True})
+        sys.stdin.buffer.read()   # held until the controller closes stdin or its connection dies
+        return {"released": True}
+    if a.get("op") == "dists":
+        return {"dists": installed_dists(), "python": "%d.%d.%d" % sys.version_info[:3], "prefix": sys.prefix,
+                "executable": sys.executable}
+    raise AgentError("unknown op %r" % a.get("op"))

@@ -1,0 +1,207 @@
+"""The build step of apply: wheels the controller holds are pushed by hash, the host's build agent
+fetches the rest in parallel into its content-addressed cache and installs them (uv by default,
+linking from a shared cache; pip only when asked); its events become readable progress lines."""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+from typing import Callable, Iterator
+from urllib.parse import unquote, urlparse
+
+from .errors import HostError, ProvisionError
+from .layout import root_of
+from .lock import Lock
+from .transport import Transport
+
+Progress = Callable[[str, str, str], None]   # (step, state: start|done|fail|info, detail)
+CHUNK = 1 << 20
+
+
+def local_wheel(lock: Lock, url: str) -> Path | None:
+    """A package url the controller holds (file:// or a path relative to the lock), else None."""
+    parsed = urlparse(url)
+    if parsed.scheme in ("http", "https"):
+        return None
+    path = Path(unquote(parsed.path)) if parsed.scheme == "file" else Path(url)
+    return path if path.is_absolute() else lock.resolve_path(url)
+
+
+def packages_of(lock: Lock) -> tuple[list[dict], list[tuple[dict, Path]]]:
+    """(the build agent's package list, [(package, local file)] for wheels the controller pushes)."""
+    pkgs, local = [], []
+    for p in lock.packages:
+        item = {"name": p.name, "version": p.version, "sha256": p.sha256, "filename": p.filename, "label": p.pin}
+        path = local_wheel(lock, p.url or "")
+        if path is None:
+            item["url"] = p.url
+        else:
+            if not path.is_file():
+                raise ProvisionError(f"{p.pin}: wheel {path} not found", where=f"{lock.path}:{p.line}")
+            local.append((item, path))
+        pkgs.append(item)
+    return pkgs, local
+
+
+def _stream(paths: list[Path]) -> Iterator[bytes]:
+    for path in paths:
+        with open(path, "rb") as f:
+            yield from iter(lambda: f.read(CHUNK), b"")
+
+
+def push(transport: Transport, root: str, files: list[tuple[dict, Path]]) -> int:
+    """Copy files the host's cache lacks into it (by sha256; the host verifies each on the way in).
+    Returns how many were sent."""
+    entries = [{"sha256": f["sha256"], "filename": f["filename"]} for f, _ in files]
+    if not entries:
+        return 0
+    missing = transport.run_agent("build", {"op": "have", "root": root, "files": entries})["missing"]
+    if not missing:
+        return 0
+    send = [files[i] for i in missing]
+    header = [dict(entries[i], size=path.stat().st_size, mode=f.get("mode"), label=f.get("label"))
+              for i, (f, path) in zip(missing, send)]
+    transport.run_agent("build", {"op": "push", "root": root, "files": header},
+                        extra_stdin=_stream([path for _, path in send]))
+    return len(send)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def controller_uv() -> Path:
+    """The uv binary this tool depends on."""
+    from uv import find_uv_bin
+
+    return Path(find_uv_bin())
+
+
+def under(root: str, path, what: str, host: str) -> str:
+    """`path` from a host's reply, if it is absolute and inside `root`; else HostError."""
+    parts = path.split("/") if isinstance(path, str) else []
+    if not (isinstance(path, str) and path.startswith(root.rstrip("/") + "/") and ".." not in parts
+            and "\0" not in path and "\n" not in path):
+        raise HostError(f"host reported {what} {path!r}, not a path under {root}; refusing", where=host)
+    return path
+
+
+def ensure_uv(transport: Transport, facts: dict) -> str:
+    """The host's uv, or the controller's pushed into the host's cache by hash."""
+    host_uv = facts.get("uv")
+    if isinstance(host_uv, str) and host_uv.startswith("/") and "\0" not in host_uv:
+        return host_uv
+    path = controller_uv()
+    f = {"sha256": _sha256(path), "filename": "uv", "mode": "750"}
+    root = root_of(transport)
+    push(transport, root, [(f, path)])
+    return f"{root}/cache/wheels/{f['sha256']}/uv"
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def describe(ev: dict) -> str | None:
+    """One readable line for a build agent event (None: nothing worth showing)."""
+    step = ev.get("step")
+    if step == "fetch" and ev.get("summary"):
+        if not ev.get("fetched"):
+            return f"fetch: all {ev.get('cached', 0)} wheels cached"
+        rate = ev["bytes"] / ev["seconds"] if ev.get("seconds") else 0
+        return (f"fetch: {ev['fetched']} wheels, {_size(ev['bytes'])} in {ev['seconds']:.1f}s "
+                f"({_size(rate)}/s); {ev.get('cached', 0)} cached")
+    if step == "fetch":
+        eta = f", {ev['eta']:.0f}s left" if ev.get("eta") is not None else ""
+        return (f"fetch {ev['done']}/{ev['total']} · {_size(ev['bytes'])} of ~{_size(ev['total_bytes'])} · "
+                f"{_size(ev['rate'])}/s{eta}")
+    if step in ("venv", "install") and ev.get("line"):
+        secs = f" ({ev['seconds']:.0f}s)" if ev.get("seconds") else ""
+        return f"{step}: {ev['line']}{secs}"
+    return None
+
+
+def build(transport: Transport, lock: Lock, facts: dict, gen: dict, installer: str | None,
+          progress: Progress | None = None) -> dict:
+    """Fill the generation's venv with the lock's closure; returns the build figures."""
+    say = progress or (lambda *a: None)
+    installer = installer or "uv"
+    if installer not in ("uv", "pip"):
+        raise ProvisionError(f"unknown installer {installer!r} (uv or pip)")
+    try:
+        return _build(transport, lock, facts, gen, installer, say)
+    except HostError as e:      # name the lock line of the package the host refused
+        hit = next((p for p in lock.packages if e.message.startswith(f"{p.pin}:") or f" {p.pin}:" in e.message), None)
+        if hit is None:
+            raise
+        raise HostError(f"{e.message} ({lock.path}:{hit.line})", where=e.where) from None
+
+
+def _build(transport: Transport, lock: Lock, facts: dict, gen: dict, installer: str, say: Progress) -> dict:
+    python = (facts.get("pythons") or {}).get(lock.platform.python)
+    if not (isinstance(python, str) and python.startswith("/") and "\0" not in python):
+        raise HostError(f"host has no usable Python {lock.platform.python} (reported {python!r})",
+                        where=transport.target.name)
+    pkgs, local = packages_of(lock)
+    root = root_of(transport)
+    for what in ("dir", "venv"):      # the state agent's reply: untrusted until checked
+        under(root + "/generations", gen.get(what), f"generation {what}", transport.target.name)
+    pushed = push(transport, root, local)
+    if pushed:
+        say("build", "info", f"pushed {pushed} wheel(s) held by the controller")
+    payload = {"op": "build", "root": root, "gen_dir": gen["dir"], "venv": gen["venv"], "python": python,
+               "installer": installer, "packages": pkgs, "jobs": int(os.environ.get("PROVISION_FETCH_JOBS", "8"))}
+    if installer == "uv":
+        payload["uv"] = ensure_uv(transport, facts)
+
+    def on_event(ev: dict) -> None:
+        line = describe(ev)
+        if line:
+            say("build", "info", line)
+
+    figs = transport.run_agent("build", payload, on_event=on_event)
+    figs["pushed"] = pushed
+    if lock.platform.cuda.source == "apt":
+        figs.update(host_steps(transport, lock, gen["id"], facts, say))
+    return figs
+
+
+PLAIN_PATH = re.compile(r"^/[A-Za-z0-9._+/-]{1,4095}\Z")
+
+
+def host_steps(transport: Transport, lock: Lock, label: str, facts: dict, say: Progress) -> dict:
+    """What Ansible does for a build (playbooks/build.yml): the apt CUDA toolkit. Returns its figures."""
+    from . import runner
+
+    cu = lock.platform.cuda
+    say("build", "info", f"apt: {cu.package}")
+    py = facts.get("python_executable")       # the host's reply: used only if it is a plain path
+    interp = {transport.target.name: py} if isinstance(py, str) and PLAIN_PATH.match(py) else None
+    res = runner.run_playbook("build", [transport.target], {"cuda_source": cu.source, "cuda_apt_package": cu.package},
+                              label=label, interpreters=interp)
+    if res.error:
+        raise HostError(f"build failed: {res.error}", where=transport.target.name)
+    return {"run_dir": res.run_dir, "ansible_seconds": round(res.seconds, 2)}
+
+
+def summary(figs: dict, count: int) -> str:
+    """The build step's line: what was fetched, what came from the cache, how long each phase took."""
+    parts = [f"{count} packages with {figs['installer']}"]
+    if figs.get("fetched"):
+        parts.append(f"fetched {figs['fetched']} ({_size(figs['fetched_bytes'])} in {figs['fetch_seconds']:.1f}s)")
+    if figs.get("cached"):
+        parts.append(f"{figs['cached']} cached")
+    if figs.get("pushed"):
+        parts.append(f"{figs['pushed']} pushed")
+    if figs.get("install_seconds") is not None:
+        parts.append(f"install {figs['install_seconds']:.1f}s")
+    return ", ".join(parts)
