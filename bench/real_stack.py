@@ -83,6 +83,8 @@ def apply(tr, lk, label: str, rows: list, quiet: bool) -> dict:
            "fetch_s": b.get("fetch_seconds", 0.0), "install_s": b.get("install_seconds", 0.0),
            "probes": (rep.probes or {}).get("summary")}
     rows.append(row)
+    if not quiet:
+        print(f"  [{label}] {json.dumps(row)}", file=sys.stderr, flush=True)
     return row
 
 
@@ -112,9 +114,10 @@ def main() -> None:
                 apply(tr, base, "cold: baseline", rows, args.json)
                 apply(tr, target, "cold: CUDA 13", rows, args.json)
                 apply(tr, renamed(target, "cuda13-torch2.11-pypi-again", work), "cached: CUDA 13", rows, args.json)
+                before = applymod.history(tr)["current"]
                 apply(tr, base, "reuse: baseline", rows, args.json)
                 t0 = time.perf_counter()
-                rb = applymod.rollback(tr)
+                rb = applymod.rollback(tr, to=before)      # back to the CUDA 13 generation it left
                 fig["rollback"] = {"wall_s": round(time.perf_counter() - t0, 3), "from": rb.get("from"),
                                    "to": rb.get("to"), "host_switch_s": rb.get("switch_seconds")}
                 root = work / "root"
