@@ -300,7 +300,7 @@ def apply_fleet(targets: list, lock: Lock, *, serial: int = 0, forks: int = 5,
         batch = targets[i:i + size]
         with ThreadPoolExecutor(max_workers=max(1, min(forks, len(batch)))) as pool:
             reports += list(pool.map(one, batch))
-        if any(r.status == "failed" for r in reports):
+        if any(r.status in ("failed", "unknown") for r in reports):
             reports += [ApplyReport(host=t.name, lock_name=lock.name, status="not-attempted",
                                     error="an earlier batch failed") for t in targets[i + size:]]
             break

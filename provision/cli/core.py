@@ -172,8 +172,9 @@ def register(app: typer.Typer) -> None:
                     err = (r.error or "").removeprefix(f"{r.host}: ")
                     console.print(f"  {r.host:<{width}}  {r.status:<14} {r.generation or ''} {err}")
                 counts = {s: sum(r.status == s for r in reports) for s in ("applied", "noop", "failed", "not-attempted")}
+                counts.update({s: n for s in ("reused", "unknown") if (n := sum(r.status == s for r in reports))})
                 console.print("Fleet: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + ".")
-            if any(r.status in ("failed", "not-attempted") for r in reports):
+            if any(r.status in ("failed", "unknown", "not-attempted") for r in reports):
                 raise typer.Exit(1)
             return
         t = ts[0]
