@@ -1,5 +1,5 @@
-"""The fault matrix on real sshd hosts: a full disk, unwritable history, concurrent applies, rollback during
-apply, a spoofed engine port, a failing probe.
+"""The fault matrix on real sshd hosts: ssh drops, a full disk, unwritable history, the controller killed at
+seven moments, concurrent applies, rollback during apply, a spoofed engine port, a failing probe.
 
 After each fault: the host is on exactly one complete, runnable generation; what apply's report and
 `history` say matches the host; a re-run converges (and then is a no-op); nothing is left half-done in
@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,8 @@ from provision import apply as applymod
 from provision import lock as lockmod
 from provision import plan as planmod
 from provision.errors import HostLockedError, ProvisionError
-from provision.transport import connect
+from provision.loopback import LoopbackHost
+from provision.transport import connect, trust_host
 from wheelhouse import make_wheel, write_lock
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,6 +89,34 @@ def converge(target, lk, expect_new: bool = True) -> applymod.ApplyReport:
     return rep
 
 
+def ssh_masters(target) -> list[int]:
+    """ssh ControlMaster processes for this host still running on the controller (ControlPath %C: the
+    sha1 of local host name, host, port and user)."""
+    import hashlib
+    import socket
+
+    c = hashlib.sha1(f"{socket.gethostname()}{target.host}{target.port}{target.user}".encode()).hexdigest()
+    return [pid for pid in host_processes(c) if b"[mux]" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+def host_processes(marker: str) -> list[int]:
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes() and int(pid) != os.getpid():
+                out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
+def wait_quiet(marker: str, timeout: float = 60) -> None:
+    """Wait until no process works under `marker` (what a killed run left running winds down)."""
+    deadline = time.time() + timeout
+    while host_processes(marker) and time.time() < deadline:
+        time.sleep(0.2)
+
+
 @pytest.fixture
 def stacks(tmp_path, wheels):
     """Locks a..h: each one builds a distinct generation (alpha plus one distinct tiny wheel)."""
@@ -100,6 +131,112 @@ def applied(target, lk) -> applymod.ApplyReport:
         return applymod.apply(tr, lk)
     finally:
         tr.close()
+
+
+# ---------------------------------------------------------------- the controller killed at seven moments
+
+KILLER = r"""
+import os, signal, sys, threading, time, json
+sys.path.insert(0, sys.argv[1])
+from provision import apply as applymod, lock as lockmod
+from provision.transport import Target, connect
+t = Target(**json.loads(sys.argv[2]))
+step, state, delay = sys.argv[4], sys.argv[5], float(sys.argv[6])
+def progress(s, st, detail):
+    if (s, st) == (step, state):
+        print("at", s, st, flush=True)
+        threading.Timer(delay, lambda: os.killpg(0, signal.SIGKILL)).start() if delay else os.killpg(0, signal.SIGKILL)
+tr = connect(t)
+applymod.apply(tr, lockmod.load(sys.argv[3]), progress=progress)
+print("finished", flush=True)
+"""
+
+MOMENTS = [("build", "start", 0.4), ("build", "done", 0), ("patch", "done", 0), ("probe", "start", 0),
+           ("probe", "done", 0), ("switch", "start", 0), ("switch", "done", 0)]
+
+
+def test_controller_killed_at_seven_moments(target, stacks, tmp_path):
+    """SIGKILL of the controller (its process group: the tool and what it started) from mid-build to just
+    after the switch; each time the host is on one complete generation and the re-run converges."""
+    root = target.vars["provision_root"]
+    tspec = json.dumps({"host": target.host, "user": target.user, "port": target.port, "key_file": target.key_file,
+                        "known_hosts": str(target.known_hosts), "vars": target.vars})
+    base = applied(target, stacks[0])
+    cur = base.generation
+    for i, (step, state, delay) in enumerate(MOMENTS):
+        lk = stacks[1 + i]
+        p = subprocess.run([sys.executable, "-c", KILLER, str(ROOT), tspec, lk.path, step, state, str(delay)],
+                           capture_output=True, text=True, timeout=300, start_new_session=True,
+                           env={**os.environ, "PYTHONPATH": ""})
+        assert p.returncode == -signal.SIGKILL and f"at {step} {state}" in p.stdout, (step, p.stdout, p.stderr[-800:])
+        wait_quiet(root)
+        st = host_state(target)
+        committed = (step, state) == ("switch", "done")
+        new = [g for g in st["generations"] if g.endswith(lk.name)]
+        assert len(new) == 1, st
+        # before the commit `current` is untouched; after it, the new generation is current
+        assert st["current"] == (new[0] if committed else cur), (step, state, st)
+        rep = converge(target, lk, expect_new=not committed)
+        if committed:
+            assert rep.status == "noop" and rep.generation == new[0]
+        else:
+            assert rep.generation != new[0]
+            assert host_state(target)["generations"][new[0]]["status"] == "abandoned", (step, state)
+        cur = rep.generation
+    assert not ssh_masters(target)
+    events = applymod.history(connect(target))["events"]
+    assert sum(e["event"] == "abandoned" for e in events) == len(MOMENTS) - 1
+
+
+# ---------------------------------------------------------------- ssh drops
+
+def kill_sessions(host: LoopbackHost) -> None:
+    """Drop every ssh session of this host (its sshd's children), but not the listening sshd."""
+    doomed, frontier = [], [host.proc.pid]
+    while frontier:
+        parent = frontier.pop()
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == parent:
+                doomed.append(int(stat.parent.name))
+                frontier.append(int(stat.parent.name))
+    for pid in doomed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.parametrize("how", ["whole sshd", "sessions only"])
+def test_ssh_drop_mid_build(tmp_path, stacks, how):
+    with LoopbackHost(base=tmp_path) as h:
+        trust_host(h.target)
+        t = h.target
+        a = applied(t, stacks[0])
+        tr = connect(t)
+        drop = (lambda: (time.sleep(0.3), h.vanish())) if how == "whole sshd" else (lambda: (time.sleep(0.3),
+                                                                                            kill_sessions(h)))
+        killer = threading.Thread(target=drop)
+
+        def progress(step, state, detail):
+            if (step, state) == ("build", "start"):
+                killer.start()
+
+        with pytest.raises(ProvisionError) as e:
+            applymod.apply(tr, stacks[1], progress=progress)
+        killer.join()
+        tr.close()
+        rep = e.value.report
+        assert rep.status in ("failed", "unknown") and "\n" not in str(e.value)
+        wait_quiet(h.root)
+        if how == "whole sshd":
+            h.start()
+        assert host_state(t)["current"] == a.generation
+        converge(t, stacks[1])
+        assert not ssh_masters(t)
 
 
 # ---------------------------------------------------------------- a full disk, unwritable history
