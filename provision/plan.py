@@ -14,6 +14,7 @@ from packaging.version import InvalidVersion, Version
 
 from .errors import InputError
 from .lock import Lock, from_data
+from .toolkit import nvcc_missing
 
 PLAN_FORMAT = 2
 SYMBOL = {"add": "+", "change": "~", "remove": "-"}
@@ -420,6 +421,9 @@ def preflight_findings(facts: dict, lock: Lock, action: str = "build",
                 out.append((True, f"{p.pin} has no url/filename in the lock"))
         for u in lock.unresolved:
             out.append((True, f"{u['name']} is unresolved in the lock: {u['reason']}"))
+        no_nvcc = nvcc_missing(lock)
+        if no_nvcc:
+            out.append((True, no_nvcc))
         for name, digest in stack_of_lock(lock).patches.items():
             if digest == "missing":
                 out.append((True, f"patch series {name} not found next to {lock.path}"))
