@@ -17,7 +17,7 @@ from ..transport import Transport
 
 PKG = Path(__file__).resolve().parent.parent          # the local `provision` package
 
-SCRIPTS = ("agent/allreduce.py",)                     # helpers the probe agent starts as their own processes
+SCRIPTS = ("agent/allreduce.py",)                     # scripts the probe agent starts as their own processes
 
 
 def bundle_files() -> list[tuple[str, bytes]]:
