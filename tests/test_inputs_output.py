@@ -33,28 +33,24 @@ def test_tables_show_values_literally():
         assert v in text
 
 
-def test_errors_and_progress_lines_show_values_literally(monkeypatch, capsys):
+def test_errors_and_progress_lines_show_values_literally():
     from provision.errors import LockError
-
-    out = io.StringIO()
-    monkeypatch.setattr(common.err_console, "file", out)         # the CLI's own console, 80 columns
-    monkeypatch.setattr(common.err_console, "width", 80)
 
     @common.edge
     def fails():
         raise LockError("requirement [six==1.17.0] closes [/x] at host:abc: " + "x" * 100, where="l.yaml:3")
 
-    try:
-        fails()
-    except BaseException as e:                  # typer.Exit
-        assert getattr(e, "exit_code", None) == 2
-    lines = out.getvalue().splitlines()
-    assert lines == ["error: l.yaml:3: requirement [six==1.17.0] closes [/x] at host:abc: " + "x" * 100]
+    with common.err_console.capture() as cap:          # the CLI's own console
+        try:
+            fails()
+        except BaseException as e:                      # typer.Exit
+            assert getattr(e, "exit_code", None) == 2
+    want = "error: l.yaml:3: requirement [six==1.17.0] closes [/x] at host:abc: " + "x" * 100
+    assert cap.get().splitlines() == [want]                 # one line however long
 
-    out.truncate(0)
-    out.seek(0)
-    p = StepPrinter(False)
-    p("build", "start", "")
-    p("build", "info", "[/x] fetch [six==1.17.0]")
-    p("build", "done", "[/x] host:abc:")
-    assert "[/x] host:abc:" in out.getvalue()
+    with common.err_console.capture() as cap:
+        p = StepPrinter(False)
+        p("build", "start", "")
+        p("build", "info", "[/x] fetch [six==1.17.0]")
+        p("build", "done", "[/x] host:abc:")
+    assert "[/x] host:abc:" in cap.get()
