@@ -115,7 +115,7 @@ LOCK_CASES = [
     ("filename-sdist", "  filename: alpha-1.0-py3-none-any.whl\n", "  filename: alpha-1.0.tar.gz\n",
      "not a wheel file name"),
     ("sha256-short", "  sha256: ", "  sha256: 0", "64 lowercase hex"),
-    ("sha256-upper", "  sha256: ", "  sha256: ABCDEF0123456789ABCDEF0123456789ABCDEF0123456789ABCDEF0123456789\n  #", "64 lowercase hex"),
+    ("sha256-upper", "  sha256: ", "  sha256: " + "ABCDEF0123456789" * 4 + "\n  #", "64 lowercase hex"),
     ("url-http-remote", "  url: file://", "  url: http://files.example.com/alpha-1.0-py3-none-any.whl\n  #",
      "must be https://"),
     ("url-file-outside", "  url: file://", "  url: file:///etc/alpha-1.0-py3-none-any.whl\n  #",
