@@ -390,7 +390,7 @@ def test_spoofed_engine_port_and_failing_probe(target, stacks, tmp_path):
     required probe failing; both leave `current` where it was, the venv gone, the reasons in the report."""
     import http.server
 
-    from test_truth import StandIn
+    from test_truth import StandIn, broken_toolkit
 
     smi = tmp_path / "nvidia-smi"
     smi.write_text(f"#!/bin/sh\ncat {ROOT / 'tests' / 'data' / 'h200' / 'nvidia-smi-query.csv'}\n")
@@ -406,14 +406,14 @@ def test_spoofed_engine_port_and_failing_probe(target, stacks, tmp_path):
     spoof = Path(stacks[1].path).with_name("spoof.yaml")
     spoof.write_text(yaml.safe_dump(data))
     nocuda = dict(yaml.safe_load(Path(stacks[2].path).read_text()))
-    nocuda["platform"]["cuda"] = {"version": "13.0", "source": "host", "home": str(tmp_path / "no-cuda")}
+    nocuda["platform"]["cuda"] = {"version": "13.0", "source": "host", "home": str(broken_toolkit(tmp_path))}
     broken = Path(stacks[2].path).with_name("nocuda.yaml")
     broken.write_text(yaml.safe_dump(nocuda))
     gpu_only = ["driver", "arch", "matmul", "flashinfer", "sgl-kernel", "torch-cuda"]
     host = [f"{target.user}@{target.host}:{target.port}", "--key", target.key_file, "--known-hosts",
             target.known_hosts, "--root", target.vars["provision_root"]]
     def check(rep: dict, probe: str, why: str) -> None:
-        assert rep["status"] == "failed" and rep["failed_step"] == "probe" and rep["run_dir"]
+        assert rep["status"] == "failed" and rep["failed_step"] == "probe" and rep["plan"]["action"] == "build"
         failed = {r["name"]: r["reason"] for r in rep["probes"]["results"] if r["status"] == "fail"}
         assert why in failed[probe], failed
         assert f"{probe} (" in rep["error"] and why in rep["error"]
@@ -436,5 +436,5 @@ def test_spoofed_engine_port_and_failing_probe(target, stacks, tmp_path):
     p = subprocess.run([sys.executable, "-m", "provision.cli", "apply", *map(str, host), "--lock", str(broken),
                         "--json"], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
-    check(json.loads(p.stdout), "nvcc", "no nvcc at")   # `apply --json` prints the report of a failure
+    check(json.loads(p.stdout), "nvcc", "--version failed")   # `apply --json` prints the report of a failure
     converge(target, stacks[1])

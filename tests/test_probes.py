@@ -63,8 +63,9 @@ def adopted(tmp_path):
 
 def test_failing_probe_refuses_switch_and_skip_probe_is_recorded(target, wheels, tmp_path):
     a = write_lock(tmp_path / "a.yaml", "stack-a", [wheels["alpha-1.0"]])
-    nocuda = tmp_path / "no-cuda"
-    nocuda.mkdir()
+    nocuda = tmp_path / "broken-cuda"          # bin/nvcc is not a program: a broken toolkit install
+    (nocuda / "bin").mkdir(parents=True)
+    (nocuda / "bin" / "nvcc").write_text("")
     b = write_lock(tmp_path / "b.yaml", "stack-b", [wheels["alpha-2.0"]])
     data = yaml.safe_load(b.read_text())
     data["platform"]["cuda"] = {"version": "13.0", "source": "host", "home": str(nocuda)}
@@ -74,14 +75,14 @@ def test_failing_probe_refuses_switch_and_skip_probe_is_recorded(target, wheels,
         rep = applymod.apply(tr, lockmod.load(a))
         assert rep.probes["status"] == "pass" and rep.probes["summary"]["fail"] == 0
         assert by_name(rep.probes)["packages"]["status"] == "pass"
-        with pytest.raises(applymod.ProbesFailed, match=r"probes failed in 0002-stack-b: nvcc \(no nvcc at .*\); "
+        with pytest.raises(applymod.ProbesFailed, match=r"probes failed in 0002-stack-b: nvcc \(.*--version failed.*\); "
                                                         r"current left at 0001-stack-a"):
             applymod.apply(tr, lockmod.load(b))
         assert os.readlink(Path(target.vars["provision_root"]) / "current") == "generations/0001-stack-a"
         man = generations.read(tr, "0002-stack-b")["manifest"]
         assert man["status"] == "failed" and "nvcc" in man["reason"] and man["probes_status"] == "fail"
         stored = json.loads((Path(target.vars["provision_root"]) / "generations/0002-stack-b/probes.json").read_text())
-        assert stored["failed"] == ["nvcc"] and f"no nvcc at {nocuda}/bin/nvcc" in by_name(stored)["nvcc"]["reason"]
+        assert stored["failed"] == ["nvcc"] and f"{nocuda}/bin/nvcc --version failed" in by_name(stored)["nvcc"]["reason"]
 
         rep = applymod.apply(tr, lockmod.load(b), skip_probes=["nvcc"])
         assert rep.status == "applied" and rep.generation == "0003-stack-b"

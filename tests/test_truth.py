@@ -169,6 +169,14 @@ def test_probes_and_facts_ignore_the_operators_environment(tmp_path, wheels):
     assert p.returncode == 0 and "No changes" in p.stdout, p.stdout
 
 
+def broken_toolkit(tmp_path: Path) -> Path:
+    """A CUDA home whose bin/nvcc is not a program (a broken toolkit install): the nvcc probe fails."""
+    home = tmp_path / "broken-cuda"
+    (home / "bin").mkdir(parents=True)
+    (home / "bin" / "nvcc").write_text("")
+    return home
+
+
 def test_gc_keeps_current_and_rollback_target_and_failed_drop_their_venv_at_once(tmp_path, wheels):
     root = tmp_path / "root"
     tr = Local(Target(host="local", vars={"provision_root": str(root)}))
@@ -178,7 +186,7 @@ def test_gc_keeps_current_and_rollback_target_and_failed_drop_their_venv_at_once
              lockmod.load(write_lock(tmp_path / "c.yaml", "c", [wheels["beta-1.0"]]))]
     reps = [applymod.apply(tr, lk) for lk in locks]
     bad = yaml.safe_load(Path(locks[2].path).read_text())
-    bad["platform"]["cuda"] = {"version": "13.0", "source": "host", "home": str(tmp_path / "no-cuda")}
+    bad["platform"]["cuda"] = {"version": "13.0", "source": "host", "home": str(broken_toolkit(tmp_path))}
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
     with pytest.raises(applymod.ProbesFailed) as e:
         applymod.apply(tr, lockmod.load(tmp_path / "bad.yaml"))
@@ -201,6 +209,7 @@ def test_gc_keeps_current_and_rollback_target_and_failed_drop_their_venv_at_once
     assert sorted(g["id"] for g in out["generations"]) == sorted(g["id"] for g in dry["generations"])
     assert sorted(p.name for p in (root / "generations").iterdir()) == [reps[1].generation, reps[2].generation]
     assert not (root / "cache" / "wheels" / dry["cache"][0]["sha256"]).exists()
-    assert reps[0].run_dir in out["run_dirs"] and not Path(reps[0].run_dir).exists()
+    assert out["run_dirs"] == ([reps[0].run_dir] if reps[0].run_dir else [])     # an Ansible run's dir, if any
+    assert not reps[0].run_dir or not Path(reps[0].run_dir).exists()
     assert applymod.rollback(tr)["to"] == reps[1].generation              # what rollback needs is kept
     assert applymod.history(tr)["events"][-2]["event"] == "gc"
