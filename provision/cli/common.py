@@ -49,8 +49,10 @@ def edge(fn):
         try:
             return fn(*a, **kw)
         except ProvisionError as e:
-            if kw.get("json_out"):       # --json: the error is JSON too
-                print_json({"error": e.message, "where": e.where, "exit_code": e.exit_code})
+            if kw.get("json_out"):       # --json: the error is JSON too (with the run's report, when it has one)
+                report = getattr(e, "report", None)
+                data = report.to_json() if report is not None else {"error": e.message}
+                print_json(dict(data, where=e.where, exit_code=e.exit_code))
             err_console.print(styled(("error:", "red"), " ", str(e)), soft_wrap=True)
             raise typer.Exit(e.exit_code)
         except typer.BadParameter as e:

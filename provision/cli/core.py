@@ -186,10 +186,8 @@ def register(app: typer.Typer) -> None:
                                  skip_probes=skip_probe, installer=installer.value if installer else None,
                                  progress=StepPrinter(json_out),
                                  on_plan=None if json_out else lambda p: err_console.print(render_plan(p)))
-        except ProvisionError as e:
-            if json_out and getattr(e, "report", None) is not None:
-                print_json(e.report.to_json())   # the report survives a failure
-            elif getattr(e, "report", None) is not None:
+        except ProvisionError as e:   # the report survives a failure (with --json, the edge prints it)
+            if not json_out and getattr(e, "report", None) is not None:
                 _print_probes(e.report.probes)
                 for w in e.report.warnings:
                     err_console.print(f"warning: {w}")
