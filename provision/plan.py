@@ -15,6 +15,7 @@ from packaging.version import InvalidVersion, Version
 from .errors import InputError
 from .lock import Lock, from_data
 from .toolkit import nvcc_missing
+from .units import human_size
 
 PLAN_FORMAT = 2
 SYMBOL = {"add": "+", "change": "~", "remove": "-"}
@@ -253,13 +254,6 @@ def render(changes: list[Change], header: str = "", summary: dict | None = None)
     return "\n".join(lines)
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
 
 def render_plan(plan: Plan) -> str:
     base = plan.base or "no managed generation"
@@ -280,9 +274,9 @@ def render_plan(plan: Plan) -> str:
             if dl:
                 unknown = f" (+{dl['unknown']} of unknown size)" if dl.get("unknown") else ""
                 lines.append(f"  build: {len(plan.lock.get('packages') or [])} packages; download "
-                             f"{dl['wheels']} wheels, {_size(dl['bytes'])}{unknown}; disk needed "
-                             f"{'≥ ' if dl.get('unknown') else ''}{_size(dl['disk_needed'])}"
-                             + (f" of {_size(dl['disk_free'])} free" if dl.get("disk_free") is not None else ""))
+                             f"{dl['wheels']} wheels, {human_size(dl['bytes'])}{unknown}; disk needed "
+                             f"{'≥ ' if dl.get('unknown') else ''}{human_size(dl['disk_needed'])}"
+                             + (f" of {human_size(dl['disk_free'])} free" if dl.get("disk_free") is not None else ""))
         text = render(plan.changes, "\n".join([header, *lines]), plan.summary)
     text += "".join(f"\nerror: {w}" for w in plan.errors)
     text += "".join(f"\nwarning: {w}" for w in plan.warnings if w not in plan.errors)
@@ -410,8 +404,8 @@ def preflight_findings(facts: dict, lock: Lock, action: str = "build",
     free = facts.get("disk_free_bytes")
     need = MIN_FREE_BYTES + (download or {}).get("disk_needed", 0)
     if action == "build" and free is not None and free < need:
-        out.append((True, f"only {_size(free)} free under {facts.get('root')}; this build needs about {_size(need)} "
-                          f"(download, install and {_size(MIN_FREE_BYTES)} to spare)"))
+        out.append((True, f"only {human_size(free)} free under {facts.get('root')}; this build needs about {human_size(need)} "
+                          f"(download, install and {human_size(MIN_FREE_BYTES)} to spare)"))
     if action == "build":
         for p in lock.packages:
             if not p.sha256:

@@ -57,7 +57,7 @@ def snapshot(d: Path) -> dict:
     return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(d.rglob("*")) if p.is_file()}
 
 
-def refused(world: World, args: list, where: str, expect: str) -> None:
+def check_refused(world: World, args: list, where: str, expect: str) -> None:
     """Run the CLI; assert exit 2, one `error:` line with `where` and `expect`, no traceback, no side effect."""
     before = snapshot(world.dir)
     r = CliRunner().invoke(app, [str(a) for a in args])
@@ -187,7 +187,7 @@ def test_lock_case(world, case):
     path.parent.mkdir(exist_ok=True)
     path.write_text(text)
     line = at[0] if at else first_diff_line(world.lock_text, text)
-    refused(world, ["lock", "check", "--offline", path], f"{path}:{line}:", expect)
+    check_refused(world, ["lock", "check", "--offline", path], f"{path}:{line}:", expect)
 
 
 def test_bad_lock_refused_before_any_host_is_contacted(world):
@@ -199,7 +199,7 @@ def test_bad_lock_refused_before_any_host_is_contacted(world):
     for verb in (["plan", *world.host_args(), "--lock", path, "--out", out],
                  ["apply", *world.host_args(), "--lock", path],
                  ["lock", "resolve", path]):
-        refused(world, verb, f"{path}:{line}:", "out of range")
+        check_refused(world, verb, f"{path}:{line}:", "out of range")
     assert not out.exists()
 
 
@@ -236,7 +236,7 @@ def test_document_case(world, case):
     path = world.dir / "locks" / f"{name}.yaml"
     path.parent.mkdir(exist_ok=True)
     path.write_text(make())
-    refused(world, ["lock", "check", "--offline", path], f"{path}:{line}:" if line else f"{path}:", expect)
+    check_refused(world, ["lock", "check", "--offline", path], f"{path}:{line}:" if line else f"{path}:", expect)
 
 
 def test_lock_read_back_from_a_host_is_not_judged_against_this_folder(world, monkeypatch):
@@ -254,7 +254,7 @@ def test_not_utf8(world):
     path = world.dir / "locks" / "latin1.yaml"
     path.parent.mkdir(exist_ok=True)
     path.write_bytes(world.lock_text.replace("corpus", "corp\xe9s").encode("latin-1"))
-    refused(world, ["lock", "check", "--offline", path], f"{path}:", "not UTF-8")
+    check_refused(world, ["lock", "check", "--offline", path], f"{path}:", "not UTF-8")
 
 
 # ---------------------------------------------------------------- saved plans
@@ -325,7 +325,7 @@ def test_saved_plan_case(world, case):
     text = make(base_plan(world))
     path.write_text(text)
     where = f"{path}:{len(text.splitlines())}:" if has_line else f"{path}:"
-    refused(world, ["apply", *world.host_args(), "--plan", path], where, expect)
+    check_refused(world, ["apply", *world.host_args(), "--plan", path], where, expect)
 
 
 # ---------------------------------------------------------------- patch series
@@ -387,7 +387,7 @@ def test_series_case(world, case):
         at = f"{d / 'series.yaml'}:{first_diff_line(BASE_SERIES, s_text)}:"
     else:
         at = f"{d / 'series.yaml'}:7:"           # the `file:` entry naming the broken diff
-    refused(world, ["patches", "check", *world.host_args(), "--series", d, "--site-packages", world.sp], at, expect)
+    check_refused(world, ["patches", "check", *world.host_args(), "--series", d, "--site-packages", world.sp], at, expect)
 
 
 def test_series_file_symlinked_outside_refused(world, tmp_path):
@@ -398,7 +398,7 @@ def test_series_file_symlinked_outside_refused(world, tmp_path):
     (d / "series.yaml").write_text(BASE_SERIES)
     if not (d / "0001-alpha.patch").is_symlink():
         os.symlink(outside, d / "0001-alpha.patch")
-    refused(world, ["patches", "check", "--series", d, "--site-packages", world.sp], f"{d / 'series.yaml'}:7:",
+    check_refused(world, ["patches", "check", "--series", d, "--site-packages", world.sp], f"{d / 'series.yaml'}:7:",
             "no path, no link")
 
 
@@ -442,7 +442,7 @@ def test_argument_case(world, case):
     good.parent.mkdir(exist_ok=True)
     good.write_text(world.lock_text)
     subst = {"LOCK": str(good), "KH": str(world.dir / "known_hosts"), "ROOT": str(world.dir / "no-root")}
-    refused(world, [subst.get(a, a) for a in args], where, expect)
+    check_refused(world, [subst.get(a, a) for a in args], where, expect)
 
 
 # ---------------------------------------------------------------- inventories (what provision itself parses)
@@ -478,7 +478,7 @@ def test_inventory_case(world, case):
     good = world.dir / "locks" / "base.yaml"
     good.parent.mkdir(exist_ok=True)
     good.write_text(world.lock_text)
-    refused(world, ["plan", "-i", path, "--lock", good, "--known-hosts", world.dir / "known_hosts"],
+    check_refused(world, ["plan", "-i", path, "--lock", good, "--known-hosts", world.dir / "known_hosts"],
             f"{path}: host gpu1", expect)
 
 

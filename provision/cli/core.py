@@ -403,16 +403,10 @@ def history_table(h: dict, host: str):
     return table
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def status_table(rows):
     from rich.table import Table
+
+    from ..units import human_size
 
     table = Table(title_justify="left")
     for col in ("host", "current", "lock", "since", "last probe", "generations", "disk"):
@@ -427,7 +421,7 @@ def status_table(rows):
         probe = f"{p['status']} ({p['time']})" if p else "-"
         table.add_row(*(plain(c) for c in (r.host, s.get("current") or "(none)", s.get("lock") or "-",
                                            s.get("since") or "-", probe, f"{s['generations']} ({s['ready']} runnable)",
-                                           _size(s["disk_bytes"]))))
+                                           human_size(s["disk_bytes"]))))
     return table
 
 
