@@ -114,22 +114,34 @@ class LoopbackHost:
             if r.returncode != 0:
                 raise ProvisionError(f"cannot make network namespace {ns}: {' '.join(cmd)}: {r.stderr.strip()}")
 
-    def vanish(self) -> None:
-        """The host goes away mid-run: kill sshd and every session it forked (SIGKILL, by pid)."""
-        if not self.proc:
-            return
-        doomed, frontier = [], [self.proc.pid]
-        while frontier:   # descendants, from /proc's parent links
+    def sessions(self) -> list[int]:
+        """Pids of every process this host's sshd forked (its sessions and what they run), from /proc."""
+        found, frontier = [], [self.proc.pid] if self.proc else []
+        while frontier:
             parent = frontier.pop()
-            doomed.append(parent)
             for stat in Path("/proc").glob("[0-9]*/stat"):
                 try:
                     fields = stat.read_text().rsplit(")", 1)[1].split()
                 except OSError:
                     continue
                 if int(fields[1]) == parent:
+                    found.append(int(stat.parent.name))
                     frontier.append(int(stat.parent.name))
-        for pid in doomed:
+        return found
+
+    def drop_sessions(self) -> None:
+        """Every ssh session dies (SIGKILL, by pid); the listening sshd stays."""
+        for pid in self.sessions():
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+
+    def vanish(self) -> None:
+        """The host goes away mid-run: kill sshd and every session it forked (SIGKILL, by pid)."""
+        if not self.proc:
+            return
+        for pid in [self.proc.pid, *self.sessions()]:
             try:
                 os.kill(pid, 9)
             except ProcessLookupError:

@@ -192,22 +192,7 @@ def test_controller_killed_at_seven_moments(target, stacks, tmp_path):
 
 def kill_sessions(host: LoopbackHost) -> None:
     """Drop every ssh session of this host (its sshd's children), but not the listening sshd."""
-    doomed, frontier = [], [host.proc.pid]
-    while frontier:
-        parent = frontier.pop()
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == parent:
-                doomed.append(int(stat.parent.name))
-                frontier.append(int(stat.parent.name))
-    for pid in doomed:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    host.drop_sessions()
 
 
 @pytest.mark.parametrize("how", ["whole sshd", "sessions only"])

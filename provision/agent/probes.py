@@ -17,7 +17,7 @@ import time
 import urllib.error
 import urllib.request
 
-from .host import installed_dists, norm, query_gpus
+from .host import installed_dists, norm, query_gpus, sh
 
 # NVLink multicast stays off everywhere a probe starts GPU work (it can wedge shared hosts).
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -30,14 +30,6 @@ TORCH_JSON_ENV = "PROVISION_PROBE_TORCH_JSON"   # tests only: recorded torch fac
 
 def result(name, status, reason="", **figures):
     return {"name": name, "status": status, "reason": reason, "figures": figures}
-
-
-def sh(argv, timeout=120, env=None, cwd=None):
-    try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
-        return p.returncode, p.stdout, p.stderr
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return 127, "", str(e)
 
 
 def major_minor(v):
