@@ -29,14 +29,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 class LoopbackHost:
     """`with LoopbackHost() as h:` → h.target (not yet trusted), h.root, h.dir; stops sshd on exit."""
 
-    def __init__(self, base: str | Path | None = None, netns_index: int | None = None):
+    def __init__(self, base: str | Path | None = None, netns_index: int | None = None, login_rc: bool = True):
         """`netns_index=i` puts the host in its own network namespace pv-host-i, reached over a veth
-        pair at 10.203.i.2 (the namespace is the test's own; nothing outside this machine is involved)."""
+        pair at 10.203.i.2 (the namespace is the test's own; nothing outside this machine is involved).
+        `login_rc=False`: sessions get an empty HOME, so the login shell reads no rc file (a fresh host's
+        sessions, whatever the user's own shell startup does)."""
         self.dir = Path(tempfile.mkdtemp(prefix="provision-host-", dir=base))
         self.netns = f"pv-host-{netns_index}" if netns_index is not None else None
         self.address = f"10.203.{netns_index}.2" if netns_index is not None else "127.0.0.1"
         self.port = free_port() if netns_index is None else 22
         self._index = netns_index
+        self.login_rc = login_rc
         self.root = str(self.dir / "root")
         self.proc: subprocess.Popen | None = None
 
@@ -58,7 +61,10 @@ class LoopbackHost:
             f"AuthorizedKeysFile {self.dir}/authorized_keys\nPidFile {self.dir}/sshd.pid\n"
             "UsePAM no\nStrictModes no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
             "PubkeyAuthentication yes\nPermitRootLogin yes\nMaxSessions 64\nMaxStartups 64\n"
-            "Subsystem sftp internal-sftp\nLogLevel ERROR\n")
+            "Subsystem sftp internal-sftp\nLogLevel ERROR\n"
+            + ("" if self.login_rc else f"SetEnv HOME={self.dir / 'home'}\n"))
+        if not self.login_rc:
+            (self.dir / "home").mkdir(mode=0o700, exist_ok=True)
         argv = [SSHD, "-D", "-e", "-f", str(self.dir / "sshd_config")]
         if self.netns:
             self._make_netns()

@@ -227,3 +227,17 @@ def test_parallel_fetch_into_the_cache_with_readable_progress(target, tmp_path):
     assert all("/s" in d for d in running)                   # count, bytes of about total, rate (and time left)
     done = [(s, d) for s, state, d in lines if state == "done"]
     assert [s for s, _ in done][:2] == ["recover", "facts"] and ("build" in [s for s, _ in done])
+
+
+def test_host_whose_login_shell_reads_no_rc_file_runs_agents():
+    from provision.loopback import LoopbackHost
+    from provision.transport import connect, trust_host
+
+    with LoopbackHost(login_rc=False) as h:
+        trust_host(h.target)
+        tr = connect(h.target)
+        try:
+            assert tr.check(["sh", "-c", 'echo "$HOME"']).strip() == str(h.dir / "home")
+            assert tr.run_agent("state", {"op": "history", "root": h.root})["generations"] == []
+        finally:
+            tr.close()

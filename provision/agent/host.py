@@ -18,17 +18,19 @@ UMASK = 0o027           # the host root and everything under it: dirs 0750, file
 
 # The one command line an agent runs with: `PYTHON -I -c BOOT`. Its stdin's first line is one JSON
 # message {bundle, agent, input, env}: `bundle` holds this package's sources (zlib, base64), which
-# BOOT imports from memory; nothing proportional to the input is ever on a command line.
+# BOOT imports from memory (with nothing heavier than importlib.util: it runs on every round trip);
+# nothing proportional to the input is ever on a command line.
 BOOT = r"""
-import base64, importlib.abc, importlib.util, json, sys, zlib
+import binascii, json, sys, zlib
+from importlib.util import spec_from_loader
 m = json.loads(sys.stdin.buffer.readline())
-S = json.loads(zlib.decompress(base64.b64decode(m["bundle"])))
-class L(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+S = json.loads(zlib.decompress(binascii.a2b_base64(m["bundle"])))
+class L:
     def find_spec(self, n, p=None, t=None):
         f = n.replace(".", "/")
         for k, pkg in ((f + "/__init__.py", True), (f + ".py", False)):
             if k in S:
-                return importlib.util.spec_from_loader(n, self, origin=k, is_package=pkg)
+                return spec_from_loader(n, self, origin=k, is_package=pkg)
     def create_module(self, spec):
         return None
     def exec_module(self, mod):
