@@ -1,28 +1,106 @@
 """The demo scenario on a throwaway loopback host: plan → apply A → plan → apply B → plan → rollback → history.
 
-Everything is real (sshd, paramiko, ansible-runner, uv, wheels from the index); output goes
-through the callbacks the CLI gives, and the sandbox is removed afterwards.
+Everything is real (sshd, paramiko, ansible-runner, uv, wheels from the index, the included engine
+run from generation B's own interpreter); output goes through the callbacks the CLI gives, and the
+sandbox is removed afterwards.
 """
 from __future__ import annotations
 
+import hashlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 from typing import Callable
 
 from . import apply as applymod
 from . import lock as lockmod
 from .bundled import DEMO_LOCKS
+from .errors import InputError
 from .loopback import LoopbackHost
 from .plan import render_plan
 from .transport import connect, trust_host
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _pip_download(pin: str, house: Path) -> None:
+    """`pip download PIN` into `house`: pip looks where it is configured to (its find-links and indexes)."""
+    argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--no-input",
+            "--disable-pip-version-check", "-q", "-d", str(house), pin]
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900)
+    except subprocess.TimeoutExpired:
+        raise InputError(f"{pin}: pip download did not finish in 900 s; pass --torch-wheel PATH",
+                         where="demo") from None
+    if p.returncode != 0:
+        why = ([ln.strip() for ln in p.stderr.splitlines() if ln.strip()] or ["(no output)"])[-1]
+        raise InputError(f"{pin}: no wheel found by pip download ({why[:200]}); pass --torch-wheel PATH",
+                         where="demo")
+
+
+def wheelhouse_lock(path: Path, house: Path, given: Path | None = None,
+                    say: Callable[[str], None] = lambda text: None) -> Path:
+    """A copy of the lock at `path`, written into `house`, in which every package the lock names without a
+    URL (lock B's CPU torch: not on PyPI) is named by file:// in `house`.
+
+    The wheel is `given` when its file name is the one the lock pins, else what `pip download` finds for the
+    pin; either way its sha256 must equal the lock's. Returns the written lock's path.
+    """
+    lk = lockmod.load(path)
+    data = dict(lk.raw)
+    house.mkdir(parents=True, exist_ok=True)
+    missing = [p for p in lk.packages if p.url is None]
+    if given is not None and given.name not in {p.filename for p in missing}:
+        raise InputError(f"{given} is not {' or '.join(p.filename for p in missing) or 'a wheel'} "
+                         f"(what {path.name} pins)", where="--torch-wheel")
+    packages = []
+    for p in lk.packages:
+        item = lockmod.package_data(p)
+        if p.url is None:
+            target = house / p.filename
+            if given is not None and given.name == p.filename:
+                shutil.copyfile(given, target)
+                how = f"from {given}"
+            else:
+                _pip_download(p.pin, house)
+                how = "found by pip download (pip's find-links and indexes)"
+            if not target.is_file():
+                raise InputError(f"{p.pin}: pip found a wheel, but not {p.filename}, the one the lock pins "
+                                 f"(found: {', '.join(sorted(x.name for x in house.glob('*.whl'))) or 'none'})",
+                                 where=f"{lk.path}:{p.line}")
+            digest = _sha256(target)
+            if digest != p.sha256:
+                raise InputError(f"{p.filename}: sha256 {digest} is not the lock's {p.sha256}",
+                                 where=f"{lk.path}:{p.line}")
+            item["url"] = target.resolve().as_uri()
+            say(f"{p.filename}: {how}; sha256 {digest[:16]}… = the lock's pin")
+        packages.append(item)
+    data["packages"] = packages
+    out = house / path.name
+    out.write_text(f"# {path.name} with every wheel it pins by name and sha256 only named in this folder\n"
+                   + lockmod.dump(data))
+    return out
+
+
 def run_demo(say: Callable[[str], None], progress, show_history: Callable[[dict, str], None],
-             show_probes: Callable[[dict | None], None], keep: bool = False) -> dict:
-    a, b = lockmod.load(DEMO_LOCKS / "a.yaml"), lockmod.load(DEMO_LOCKS / "b.yaml")
-    host = LoopbackHost().start()
+             show_probes: Callable[[dict | None], None], keep: bool = False,
+             torch_wheel: Path | None = None) -> dict:
+    host = LoopbackHost()
     figures = {}
     try:
+        a = lockmod.load(DEMO_LOCKS / "a.yaml")
+        say(f"## lock B's wheels that PyPI does not serve, into {host.dir / 'wheelhouse'}")
+        b = lockmod.load(wheelhouse_lock(DEMO_LOCKS / "b.yaml", host.dir / "wheelhouse", torch_wheel, say))
+        host.start()
         t = host.target
-        say(f"## throwaway host {host.spec} (sshd on loopback, root {host.root})")
+        say(f"\n## throwaway host {host.spec} (sshd on loopback, root {host.root})")
         kind, fp = trust_host(t)
         say(f"trusted its fresh host key {kind} {fp} (in {t.known_hosts})")
         tr = connect(t)
@@ -36,6 +114,11 @@ def run_demo(say: Callable[[str], None], progress, show_history: Callable[[dict,
                     show_probes(rep.probes)
                     say(f"Applied {lk.name}: current {rep.previous or '(none)'} → {rep.generation} in {rep.seconds:.1f}s")
                     figures[f"apply_{lk.name}_s"] = rep.seconds
+                    engine = next((r for r in (rep.probes or {}).get("results", []) if r["name"] == "engine"), None)
+                    if engine and engine["status"] != "skip":
+                        figures["engine"] = {k: engine["figures"].get(k) for k in
+                                             ("greedy_identical", "accept_length", "speedup", "baseline_tok_s",
+                                              "spec_tok_s")}
             say(f"\n## provision rollback {host.spec}")
             rb = applymod.rollback(tr)
             figures["rollback_s"] = rb["seconds"]

@@ -373,17 +373,21 @@ def register(app: typer.Typer) -> None:
     @app.command()
     @edge
     def demo(keep: bool = typer.Option(False, "--keep", help="leave the sandbox for inspection"),
+             torch_wheel: Optional[Path] = typer.Option(
+                 None, "--torch-wheel", exists=True, dir_okay=False,
+                 help="the CPU torch wheel lock B pins (default: found by `pip download`, through pip's find-links)"),
              json_out: bool = typer.Option(False, "--json", help="print only the measured figures, as JSON")):
-        """Throwaway loopback host: plan → apply A → plan → apply B → plan → rollback → history."""
+        """Throwaway loopback host: plan → apply A → plan → apply B (the included engine probed) → plan →
+        rollback → history."""
         from ..demo import run_demo
 
         if json_out:
             print_json(run_demo(say=lambda text: None, progress=None, show_history=lambda h, name: None,
-                                show_probes=lambda p: None, keep=keep))
+                                show_probes=lambda p: None, keep=keep, torch_wheel=torch_wheel))
             return
         run_demo(say=lambda text: console.print(text), progress=StepPrinter(False),
                  show_history=lambda h, name: console.print(history_table(h, name)),
-                 show_probes=_print_probes, keep=keep)
+                 show_probes=_print_probes, keep=keep, torch_wheel=torch_wheel)
 
 
 def history_table(h: dict, host: str):
