@@ -1,6 +1,6 @@
 """Decoding: plain, and EAGLE-3 tree speculation (draft tree → one masked verification →
-greedy or lossless sampling acceptance → KV compaction). Batch 1, static shapes: the only host
-sync in a speculative step is reading the accepted length together with the accepted tokens."""
+greedy or lossless sampling acceptance → KV compaction). Batch 1, static shapes, the step's state in
+device tensors: on CUDA every step replays a captured graph; the one host read per step is what it emitted."""
 from __future__ import annotations
 
 import os
@@ -41,17 +41,68 @@ def probs_from_logits(logits: Tensor, temperature: float, top_p: float) -> Tenso
     return p
 
 
+class StepGraphs:
+    """One CUDA graph per (step, span bucket): the first call runs the step for real and captures it, later
+    calls replay it. Off CUDA, or disabled, steps run eagerly. Steps read and write only static tensors."""
+
+    def __init__(self, device: torch.device, enabled: bool = True):
+        self.on = enabled and device.type == "cuda"
+        self.graphs: dict = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.on else None
+
+    def run(self, key, fn):
+        if not self.on:
+            return fn()
+        hit = self.graphs.get(key)
+        if hit is not None:
+            hit[0].replay()
+            return hit[1]
+        side, main = torch.cuda.Stream(), torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            out = fn()                              # the real step; it also warms up library handles
+        main.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            static = fn()                           # recorded, not run
+        self.graphs[key] = (graph, static)
+        return out
+
+
+class Emitter:
+    """Brings a step's emitted ids to the host: on CUDA through pinned memory and an event, so the next
+    step can be queued before the host waits on this one."""
+
+    def __init__(self, device: torch.device, size: int):
+        self.cuda = device.type == "cuda"
+        self.host = torch.empty(size, dtype=torch.long, pin_memory=self.cuda)
+        self.event = torch.cuda.Event() if self.cuda else None
+        self.k = 0
+
+    def push(self, ids: Tensor):
+        self.k = ids.numel()
+        self.host[: self.k].copy_(ids.view(-1), non_blocking=True)
+        if self.cuda:
+            self.event.record()
+
+    def pop(self) -> list:
+        if self.cuda:
+            self.event.synchronize()
+        return self.host[: self.k].tolist()
+
+
 class Engine:
-    """A target, an optional EAGLE-3 draft, and their static caches (one sequence at a time)."""
+    """A target, an optional EAGLE-3 draft, their static caches and step state (one sequence at a time)."""
 
     def __init__(self, target: Transformer, draft: Optional[Eagle3Draft] = None, tokenizer=None,
                  max_seq_len: int = 2048, steps: int = 4, topk: int = 1, num_draft_tokens: int = 0,
-                 stop_ids=None):
+                 stop_ids=None, graphs: bool = True):
         self.target, self.draft, self.tokenizer = target.eval(), draft, tokenizer
         self.device = target.output.weight.device
         self.max_seq_len = min(max_seq_len, target.args.max_position_embeddings)
         eos = getattr(tokenizer, "eos_id", None)
         self.stop_ids = set(stop_ids if stop_ids is not None else [] if eos is None else [eos])   # end of turn
+        self.use_graphs = graphs
         self.configure(steps, topk, num_draft_tokens)
 
     def configure(self, steps: int, topk: int, num_draft_tokens: int = 0):
@@ -71,10 +122,34 @@ class Engine:
             self.draft.setup_caches(self.d_ctx + steps * topk, self.target.tok_embeddings)
             self.d_arange = torch.arange(self.d_ctx + steps * topk, device=dev)
         self.ar = torch.arange(max(n, steps + 1, topk * topk), device=dev)
+        # step state: context length n (the slot of the token fed next), that token (plain: the next input;
+        # speculation: the tree's root), and the draft's logits and state for the root's children
+        p = self.target.output.weight
+        self.n_t = torch.zeros(1, dtype=torch.long, device=dev)
+        self.tok = torch.zeros(1, dtype=torch.long, device=dev)
+        if self.draft is not None:
+            self.dlog = torch.zeros(self.draft.args.draft_vocab_size, dtype=p.dtype, device=dev)
+            self.dhid = torch.zeros(1, self.draft.args.dim, dtype=p.dtype, device=dev)
+        L, aux = min(steps + 1, n), len(self.target.args.aux_layers) * self.target.args.dim
+        # a sampled acceptance runs between two graphs and hands over: count, tokens, nodes, target features
+        self.acc = (torch.zeros((), dtype=torch.long, device=dev), torch.zeros(L, dtype=torch.long, device=dev),
+                    torch.zeros(L, dtype=torch.long, device=dev), torch.zeros(1, n, aux, dtype=p.dtype, device=dev))
+        self.graphs = StepGraphs(dev, self.use_graphs)                # the caches moved: graphs start afresh
+        self.emit = Emitter(dev, L + 1)
 
     def _w(self, x: int) -> int:
         """Attention span covering slots [0, x), rounded up to 64: few distinct shapes, short attention."""
         return -(-x // 64) * 64
+
+    def _span(self, x: int, cap: int) -> int:
+        """Span of a graphed step covering slots [0, x): powers of two from 256 (few graphs), else `_w`."""
+        if not self.graphs.on:
+            return min(self._w(x), cap)
+        w = 256
+        while w < x:
+            w *= 2
+        return min(w, cap)
+
     # ---- plain decoding -------------------------------------------------------------------
     def _prefill(self, ids: list, capture: bool):
         T = len(ids)
@@ -87,38 +162,63 @@ class Engine:
             return logits.argmax(-1)
         return torch.multinomial(probs_from_logits(logits, temperature, top_p), 1, generator=g).squeeze(-1)
 
-    def _plain(self, ids, max_new, temperature, top_p, g) -> Iterator[list]:
-        tok = self._pick(self._prefill(ids, False)[0, -1], temperature, top_p, g)
-        n = len(ids)
-        for _ in range(max_new):
-            t = int(tok)
-            yield [t], 0
-            if n >= self.max_seq_len:
+    def _decode_fn(self, W: int, greedy: bool):
+        def step():
+            n = self.n_t
+            logits = self.target(self.tok.view(1, 1), n, (self.t_arange[:W] <= n)[None], n)[0, -1]
+            if greedy:
+                self.tok.copy_(logits.argmax(-1))
+            return logits
+        return step
+
+    def _decode(self, n: int, temperature: float, top_p: float, g):
+        """Queue one step feeding `tok` at position n; `tok` becomes the next token. No host sync."""
+        self.n_t.fill_(n)
+        W, greedy = self._span(n + 1, self.t_slots), temperature <= 0
+        logits = self.graphs.run(("decode", W, greedy), self._decode_fn(W, greedy))
+        if not greedy:
+            self.tok.copy_(self._pick(logits, temperature, top_p, g))
+
+    def _decode_loop(self, n: int, left: int, temperature, top_p, g) -> Iterator[list]:
+        """Plain steps from `tok` at position n, up to `left` tokens; the next step is queued before a
+        token is handed out, so the device works while the caller consumes it."""
+        if left <= 0 or n >= self.max_seq_len:
+            return
+        self._decode(n, temperature, top_p, g)
+        self.emit.push(self.tok)
+        while True:
+            t = self.emit.pop()
+            n, left = n + 1, left - 1
+            more = left > 0 and n < self.max_seq_len
+            if more:
+                self._decode(n, temperature, top_p, g)
+                self.emit.push(self.tok)
+            yield t, 0
+            if not more:
                 return
-            pos = self.ar.new_full((1,), n)
-            logits = self.target(tok.view(1, 1), pos, (self.t_arange[: self._w(n + 1)] <= n)[None], pos)
-            tok = self._pick(logits[0, -1], temperature, top_p, g)
-            n += 1
+
+    def _plain(self, ids, max_new, temperature, top_p, g) -> Iterator[list]:
+        self.tok.copy_(self._pick(self._prefill(ids, False)[0, -1], temperature, top_p, g))
+        self.emit.push(self.tok)
+        yield self.emit.pop(), 0
+        yield from self._decode_loop(len(ids), max_new - 1, temperature, top_p, g)
 
     # ---- speculation ----------------------------------------------------------------------
-    def _draft_tree(self, n: int, root: Tensor, dlogits: Tensor, dh: Tensor):
-        """Grow `steps` levels of `topk` beams; keep the best n_tree-1 nodes by path log-prob.
-
-        Returns tokens [N] (root first), parent [N], ancestor matrix [N, N] (parents precede children).
-        """
-        K, N, dr = self.topk, self.n_tree, self.draft
-        score, di = torch.log_softmax(dlogits.float(), -1).topk(K)             # level 1: [K]
+    def _draft_tree(self, W: int):
+        """Grow `steps` levels of `topk` beams from the root `tok`; keep the best n_tree-1 nodes by path
+        log-prob. Returns tokens [N] (root first), parent [N], ancestor matrix [N, N] (parents first)."""
+        K, N, dr, n = self.topk, self.n_tree, self.draft, self.n_t
+        score, di = torch.log_softmax(self.dlog.float(), -1).topk(K)           # level 1: [K]
         tok = dr.to_target(di)
         c_tok, c_score, c_par = [tok], [score], [self.ar.new_full((K,), -1)]
-        beam_idx, hid = self.ar[:K], dh.expand(K, -1)                           # [K], [K, H]
+        beam_idx, hid = self.ar[:K], self.dhid.expand(K, -1)                    # [K], [K, H]
         anc = torch.zeros(K, self.steps * K, dtype=torch.bool, device=self.device)
-        W = min(self._w(n + self.steps + 1), self.d_ctx)                        # scratch slots follow [0, W)
-        ctx = (self.d_arange[:W] < n).expand(K, -1)                             # [K, W]
+        ctx = (self.d_arange[:W] < n).expand(K, -1)                             # [K, W]; scratch slots follow
         for s in range(1, self.steps):
             own = (s - 1) * K + self.ar[:K]
             anc = anc.clone()
             anc[self.ar[:K], own] = self.ar[:K] >= 0                           # True, as a device tensor
-            pos = self.ar.new_full((K,), n - 1 + s)
+            pos = (n + (s - 1)).expand(K)
             logits, h = dr(tok[None], hid[None], pos, torch.cat([ctx, anc], -1), W + own)
             cs, ci = torch.log_softmax(logits[0].float(), -1).topk(K)          # [K, K]
             child = (score[:, None] + cs).flatten()                              # [K*K]
@@ -136,7 +236,7 @@ class Engine:
         pos_of[keep] = self.ar[1:N]
         cp = c_par[keep]
         parent = torch.cat([self.ar[:1], torch.where(cp < 0, 0, pos_of[cp.clamp(min=0)])])   # [N]
-        tokens = torch.cat([root.view(1), c_tok[keep]])
+        tokens = torch.cat([self.tok, c_tok[keep]])
         eye = torch.eye(N, dtype=torch.bool, device=self.device)
         A = eye
         for _ in range(self.steps):
@@ -179,34 +279,54 @@ class Engine:
             cur = torch.where(has, child, cur)
         return acc, choice
 
-    def _spec_step(self, n: int, root, dlogits, dhid, temperature, top_p, g):
-        """Draft a tree, verify it in one target forward, accept: (accepted count, emitted tokens padded
-        to L, their tree nodes, target features [1, N, 3H]); all on the device."""
-        N, L = self.n_tree, min(self.steps + 1, self.n_tree)
-        tokens, parent, A = self._draft_tree(n, root, dlogits, dhid)
-        depth = A.sum(-1) - 1
-        mask = (self.t_arange[: self._w(n + N)] < n).expand(N, -1).clone()     # [N, W]: context + tree
-        mask[:, n:n + N] = A
-        vlogits, vaux = self.target(tokens[None], n + depth, mask, n + self.ar[:N], capture=True)
-        if temperature <= 0:
-            acc, choice = self._accept_greedy(vlogits[0], tokens, parent, A)
-        else:
-            acc, choice = self._accept_sample(vlogits[0], tokens, parent, A, temperature, top_p, g)
-        path = torch.where(acc, self.ar[:N], N).sort().values[:L].clamp(max=N - 1)   # [L]
-        return acc.sum(), choice[path], path, vaux
+    def _verify(self, Wt: int, Wd: int):
+        """Draft a tree at n and run it through the target in one masked forward (tree slots n..n+N-1)."""
+        N, n = self.n_tree, self.n_t
+        tokens, parent, A = self._draft_tree(Wd)
+        col = self.t_arange[:Wt]
+        rel = col - n
+        tree = A[:, rel.clamp(0, N - 1)] & ((rel >= 0) & (rel < N))[None]
+        mask = (col < n)[None] | tree                                          # [N, Wt]: context + tree
+        vlogits, vaux = self.target(tokens[None], n + A.sum(-1) - 1, mask, n + self.ar[:N], capture=True)
+        return tokens, parent, A, vlogits[0], vaux
 
-    def _advance(self, n: int, out, path, vaux):
-        """Compact the target's KV to the accepted path; extend the draft over positions n..n+L-1
-        (padded: the caller reads the row of the last accepted token)."""
-        L = path.shape[0]
+    def _accepted(self, acc: Tensor, choice: Tensor):
+        """(accepted count, emitted tokens padded to L, their tree nodes)."""
+        N, L = self.n_tree, min(self.steps + 1, self.n_tree)
+        path = torch.where(acc, self.ar[:N], N).sort().values[:L].clamp(max=N - 1)   # [L]
+        return acc.sum(), choice[path], path
+
+    def _advance(self, Wd: int, count: Tensor, out: Tensor, path: Tensor, vaux: Tensor) -> Tensor:
+        """Compact the target's KV to the accepted path; extend the draft over positions n..n+L-1 (padded);
+        the last accepted token becomes the root. Returns [count, tokens...] for the host."""
+        n, L = self.n_t, path.shape[0]
         for layer in self.target.layers:
             layer.attention.kv_cache.move(n + path, n + self.ar[:L])
         dpos = n + self.ar[:L]
-        dmask = self.d_arange[None, : self._w(n + L)] <= dpos[:, None]
-        return self.draft(out[None], vaux[0, path][None], dpos, dmask, dpos)
+        dl, dh = self.draft(out[None], vaux[0, path][None], dpos, self.d_arange[None, :Wd] <= dpos[:, None], dpos)
+        last = (count - 1).view(1)
+        self.tok.copy_(out[last])
+        self.dlog.copy_(dl[0, last][0])
+        self.dhid.copy_(dh[0, last])
+        return torch.cat([count.view(1), out])
+
+    def _spec_step(self, n: int, temperature: float, top_p: float, g) -> Tensor:
+        """Queue one speculative step at context n (draft, verify, accept, compact, extend); no host sync."""
+        self.n_t.fill_(n)
+        Wt, Wd = self._span(n + self.n_tree, self.t_slots), self._span(n + self.steps + 1, self.d_ctx)
+        if temperature <= 0:
+            def step():
+                tokens, parent, A, vlogits, vaux = self._verify(Wt, Wd)
+                return self._advance(Wd, *self._accepted(*self._accept_greedy(vlogits, tokens, parent, A)), vaux)
+            return self.graphs.run(("spec", Wt, Wd), step)
+        tokens, parent, A, vlogits, vaux = self.graphs.run(("verify", Wt, Wd), lambda: self._verify(Wt, Wd))
+        acc = self._accepted(*self._accept_sample(vlogits, tokens, parent, A, temperature, top_p, g))
+        for buf, x in zip(self.acc, (*acc, vaux)):
+            buf.copy_(x)
+        return self.graphs.run(("advance", Wd), lambda: self._advance(Wd, *self.acc))
 
     def _spec(self, ids, max_new, temperature, top_p, g, stats) -> Iterator[list]:
-        tg, dr, S = self.target, self.draft, self.max_seq_len
+        dr, S, N = self.draft, self.max_seq_len, self.n_tree
         logits, aux = self._prefill(ids, True)
         n = len(ids)
         root = self._pick(logits[0, -1], temperature, top_p, g)
@@ -214,25 +334,24 @@ class Engine:
         pos = torch.arange(n, device=self.device)
         nxt = torch.cat([torch.tensor(ids[1:], device=self.device, dtype=torch.long), root.view(1)])
         dl, dh = dr(nxt[None], aux, pos, self.d_arange[None, : self._w(n)] <= pos[:, None], pos)
-        dlogits, dhid = dl[0, -1], dh[0, -1:]
-        yield [int(root)], 0
-        produced, N = 1, self.n_tree
-        while produced < max_new and n + N <= S:
-            count, out, path, vaux = self._spec_step(n, root, dlogits, dhid, temperature, top_p, g)
-            a, *emitted = torch.cat([count.view(1), out]).tolist()               # the one host sync
-            emitted = emitted[:a]
+        self.tok.copy_(root)
+        self.dlog.copy_(dl[0, -1])
+        self.dhid.copy_(dh[0, -1:])
+        self.emit.push(self.tok)
+        yield self.emit.pop(), 0
+        produced = 1
+        more = produced < max_new and n + N <= S
+        if more:
+            self.emit.push(self._spec_step(n, temperature, top_p, g))
+        while more:
+            a, *emitted = self.emit.pop()                                        # the one host sync
             stats.append(a)
-            dl, dh = self._advance(n, out, path, vaux)
-            dlogits, dhid = dl[0, a - 1], dh[0, a - 1:a]
-            n, root = n + a, out[a - 1]
-            produced += a
-            yield emitted, a
-        while produced < max_new and n < S:                                      # context tail: plain steps
-            pos = self.ar.new_full((1,), n)
-            logits = tg(root.view(1, 1), pos, (self.t_arange[: self._w(n + 1)] <= n)[None], pos)
-            root = self._pick(logits[0, -1], temperature, top_p, g)
-            n, produced = n + 1, produced + 1
-            yield [int(root)], 0
+            n, produced = n + a, produced + a
+            more = produced < max_new and n + N <= S
+            if more:                                                             # queued before the caller runs
+                self.emit.push(self._spec_step(n, temperature, top_p, g))
+            yield emitted[:a], a
+        yield from self._decode_loop(n, max_new - produced, temperature, top_p, g)   # context tail
 
     # ---- public ---------------------------------------------------------------------------
     def stream(self, ids: list, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,

@@ -3,6 +3,7 @@ target forward at 1/16/64 tokens, a draft step and a whole speculative step (eac
 graph on GPUs), and transformers on the same weights (static cache, one CUDA graph per step) as the peer."""
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -63,17 +64,48 @@ class Timed:
         return (time.perf_counter() - t0) / reps
 
 
+def per_call(fn, reps: int, cuda: bool) -> float:
+    """Seconds per call of fn (queued back to back, as a generation loop does), after one untimed call."""
+    fn()
+    _sync(cuda)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    _sync(cuda)
+    return (time.perf_counter() - t0) / reps
+
+
 def _sync(cuda: bool):
     if cuda:
         torch.cuda.synchronize()
 
 
-def copy_bandwidth(device, nbytes: int) -> float:
-    """Bytes/s of a device-to-device copy (read + write counted), the roofline's denominator."""
-    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+def _median_seconds(fn, reps: int, warmup: int = 5) -> float:
+    """Median over `reps` calls of fn, each timed with device events after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in ev) / 1e3
+
+
+def copy_bandwidth(device, nbytes: int = 2 << 30, reps: int = 40) -> float:
+    """Bytes/s of a device-to-device copy between two `nbytes` buffers (bytes read + bytes written), the
+    median of `reps` warmed-up copies: the roofline's denominator. Random data, never zeros."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
     b = torch.empty_like(a)
-    t = Timed(lambda: b.copy_(a), device).seconds(50)
-    return 2 * a.numel() * a.element_size() / t
+    t = _median_seconds(lambda: b.copy_(a), reps)
+    return 2 * nbytes / t
+
+
+def read_bandwidth(device, nbytes: int = 2 << 30, reps: int = 40) -> float:
+    """Bytes/s of reading one `nbytes` buffer (a sum), for reference: what a GEMV could at best stream."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    return nbytes / _median_seconds(lambda: a.sum(dtype=torch.float32), reps)
 
 
 @torch.inference_mode()
@@ -87,26 +119,21 @@ def shape_bench(shape: str = "llama3-8b", device="cuda", dtype=torch.bfloat16, p
     # bytes a decode step must read: every weight but the embedding table (one row of it is read)
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters()) \
         - target.tok_embeddings.weight.numel() * target.tok_embeddings.weight.element_size()
-    bw = copy_bandwidth(dev, 1 << 30) if dev.type == "cuda" else float("nan")
-    r = {"shape": shape, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-         "dtype": str(dtype).removeprefix("torch."), "weight_gb": round(weight_bytes / 1e9, 2),
-         "copy_bandwidth_tb_s": round(bw / 1e12, 3), "roofline_tok_s": round(bw / weight_bytes, 1),
+    cuda = dev.type == "cuda"
+    bw = copy_bandwidth(dev) if cuda else float("nan")
+    r = {"shape": shape, "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
+         "dtype": str(dtype).removeprefix("torch."), "weight_gb": round(weight_bytes / 1e9, 3),
+         "copy_bandwidth_tb_s": round(bw / 1e12, 3),
+         "read_bandwidth_tb_s": round(read_bandwidth(dev) / 1e12, 3) if cuda else float("nan"),
+         "roofline_tok_s": round(bw / weight_bytes, 1),
          "prompt": prompt, "new_tokens": new, "steps": steps, "topk": topk, "num_draft_tokens": num_draft_tokens}
-    log(f"{shape}: {r['weight_gb']} GB of weights, copy bandwidth {r['copy_bandwidth_tb_s']} TB/s, "
+    log(f"{shape}: a decode step reads {r['weight_gb']} GB of weights; device-to-device copy of 2 GiB buffers "
+        f"(read + write, median of 40) {r['copy_bandwidth_tb_s']} TB/s; read alone {r['read_bandwidth_tb_s']} TB/s; "
         f"roofline {r['roofline_tok_s']} tok/s")
     ids = torch.randint(0, target.args.vocab_size, (prompt,)).tolist()
-    logits, aux = eng._prefill(ids, True)
-    # plain decode: the whole step (mask, forward, argmax, position) replays on the device, no host sync
-    tok = logits[:, -1].argmax(-1).view(1, 1)
-    pos = torch.full((1,), prompt, device=dev)
-
-    def decode():
-        out = target(tok, pos, (eng.t_arange[None, :] <= pos[:, None]), pos)
-        tok.copy_(out[:, -1].argmax(-1).view(1, 1))
-        pos.add_(1)
-    step = Timed(decode, dev)
-    pos.fill_(prompt)
-    t_step = step.seconds(new)
+    # plain decode: the engine's own step (mask, forward, argmax; a graph replay on CUDA), at context `prompt`
+    list(eng.stream(ids, 1, speculative=False))                  # prefill: the step state holds the next input
+    t_step = per_call(lambda: eng._decode(prompt, 0.0, 1.0, None), new, cuda)
     r["plain_tok_s"] = round(1 / t_step, 1)
     r["plain_pct_roofline"] = round(100 * r["plain_tok_s"] / r["roofline_tok_s"], 1)
     log(f"plain decode {r['plain_tok_s']} tok/s = {r['plain_pct_roofline']} % of roofline")
@@ -119,7 +146,7 @@ def shape_bench(shape: str = "llama3-8b", device="cuda", dtype=torch.bfloat16, p
     for T in (16, 64):
         r[f"forward_{T}_vs_1"] = round(r[f"forward_{T}_ms"] / r["forward_1_ms"], 3)
     log(f"target forward 1/16/64 tokens: {r['forward_1_ms']} / {r['forward_16_ms']} / {r['forward_64_ms']} ms")
-    # one draft step (topk beams) and one whole speculative step, at a fixed context
+    # one draft step (topk beams) and the engine's whole speculative step, at context `prompt`
     n = prompt
     hid = torch.randn(1, topk, target.args.dim, device=dev, dtype=dtype)
     xk = torch.randint(0, target.args.vocab_size, (1, topk), device=dev)
@@ -128,18 +155,15 @@ def shape_bench(shape: str = "llama3-8b", device="cuda", dtype=torch.bfloat16, p
                     torch.eye(topk, steps * topk, dtype=torch.bool, device=dev)], -1)
     r["draft_step_ms"] = round(1e3 * Timed(lambda: draft(xk, hid, pk, mk, eng.d_ctx + eng.ar[:topk]), dev)
                                .seconds(20), 3)
-    dl, dh = draft(torch.tensor([ids[1:] + ids[:1]], device=dev), aux, torch.arange(n, device=dev),
-                   eng.d_arange[None, : eng._w(n)] <= torch.arange(n, device=dev)[:, None],
-                   torch.arange(n, device=dev))
-    root, dlog, dhid = logits[0, -1].argmax(), dl[0, -1], dh[0, -1:]
-
-    def spec():
-        count, out, path, vaux = eng._spec_step(n, root, dlog, dhid, 0.0, 1.0, None)
-        return count, eng._advance(n, out, path, vaux)
-    r["spec_step_ms"] = round(1e3 * Timed(spec, dev).seconds(20), 3)
+    list(eng.stream(ids, 1))                                     # target and draft prefill
+    r["spec_step_ms"] = round(1e3 * per_call(lambda: eng._spec_step(n, 0.0, 1.0, None), 20, cuda), 3)
     r["spec_step_in_plain_steps"] = round(r["spec_step_ms"] / (1e3 * t_step), 3)
     log(f"draft step {r['draft_step_ms']} ms; speculative step ({num_draft_tokens}-token tree) "
         f"{r['spec_step_ms']} ms = {r['spec_step_in_plain_steps']} plain steps")
+    r.update(stream_figures(eng, ids, new))
+    log(f"Engine.stream: plain {r['stream_plain_tok_s']} tok/s, speculative {r['stream_spec_tok_s']} tok/s "
+        f"(accept length {r['stream_accept_length']}, random draft); same tokens for the first "
+        f"{r['stream_same_prefix']} of {new}")
     if peer:
         try:
             r.update(transformers_graph_peer(target, dev, dtype, prompt, new, ids))
@@ -149,6 +173,21 @@ def shape_bench(shape: str = "llama3-8b", device="cuda", dtype=torch.bfloat16, p
             r["transformers_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             log(f"transformers peer not measured: {r['transformers_error']}")
     return r
+
+
+def stream_figures(eng: Engine, ids: list, new: int) -> dict:
+    """The real generation loop, greedy: plain and speculative tok/s (after one warm-up run that captures the
+    graphs), and how many leading tokens the two agree on (all of them, up to numerics of different widths)."""
+    out = {}
+    for spec in (False, True):
+        eng.generate(ids, new, speculative=spec)
+        res = eng.generate(ids, new, speculative=spec)
+        out["spec" if spec else "plain"] = res
+    plain, spec = out["plain"], out["spec"]
+    same = next((i for i, (a, b) in enumerate(zip(plain.tokens, spec.tokens)) if a != b), len(plain.tokens))
+    return {"stream_plain_tok_s": round(len(plain.tokens) / plain.seconds, 1),
+            "stream_spec_tok_s": round(len(spec.tokens) / spec.seconds, 1),
+            "stream_accept_length": round(spec.accept_length, 2), "stream_same_prefix": same}
 
 
 def transformers_graph_peer(target: Transformer, dev, dtype, prompt: int, new: int, ids: list) -> dict:
