@@ -138,7 +138,7 @@ def adopt_host(transport: Transport, prefix: str) -> dict:
 
 
 def apply(transport: Transport, lock: Lock, *, saved_plan: Plan | None = None, adopt_path: str | None = None,
-          skip_probes: list[str] | None = None, installer: str | None = None,
+          skip_probes: list[str] | None = None, installer: str | None = None, wheels_from: str | None = None,
           progress: Progress | None = None, on_plan: Callable[[Plan], None] | None = None) -> ApplyReport:
     """One-command upgrade: exactly what `make_plan` says (noop, reuse or build). `on_plan` receives the plan
     before anything is changed. Raises ProvisionError on failure, with the full report as `.report`."""
@@ -147,7 +147,8 @@ def apply(transport: Transport, lock: Lock, *, saved_plan: Plan | None = None, a
     try:
         with transport.hold(layout.of(transport).lock_file):
             _apply(transport, lock, report, _Steps(report, progress), saved_plan=saved_plan, adopt_path=adopt_path,
-                   skip=list(skip_probes or []), installer=installer, on_plan=on_plan, progress=progress)
+                   skip=list(skip_probes or []), installer=installer, wheels_from=wheels_from, on_plan=on_plan,
+                   progress=progress)
     except ProvisionError as e:
         if report.status not in ("unknown",):
             report.status = "failed"
@@ -161,7 +162,7 @@ def apply(transport: Transport, lock: Lock, *, saved_plan: Plan | None = None, a
 
 
 def _apply(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps, *, saved_plan, adopt_path,
-           skip: list[str], installer, on_plan, progress) -> None:
+           skip: list[str], installer, wheels_from, on_plan, progress) -> None:
     report.recovered = steps.run("recover", _recover, transport)
     facts = steps.run("facts", gather, transport)
     if adopt_path and not facts.get("generations"):
@@ -201,7 +202,7 @@ def _apply(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps,
     try:
 
         def build():
-            figs = buildmod.build(transport, lock, facts, gen, installer, progress)
+            figs = buildmod.build(transport, lock, facts, gen, installer, progress, wheels_from)
             report.build, report.run_dir = figs, figs.get("run_dir")
             return {"detail": buildmod.summary(figs, len(lock.packages))}
 

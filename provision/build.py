@@ -131,14 +131,18 @@ def describe(ev: dict) -> str | None:
 
 
 def build(transport: Transport, lock: Lock, facts: dict, gen: dict, installer: str | None,
-          progress: Progress | None = None) -> dict:
-    """Fill the generation's venv with the lock's closure; returns the build figures."""
+          progress: Progress | None = None, wheels_from: str | None = None) -> dict:
+    """Fill the generation's venv with the lock's closure; returns the build figures. `wheels_from`:
+    "host" (default: the host fetches what its store lacks) or "controller" (the controller fetches each
+    wheel once into its own cache and pushes it by hash; the host builds from its store, offline)."""
     say = progress or (lambda *a: None)
     installer = installer or "uv"
     if installer not in ("uv", "pip"):
         raise ProvisionError(f"unknown installer {installer!r} (uv or pip)")
+    if wheels_from not in (None, "host", "controller"):
+        raise ProvisionError(f"unknown wheel source {wheels_from!r} (host or controller)")
     try:
-        return _build(transport, lock, facts, gen, installer, say)
+        return _build(transport, lock, facts, gen, installer, say, wheels_from == "controller")
     except HostError as e:      # name the lock line of the package the host refused
         hit = next((p for p in lock.packages if e.message.startswith(f"{p.pin}:") or f" {p.pin}:" in e.message), None)
         if hit is None:
@@ -146,7 +150,8 @@ def build(transport: Transport, lock: Lock, facts: dict, gen: dict, installer: s
         raise HostError(f"{e.message} ({lock.path}:{hit.line})", where=e.where) from None
 
 
-def _build(transport: Transport, lock: Lock, facts: dict, gen: dict, installer: str, say: Progress) -> dict:
+def _build(transport: Transport, lock: Lock, facts: dict, gen: dict, installer: str, say: Progress,
+           from_controller: bool) -> dict:
     python = (facts.get("pythons") or {}).get(lock.platform.python)
     if not (isinstance(python, str) and python.startswith("/") and "\0" not in python):
         raise HostError(f"host has no usable Python {lock.platform.python} (reported {python!r})",
@@ -155,6 +160,13 @@ def _build(transport: Transport, lock: Lock, facts: dict, gen: dict, installer: 
     root = root_of(transport)
     for what in ("dir", "venv"):      # the state agent's reply: untrusted until checked
         under(root + "/generations", gen.get(what), f"generation {what}", transport.target.name)
+    if from_controller:     # every wheel then comes from the controller's cache; the host gets no URL
+        from .wheelcache import shared
+
+        remote = [p for p in pkgs if p.get("url")]
+        for item, path in zip(remote, shared().fetch(lock, remote)):
+            del item["url"]
+            local.append((item, path))
     pushed = push(transport, root, local)
     if pushed:
         say("build", "info", f"pushed {pushed} wheel(s) held by the controller")
@@ -169,7 +181,7 @@ def _build(transport: Transport, lock: Lock, facts: dict, gen: dict, installer: 
             say("build", "info", line)
 
     figs = transport.run_agent("build", payload, on_event=on_event)
-    figs["pushed"] = pushed
+    figs.update(pushed=pushed, wheels_from="controller" if from_controller else "host")
     if lock.platform.cuda.source == "apt":
         figs.update(host_steps(transport, lock, gen["id"], facts, say))
     return figs

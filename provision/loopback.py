@@ -29,16 +29,19 @@ def free_port(host: str = "127.0.0.1") -> int:
 class LoopbackHost:
     """`with LoopbackHost() as h:` → h.target (not yet trusted), h.root, h.dir; stops sshd on exit."""
 
-    def __init__(self, base: str | Path | None = None, netns_index: int | None = None, login_rc: bool = True):
-        """`netns_index=i` puts the host in its own network namespace pv-host-i, reached over a veth
-        pair at 10.203.i.2 (the namespace is the test's own; nothing outside this machine is involved).
+    def __init__(self, base: str | Path | None = None, netns_index: int | None = None, login_rc: bool = True,
+                 netns: bool = False):
+        """`netns=True` puts the host in a network namespace of its own, pv-host-i, reached over a veth
+        pair at 10.203.i.2: i is the first index free when it starts (or `netns_index`), so concurrent runs
+        never share one (the namespace is the run's own; nothing outside this machine is involved).
         `login_rc=False`: sessions get an empty HOME, so the login shell reads no rc file (a fresh host's
         sessions, whatever the user's own shell startup does)."""
         self.dir = Path(tempfile.mkdtemp(prefix="provision-host-", dir=base))
-        self.netns = f"pv-host-{netns_index}" if netns_index is not None else None
-        self.address = f"10.203.{netns_index}.2" if netns_index is not None else "127.0.0.1"
-        self.port = free_port() if netns_index is None else 22
         self._index = netns_index
+        self.netns_wanted = netns or netns_index is not None
+        self.netns: str | None = None
+        self.address = "127.0.0.1"
+        self.port = 22 if self.netns_wanted else free_port()
         self.login_rc = login_rc
         self.root = str(self.dir / "root")
         self.proc: subprocess.Popen | None = None
@@ -56,6 +59,8 @@ class LoopbackHost:
         if not (self.dir / "client_ed25519").exists():
             self._keygen(self.dir / "client_ed25519")
             shutil.copy(self.dir / "client_ed25519.pub", self.dir / "authorized_keys")
+        if self.netns_wanted and self.netns is None:    # first: it names the address sshd listens on
+            self._make_netns()
         (self.dir / "sshd_config").write_text(
             f"Port {self.port}\nListenAddress {self.address}\nHostKey {self.dir}/host_ed25519\n"
             f"AuthorizedKeysFile {self.dir}/authorized_keys\nPidFile {self.dir}/sshd.pid\n"
@@ -67,7 +72,6 @@ class LoopbackHost:
             (self.dir / "home").mkdir(mode=0o700, exist_ok=True)
         argv = [SSHD, "-D", "-e", "-f", str(self.dir / "sshd_config")]
         if self.netns:
-            self._make_netns()
             argv = ["ip", "netns", "exec", self.netns, *argv]
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=open(self.dir / "sshd.log", "wb"))
@@ -108,17 +112,26 @@ class LoopbackHost:
                 self.proc.kill()
 
     def _make_netns(self) -> None:
-        if subprocess.run(["ip", "netns", "exec", self.netns, "true"], capture_output=True).returncode == 0:
-            return
-        i, ns, veth = self._index, self.netns, f"pvh{self._index}"
-        for cmd in (["ip", "netns", "add", ns], ["ip", "-n", ns, "link", "set", "lo", "up"],
-                    ["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns],
+        """Claim a namespace (`ip netns add` fails when it exists: another run's), then wire its veth pair."""
+        start = self._index if self._index is not None else os.getpid() % 250 + 1
+        candidates = [start] if self._index is not None else [(start + k) % 250 + 1 for k in range(250)]
+        for i in candidates:
+            r = subprocess.run(["ip", "netns", "add", f"pv-host-{i}"], capture_output=True, text=True)
+            if r.returncode == 0:
+                break
+        else:
+            raise ProvisionError(f"cannot make a network namespace pv-host-{candidates[-1]}: {r.stderr.strip()}")
+        self._index, self.netns, self.address = i, f"pv-host-{i}", f"10.203.{i}.2"
+        veth = f"pvh{i}"
+        for cmd in (["ip", "-n", self.netns, "link", "set", "lo", "up"],
+                    ["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", self.netns],
                     ["ip", "addr", "add", f"10.203.{i}.1/30", "dev", veth], ["ip", "link", "set", veth, "up"],
-                    ["ip", "-n", ns, "addr", "add", f"10.203.{i}.2/30", "dev", "eth0"],
-                    ["ip", "-n", ns, "link", "set", "eth0", "up"]):
+                    ["ip", "-n", self.netns, "addr", "add", f"10.203.{i}.2/30", "dev", "eth0"],
+                    ["ip", "-n", self.netns, "link", "set", "eth0", "up"]):
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
-                raise ProvisionError(f"cannot make network namespace {ns}: {' '.join(cmd)}: {r.stderr.strip()}")
+                self._drop_netns()
+                raise ProvisionError(f"cannot make network namespace pv-host-{i}: {' '.join(cmd)}: {r.stderr.strip()}")
 
     def sessions(self) -> list[int]:
         """Pids of every process this host's sshd forked (its sessions and what they run), from /proc."""
@@ -156,10 +169,14 @@ class LoopbackHost:
 
     def cleanup(self) -> None:
         self.stop()
+        self._drop_netns()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _drop_netns(self) -> None:
         if self.netns:
             subprocess.run(["ip", "netns", "del", self.netns], capture_output=True)
             subprocess.run(["ip", "link", "del", f"pvh{self._index}"], capture_output=True)
-        shutil.rmtree(self.dir, ignore_errors=True)
+            self.netns = None
 
     def __enter__(self) -> "LoopbackHost":
         return self.start()

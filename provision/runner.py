@@ -22,9 +22,9 @@ import yaml
 
 from .bundled import PLAYBOOKS
 from .layout import DEFAULT_ROOT
-from .transport import Target
+from .transport import CONTROLLER_HOME, Target
 
-RUNS = Path(os.environ.get("PROVISION_HOME", Path.home() / ".provision")) / "runs"
+RUNS = CONTROLLER_HOME / "runs"
 
 
 @dataclass

@@ -20,7 +20,8 @@ from typing import Callable, Iterable
 
 from .errors import HostError, HostKeyError, HostLockedError, InputError
 
-DEFAULT_KNOWN_HOSTS = Path(os.environ.get("PROVISION_HOME", Path.home() / ".provision")) / "known_hosts"
+CONTROLLER_HOME = Path(os.environ.get("PROVISION_HOME", Path.home() / ".provision"))   # the controller's own state
+DEFAULT_KNOWN_HOSTS = CONTROLLER_HOME / "known_hosts"
 HOST_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9._-]{0,252})\Z")
 IPV6_RE = re.compile(r"^[0-9A-Fa-f:.]{2,45}\Z")
 USER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}\Z")

@@ -34,8 +34,9 @@ def entry(lay, sha256, filename):
     return os.path.join(lay["wheels"], sha256, filename)
 
 
-def _store(path, sha256, chunks, label):
-    """Write chunks to `path` through a temp file, hashing on the way; the file appears only if it matches."""
+def store(path, sha256, chunks, label):
+    """Write chunks to `path` through a temp file, hashing on the way; the file appears only if it matches
+    (the controller's wheel cache stores the same way)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = "%s.part-%d-%d" % (path, os.getpid(), threading.get_ident())
     h, n = hashlib.sha256(), 0
@@ -79,7 +80,7 @@ def op_push(a):
                 yield b
 
         stored.append(entry(lay, f["sha256"], f["filename"]))
-        _store(stored[-1], f["sha256"], chunks(), f.get("label") or f["filename"])
+        store(stored[-1], f["sha256"], chunks(), f.get("label") or f["filename"])
         if f.get("mode"):
             os.chmod(stored[-1], int(f["mode"], 8) & 0o750)
     return {"stored": stored}
@@ -119,10 +120,16 @@ class Meter:
               rate=rate, eta=eta, seconds=secs)
 
 
-def _fetch(url, path, sha256, meter, timeout, label):
+def fetchable(url, label):
+    """The fetch rule of the host and the controller alike: https, or plain http from this machine itself."""
     u = urllib.parse.urlsplit(url)
     if not (u.scheme == "https" or (u.scheme == "http" and u.hostname in LOOPBACK)):
-        raise AgentError("%s: the host fetches https:// URLs (http:// only from itself), not %r" % (label, url[:80]))
+        raise AgentError("%s: only https:// URLs are fetched (http:// only from this machine), not %r"
+                         % (label, url[:80]))
+
+
+def _fetch(url, path, sha256, meter, timeout, label):
+    fetchable(url, label)
     req = urllib.request.Request(url, headers={"User-Agent": "provision"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         meter.start(int(r.headers.get("Content-Length") or 0))
@@ -132,7 +139,7 @@ def _fetch(url, path, sha256, meter, timeout, label):
                 meter.add(len(b))
                 yield b
 
-        _store(path, sha256, chunks(), label)
+        store(path, sha256, chunks(), label)
     meter.add(finished=True)
 
 

@@ -28,6 +28,11 @@ class Installer(str, Enum):
     pip = "pip"
 
 
+class WheelsFrom(str, Enum):
+    host = "host"
+    controller = "controller"
+
+
 class StepPrinter:
     """Renders apply progress: one line per finished step with its time; while a step runs, a spinner with
     its latest progress on a terminal, or plain progress lines (fetch at most every few seconds) in logs."""
@@ -132,6 +137,10 @@ def register(app: typer.Typer) -> None:
               skip_probe: List[str] = typer.Option([], "--skip-probe", help="emergency: skip a probe (recorded)"),
               installer: Optional[Installer] = typer.Option(None, "--installer",
                                                            help="uv (default; the tool brings its own if the host lacks one) or pip"),
+              wheels_from: WheelsFrom = typer.Option(WheelsFrom.host, "--wheels-from",
+                                                     help="host: each host fetches what its store lacks; controller: "
+                                                          "fetched once here (sha256-verified) and pushed to each "
+                                                          "host by hash, so hosts build offline"),
               serial: int = SerialOpt,
               forks: int = typer.Option(5, "--forks", help="fleet: hosts applied at once within a batch"),
               json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
@@ -163,7 +172,8 @@ def register(app: typer.Typer) -> None:
                 err_console.print(f"apply {lk.name} → {len(ts)} hosts", markup=False)
             reports = applymod.apply_fleet(ts, lk, serial=serial, forks=forks, adopt_path=adopt,
                                            skip_probes=skip_probe, installer=installer.value if installer else None,
-                                           progress_for=printer.for_host, saved_plans=by_host)
+                                           wheels_from=wheels_from.value, progress_for=printer.for_host,
+                                           saved_plans=by_host)
             if json_out:
                 print_json([r.to_json() for r in reports])
             else:
@@ -184,7 +194,7 @@ def register(app: typer.Typer) -> None:
                 err_console.print(f"apply {lk.name} → {t.name}", markup=False)
             rep = applymod.apply(tr, lk, saved_plan=by_host[t.name] if by_host else None, adopt_path=adopt,
                                  skip_probes=skip_probe, installer=installer.value if installer else None,
-                                 progress=StepPrinter(json_out),
+                                 wheels_from=wheels_from.value, progress=StepPrinter(json_out),
                                  on_plan=None if json_out else lambda p: err_console.print(render_plan(p)))
         except ProvisionError as e:   # the report survives a failure (with --json, the edge prints it)
             if not json_out and getattr(e, "report", None) is not None:
