@@ -376,8 +376,8 @@ def _name(v: _V, obj: dict, keys: tuple, key: str) -> str:
 def _requirement(v: _V, keys: tuple, text: str) -> Requirement:
     try:
         req = Requirement(text)
-    except InvalidRequirement as e:
-        v.fail(keys, f"invalid requirement {text!r}: {e}")
+    except InvalidRequirement as e:     # packaging's message is several lines (a caret under the text): its first
+        v.fail(keys, f"invalid requirement {text!r}: {str(e).splitlines()[0] if str(e) else 'unparseable'}")
     if req.url:
         v.fail(keys, f"{text!r}: direct URL requirements are refused (name the package and its version)")
     return req

@@ -114,3 +114,12 @@ def test_fast_verbs_import_only_what_they_use(tmp_path, sshd):
         assert "Traceback" not in p.stderr and "paramiko" in out.read_text().split()
         loaded = {m.split(".")[0] for m in out.read_text().split()}
         assert not loaded & {"ansible", "ansible_runner", "yaml", "requests", "packaging", "invoke"}, (verb, loaded)
+
+
+def test_plan_out_that_cannot_be_written_is_refused_before_any_host_is_contacted(tmp_path):
+    from provision.loopback import free_port
+
+    lock = str(bundled.DEMO_LOCKS / "a.yaml")
+    for out, why in ((tmp_path / "missing" / "plan.json", "No such file or directory"), (tmp_path, "Is a directory")):
+        p = provision("plan", f"127.0.0.1:{free_port()}", "--lock", lock, "--out", str(out))   # nothing listens
+        assert (p.returncode, p.stderr.strip()) == (2, f"error: --out: cannot write {out}: {why}")

@@ -60,3 +60,13 @@ def test_resolve_appends_missing_sections(index, tmp_path):
     assert run("lock", "resolve", path).exit_code == 0
     lk = lockmod.load(path)
     assert [p.name for p in lk.packages] == ["lib"] and lk.raw["unresolved"] == []
+
+
+def test_template_in_requires_is_one_line_naming_its_line(tmp_path):
+    path = tmp_path / "lock.yaml"
+    path.write_text(PEOPLE.replace("INDEX", str(tmp_path)).replace("- app==1.0   # the service",
+                                                                   "- app==1.0\n- \"{{ lookup('pipe', 'id') }}\""))
+    r = run("lock", "check", path)
+    assert r.exit_code == 2
+    assert r.output.strip() == (f"error: {path}:11: requires.1: invalid requirement \"{{{{ lookup('pipe', 'id') }}}}\": "
+                                "Expected package name at the start of dependency specifier")

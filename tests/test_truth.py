@@ -200,8 +200,13 @@ def test_gc_keeps_current_and_rollback_target_and_failed_drop_their_venv_at_once
         assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
         return json.loads(p.stdout)
 
+    def unpacked():    # uv's cache: each unpacked wheel by its dist-info, one archive dir each
+        return {d.name: next(d.glob("*.dist-info")).name for d in (root / "cache" / "uv" / "archive-v0").iterdir()}
+
     dry = cli("--keep", "2", "--dry-run")
     assert (dry["current"], dry["rollback_target"]) == (reps[2].generation, reps[1].generation)
+    before = unpacked()
+    assert sorted(before[u["archive"]] for u in dry["uv_cache"]) == ["alpha-1.0.dist-info", "onlya-1.0.dist-info"]
     assert sorted(g["id"] for g in dry["generations"]) == sorted([reps[0].generation, failed])
     assert {c["sha256"] for c in dry["cache"]} == {p.sha256 for p in locks[0].packages}   # only `a` used them
     assert (root / "generations" / reps[0].generation / "venv").exists()   # a dry run removes nothing
@@ -211,5 +216,8 @@ def test_gc_keeps_current_and_rollback_target_and_failed_drop_their_venv_at_once
     assert not (root / "cache" / "wheels" / dry["cache"][0]["sha256"]).exists()
     assert out["run_dirs"] == ([reps[0].run_dir] if reps[0].run_dir else [])     # an Ansible run's dir, if any
     assert not reps[0].run_dir or not Path(reps[0].run_dir).exists()
+    assert sorted(unpacked().values()) == ["alpha-2.0.dist-info", "beta-1.0.dist-info"]  # what kept venvs link
     assert applymod.rollback(tr)["to"] == reps[1].generation              # what rollback needs is kept
     assert applymod.history(tr)["events"][-2]["event"] == "gc"
+    again = applymod.apply(tr, locks[0])                                   # uv unpacks a pruned wheel again
+    assert again.status == "applied" and "onlya-1.0.dist-info" in sorted(unpacked().values())

@@ -220,8 +220,9 @@ def rollback_target(all_gens, cur):
 
 
 def op_gc(root, a):
-    """Remove failed/abandoned generations, runnable ones beyond the newest `keep`, and cache entries
-    no remaining generation needs; never `current` nor what `rollback` returns to. Takes the host lock."""
+    """Remove failed/abandoned generations, runnable ones beyond the newest `keep`, and cache entries (wheels,
+    uv's unpacked wheels) no remaining generation needs; never `current` nor what `rollback` returns to.
+    Takes the host lock."""
     recovered = op_recover(root, a) if not a.get("dry_run") else None
     cur = current(root)
     all_gens = gens(root)
@@ -253,6 +254,8 @@ def op_gc(root, a):
             size = disk_used(os.path.join(cache, sha))
             out["cache"].append({"sha256": sha, "bytes": size})
             out["bytes"] += size
+    out["uv_cache"] = unused_uv_archives(root, [g["id"] for g in out["generations"]])
+    out["bytes"] += sum(u["bytes"] for u in out["uv_cache"])
     if a.get("dry_run"):
         return out
     for g in out["generations"]:
@@ -264,9 +267,12 @@ def op_gc(root, a):
             out["errors"].append(oserr(e))
     for c in out["cache"]:
         shutil.rmtree(os.path.join(cache, c["sha256"]), ignore_errors=True)
+    for u in out["uv_cache"]:
+        shutil.rmtree(os.path.join(root, "cache", "uv", "archive-v0", u["archive"]), ignore_errors=True)
     try:
         record(root, {"event": "gc", "removed": [g["id"] for g in out["generations"]],
-                      "cache_entries": len(out["cache"]), "bytes": out["bytes"]})
+                      "cache_entries": len(out["cache"]), "uv_cache_entries": len(out["uv_cache"]),
+                      "bytes": out["bytes"]})
     except OSError as e:
         out["errors"].append("history: " + oserr(e))
     return out
@@ -363,9 +369,9 @@ def op_history(root, a):
             "generations": [dict(m, id=name, number=n) for n, name, m in gens(root)]}
 
 
-def disk_used(path):
-    """Bytes under `path`, each hard-linked file counted once; symlinks are not followed."""
-    seen, total, stack = set(), 0, [path]
+def files(path):
+    """lstat of every file under `path` (symlinks not followed, unreadable entries skipped)."""
+    stack = [path]
     while stack:
         try:
             entries = list(os.scandir(stack.pop()))
@@ -378,10 +384,43 @@ def disk_used(path):
                 continue
             if e.is_dir(follow_symlinks=False):
                 stack.append(e.path)
-            elif (st.st_dev, st.st_ino) not in seen:
-                seen.add((st.st_dev, st.st_ino))
-                total += st.st_blocks * 512
+            else:
+                yield st
+
+
+def disk_used(path):
+    """Bytes under `path`, each hard-linked file counted once; symlinks are not followed."""
+    seen, total = set(), 0
+    for st in files(path):
+        if (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_blocks * 512
     return total
+
+
+def unused_uv_archives(root, going):
+    """[{archive, bytes}] of uv's unpacked wheels (cache/uv/archive-v0/*) that no venv links a file of once the
+    generations `going` are gone (uv installs by hardlink: a file's other links are venvs). `bytes` leaves out
+    files those generations link, counted with them already."""
+    base = os.path.join(root, "cache", "uv", "archive-v0")
+    if not os.path.isdir(base):
+        return []
+    links = {}
+    for gen_id in going:
+        for st in files(os.path.join(root, "generations", gen_id, "venv")):
+            if st.st_nlink > 1:
+                key = (st.st_dev, st.st_ino)
+                links[key] = links.get(key, 0) + 1
+    out = []
+    for name in sorted(os.listdir(base)):
+        path = os.path.join(base, name)
+        if os.path.islink(path) or not os.path.isdir(path):
+            continue
+        sts = list(files(path))
+        if all(st.st_nlink - 1 <= links.get((st.st_dev, st.st_ino), 0) for st in sts):
+            out.append({"archive": name, "bytes": sum(st.st_blocks * 512 for st in sts
+                                                      if (st.st_dev, st.st_ino) not in links)})
+    return out
 
 
 def op_status(root, a):

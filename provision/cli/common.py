@@ -125,6 +125,18 @@ def targets(host: Optional[str], local: bool, inventory: Optional[Path], key: Op
     return ts
 
 
+def writable(path: Path, option: str) -> None:
+    """Refuse an output file that cannot be written (one line, exit 2) before any host is contacted."""
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise InputError(f"cannot write {path}: {e.strerror or e}", where=option) from None
+    if not existed:
+        path.unlink()
+
+
 def one_target(*a, **kw) -> Target:
     ts = targets(*a, **kw)
     if len(ts) != 1:

@@ -17,7 +17,7 @@ import typer
 
 from .common import (ForksOpt, HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHostsOpt, LimitOpt, LocalOpt, RootOpt,
                      console, edge, err_console, exit_for, one_target, over_hosts, plain, print_json, print_rows,
-                     row_error, styled, targets)
+                     row_error, styled, targets, writable)
 
 LockOpt = typer.Option(None, "--lock", "-l", help="lockfile (YAML)")
 SerialOpt = typer.Option(0, "--serial", help="fleet: hosts per batch; a failed batch stops the rollout")
@@ -108,6 +108,8 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter("--lock is required")
         try:
             lk = lockmod.load(lock)
+            if out:
+                writable(out, "--out")
             rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit),
                               lambda tr: applymod.plan(tr, lk), forks)
         except ProvisionError as e:
@@ -350,6 +352,7 @@ def register(app: typer.Typer) -> None:
             for g in out["generations"]:
                 console.print(f"  - {g['id']:<32} {g['status']:<10} {g['bytes'] / 2**20:9.1f} MiB")
             console.print(f"{r.host}: {verb} {len(out['generations'])} generations, {len(out['cache'])} cache entries, "
+                          f"{len(out.get('uv_cache', []))} unpacked wheels of uv's cache, "
                           f"{len(out['run_dirs'])} run dirs, {out['bytes'] / 2**20:.1f} MiB; kept current "
                           f"{out['current'] or '(none)'} and rollback target {out['rollback_target'] or '(none)'}.")
         print_rows(rows, show, json_out)
