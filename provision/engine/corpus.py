@@ -3,6 +3,7 @@ and where its held-out benchmark prompts come from (a different seed). Stdlib on
 from __future__ import annotations
 
 import random
+import re
 
 NOUNS = ("cat dog bird fox horse teacher doctor farmer child river garden city station engine "
          "kernel server cluster driver model token lamp window mountain forest village market").split()
@@ -108,3 +109,19 @@ def held_out_chat_prompts(n: int = 8, seed: int = 12345) -> list[str]:
     out = _prompts(TOPICS[-HELD_OUT:], THINGS[-3:], GOALS[-3:])
     random.Random(seed).shuffle(out)
     return out[:n]
+
+
+def _held_out_words() -> re.Pattern:
+    """Word starts (6 letters at most) of the held-out topics that no training prompt contains."""
+    train = " ".join(_prompts(TOPICS[:-HELD_OUT], THINGS[:-3], GOALS[:-3])).lower()
+    words = " ".join(TOPICS[-HELD_OUT:] + THINGS[-3:] + GOALS[-3:]).lower().split()
+    stems = {w.rstrip("s")[:6] for w in words}
+    return re.compile(r"\b(" + "|".join(sorted(s for s in stems if not re.search(r"\b" + s, train))) + ")")
+
+
+HELD_OUT_WORDS = _held_out_words()
+
+
+def mentions_held_out(text: str) -> bool:
+    """Whether a message names a held-out benchmark topic (self-written training prompts that do are dropped)."""
+    return HELD_OUT_WORDS.search(text.lower()) is not None

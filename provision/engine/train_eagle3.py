@@ -1,17 +1,18 @@
-"""Trains an EAGLE-3 draft for a served checkpoint by self-distillation: the target answers generated
-chat prompts greedily, then the draft learns the target's next-token distributions on that text with
-training-time test. `python -m provision.engine.train_eagle3 --model DIR --out DIR [--device cuda]`"""
+"""Trains an EAGLE-3 draft for a served checkpoint by self-distillation: the target answers chat prompts
+(templated ones and ones it writes itself) greedily, then the draft learns the target's next-token
+distributions on the answers with training-time test. `python -m provision.engine.train_eagle3 --model DIR --out DIR`"""
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import torch
 
-from .corpus import chat_prompts
+from .corpus import chat_prompts, mentions_held_out
 from .draft import DraftArgs, Eagle3Draft
 from .loading import load_target, save_draft
 from .tokenizer import load_tokenizer, stop_ids
@@ -19,8 +20,10 @@ from .train_tiny import train_draft
 
 
 @torch.inference_mode()
-def answer(target, prompts: list[list[int]], max_new: int, stops: set) -> list[list[int]]:
-    """Greedy answers for a batch of prompts, left-padded into one static cache (RoPE is relative)."""
+def answer(target, prompts: list[list[int]], max_new: int, stops: set, temperature: float = 0.0,
+           gen: torch.Generator | None = None) -> list[list[int]]:
+    """Answers for a batch of prompts, left-padded into one static cache (RoPE is relative): greedy, or
+    sampled at `temperature` (then `gen`, a generator on the target's device, draws)."""
     B, L = len(prompts), max(len(p) for p in prompts)
     dev = target.output.weight.device
     target.setup_caches(L + max_new, batch=B)
@@ -32,16 +35,35 @@ def answer(target, prompts: list[list[int]], max_new: int, stops: set) -> list[l
     pos = torch.arange(L, device=dev)
     causal = pos[None, :] <= pos[:, None]
     mask = (causal & valid[:, None, :L]) | torch.eye(L, dtype=torch.bool, device=dev)   # pads see themselves
-    tok = target(ids, pos, mask[:, None], pos)[:, -1].argmax(-1)
+    pick = (lambda lo: lo.argmax(-1)) if temperature <= 0 else (  # noqa: E731
+        lambda lo: torch.multinomial(torch.softmax(lo.float() / temperature, -1), 1, generator=gen)[:, 0])
+    tok = pick(target(ids, pos, mask[:, None], pos)[:, -1])
     out = [tok]
     for t in range(L, L + max_new - 1):
         valid[:, t] = True
         p = pos.new_full((1,), t)
-        tok = target(tok[:, None], p, valid[:, None, None, : t + 1], p)[:, -1].argmax(-1)
+        tok = pick(target(tok[:, None], p, valid[:, None, None, : t + 1], p)[:, -1])
         out.append(tok)
     rows = torch.stack(out, 1).tolist()
     cut = [next((i + 1 for i, x in enumerate(r) if x in stops), len(r)) for r in rows]
     return [r[:c] for r, c in zip(rows, cut)]
+
+
+def self_prompts(target, tok, n: int, batch: int, stops: set, gen: torch.Generator, log) -> list[str]:
+    """`n` distinct user messages the target writes itself, sampled after the chat template's user header;
+    unfinished ones and those that name a held-out benchmark topic are dropped."""
+    text = tok.chat_template.render([{"role": "user", "content": "\x00"}])
+    head = tok.encode(text[: text.index("\x00")], bos=False)
+    out: dict[str, None] = {}
+    for _ in range(4 * -(-n // batch)):
+        for r in answer(target, [head] * batch, 64, stops, temperature=1.0, gen=gen):
+            msg = tok.decode(r[:-1]).strip() if r[-1] in stops else ""
+            if len(msg.split()) >= 3 and not mentions_held_out(msg):
+                out[msg] = None
+        log(f"self-written prompts: {min(len(out), n)}/{n}")
+        if len(out) >= n:
+            break
+    return list(out)[:n]
 
 
 def main(argv=None):
@@ -49,7 +71,8 @@ def main(argv=None):
     ap.add_argument("--model", type=Path, required=True, help="target checkpoint (with its tokenizer)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--prompts", type=int, default=1512)
+    ap.add_argument("--prompts", type=int, default=1512, help="templated chat prompts")
+    ap.add_argument("--self-prompts", type=int, default=0, help="prompts the target writes itself")
     ap.add_argument("--max-new", type=int, default=320)
     ap.add_argument("--gen-batch", type=int, default=128)
     ap.add_argument("--draft-vocab", type=int, default=4096)
@@ -68,27 +91,34 @@ def main(argv=None):
         raise SystemExit(f"error: {a.model}: needs a tokenizer and a chat template")
     stops = set(stop_ids(a.model))
     target = load_target(a.model, a.device).requires_grad_(False)
-    prompts = [tok.encode(tok.chat_template.render([{"role": "user", "content": p}]), bos=False)
-               for p in chat_prompts(a.prompts)]
+    messages = chat_prompts(a.prompts)
+    templated = len(messages)
+    if a.self_prompts:
+        gen = torch.Generator(a.device).manual_seed(0)
+        messages += self_prompts(target, tok, a.self_prompts, a.gen_batch, stops, gen, log)
+    prompts = [tok.encode(tok.chat_template.render([{"role": "user", "content": p}]), bos=False) for p in messages]
     from .generate import Engine
     single = Engine(target, None, tok, max_seq_len=512, stop_ids=stops)
     want = [single.generate(p, 48).tokens for p in prompts[:2]]
     log(f"batched greedy answers equal single-sequence greedy: {answer(target, prompts[:2], 48, stops) == want}")
-    convs = []
+    convs, answers = [], []
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))     # similar lengths share a batch
     for s in range(0, len(order), a.gen_batch):
         batch = [prompts[i] for i in order[s:s + a.gen_batch]]
-        convs += [p + r for p, r in zip(batch, answer(target, batch, a.max_new, stops))]
+        for p, r in zip(batch, answer(target, batch, a.max_new, stops)):
+            convs.append(p + r)
+            answers.append([False] * len(p) + [True] * len(r))
         log(f"answered {len(convs)}/{len(prompts)} prompts")
     data = torch.tensor([t for c in convs for t in c])
-    log(f"self-distillation corpus: {len(convs)} conversations, {len(data)} tokens")
+    is_answer = torch.tensor([x for m in answers for x in m])
+    log(f"self-distillation corpus: {len(convs)} conversations, {len(data)} tokens, {int(is_answer.sum())} in answers")
     target.setup_caches(a.seq + 1)                                         # the RoPE table; no caches
     for layer in target.layers:
         layer.attention.kv_cache = None
     ta = target.args
-    freq = Counter(data.tolist())
+    freq = Counter(data[is_answer].tolist())
     d_ids = torch.tensor(sorted(t for t, _ in freq.most_common(a.draft_vocab)), device=a.device)
-    log(f"draft vocabulary covers {sum(freq[int(t)] for t in d_ids) / len(data):.1%} of the corpus tokens")
+    log(f"draft vocabulary covers {sum(freq[int(t)] for t in d_ids) / int(is_answer.sum()):.1%} of the answer tokens")
     da = DraftArgs(vocab_size=ta.vocab_size, dim=ta.dim, n_layer=1, n_head=ta.n_head, n_local_heads=ta.n_local_heads,
                    head_dim=ta.head_dim, intermediate_size=ta.intermediate_size, norm_eps=ta.norm_eps,
                    rope_base=ta.rope_base, rope_scaling=ta.rope_scaling,
@@ -96,12 +126,16 @@ def main(argv=None):
     draft = Eagle3Draft(da).to(a.device)
     draft.d2t.copy_(d_ids - torch.arange(len(d_ids), device=a.device))
     draft.embed = target.tok_embeddings
-    train_draft(target, draft, data, a.steps, a.batch, a.seq, a.ttt, d_ids, log, deadline=t0 + 60 * a.max_minutes)
+    done = train_draft(target, draft, data, a.steps, a.batch, a.seq, a.ttt, d_ids, log,
+                       deadline=t0 + 60 * a.max_minutes, answer=is_answer)
     save_draft(draft, a.out, dtype=torch.float16)
     (a.out / "training.json").write_text(json.dumps({
-        "target": str(a.model.name), "conversations": len(convs), "tokens": len(data), "steps": a.steps,
+        "target": str(a.model.name), "conversations": len(convs), "self_written_prompts": len(messages) - templated,
+        "tokens": len(data), "answer_tokens": int(is_answer.sum()), "steps": done,
+        "steps_planned": a.steps,
         "batch": a.batch, "seq": a.seq, "ttt": a.ttt, "draft_vocab": len(d_ids), "seconds": round(time.time() - t0),
-        "reproduce": "python -m provision.engine.train_eagle3 --model DIR --out DIR --device cuda"}, indent=2) + "\n")
+        "command": "python -m provision.engine.train_eagle3 " + " ".join(argv if argv is not None else sys.argv[1:])},
+        indent=2) + "\n")
     log(f"saved to {a.out}")
 
 

@@ -90,34 +90,50 @@ def draft_unrolled(draft: Eagle3Draft, x, aux, ttt: int):
     return outs
 
 
-def train_draft(target, draft, data, steps, B, T, ttt, d_ids, log, deadline: float = float("inf")):
-    """Distil the target into the draft; stops early (and says so) at `deadline` (time.time())."""
+def ttt_loss(p, outs: list, w) -> torch.Tensor:
+    """Cross-entropy of each unrolled step k to the target's distributions p [B, T, Vd] at positions >= k
+    (step k's first k positions have no chain behind them), weighted by w [B, T], step k weighted 0.8^k."""
+    loss = 0.0
+    for k, lo in enumerate(outs):
+        ce = -(p[:, k:] * torch.log_softmax(lo[:, k:], -1)).sum(-1)
+        loss = loss + 0.8 ** k * (ce * w[:, k:]).sum() / w[:, k:].sum().clamp(min=1)
+    return loss
+
+
+def train_draft(target, draft, data, steps, B, T, ttt, d_ids, log, deadline: float = float("inf"),
+                answer: torch.Tensor | None = None) -> int:
+    """Distil the target into the draft within `steps` or by `deadline` (time.time()), whichever comes
+    first: the learning-rate schedule runs on whichever is further along, so it always completes.
+    `answer` (bool per token of `data`) limits the loss to predicting answer tokens. Returns the steps run."""
     params = [p for n, p in draft.named_parameters()]
     opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0, betas=(0.9, 0.95))
     dev = draft.fc.weight.device
     mask = torch.ones(T + 1, T + 1, dtype=torch.bool, device=dev).tril()
     pos = torch.arange(T + 1, device=dev)
     draft.register_buffer("rope", rope_cache(T + 1, draft.args).to(dev), persistent=False)
-    for step, x in zip(range(steps), batches(data, B, T + 1, torch.Generator().manual_seed(2), dev)):
+    # position i is trained on the target's distribution at i+1, i.e. on predicting token i+2
+    counts = torch.ones(len(data)) if answer is None else F.pad(answer[1:].float(), (0, 1))
+    windows = batches(torch.arange(len(data)), B, T + 1, torch.Generator().manual_seed(2), "cpu")
+    step, t0 = -1, time.time()
+    for step, idx in zip(range(steps), windows):
+        done = max(step, steps * (time.time() - t0) / (deadline - t0))       # steps, or share of the time
+        if done >= steps:
+            log(f"draft training stopped at step {step} of {steps}: time budget spent")
+            break
         for grp in opt.param_groups:
-            grp["lr"] = lr_at(step, steps, 3e-3)
+            grp["lr"] = lr_at(done, steps, 3e-3)
+        x, w = data[idx].to(dev), counts[idx[:, 1:]].to(dev)                 # [B, T+1], [B, T]
         with torch.no_grad():
             logits, aux = target(x, pos, mask, pos, capture=True)     # [B, T+1, V], [B, T+1, 3H]
             p = torch.softmax(logits[:, 1:, d_ids], -1)              # target's next-next token on the draft vocab
-        outs = draft_unrolled(draft, x, aux[:, :T], ttt)
-        loss = 0.0
-        for k, lo in enumerate(outs):
-            ce = -(p[:, k:] * torch.log_softmax(lo[:, k:], -1)).sum(-1).mean()
-            loss = loss + 0.8 ** k * ce
+        loss = ttt_loss(p, draft_unrolled(draft, x, aux[:, :T], ttt), w)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if step % 50 == 0 or step == steps - 1:
-            log(f"draft step {step} loss {loss.item():.3f}")
-        if time.time() > deadline:
-            log(f"draft training stopped at step {step} of {steps}: time budget spent")
-            break
+            log(f"draft step {step} loss {loss.item():.3f} lr {lr_at(done, steps, 3e-3):.2e}")
+    return step + 1
 
 
 def main(argv=None):

@@ -1,5 +1,6 @@
-"""Self-distillation pieces: batched left-padded greedy answers equal one-at-a-time greedy decoding;
-the shape bench runs end to end on a small shape (CPU: eager calls, no graphs)."""
+"""Self-distillation pieces: batched left-padded greedy answers equal one-at-a-time greedy decoding,
+sampled ones follow their generator; held-out topics stay out of training prompts; the training-time-test
+loss counts weighted positions only; the shape bench runs end to end on a small shape (CPU: no graphs)."""
 import math
 
 import torch
@@ -7,7 +8,9 @@ import torch
 from conftest import random_pair
 from provision.engine.generate import Engine
 from provision.engine.shape_bench import shape_bench
+from provision.engine.corpus import chat_prompts, held_out_chat_prompts, mentions_held_out
 from provision.engine.train_eagle3 import answer
+from provision.engine.train_tiny import ttt_loss
 
 
 def test_batched_answers_equal_single_greedy():
@@ -26,3 +29,32 @@ def test_shape_bench_small_shape():
     for k in ("plain_tok_s", "forward_1_ms", "forward_16_ms", "forward_64_ms", "draft_step_ms", "spec_step_ms",
               "spec_step_in_plain_steps"):
         assert r[k] > 0 and math.isfinite(r[k]), k
+
+
+def test_sampled_answers_follow_the_generator():
+    target, _ = random_pair(vocab=96, dim=64, n_layer=3, device="cpu", scale=2.0)
+    prompts = [[5, 9, 3], [7, 1, 2, 8]]
+    draw = lambda seed, t: answer(target, prompts, 16, set(), temperature=t,  # noqa: E731
+                                  gen=torch.Generator().manual_seed(seed))
+    assert draw(1, 1.0) == draw(1, 1.0) != draw(2, 1.0)
+    assert draw(1, 1e-4) == answer(target, prompts, 16, set())      # a cold temperature is greedy
+
+
+def test_held_out_topics_stay_out_of_training_prompts():
+    assert all(mentions_held_out(p) for p in held_out_chat_prompts(1000))
+    assert not any(mentions_held_out(p) for p in chat_prompts(10_000))
+    assert not mentions_held_out("Explain photosynthesis.") and mentions_held_out("Why do CLOUDS float?")
+
+
+def test_ttt_loss_counts_weighted_positions_only():
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(2, 8, 10, generator=g), -1)
+    outs = [torch.randn(2, 8, 10, generator=g) for _ in range(3)]
+    w = torch.ones(2, 8)
+    plain = sum(0.8 ** k * -(p[:, k:] * torch.log_softmax(o[:, k:], -1)).sum(-1).mean() for k, o in enumerate(outs))
+    assert torch.allclose(ttt_loss(p, outs, w), plain)
+    w[:, 5:] = 0
+    q = p.clone()
+    q[:, 5:] = torch.softmax(torch.randn(2, 3, 10, generator=g), -1)   # changes only unweighted positions
+    assert torch.allclose(ttt_loss(p, outs, w), ttt_loss(q, outs, w))
+    assert not torch.allclose(ttt_loss(p, outs, torch.ones(2, 8)), ttt_loss(q, outs, torch.ones(2, 8)))
