@@ -63,6 +63,7 @@ def self_prompts(target, tok, n: int, batch: int, stops: set, gen: torch.Generat
         log(f"self-written prompts: {min(len(out), n)}/{n}")
         if len(out) >= n:
             break
+    log(f"for example: {list(out)[:3]}")
     return list(out)[:n]
 
 
