@@ -2,7 +2,8 @@
 
 Prints, measured in this one run: first apply, no-op apply, plan, rollback (host-side switch, library
 call and the operator's whole `provision rollback` command), re-applying the prior lock from scratch
-(fresh root, empty wheel cache), and `plan`/`apply` over 1 and N inventory hosts; with their ratios.
+(fresh root, empty wheel cache), and `plan`, `apply` and `apply --wheels-from controller` over 1 and N
+inventory hosts (fresh roots and caches), with the controller's CPU-seconds per host; with their ratios.
 Usage: python bench/core_bench.py [--json] [--repeat N] [--fleet N]
 """
 from __future__ import annotations
@@ -10,7 +11,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
+import resource
 import statistics
+import tempfile
 import subprocess
 import sys
 import time
@@ -26,6 +30,7 @@ from provision.loopback import LoopbackHost  # noqa: E402
 from provision.transport import connect, trust_host  # noqa: E402
 
 LOCKS = DEMO_LOCKS
+BENCH_B = Path(__file__).resolve().parent / "locks" / "b.yaml"   # pure-Python wheels only: a quick second generation
 
 
 def timed(fn, *a, **kw):
@@ -70,7 +75,7 @@ def main() -> None:
         trust_host(clean.target)
         tr = connect(clean.target)
         applymod.apply(tr, a)
-        applymod.apply(tr, b)
+        applymod.apply(tr, lockmod.load(BENCH_B))
         _, fig["rollback_command_wall_no_rc_s"] = rollback_command(clean.target, tr, args.repeat)
         tr.close()
     fig["rollback_speedup_vs_reapply"] = fig["reapply_prior_from_scratch_s"] / fig["rollback_s"]
@@ -93,10 +98,13 @@ def main() -> None:
     print(f"rollback is {fig['rollback_speedup_vs_reapply']:.1f}× faster than re-applying the prior lock (target ≥ 20×)")
     if args.fleet:
         n = args.fleet
-        for verb in ("plan", "apply"):
+        for verb in ("plan", "apply", "apply_ctl"):
             one, many = fig[f"{verb}_1_host_s"], fig[f"{verb}_{n}_hosts_s"]
-            print(f"`provision {verb} -i` 1 host / {n} hosts  {one:6.2f} s / {many:6.2f} s   = {many / one:.2f}× one host"
-                  + ("  (target ≤ 2×)" if verb == "plan" else ""))
+            name = "apply --wheels-from controller" if verb == "apply_ctl" else verb
+            c1, cn = fig[f"{verb}_1_host_cpu_s"], fig[f"{verb}_{n}_hosts_cpu_s"]
+            cpu = (f"; controller CPU {c1:.2f} s / {cn:.2f} s = {(cn - c1) / max(1, n - 1):.3f} s per added host")
+            print(f"`provision {name} -i` 1 host / {n} hosts  {one:6.2f} s / {many:6.2f} s   = {many / one:.2f}× one host"
+                  + ("  (target ≤ 2×)" if verb == "plan" else "") + cpu)
 
 
 def rollback_command(t, tr, repeat: int) -> tuple[float, float]:
@@ -112,12 +120,22 @@ def rollback_command(t, tr, repeat: int) -> tuple[float, float]:
     return statistics.median(host_side), statistics.median(wall)
 
 
-def cli(*args) -> str:
+def cli(*args, env: dict | None = None) -> str:
     p = subprocess.run([sys.executable, "-m", "provision", *map(str, args)], capture_output=True, text=True,
-                       cwd=Path(__file__).resolve().parent.parent)
+                       cwd=Path(__file__).resolve().parent.parent, env=env)
     if p.returncode != 0:
         raise SystemExit(f"provision {args[0]} failed: {p.stderr.strip()}")
     return p.stdout
+
+
+def timed_cli(*args, env: dict | None = None) -> tuple[float, float]:
+    """(wall seconds, controller CPU seconds: the command and every process it waited for)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    cli(*args, env=env)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def host_args(t) -> list:
@@ -126,25 +144,31 @@ def host_args(t) -> list:
 
 
 def fleet_figures(host, a, b, n: int) -> dict:
-    """`plan` and `apply` through the CLI over 1 and n inventory hosts (fresh roots behind one sshd)."""
+    """`plan`, `apply` and `apply --wheels-from controller` through the CLI over 1 and n inventory hosts
+    (fresh roots behind one sshd; each apply with an empty controller cache)."""
     t = host.target
     inv = Path(host.dir) / "fleet.yml"
     conn = "".join(f"    {k}: {v}\n" for k, v in (("ansible_host", t.host), ("ansible_port", t.port),
                                                    ("ansible_user", t.user), ("ansible_ssh_private_key_file", t.key_file)))
+    groups = ""
+    for g in ("fleet", "ctl"):
+        groups += (f"    {g}:\n      hosts:\n"
+                   + "".join(f"        {g}{i}: {{provision_root: {host.root}-{g}{i}}}\n" for i in range(n)))
     inv.write_text("all:\n  vars:\n" + conn + f"  hosts:\n    solo: {{provision_root: {host.root}-solo}}\n"
-                   "  children:\n    fleet:\n      hosts:\n"
-                   + "".join(f"        h{i}: {{provision_root: {host.root}-fleet{i}}}\n" for i in range(n)))
+                   f"    solo-ctl: {{provision_root: {host.root}-solo-ctl}}\n  children:\n" + groups)
     common = ["-i", inv, "--known-hosts", t.known_hosts]
     fig = {}
-    for key, limit in (("apply_1_host_s", "solo"), (f"apply_{n}_hosts_s", "fleet"),
-                       ("plan_1_host_s", "solo"), (f"plan_{n}_hosts_s", "fleet")):
-        verb = key.split("_")[0]
+    for key, limit, verb, extra in (("apply_1_host", "solo", "apply", []), (f"apply_{n}_hosts", "fleet", "apply", []),
+                                    ("apply_ctl_1_host", "solo-ctl", "apply", ["--wheels-from", "controller"]),
+                                    (f"apply_ctl_{n}_hosts", "ctl", "apply", ["--wheels-from", "controller"]),
+                                    ("plan_1_host", "solo", "plan", []), (f"plan_{n}_hosts", "fleet", "plan", [])):
         lk = a if verb == "apply" else b
-        t0 = time.perf_counter()
-        cli(verb, *common, "--limit", limit, "--lock", lk.path, *(["--forks", str(n)] if verb == "apply" else []))
-        fig[key] = time.perf_counter() - t0
+        with tempfile.TemporaryDirectory() as home:     # an empty controller cache for each run
+            env = dict(os.environ, PROVISION_HOME=home)
+            fig[key + "_s"], fig[key + "_cpu_s"] = timed_cli(verb, *common, "--limit", limit, "--lock", lk.path,
+                                                            *extra, *(["--forks", str(n)] if verb == "apply" else []),
+                                                            env=env)
     return fig
-
 
 if __name__ == "__main__":
     main()

@@ -30,19 +30,19 @@ class LoopbackHost:
     """`with LoopbackHost() as h:` → h.target (not yet trusted), h.root, h.dir; stops sshd on exit."""
 
     def __init__(self, base: str | Path | None = None, netns_index: int | None = None, login_rc: bool = True,
-                 netns: bool = False):
+                 netns: bool = False, sshd_config: str = ""):
         """`netns=True` puts the host in a network namespace of its own, pv-host-i, reached over a veth
         pair at 10.203.i.2: i is the first index free when it starts (or `netns_index`), so concurrent runs
         never share one (the namespace is the run's own; nothing outside this machine is involved).
         `login_rc=False`: sessions get an empty HOME, so the login shell reads no rc file (a fresh host's
-        sessions, whatever the user's own shell startup does)."""
+        sessions, whatever the user's own shell startup does). `sshd_config`: more sshd settings (one a line)."""
         self.dir = Path(tempfile.mkdtemp(prefix="provision-host-", dir=base))
         self._index = netns_index
         self.netns_wanted = netns or netns_index is not None
         self.netns: str | None = None
         self.address = "127.0.0.1"
         self.port = 22 if self.netns_wanted else free_port()
-        self.login_rc = login_rc
+        self.login_rc, self.extra_config = login_rc, sshd_config
         self.root = str(self.dir / "root")
         self.proc: subprocess.Popen | None = None
 
@@ -67,7 +67,7 @@ class LoopbackHost:
             "UsePAM no\nStrictModes no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
             "PubkeyAuthentication yes\nPermitRootLogin yes\nMaxSessions 64\nMaxStartups 64\n"
             "Subsystem sftp internal-sftp\nLogLevel ERROR\n"
-            + ("" if self.login_rc else f"SetEnv HOME={self.dir / 'home'}\n"))
+            + ("" if self.login_rc else f"SetEnv HOME={self.dir / 'home'}\n") + self.extra_config)
         if not self.login_rc:
             (self.dir / "home").mkdir(mode=0o700, exist_ok=True)
         argv = [SSHD, "-D", "-e", "-f", str(self.dir / "sshd_config")]

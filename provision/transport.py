@@ -343,12 +343,23 @@ class _SSHProc:
             pass
 
 
+# AES-GCM encrypts and authenticates in one call: about a third less controller CPU per byte pushed than
+# paramiko's first choice (aes128-ctr with a separate hmac-sha2-256). A server without it gets the default.
+NOT_AEAD = {"ciphers": ["aes128-ctr", "aes192-ctr", "aes256-ctr", "aes128-cbc", "aes192-cbc", "aes256-cbc",
+                        "3des-cbc"]}
+
+
 class SSH(Transport):
     """A remote host through paramiko; unknown or changed host keys are refused."""
 
     def __init__(self, target: Target, connect_timeout: float = 10.0):
+        import logging
+
         import paramiko
 
+        log = logging.getLogger("paramiko")    # its failures reach us as exceptions, said in one line
+        if not log.handlers:
+            log.addHandler(logging.NullHandler())
         self.target = target
         self.client = paramiko.SSHClient()
         kh = Path(target.known_hosts)
@@ -356,9 +367,16 @@ class SSH(Transport):
             self.client.load_host_keys(str(kh))
         self.client.set_missing_host_key_policy(paramiko.RejectPolicy())
         try:
-            self.client.connect(target.host, port=target.port, username=target.user or _whoami(),
-                                key_filename=target.key_file, timeout=connect_timeout,
-                                allow_agent=target.key_file is None, look_for_keys=target.key_file is None)
+            for disabled in (NOT_AEAD, None):
+                try:
+                    self.client.connect(target.host, port=target.port, username=target.user or _whoami(),
+                                        key_filename=target.key_file, timeout=connect_timeout,
+                                        allow_agent=target.key_file is None, look_for_keys=target.key_file is None,
+                                        disabled_algorithms=disabled)
+                    break
+                except paramiko.SSHException as e:
+                    if disabled is None or "no acceptable ciphers" not in str(e):
+                        raise
         except paramiko.BadHostKeyException as e:
             raise HostKeyError(f"host key CHANGED: offered {e.key.get_name()} {fingerprint(e.key)}, "
                                f"known_hosts {kh} expects {fingerprint(e.expected_key)}; refusing",

@@ -241,3 +241,18 @@ def test_host_whose_login_shell_reads_no_rc_file_runs_agents():
             assert tr.run_agent("state", {"op": "history", "root": h.root})["generations"] == []
         finally:
             tr.close()
+
+
+def test_ssh_prefers_aes_gcm_and_falls_back_when_the_server_lacks_it():
+    from provision.loopback import LoopbackHost
+    from provision.transport import connect, trust_host
+
+    for config, cipher in (("", "aes128-gcm@openssh.com"), ("Ciphers aes128-ctr\n", "aes128-ctr")):
+        with LoopbackHost(sshd_config=config) as h:
+            trust_host(h.target)
+            tr = connect(h.target)
+            try:
+                assert tr.client.get_transport().local_cipher == cipher
+                assert tr.check(["echo", "ok"]).strip() == "ok"
+            finally:
+                tr.close()
