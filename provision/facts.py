@@ -12,7 +12,7 @@ from .transport import Transport
 def gather(transport: Transport, *, adopt: str | None = None) -> dict:
     payload = {"root": root_of(transport), "adopt": adopt,
                "nvidia_smi": transport.target.vars.get("provision_nvidia_smi")}
-    facts = transport.run_agent("facts", payload, python=transport.target.vars.get("python", "python3"))
+    facts = transport.run_agent("facts", payload)
     facts["host"] = transport.target.name
     return facts
 

@@ -139,12 +139,18 @@ class Transport:
             raise HostError(f"{argv[0]} failed: {last[0]}", where=self.target.name)
         return r.stdout
 
-    def run_agent(self, name: str, payload: dict, *, python: str = "python3", env: dict | None = None,
+    @property
+    def python(self) -> str:
+        """The host's interpreter for agents: the inventory's ansible_python_interpreter, else python3."""
+        return self.target.vars.get("python", "python3")
+
+    def run_agent(self, name: str, payload: dict, *, python: str | None = None, env: dict | None = None,
                   timeout: float | None = None, on_event: Callable[[dict], None] | None = None,
                   extra_stdin: Iterable[bytes] | None = None) -> dict:
         """Run host agent `name` on `payload` (one JSON line on stdin; `extra_stdin` streams after it) with
         interpreter `python`; returns the agent's result (its last stdout line). Earlier lines
-        {"_event": {...}} go to `on_event` (progress); agent errors become HostError."""
+        {"_event": {...}} go to `on_event` (progress); agent errors become HostError. `python` defaults to
+        the host's (`self.python`)."""
         from . import agent
 
         def line(text: str) -> None:
@@ -157,7 +163,7 @@ class Transport:
                     on_event(ev["_event"])
 
         msg = agent.message(name, payload, env)
-        r = self.run(agent.command(python), stdin=itertools.chain([msg], extra_stdin) if extra_stdin else msg,
+        r = self.run(agent.command(python or self.python), stdin=itertools.chain([msg], extra_stdin) if extra_stdin else msg,
                      timeout=timeout,
                      on_line=line if on_event else None)
         try:
@@ -176,7 +182,7 @@ class Transport:
         script = ("import os,sys\np=sys.argv[1]\nos.makedirs(os.path.dirname(p) or '.',mode=0o750,exist_ok=True)\n"
                   "t=p+'.tmp-%d'%os.getpid()\nf=os.open(t,os.O_WRONLY|os.O_CREAT|os.O_TRUNC,int(sys.argv[2],8))\n"
                   "os.write(f,sys.stdin.buffer.read())\nos.close(f)\nos.replace(t,p)\n")
-        r = self.run(["python3", "-I", "-c", script, path, oct(mode)[2:]], stdin=data)
+        r = self.run([self.python, "-I", "-c", script, path, oct(mode)[2:]], stdin=data)
         if r.rc != 0:
             raise HostError(f"cannot write {path}: {r.stderr.strip()}", where=self.target.name)
 
@@ -202,7 +208,7 @@ class HeldLock:
         from . import agent
 
         root = self.path.rsplit("/", 1)[0] if self.path.endswith("/.lock") else self.path
-        self.proc = self.transport.spawn(agent.command())
+        self.proc = self.transport.spawn(agent.command(self.transport.python))
         self.proc.send(agent.message("host", {"op": "hold", "root": root}))
         line = self.proc.readline()
         try:

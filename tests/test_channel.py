@@ -256,3 +256,22 @@ def test_ssh_prefers_aes_gcm_and_falls_back_when_the_server_lacks_it():
                 assert tr.check(["echo", "ok"]).strip() == "ok"
             finally:
                 tr.close()
+
+
+def test_agents_run_with_the_inventorys_python_interpreter(target, tmp_path):
+    from provision import generations
+    from provision.inventory import load_inventory
+    from provision.transport import connect
+
+    inv = tmp_path / "hosts.ini"
+    inv.write_text(f"[gpu]\ngpu0 ansible_host={target.host} ansible_port={target.port} ansible_user={target.user} "
+                   f"ansible_ssh_private_key_file={target.key_file} ansible_python_interpreter=/usr/bin/python3 "
+                   f"provision_root={target.vars['provision_root']}\n")
+    (t,) = load_inventory(inv, known_hosts=target.known_hosts)
+    tr = connect(t)
+    try:
+        assert tr.run_agent("host", {"op": "dists"})["executable"] == "/usr/bin/python3"
+        with tr.hold(f"{t.vars['provision_root']}/.lock"):      # the host lock's agent too
+            assert generations.history(tr)["generations"] == []
+    finally:
+        tr.close()
