@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from .kernels import linear
 from .model import Attention, FeedForward, KVCache, ModelArgs, RMSNorm, rope_cache
 
 
@@ -40,8 +41,9 @@ class Eagle3Layer(nn.Module):
         # emb, hidden: [B, T, H]
         normed = self.hidden_norm(hidden)
         x = torch.cat([self.input_layernorm(emb), normed], dim=-1)                     # [B, T, 2H]
-        h = (normed if self.norm_before_residual else hidden) + self.attention(x, rope, mask, slots)
-        return h + self.feed_forward(self.ffn_norm(h))
+        base = normed if self.norm_before_residual else hidden
+        h, hn = self.ffn_norm(base, residual=self.attention(x, rope, mask, slots))
+        return h + self.feed_forward(hn)
 
 
 class Eagle3Draft(nn.Module):
@@ -71,9 +73,9 @@ class Eagle3Draft(nn.Module):
         Returns draft-vocab logits [B, T, Vd] and the pre-norm states [B, T, H] fed to the next step.
         """
         if hidden.shape[-1] != self.args.dim:
-            hidden = self.fc(hidden)
-        h = self.midlayer(self.embed_ids(idx), hidden, self.rope[pos], mask, slots)
-        return self.lm_head(self.norm(h)), h
+            hidden = linear(hidden, self.fc.weight)
+        h = self.midlayer(self.embed_ids(idx), hidden, self.rope[pos].to(hidden.dtype), mask, slots)
+        return linear(self.norm(h), self.lm_head.weight), h
 
     def embed_ids(self, idx: Tensor) -> Tensor:
         return (self.embed_tokens if self.embed_tokens is not None else self.embed)(idx)

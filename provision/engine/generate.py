@@ -11,6 +11,7 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
+from . import kernels
 from .draft import Eagle3Draft
 from .errors import EngineError
 from .model import Transformer
@@ -135,6 +136,9 @@ class Engine:
         self.acc = (torch.zeros((), dtype=torch.long, device=dev), torch.zeros(L, dtype=torch.long, device=dev),
                     torch.zeros(L, dtype=torch.long, device=dev), torch.zeros(1, n, aux, dtype=p.dtype, device=dev))
         self.graphs = StepGraphs(dev, self.use_graphs)                # the caches moved: graphs start afresh
+        if self.graphs.on:                                            # GEMV per weight shape: measured, kept
+            kernels.tune([self.target] + ([self.draft] if self.draft is not None else []),
+                         rows=[r for r in (1, topk) if r in kernels.CONFIGS])
         self.emit = Emitter(dev, L + 1)
 
     def _w(self, x: int) -> int:

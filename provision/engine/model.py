@@ -9,8 +9,9 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
+
+from .kernels import linear, rms_norm, silu_mul
 
 
 @dataclass
@@ -87,9 +88,9 @@ def gqa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     kv = k.shape[1]
     g = h // kv
     qg = q.reshape(B, kv, g * T, hd)                                  # head kv*g + j → group kv, rows (j, t)
-    s = (qg @ k.transpose(-1, -2)).float().view(B, kv, g, T, -1) * hd ** -0.5
+    s = (qg @ k.transpose(-1, -2)).view(B, kv, g, T, -1) * hd ** -0.5
     m = mask if mask.dim() == 2 else mask.unsqueeze(2)                # [T, W] or [B, 1, 1, T, W]
-    p = torch.softmax(s.masked_fill(~m, float("-inf")), dim=-1).to(v.dtype)
+    p = torch.softmax(torch.where(m, s, float("-inf")), dim=-1, dtype=torch.float32).to(v.dtype)
     y = p.view(B, kv, g * T, -1) @ v                                  # [B, kv, g*T, hd]
     return y.view(B, h, T, hd).transpose(1, 2)
 
@@ -121,8 +122,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+    def forward(self, x: Tensor, residual: Optional[Tensor] = None):
+        """weight * norm(x); with `residual`: (h, weight * norm(h)) for h = x + residual."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -138,15 +140,14 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, rope: Tensor, mask: Tensor, slots: Tensor) -> Tensor:
         # x: [B, T, in_dim]; mask: [T, W] bool over cache slots [0, W); slots: [T]
         B, T, _ = x.shape
-        q, k, v = self.wqkv(x).split([self.n_head * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], -1)
-        q = q.view(B, T, self.n_head, self.hd).transpose(1, 2)   # [B, h, T, hd]
-        k = k.view(B, T, self.n_kv, self.hd).transpose(1, 2)     # [B, kv, T, hd]
-        v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        h, kv = self.n_head, self.n_kv
+        qkv = linear(x, self.wqkv.weight).view(B, T, h + 2 * kv, self.hd)
+        q, k = apply_rope(qkv[:, :, : h + kv].transpose(1, 2), rope).split([h, kv], 1)   # [B, h|kv, T, hd]
+        v = qkv[:, :, h + kv:].transpose(1, 2)                   # [B, kv, T, hd]
         if self.kv_cache is not None:                            # None only when training
             k, v = self.kv_cache.update(slots, k, v)             # [B, kv, S, hd]
             k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]   # attend to the mask's span only
-        return self.wo(gqa_attention(q, k, v, mask).reshape(B, T, self.n_head * self.hd))
+        return linear(gqa_attention(q, k, v, mask).reshape(B, T, self.n_head * self.hd), self.wo.weight)
 
 
 class FeedForward(nn.Module):
@@ -158,8 +159,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        g, u = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(g) * u)
+        return linear(silu_mul(linear(x, self.w13.weight)), self.w2.weight)
 
 
 class TransformerBlock(nn.Module):
@@ -171,8 +171,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
     def forward(self, x: Tensor, rope: Tensor, mask: Tensor, slots: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, mask, slots)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h, hn = self.ffn_norm(x, residual=self.attention(self.attention_norm(x), rope, mask, slots))
+        return h + self.feed_forward(hn)
 
 
 class Transformer(nn.Module):
@@ -200,14 +200,14 @@ class Transformer(nn.Module):
         Returns logits [B, T, V] and, with capture, aux hidden states [B, T, 3H].
         """
         x = self.tok_embeddings(idx)
-        rope = self.rope[pos]
+        rope = self.rope[pos].to(x.dtype)
         seen = {}
         for i, layer in enumerate(self.layers):
             if capture and i in self.args.aux_layers:
                 seen[i] = x
             x = layer(x, rope, mask, slots)
         seen[self.args.n_layer] = x
-        logits = self.output(self.norm(x))
+        logits = linear(self.norm(x), self.output.weight)
         if not capture:
             return logits
         return logits, torch.cat([seen[i] for i in self.args.aux_layers], dim=-1)

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from . import kernels
 from .draft import DraftArgs, Eagle3Draft
 from .generate import Engine
 from .model import ModelArgs, Transformer
@@ -111,7 +112,8 @@ def read_bandwidth(device, nbytes: int = 2 << 30, reps: int = 40) -> float:
 @torch.inference_mode()
 def shape_bench(shape: str = "llama3-8b", device="cuda", dtype=torch.bfloat16, prompt: int = 128,
                 new: int = 256, steps: int = 5, topk: int = 4, num_draft_tokens: int = 16, peer: bool = True,
-                log=print) -> dict:
+                trees=(), log=print) -> dict:
+    """`trees`: more (steps, topk, num_draft_tokens) shapes whose speculative step is timed too."""
     dev = torch.device(device)
     target, draft = random_pair(shape, dev, dtype)
     eng = Engine(target, draft, None, max_seq_len=prompt + new + 64, steps=steps, topk=topk,
@@ -164,6 +166,16 @@ def shape_bench(shape: str = "llama3-8b", device="cuda", dtype=torch.bfloat16, p
     log(f"Engine.stream: plain {r['stream_plain_tok_s']} tok/s, speculative {r['stream_spec_tok_s']} tok/s "
         f"(accept length {r['stream_accept_length']}, random draft); same tokens for the first "
         f"{r['stream_same_prefix']} of {new}")
+    r["triton"] = kernels._tk() is not None and cuda
+    r["gemv"] = [t for t in kernels.TIMINGS if t["k"] in {w.shape[1] for w in target.parameters() if w.dim() == 2}]
+    for tree in trees:
+        eng.configure(*tree)
+        list(eng.stream(ids, 1))
+        ms = 1e3 * per_call(lambda: eng._spec_step(n, 0.0, 1.0, None), 20, cuda)
+        r.setdefault("trees", []).append({"steps": tree[0], "topk": tree[1], "num_draft_tokens": tree[2],
+                                          "spec_step_ms": round(ms, 3),
+                                          "in_plain_steps": round(ms / (1e3 * t_step), 3)})
+        log(f"tree steps={tree[0]} topk={tree[1]} tokens={tree[2]}: {r['trees'][-1]['in_plain_steps']} plain steps")
     if peer:
         try:
             r.update(transformers_graph_peer(target, dev, dtype, prompt, new, ids))

@@ -1,0 +1,84 @@
+"""Triton kernels for the CUDA decode path: a GEMV / skinny GEMM for a few rows (weights streamed once,
+no split-K), RMSNorm with the residual add fused, and SiLU(gate)·up. Imported only where Triton is."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, y_ptr, K, stride_x, stride_w, stride_y,
+                   M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # y[m, n] = sum_k x[m, k] * w[n, k] for BN rows n of w; K % BK == 0 and N % BN == 0 (checked by the caller)
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    w_row = w_ptr + rn[:, None] * stride_w + rk[None, :]                  # [BN, BK]
+    acc = tl.zeros((M, BN, BK), dtype=tl.float32)
+    rm = tl.arange(0, M)
+    x_row = x_ptr + rm[:, None] * stride_x + rk[None, :]                  # [M, BK]
+    for k0 in range(0, K, BK):
+        w = tl.load(w_row + k0).to(tl.float32)
+        x = tl.load(x_row + k0).to(tl.float32)
+        acc += x[:, None, :] * w[None, :, :]
+    y = tl.sum(acc, axis=2)                                                # [M, BN]
+    tl.store(y_ptr + rm[:, None] * stride_y + rn[None, :], y.to(y_ptr.dtype.element_ty))
+
+
+def skinny(x: Tensor, w: Tensor, bn: int, bk: int, warps: int) -> Tensor:
+    """x [..., K] with M = x.numel() // K rows (a power of two), w [N, K] → [..., N]."""
+    K, N = x.shape[-1], w.shape[0]
+    x2 = x.reshape(-1, K)
+    y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
+    _skinny_kernel[(N // bn,)](x2, w, y, K, x2.stride(0), w.stride(0), y.stride(0),
+                               M=x2.shape[0], BN=bn, BK=bk, num_warps=warps)
+    return y.view(*x.shape[:-1], N)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, D, eps, ADD: tl.constexpr, BD: tl.constexpr):
+    # one row: h = x (+ r); y = w * to_dtype(h * rsqrt(mean(h²) + eps)), the float math of RMSNorm.forward
+    row = tl.program_id(0)
+    c = tl.arange(0, BD)
+    ok = c < D
+    h = tl.load(x_ptr + row * D + c, mask=ok, other=0.0)
+    if ADD:
+        h = (h.to(tl.float32) + tl.load(r_ptr + row * D + c, mask=ok, other=0.0).to(tl.float32)).to(h.dtype)
+        tl.store(h_ptr + row * D + c, h, mask=ok)
+    hf = h.to(tl.float32)
+    n = (hf * tl.rsqrt(tl.sum(hf * hf, axis=0) / D + eps)).to(h.dtype).to(tl.float32)
+    w = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * D + c, (w * n).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
+    """RMSNorm of x (or of h = x + residual, returned too) over the last dim, one kernel."""
+    D = x.shape[-1]
+    xc = x.contiguous()
+    y = torch.empty_like(xc)
+    h = torch.empty_like(xc) if residual is not None else xc
+    rc = residual.contiguous() if residual is not None else xc
+    _rms_norm_kernel[(xc.numel() // D,)](xc, rc, weight, h, y, D, eps, ADD=residual is not None,
+                                         BD=triton.next_power_of_2(D), num_warps=8)
+    return y if residual is None else (h, y)
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, y_ptr, Hd, BLOCK: tl.constexpr):
+    # gu: [rows, 2*Hd] = [gate | up]; y: [rows, Hd] = silu(gate) * up
+    row, blk = tl.program_id(0), tl.program_id(1)
+    c = blk * BLOCK + tl.arange(0, BLOCK)
+    ok = c < Hd
+    g = tl.load(gu_ptr + row * 2 * Hd + c, mask=ok, other=0.0)
+    u = tl.load(gu_ptr + row * 2 * Hd + Hd + c, mask=ok, other=0.0)
+    s = (g.to(tl.float32) * tl.sigmoid(g.to(tl.float32))).to(g.dtype)      # silu in float, rounded as torch's
+    tl.store(y_ptr + row * Hd + c, (s.to(tl.float32) * u.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def silu_mul(gu: Tensor) -> Tensor:
+    Hd = gu.shape[-1] // 2
+    g2 = gu.contiguous().view(-1, 2 * Hd)
+    y = torch.empty(g2.shape[0], Hd, dtype=gu.dtype, device=gu.device)
+    _silu_mul_kernel[(g2.shape[0], triton.cdiv(Hd, 1024))](g2, y, Hd, BLOCK=1024, num_warps=4)
+    return y.view(*gu.shape[:-1], Hd)
