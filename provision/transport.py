@@ -163,7 +163,8 @@ class Transport:
                     on_event(ev["_event"])
 
         msg = agent.message(name, payload, env)
-        r = self.run(agent.command(python or self.python), stdin=itertools.chain([msg], extra_stdin) if extra_stdin else msg,
+        r = self.run(agent.command(python or self.python),
+                     stdin=itertools.chain([msg], extra_stdin) if extra_stdin else msg,
                      timeout=timeout,
                      on_line=line if on_event else None)
         try:

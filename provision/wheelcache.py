@@ -24,8 +24,6 @@ class WheelCache:
         self.root, self.jobs, self.timeout = Path(root), jobs, timeout
         self._guard = threading.Lock()
         self._locks: dict[str, threading.Lock] = {}
-        self.fetched = 0          # downloads this process made (a fleet's apply: once per wheel)
-        self.fetched_bytes = 0
 
     def path(self, sha256: str, filename: str) -> Path:
         """<root>/<sha256>/<filename>, by the host store's own rule (a plain name under a 64-hex dir)."""
@@ -50,7 +48,8 @@ class WheelCache:
                 except ProvisionError as e:
                     errors.append((p, e.message))
                 except OSError as e:    # urllib's URLError and HTTPError are OSErrors
-                    errors.append((p, f"{p['label']}: cannot fetch {p['url'][:120]}: {getattr(e, 'reason', None) or e}"))
+                    why = getattr(e, "reason", None) or e
+                    errors.append((p, f"{p['label']}: cannot fetch {p['url'][:120]}: {why}"))
         if errors:
             p, msg = errors[0]
             more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
@@ -70,16 +69,13 @@ class WheelCache:
                 fetchable(p["url"], p["label"])
                 req = urllib.request.Request(p["url"], headers={"User-Agent": "provision"})
                 with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                    n = store(str(dest), p["sha256"], iter(lambda: r.read(CHUNK), b""), p["label"])
+                    store(str(dest), p["sha256"], iter(lambda: r.read(CHUNK), b""), p["label"])
             except AgentError as e:
                 raise ProvisionError(f"{e} (fetched by the controller)") from None
             finally:
                 if not dest.exists():
                     with contextlib.suppress(OSError):     # the entry's dir goes too when nothing landed in it
                         dest.parent.rmdir()
-            with self._guard:
-                self.fetched += 1
-                self.fetched_bytes += n
 
 
 _SHARED: dict[Path, WheelCache] = {}

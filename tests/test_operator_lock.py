@@ -68,5 +68,6 @@ def test_template_in_requires_is_one_line_naming_its_line(tmp_path):
                                                                    "- app==1.0\n- \"{{ lookup('pipe', 'id') }}\""))
     r = run("lock", "check", path)
     assert r.exit_code == 2
-    assert r.output.strip() == (f"error: {path}:11: requires.1: invalid requirement \"{{{{ lookup('pipe', 'id') }}}}\": "
+    assert r.output.strip() == (f"error: {path}:11: requires.1: invalid requirement "
+                                f"\"{{{{ lookup('pipe', 'id') }}}}\": "
                                 "Expected package name at the start of dependency specifier")
