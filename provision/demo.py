@@ -1,9 +1,6 @@
-"""The demo scenario on a throwaway loopback host: plan → apply A → plan → apply B → plan → rollback → history.
-
-Everything is real (sshd, paramiko, ansible-runner, uv, wheels from the index, the included engine
-run from generation B's own interpreter); output goes through the callbacks the CLI gives, and the
-sandbox is removed afterwards.
-"""
+"""The demo on a throwaway loopback host: plan → apply A → plan → apply B → plan → rollback → history; all real
+(sshd, ansible-runner, uv, PyPI wheels, the included engine probed in generation B); output goes through the CLI's
+callbacks. Also lock B's wheelhouse: the CPU torch wheel it pins by name and sha256, found, checked, named."""
 from __future__ import annotations
 
 import hashlib
@@ -112,7 +109,8 @@ def run_demo(say: Callable[[str], None], progress, show_history: Callable[[dict,
                 else:
                     rep = applymod.apply(tr, lk, progress=progress)
                     show_probes(rep.probes)
-                    say(f"Applied {lk.name}: current {rep.previous or '(none)'} → {rep.generation} in {rep.seconds:.1f}s")
+                    say(f"Applied {lk.name}: current {rep.previous or '(none)'} → {rep.generation} "
+                        f"in {rep.seconds:.1f}s")
                     figures[f"apply_{lk.name}_s"] = rep.seconds
                     engine = next((r for r in (rep.probes or {}).get("results", []) if r["name"] == "engine"), None)
                     if engine and engine["status"] != "skip":

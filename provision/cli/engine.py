@@ -53,7 +53,7 @@ def serve(model: Optional[Path] = ModelOpt, draft: Optional[Path] = DraftOpt, de
           host: str = typer.Option("127.0.0.1", "--host"), port: int = typer.Option(8000, "--port"),
           name: Optional[str] = typer.Option(None, "--name", help="model id in /v1/models (default: the model "
                                              "directory's name, provision-tiny for the bundled pair)")):
-    """Serve the OpenAI-compatible API (/v1/completions, /v1/models, /health, /metrics)."""
+    """Serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
     from ..engine.serve import make_server, serve_until_interrupted
     eng = _load(model, draft, device, dtype, max_seq_len, steps, topk, num_draft_tokens, threads)
     name = name or (model.resolve().name if model else "provision-tiny")
