@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
@@ -71,25 +72,34 @@ class StepGraphs:
 
 
 class Emitter:
-    """Brings a step's emitted ids to the host: on CUDA through pinned memory and an event, so the next
-    step can be queued before the host waits on this one."""
+    """Brings steps' emitted ids to the host in order: on CUDA through pinned memory and an event per step,
+    so that `depth` steps can be queued before the host waits on the oldest."""
 
-    def __init__(self, device: torch.device, size: int):
-        self.cuda = device.type == "cuda"
-        self.host = torch.empty(size, dtype=torch.long, pin_memory=self.cuda)
-        self.event = torch.cuda.Event() if self.cuda else None
-        self.k = 0
+    def __init__(self, device: torch.device, size: int, depth: int = 2):
+        self.cuda, self.depth = device.type == "cuda", depth
+        self.host = torch.empty(depth, size, dtype=torch.long, pin_memory=self.cuda)
+        self.events = [torch.cuda.Event() if self.cuda else None for _ in range(depth)]
+        self.queued: deque = deque()
+        self.pushed = 0
 
     def push(self, ids: Tensor):
-        self.k = ids.numel()
-        self.host[: self.k].copy_(ids.view(-1), non_blocking=True)
+        if len(self.queued) == self.depth:
+            raise RuntimeError("emitter full")               # a bug in the caller, never the user's input
+        slot, k = self.pushed % self.depth, ids.numel()
+        self.host[slot, :k].copy_(ids.view(-1), non_blocking=True)
         if self.cuda:
-            self.event.record()
+            self.events[slot].record()
+        self.queued.append((slot, k))
+        self.pushed += 1
 
     def pop(self) -> list:
+        slot, k = self.queued.popleft()
         if self.cuda:
-            self.event.synchronize()
-        return self.host[: self.k].tolist()
+            self.events[slot].synchronize()
+        return self.host[slot, :k].tolist()
+
+    def clear(self):
+        self.queued.clear()
 
 
 class Engine:
@@ -184,24 +194,18 @@ class Engine:
             self.tok.copy_(self._pick(logits, temperature, top_p, g))
 
     def _decode_loop(self, n: int, left: int, temperature, top_p, g) -> Iterator[list]:
-        """Plain steps from `tok` at position n, up to `left` tokens; the next step is queued before a
-        token is handed out, so the device works while the caller consumes it."""
-        if left <= 0 or n >= self.max_seq_len:
-            return
-        self._decode(n, temperature, top_p, g)
-        self.emit.push(self.tok)
-        while True:
-            t = self.emit.pop()
-            n, left = n + 1, left - 1
-            more = left > 0 and n < self.max_seq_len
-            if more:
-                self._decode(n, temperature, top_p, g)
+        """Plain steps from `tok` at position n, up to `left` tokens. Two steps stay queued: the device
+        runs the next while the host reads one and the caller consumes it."""
+        total, issued = max(0, min(left, self.max_seq_len - n)), 0
+        for _ in range(total):
+            while issued < total and len(self.emit.queued) < 2:
+                self._decode(n + issued, temperature, top_p, g)
                 self.emit.push(self.tok)
-            yield t, 0
-            if not more:
-                return
+                issued += 1
+            yield self.emit.pop(), 0
 
     def _plain(self, ids, max_new, temperature, top_p, g) -> Iterator[list]:
+        self.emit.clear()
         self.tok.copy_(self._pick(self._prefill(ids, False)[0, -1], temperature, top_p, g))
         self.emit.push(self.tok)
         yield self.emit.pop(), 0
@@ -302,22 +306,22 @@ class Engine:
 
     def _advance(self, Wd: int, count: Tensor, out: Tensor, path: Tensor, vaux: Tensor) -> Tensor:
         """Compact the target's KV to the accepted path; extend the draft over positions n..n+L-1 (padded);
-        the last accepted token becomes the root. Returns [count, tokens...] for the host."""
+        the last accepted token becomes the root and n grows by the count. Returns [count, tokens...]."""
         n, L = self.n_t, path.shape[0]
-        for layer in self.target.layers:
-            layer.attention.kv_cache.move(n + path, n + self.ar[:L])
+        self.target.move_kv(n + path, n + self.ar[:L])
         dpos = n + self.ar[:L]
         dl, dh = self.draft(out[None], vaux[0, path][None], dpos, self.d_arange[None, :Wd] <= dpos[:, None], dpos)
         last = (count - 1).view(1)
         self.tok.copy_(out[last])
         self.dlog.copy_(dl[0, last][0])
         self.dhid.copy_(dh[0, last])
+        self.n_t.add_(count)
         return torch.cat([count.view(1), out])
 
-    def _spec_step(self, n: int, temperature: float, top_p: float, g) -> Tensor:
-        """Queue one speculative step at context n (draft, verify, accept, compact, extend); no host sync."""
-        self.n_t.fill_(n)
-        Wt, Wd = self._span(n + self.n_tree, self.t_slots), self._span(n + self.steps + 1, self.d_ctx)
+    def _spec_step(self, n_hi: int, temperature: float, top_p: float, g) -> Tensor:
+        """Queue one speculative step (draft, verify, accept, compact, extend) at the context `n_t` holds on
+        the device, at most n_hi (which picks the spans); no host sync."""
+        Wt, Wd = self._span(n_hi + self.n_tree, self.t_slots), self._span(n_hi + self.steps + 1, self.d_ctx)
         if temperature <= 0:
             def step():
                 tokens, parent, A, vlogits, vaux = self._verify(Wt, Wd)
@@ -338,21 +342,24 @@ class Engine:
         pos = torch.arange(n, device=self.device)
         nxt = torch.cat([torch.tensor(ids[1:], device=self.device, dtype=torch.long), root.view(1)])
         dl, dh = dr(nxt[None], aux, pos, self.d_arange[None, : self._w(n)] <= pos[:, None], pos)
+        self.emit.clear()
+        self.n_t.fill_(n)
         self.tok.copy_(root)
         self.dlog.copy_(dl[0, -1])
         self.dhid.copy_(dh[0, -1:])
         self.emit.push(self.tok)
         yield self.emit.pop(), 0
-        produced = 1
-        more = produced < max_new and n + N <= S
-        if more:
+        produced, L = 1, min(self.steps + 1, N)
+        if produced < max_new and n + N <= S:
             self.emit.push(self._spec_step(n, temperature, top_p, g))
-        while more:
-            a, *emitted = self.emit.pop()                                        # the one host sync
+        while self.emit.queued:
+            # queue the next step before reading this one, if it is needed whatever this one accepts
+            if len(self.emit.queued) == 1 and produced + 1 < max_new and n + L + N <= S:
+                self.emit.push(self._spec_step(n + L, temperature, top_p, g))
+            a, *emitted = self.emit.pop()                                        # the one host read per step
             stats.append(a)
             n, produced = n + a, produced + a
-            more = produced < max_new and n + N <= S
-            if more:                                                             # queued before the caller runs
+            if not self.emit.queued and produced < max_new and n + N <= S:
                 self.emit.push(self._spec_step(n, temperature, top_p, g))
             yield emitted[:a], a
         yield from self._decode_loop(n, max_new - produced, temperature, top_p, g)   # context tail

@@ -63,6 +63,16 @@ def silu_mul(gu: Tensor) -> Tensor:
     return F.silu(g) * u
 
 
+def rope_into_cache(qkv: Tensor, rope: Tensor, slots: Tensor, k_cache: Tensor, v_cache: Tensor):
+    """One kernel for batch 1: rotate q and k (qkv [1, T, h+2kv, hd], rope [T, 2, hd]), write k and v into the
+    caches at `slots`, return q [1, h, T, hd]. None where it does not apply (the caller does it with torch)."""
+    tk = _fast(qkv)
+    hd = qkv.shape[-1]
+    if not tk or qkv.shape[0] != 1 or hd & (hd - 1) or rope.dtype != qkv.dtype:
+        return None
+    return tk.rope_kv(qkv, rope, slots, k_cache, v_cache)
+
+
 def _agrees(y: Tensor, ref: Tensor) -> bool:
     """Within bf16 rounding of the reference: ‖y − ref‖ / ‖ref‖ < 1e-2."""
     return bool(((y.float() - ref.float()).norm() / ref.float().norm()) < 1e-2)

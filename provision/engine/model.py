@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from .kernels import linear, rms_norm, silu_mul
+from .kernels import linear, rms_norm, rope_into_cache, silu_mul
 
 
 @dataclass
@@ -96,24 +96,21 @@ def gqa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
 
 
 class KVCache(nn.Module):
-    """Preallocated [B, kv_heads, S, hd] buffers, written in place at `slots`."""
+    """Preallocated [B, kv_heads, S, hd] buffers, written in place at `slots` (views of `store` [2, B, kv, S, hd]
+    when given: the target keeps all its layers' caches in one tensor, compacted in one move)."""
 
-    def __init__(self, batch: int, slots: int, n_heads: int, head_dim: int, dtype, device=None):
+    def __init__(self, batch: int, slots: int, n_heads: int, head_dim: int, dtype, device=None, store=None):
         super().__init__()
-        shape = (batch, n_heads, slots, head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        if store is None:
+            store = torch.zeros(2, batch, n_heads, slots, head_dim, dtype=dtype, device=device)
+        self.register_buffer("k_cache", store[0], persistent=False)
+        self.register_buffer("v_cache", store[1], persistent=False)
 
     def update(self, slots: Tensor, k: Tensor, v: Tensor):
         # slots: [T]; k, v: [B, kv_heads, T, hd]
         self.k_cache.index_copy_(2, slots, k)
         self.v_cache.index_copy_(2, slots, v)
         return self.k_cache, self.v_cache
-
-    def move(self, src: Tensor, dst: Tensor):
-        """Compaction: copy entries at slots `src` to slots `dst` (index_select copies first)."""
-        self.k_cache.index_copy_(2, dst, self.k_cache.index_select(2, src))
-        self.v_cache.index_copy_(2, dst, self.v_cache.index_select(2, src))
 
 
 class RMSNorm(nn.Module):
@@ -140,12 +137,17 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, rope: Tensor, mask: Tensor, slots: Tensor) -> Tensor:
         # x: [B, T, in_dim]; mask: [T, W] bool over cache slots [0, W); slots: [T]
         B, T, _ = x.shape
-        h, kv = self.n_head, self.n_kv
+        h, kv, cache = self.n_head, self.n_kv, self.kv_cache     # cache is None only when training
         qkv = linear(x, self.wqkv.weight).view(B, T, h + 2 * kv, self.hd)
-        q, k = apply_rope(qkv[:, :, : h + kv].transpose(1, 2), rope).split([h, kv], 1)   # [B, h|kv, T, hd]
-        v = qkv[:, :, h + kv:].transpose(1, 2)                   # [B, kv, T, hd]
-        if self.kv_cache is not None:                            # None only when training
-            k, v = self.kv_cache.update(slots, k, v)             # [B, kv, S, hd]
+        q = rope_into_cache(qkv, rope, slots, cache.k_cache, cache.v_cache) if cache is not None else None
+        if q is not None:                                        # one fused kernel did rope and the cache write
+            k, v = cache.k_cache, cache.v_cache
+        else:
+            q, k = apply_rope(qkv[:, :, : h + kv].transpose(1, 2), rope).split([h, kv], 1)   # [B, h|kv, T, hd]
+            v = qkv[:, :, h + kv:].transpose(1, 2)               # [B, kv, T, hd]
+            if cache is not None:
+                k, v = cache.update(slots, k, v)                 # [B, kv, S, hd]
+        if cache is not None:
             k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]   # attend to the mask's span only
         return linear(gqa_attention(q, k, v, mask).reshape(B, T, self.n_head * self.hd), self.wo.weight)
 
@@ -187,12 +189,18 @@ class Transformer(nn.Module):
 
     def setup_caches(self, max_slots: int, batch: int = 1):
         """Allocate the KV cache (`max_slots` entries) and the RoPE table once."""
-        p = self.output.weight
-        for layer in self.layers:
-            layer.attention.kv_cache = KVCache(batch, max_slots, self.args.n_local_heads,
-                                               self.args.head_dim, p.dtype, p.device)
+        p, a = self.output.weight, self.args
+        self.kv_store = torch.zeros(a.n_layer, 2, batch, a.n_local_heads, max_slots, a.head_dim, dtype=p.dtype,
+                                    device=p.device)
+        for i, layer in enumerate(self.layers):
+            layer.attention.kv_cache = KVCache(batch, max_slots, a.n_local_heads, a.head_dim, p.dtype,
+                                               store=self.kv_store[i])
         self.register_buffer("rope", rope_cache(max_slots, self.args).to(p.device), persistent=False)
         self.max_slots = max_slots
+
+    def move_kv(self, src: Tensor, dst: Tensor):
+        """Compaction: copy every layer's cache entries at slots `src` to slots `dst` (index_select copies first)."""
+        self.kv_store.index_copy_(4, dst, self.kv_store.index_select(4, src))
 
     def forward(self, idx: Tensor, pos: Tensor, mask: Tensor, slots: Tensor, capture: bool = False):
         """idx: [B, T] tokens; pos: [T] RoPE positions; mask: [T, S]; slots: [T] cache slots.

@@ -82,3 +82,39 @@ def silu_mul(gu: Tensor) -> Tensor:
     y = torch.empty(g2.shape[0], Hd, dtype=gu.dtype, device=gu.device)
     _silu_mul_kernel[(g2.shape[0], triton.cdiv(Hd, 1024))](g2, y, Hd, BLOCK=1024, num_warps=4)
     return y.view(*gu.shape[:-1], Hd)
+
+
+@triton.jit
+def _rope_kv_kernel(qkv_ptr, rope_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, T, S,
+                    H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr):
+    # program (t, head) of qkv [T, H+2KV, HD]: q and k heads rotated (rotate-half), q → q[head, t],
+    # k → k_cache[head-H, slot[t]], v → v_cache[head-H-KV, slot[t]]
+    t, head = tl.program_id(0), tl.program_id(1)
+    half = tl.arange(0, HD // 2)
+    src = qkv_ptr + (t * (H + 2 * KV) + head) * HD
+    a = tl.load(src + half).to(tl.float32)
+    b = tl.load(src + HD // 2 + half).to(tl.float32)
+    if head < H + KV:
+        r = rope_ptr + t * 2 * HD
+        cos_a, cos_b = tl.load(r + half).to(tl.float32), tl.load(r + HD // 2 + half).to(tl.float32)
+        sin_a, sin_b = tl.load(r + HD + half).to(tl.float32), tl.load(r + HD + HD // 2 + half).to(tl.float32)
+        a, b = a * cos_a - b * sin_a, b * cos_b + a * sin_b
+    slot = tl.load(slot_ptr + t)
+    if head < H:
+        dst = q_ptr + (head * T + t) * HD
+    elif head < H + KV:
+        dst = k_ptr + ((head - H) * S + slot) * HD
+    else:
+        dst = v_ptr + ((head - H - KV) * S + slot) * HD
+    tl.store(dst + half, a.to(q_ptr.dtype.element_ty))
+    tl.store(dst + HD // 2 + half, b.to(q_ptr.dtype.element_ty))
+
+
+def rope_kv(qkv: Tensor, rope: Tensor, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+    """qkv [1, T, h+2kv, hd]; rope [T, 2, hd]; caches [1, kv, S, hd] (contiguous) → q [1, h, T, hd]."""
+    _, T, heads, hd = qkv.shape
+    kv = k_cache.shape[1]
+    q = torch.empty(1, heads - 2 * kv, T, hd, dtype=qkv.dtype, device=qkv.device)
+    _rope_kv_kernel[(T, heads)](qkv.contiguous(), rope.contiguous(), slots, q, k_cache, v_cache, T,
+                                k_cache.shape[2], H=heads - 2 * kv, KV=kv, HD=hd, num_warps=1)
+    return q

@@ -45,3 +45,22 @@ def test_rms_norm_and_silu_match_torch(dtype):
     h, y = tk.rms_norm(x, w, 1e-5, r)
     assert rel(h, want_h) < tol and rel(y, want) < tol
     assert rel(tk.silu_mul(x), want_silu) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_kv_matches_torch(dtype):
+    from provision.engine.model import ModelArgs, apply_rope, rope_cache
+    h, kv, hd, T, S = 4, 2, 32, 5, 24
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(1, T, h + 2 * kv, hd, generator=g).to(DEV, dtype)
+    slots = torch.randperm(S, generator=g)[:T].to(DEV)
+    rope = rope_cache(S, ModelArgs(dim=h * hd, n_head=h, n_local_heads=kv, rope_base=500000.0))[slots.cpu()]
+    rope = rope.to(DEV, dtype)
+    kc, vc = (torch.randn(1, kv, S, hd, generator=g).to(DEV, dtype) for _ in range(2))
+    want_q, want_k = apply_rope(qkv[:, :, : h + kv].transpose(1, 2), rope).split([h, kv], 1)
+    want_kc, want_vc = kc.clone(), vc.clone()
+    want_kc.index_copy_(2, slots, want_k)
+    want_vc.index_copy_(2, slots, qkv[:, :, h + kv:].transpose(1, 2))
+    q = tk.rope_kv(qkv, rope, slots, kc, vc)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert rel(q, want_q) < tol and rel(kc, want_kc) < tol and torch.equal(vc, want_vc)
