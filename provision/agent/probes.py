@@ -175,7 +175,7 @@ def p_packages(a):
         if extra:
             parts.append("not in the lock: " + ", ".join(extra[:5]))
         return result("packages", "fail", "; ".join(parts), **figs)
-    return result("packages", "pass", "%d distributions = %s lock" % (len(want), a.get("packages_source")), **figs)
+    return result("packages", "pass", "%d distributions = %s" % (len(want), a.get("packages_source")), **figs)
 
 
 def p_torch_cuda(a):
