@@ -73,6 +73,15 @@ def rope_into_cache(qkv: Tensor, rope: Tensor, slots: Tensor, k_cache: Tensor, v
     return tk.rope_kv(qkv, rope, slots, k_cache, v_cache)
 
 
+def masked_softmax(s: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Attention probabilities: softmax over the last dim of s * scale where mask (broadcast over s's leading
+    dims: [T, W] or [B, 1, 1, T, W]), computed in float, returned in s's dtype."""
+    tk = _fast(s)
+    if tk and mask.dim() == 2:
+        return tk.masked_softmax(s, mask, scale)
+    return torch.softmax(torch.where(mask, s * scale, float("-inf")), dim=-1, dtype=torch.float32).to(s.dtype)
+
+
 def _agrees(y: Tensor, ref: Tensor) -> bool:
     """Within bf16 rounding of the reference: ‖y − ref‖ / ‖ref‖ < 1e-2."""
     return bool(((y.float() - ref.float()).norm() / ref.float().norm()) < 1e-2)

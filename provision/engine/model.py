@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from .kernels import linear, rms_norm, rope_into_cache, silu_mul
+from .kernels import linear, masked_softmax, rms_norm, rope_into_cache, silu_mul
 
 
 @dataclass
@@ -88,9 +88,8 @@ def gqa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     kv = k.shape[1]
     g = h // kv
     qg = q.reshape(B, kv, g * T, hd)                                  # head kv*g + j → group kv, rows (j, t)
-    s = (qg @ k.transpose(-1, -2)).view(B, kv, g, T, -1) * hd ** -0.5
-    m = mask if mask.dim() == 2 else mask.unsqueeze(2)                # [T, W] or [B, 1, 1, T, W]
-    p = torch.softmax(torch.where(m, s, float("-inf")), dim=-1, dtype=torch.float32).to(v.dtype)
+    s = (qg @ k.transpose(-1, -2)).view(B, kv, g, T, -1)
+    p = masked_softmax(s, mask if mask.dim() == 2 else mask.unsqueeze(2), hd ** -0.5)   # mask [T, W] or [B,1,1,T,W]
     y = p.view(B, kv, g * T, -1) @ v                                  # [B, kv, g*T, hd]
     return y.view(B, h, T, hd).transpose(1, 2)
 

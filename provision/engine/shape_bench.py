@@ -19,6 +19,7 @@ SHAPES = {  # name → (target args, draft intermediate size)
     "tiny": dict(vocab_size=512, dim=128, n_layer=4, n_head=4, n_local_heads=2, intermediate_size=256,
                  max_position_embeddings=1024),
 }
+TREES = ((5, 4, 16), (4, 4, 16), (2, 4, 10), (3, 2, 6))   # tree shapes timed beside the default (3, 4, 16)
 
 
 def random_pair(shape: str, device, dtype, draft_vocab: int = 32000):
@@ -111,9 +112,10 @@ def read_bandwidth(device, nbytes: int = 2 << 30, reps: int = 40) -> float:
 
 @torch.inference_mode()
 def shape_bench(shape: str = "llama3-8b", device="cuda", dtype=torch.bfloat16, prompt: int = 128,
-                new: int = 256, steps: int = 5, topk: int = 4, num_draft_tokens: int = 16, peer: bool = True,
-                trees=(), log=print) -> dict:
-    """`trees`: more (steps, topk, num_draft_tokens) shapes whose speculative step is timed too."""
+                new: int = 256, steps: int = 3, topk: int = 4, num_draft_tokens: int = 16, peer: bool = True,
+                trees=None, log=print) -> dict:
+    """`trees`: more (steps, topk, num_draft_tokens) shapes whose speculative step is timed too (default:
+    TREES on CUDA, none elsewhere)."""
     dev = torch.device(device)
     target, draft = random_pair(shape, dev, dtype)
     eng = Engine(target, draft, None, max_seq_len=prompt + new + 64, steps=steps, topk=topk,
@@ -168,7 +170,7 @@ def shape_bench(shape: str = "llama3-8b", device="cuda", dtype=torch.bfloat16, p
         f"{r['stream_same_prefix']} of {new}")
     r["triton"] = kernels._tk() is not None and cuda
     r["gemv"] = [t for t in kernels.TIMINGS if t["k"] in {w.shape[1] for w in target.parameters() if w.dim() == 2}]
-    for tree in trees:
+    for tree in (TREES if cuda else ()) if trees is None else trees:
         eng.configure(*tree)
         list(eng.stream(ids, 1))
         ms = 1e3 * per_call(lambda: spec_step(eng, n), 20, cuda)
@@ -243,7 +245,7 @@ def main(argv=None):
     ap.add_argument("--out", help="write the JSON here too")
     a = ap.parse_args(argv)
     r = shape_bench(a.shape, a.device, torch.bfloat16 if a.device != "cpu" else torch.float32)
-    r["torch"] = torch.__version__
+    r["torch"], r["cuda"] = torch.__version__, torch.version.cuda
     print(json.dumps(r, indent=2))
     if a.out:
         with open(a.out, "w") as f:

@@ -118,3 +118,26 @@ def rope_kv(qkv: Tensor, rope: Tensor, slots: Tensor, k_cache: Tensor, v_cache: 
     _rope_kv_kernel[(T, heads)](qkv.contiguous(), rope.contiguous(), slots, q, k_cache, v_cache, T,
                                 k_cache.shape[2], H=heads - 2 * kv, KV=kv, HD=hd, num_warps=1)
     return q
+
+
+@triton.jit
+def _masked_softmax_kernel(s_ptr, m_ptr, p_ptr, T, W, scale, BW: tl.constexpr):
+    # row r of scores s [rows, W] (rows ordered (..., t)): p = softmax(where(mask[t], s * scale, -inf)) in float
+    r = tl.program_id(0)
+    c = tl.arange(0, BW)
+    ok = c < W
+    keep = tl.load(m_ptr + (r % T) * W + c, mask=ok, other=0) != 0
+    x = tl.load(s_ptr + r * W + c, mask=ok, other=0.0).to(tl.float32) * scale
+    x = tl.where(keep & ok, x, float("-inf"))
+    e = tl.exp(x - tl.max(x, axis=0))
+    tl.store(p_ptr + r * W + c, (e / tl.sum(e, axis=0)).to(p_ptr.dtype.element_ty), mask=ok)
+
+
+def masked_softmax(s: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """s [..., T, W] scores; mask [T, W] bool → softmax over W of the kept, scaled scores, in s's dtype."""
+    T, W = mask.shape
+    sc = s.contiguous()
+    p = torch.empty_like(sc)
+    _masked_softmax_kernel[(sc.numel() // W,)](sc, mask.contiguous().view(torch.uint8), p, T, W, scale,
+                                               BW=triton.next_power_of_2(W), num_warps=4 if W <= 2048 else 8)
+    return p

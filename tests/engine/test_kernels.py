@@ -64,3 +64,17 @@ def test_rope_kv_matches_torch(dtype):
     q = tk.rope_kv(qkv, rope, slots, kc, vc)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert rel(q, want_q) < tol and rel(kc, want_kc) < tol and torch.equal(vc, want_vc)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_softmax_matches_torch(dtype):
+    g = torch.Generator().manual_seed(5)
+    s = torch.randn(1, 2, 3, 4, 40, generator=g).to(DEV, dtype)
+    mask = torch.rand(4, 40, generator=g) < 0.6
+    mask[:, 0] = True                                         # every row keeps at least one score
+    mask = mask.to(DEV)
+    with torch.enable_grad():
+        want = kernels.masked_softmax(s, mask, 0.125)
+    got = tk.masked_softmax(s, mask, 0.125)
+    assert rel(got, want) < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(got == 0, ~mask.expand_as(got))       # masked scores get exactly zero weight
