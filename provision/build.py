@@ -210,10 +210,11 @@ def summary(figs: dict, count: int) -> str:
     parts = [f"{count} packages with {figs['installer']}"]
     if figs.get("fetched"):
         parts.append(f"fetched {figs['fetched']} ({_size(figs['fetched_bytes'])} in {figs['fetch_seconds']:.1f}s)")
-    if figs.get("cached"):
-        parts.append(f"{figs['cached']} cached")
-    if figs.get("pushed"):
-        parts.append(f"{figs['pushed']} pushed")
+    pushed = figs.get("pushed") or 0          # the host's store held these because they were just pushed
+    if figs.get("cached", 0) - pushed > 0:
+        parts.append(f"{figs['cached'] - pushed} cached")
+    if pushed:
+        parts.append(f"{pushed} pushed by the controller")
     if figs.get("install_seconds") is not None:
         parts.append(f"install {figs['install_seconds']:.1f}s")
     return ", ".join(parts)

@@ -108,6 +108,7 @@ def test_wheels_from_controller_fetched_once_and_pushed_to_offline_hosts(fleet, 
 
     p = cli("apply", "-i", inv, "--known-hosts", kh, "--lock", lk, "--wheels-from", "controller", check=0)
     assert "Fleet: 2 applied, 0 noop, 0 failed, 0 not-attempted." in p.stdout
+    assert p.stderr.count("2 packages with uv, 2 pushed by the controller") == 2
     assert sorted(requested) == ["/alpha-1.0-py3-none-any.whl", "/beta-1.0-py3-none-any.whl"]   # once per fleet
     for h in hosts:
         assert os.readlink(Path(h.root) / "current") == "generations/0002-stack-a"
