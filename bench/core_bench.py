@@ -2,8 +2,9 @@
 
 Prints, measured in this one run: first apply, no-op apply, plan, rollback (host-side switch, library
 call and the operator's whole `provision rollback` command), re-applying the prior lock from scratch
-(fresh root, empty wheel cache), and `plan`, `apply` and `apply --wheels-from controller` over 1 and N
-inventory hosts (fresh roots and caches), with the controller's CPU-seconds per host; with their ratios.
+(fresh root, empty wheel cache), pushing a file by hash (MiB/s, controller CPU-s per GiB), and `plan`,
+`apply` and `apply --wheels-from controller` over 1 and N inventory hosts (fresh roots and caches), with
+the controller's CPU-seconds per added host; with their ratios.
 Usage: python bench/core_bench.py [--json] [--repeat N] [--fleet N]
 """
 from __future__ import annotations
@@ -44,6 +45,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--repeat", type=int, default=5, help="repeats for the fast verbs (median reported)")
     ap.add_argument("--fleet", type=int, default=8, help="hosts in the fleet figures (0: skip them)")
+    ap.add_argument("--push-mib", type=int, default=256, help="size of the file pushed by hash (MiB)")
     args = ap.parse_args()
     a = lockmod.load(LOCKS / "a.yaml")
     with LoopbackHost() as host:
@@ -68,6 +70,8 @@ def main() -> None:
         fresh.vars["provision_root"] = host.root + "-fresh"
         tr2 = connect(fresh)
         fig["reapply_prior_from_scratch_s"], _ = timed(applymod.apply, tr2, a)
+        fig["push_mib_s"], fig["push_controller_cpu_s_per_gib"] = push_figures(tr2, fresh.vars["provision_root"],
+                                                                              Path(host.dir), args.push_mib)
         tr2.close()
         if args.fleet:
             fig.update(fleet_figures(host, a, b, args.fleet))
@@ -96,6 +100,8 @@ def main() -> None:
           f"(host-side switch {1000 * fig['rollback_host_switch_s']:.1f} ms)")
     print(f"re-apply demo-a from scratch      {fig['reapply_prior_from_scratch_s']:7.2f} s")
     print(f"rollback is {fig['rollback_speedup_vs_reapply']:.1f}× faster than re-applying the prior lock (target ≥ 20×)")
+    print(f"push by hash ({args.push_mib} MiB)            {fig['push_mib_s']:7.0f} MiB/s, controller "
+          f"{fig['push_controller_cpu_s_per_gib']:.1f} CPU-s per GiB (what --wheels-from controller costs per host)")
     if args.fleet:
         n = args.fleet
         for verb in ("plan", "apply", "apply_ctl"):
@@ -105,6 +111,27 @@ def main() -> None:
             cpu = (f"; controller CPU {c1:.2f} s / {cn:.2f} s = {(cn - c1) / max(1, n - 1):.3f} s per added host")
             print(f"`provision {name} -i` 1 host / {n} hosts  {one:6.2f} s / {many:6.2f} s   = {many / one:.2f}× one host"
                   + ("  (target ≤ 2×)" if verb == "plan" else "") + cpu)
+
+
+def push_figures(tr, root: str, tmp: Path, mib: int) -> tuple[float, float]:
+    """(MiB/s, the controller's CPU-seconds per GiB) of pushing one incompressible file into a host's store."""
+    import hashlib
+
+    from provision.build import push
+
+    blob = tmp / "blob-1.0-py3-none-any.whl"
+    with open(blob, "wb") as f:
+        for _ in range(mib):
+            f.write(os.urandom(1 << 20))
+    sha = hashlib.sha256(blob.read_bytes()).hexdigest()
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    push(tr, root, [({"sha256": sha, "filename": blob.name}, blob)])
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    blob.unlink()
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return mib / wall, cpu / (mib / 1024)
 
 
 def rollback_command(t, tr, repeat: int) -> tuple[float, float]:
