@@ -50,7 +50,7 @@ PLATFORM_KEYS = {"python", "os", "arch", "gpus", "driver", "cuda"}
 OVERRIDE_KEYS = {"package", "pins", "use", "reason"}
 PACKAGE_KEYS = {"name", "version", "filename", "url", "sha256", "index"}
 ENGINE_KEYS = {"kind", "model", "architecture", "draft", "tp", "port", "speculative", "launch", "device", "dtype",
-               "steps", "topk", "num_draft_tokens", "max_seq_len"}
+               "steps", "topk", "num_draft_tokens", "max_seq_len", "threads"}
 SPECULATIVE_KEYS = {"algorithm", "steps", "topk", "num_draft_tokens"}
 PROBES_KEYS = {"min_speedup", "max_tokens", "prompts", "timeout", "engine_timeout", "collective_timeout"}
 
@@ -408,6 +408,7 @@ def _engine(v: _V, d: dict) -> dict:
     v.number(e, k, "tp", 1, 1024, integer=True)
     v.number(e, k, "port", 1, 65535, integer=True)
     v.number(e, k, "max_seq_len", 1, 1 << 22, integer=True)
+    v.number(e, k, "threads", 0, 1024, integer=True)
     for sk, obj in ((k, e), (k + ("speculative",), v.mapping(v.get(e, k, "speculative", dict, default={}),
                                                                k + ("speculative",), SPECULATIVE_KEYS))):
         v.number(obj, sk, "steps", 1, 64, integer=True)

@@ -20,10 +20,17 @@ TORCH = SHIPPED.package("torch")
 
 
 def test_shipped_lock_b_launches_the_included_engine_and_pins_torch_without_a_url():
-    assert SHIPPED.engine == {"kind": "included", "device": "cpu"}
+    assert SHIPPED.engine == {"kind": "included", "device": "cpu", "threads": 1}
     assert TORCH.version == "2.13.0+cpu" and TORCH.url is None and TORCH.sha256
     assert {"safetensors", "sympy", "typing-extensions", "setuptools"} <= set(SHIPPED.versions())
     assert [p.name for p in SHIPPED.packages if p.url is None] == ["torch"]
+
+
+def test_engine_threads_is_checked_as_data():
+    text = (DEMO_LOCKS / "b.yaml").read_text().replace("threads: 1 ", "threads: -1 ")
+    with pytest.raises(InputError) as e:
+        lockmod.loads(text, "b.yaml")
+    assert str(e.value).startswith("b.yaml:") and "threads" in str(e.value)
 
 
 def test_torch_found_by_pip_is_checked_and_named_beside_the_lock(tmp_path, monkeypatch):

@@ -495,7 +495,12 @@ def main(argv=None):
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--name", default="provision-tiny")
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")
     a = ap.parse_args(argv)
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
     try:
         eng = load_engine(a.model, a.draft, a.device, a.dtype, a.max_seq_len, a.steps, a.topk, a.num_draft_tokens)
         httpd = make_server(eng, a.host, a.port, a.name)

@@ -112,7 +112,7 @@ def _engine_spec(transport: Transport, lock: Lock, python: str, facts: dict) -> 
     argv = [python, "-m", "provision.engine.serve", "--host", "127.0.0.1", "--port", "0", "--device", device]
     for key, flag in (("model", "--model"), ("draft", "--draft"), ("dtype", "--dtype"), ("steps", "--steps"),
                       ("topk", "--topk"), ("num_draft_tokens", "--num-draft-tokens"),
-                      ("max_seq_len", "--max-seq-len")):
+                      ("max_seq_len", "--max-seq-len"), ("threads", "--threads")):
         if e.get(key) is not None:
             argv += [flag, str(e[key])]
     spec.update(argv=argv, env={"PYTHONPATH": tool}, cwd=tool, device=device)
