@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-CONFIGS = {1: [(2, 1024, 4), (4, 512, 4), (8, 512, 4), (8, 256, 4), (16, 256, 8)],   # (rows, k-chunk, warps)
+CONFIGS = {1: [(1, 2048, 4), (2, 2048, 8), (2, 1024, 4), (4, 1024, 8), (4, 512, 4), (8, 512, 4), (8, 256, 4),
+               (16, 256, 8)],                                                     # (rows, k-chunk, warps)
            2: [(4, 256, 4), (8, 256, 8), (4, 512, 8)],
            4: [(2, 256, 4), (4, 256, 8), (4, 128, 4)]}
 CHOICE: dict = {}       # (M, N, K, dtype) → config where Triton beat cuBLAS at load time

@@ -171,9 +171,16 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x: Tensor, rope: Tensor, mask: Tensor, slots: Tensor) -> Tensor:
-        h, hn = self.ffn_norm(x, residual=self.attention(self.attention_norm(x), rope, mask, slots))
-        return h + self.feed_forward(hn)
+    def forward(self, x: Tensor, rope: Tensor, mask: Tensor, slots: Tensor, residual: Optional[Tensor] = None):
+        """Returns (input, h, f): the layer's input x (+ residual, the previous layer's feed-forward branch, added
+        inside the norm's kernel), the residual stream after attention, and this layer's feed-forward branch;
+        the layer's output is h + f, added by the next norm."""
+        if residual is None:
+            xn = self.attention_norm(x)
+        else:
+            x, xn = self.attention_norm(x, residual=residual)
+        h, hn = self.ffn_norm(x, residual=self.attention(xn, rope, mask, slots))
+        return x, h, self.feed_forward(hn)
 
 
 class Transformer(nn.Module):
@@ -206,15 +213,17 @@ class Transformer(nn.Module):
 
         Returns logits [B, T, V] and, with capture, aux hidden states [B, T, 3H].
         """
-        x = self.tok_embeddings(idx)
+        x, f = self.tok_embeddings(idx), None
         rope = self.rope[pos].to(x.dtype)
         seen = {}
         for i, layer in enumerate(self.layers):
+            x, h, f = layer(x, rope, mask, slots, residual=f)        # x: this layer's input
             if capture and i in self.args.aux_layers:
                 seen[i] = x
-            x = layer(x, rope, mask, slots)
+            x = h
+        x, normed = self.norm(x, residual=f)
         seen[self.args.n_layer] = x
-        logits = linear(self.norm(x), self.output.weight)
+        logits = linear(normed, self.output.weight)
         if not capture:
             return logits
         return logits, torch.cat([seen[i] for i in self.args.aux_layers], dim=-1)
