@@ -82,6 +82,10 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--ttt", type=int, default=5, help="training-time test depth (draft steps unrolled)")
     ap.add_argument("--max-minutes", type=float, default=float("inf"), help="stop training after this long")
+    ap.add_argument("--answer-loss", action="store_true",
+                    help="train (and pick the draft vocabulary) on answer tokens only, not on prompts")
+    ap.add_argument("--time-schedule", action="store_true",
+                    help="run the learning-rate schedule on elapsed time when --max-minutes ends training first")
     a = ap.parse_args(argv)
     t0 = time.time()
     log = lambda s: print(f"[{time.time() - t0:6.1f}s] {s}", flush=True)  # noqa: E731
@@ -117,9 +121,10 @@ def main(argv=None):
     for layer in target.layers:
         layer.attention.kv_cache = None
     ta = target.args
-    freq = Counter(data[is_answer].tolist())
+    trained = is_answer if a.answer_loss else torch.ones_like(is_answer)
+    freq = Counter(data[trained].tolist())
     d_ids = torch.tensor(sorted(t for t, _ in freq.most_common(a.draft_vocab)), device=a.device)
-    log(f"draft vocabulary covers {sum(freq[int(t)] for t in d_ids) / int(is_answer.sum()):.1%} of the answer tokens")
+    log(f"draft vocabulary covers {sum(freq[int(t)] for t in d_ids) / int(trained.sum()):.1%} of the trained tokens")
     da = DraftArgs(vocab_size=ta.vocab_size, dim=ta.dim, n_layer=1, n_head=ta.n_head, n_local_heads=ta.n_local_heads,
                    head_dim=ta.head_dim, intermediate_size=ta.intermediate_size, norm_eps=ta.norm_eps,
                    rope_base=ta.rope_base, rope_scaling=ta.rope_scaling,
@@ -128,7 +133,8 @@ def main(argv=None):
     draft.d2t.copy_(d_ids - torch.arange(len(d_ids), device=a.device))
     draft.embed = target.tok_embeddings
     done = train_draft(target, draft, data, a.steps, a.batch, a.seq, a.ttt, d_ids, log,
-                       deadline=t0 + 60 * a.max_minutes, answer=is_answer)
+                       deadline=t0 + 60 * a.max_minutes, answer=is_answer if a.answer_loss else None,
+                       time_schedule=a.time_schedule)
     save_draft(draft, a.out, dtype=torch.float16)
     (a.out / "training.json").write_text(json.dumps({
         "target": str(a.model.name), "conversations": len(convs), "self_written_prompts": len(messages) - templated,

@@ -101,9 +101,9 @@ def ttt_loss(p, outs: list, w) -> torch.Tensor:
 
 
 def train_draft(target, draft, data, steps, B, T, ttt, d_ids, log, deadline: float = float("inf"),
-                answer: torch.Tensor | None = None) -> int:
-    """Distil the target into the draft within `steps` or by `deadline` (time.time()), whichever comes
-    first: the learning-rate schedule runs on whichever is further along, so it always completes.
+                answer: torch.Tensor | None = None, time_schedule: bool = False) -> int:
+    """Distil the target into the draft for `steps` or until `deadline` (time.time()); with `time_schedule`
+    the learning-rate schedule runs on steps or time, whichever is further along, so it completes.
     `answer` (bool per token of `data`) limits the loss to predicting answer tokens. Returns the steps run."""
     params = [p for n, p in draft.named_parameters()]
     opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0, betas=(0.9, 0.95))
@@ -116,8 +116,8 @@ def train_draft(target, draft, data, steps, B, T, ttt, d_ids, log, deadline: flo
     windows = batches(torch.arange(len(data)), B, T + 1, torch.Generator().manual_seed(2), "cpu")
     step, t0 = -1, time.time()
     for step, idx in zip(range(steps), windows):
-        done = max(step, steps * (time.time() - t0) / (deadline - t0))       # steps, or share of the time
-        if done >= steps:
+        done = max(step, steps * (time.time() - t0) / (deadline - t0)) if time_schedule else step
+        if done >= steps or time.time() > deadline:
             log(f"draft training stopped at step {step} of {steps}: time budget spent")
             break
         for grp in opt.param_groups:
