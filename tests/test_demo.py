@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from provision import lock as lockmod
+from provision import lockcheck
 from provision.bundled import DEMO_LOCKS
 from provision.cli import app
 from provision.demo import wheelhouse_lock
@@ -46,6 +47,7 @@ def test_torch_found_by_pip_is_checked_and_named_beside_the_lock(tmp_path, monke
         [(p.name, p.version, p.sha256, p.url) for p in SHIPPED.packages if p.name != "torch"]
     assert (lk.engine, lk.probes, lk.requires) == (SHIPPED.engine, SHIPPED.probes, SHIPPED.requires)
     assert len(said) == 1 and "found by pip download" in said[0] and "= the lock's pin" in said[0]
+    assert lockcheck.check(lk).findings == []           # the closure holds torch's own Requires-Dist
 
 
 def test_pip_finding_nothing_is_one_line(tmp_path, monkeypatch):
