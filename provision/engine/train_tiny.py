@@ -114,11 +114,11 @@ def train_draft(target, draft, data, steps, B, T, ttt, d_ids, log, deadline: flo
     # position i is trained on the target's distribution at i+1, i.e. on predicting token i+2
     counts = torch.ones(len(data)) if answer is None else F.pad(answer[1:].float(), (0, 1))
     windows = batches(torch.arange(len(data)), B, T + 1, torch.Generator().manual_seed(2), "cpu")
-    step, t0 = -1, time.time()
+    ran, t0 = 0, time.time()
     for step, idx in zip(range(steps), windows):
         done = max(step, steps * (time.time() - t0) / (deadline - t0)) if time_schedule else step
         if done >= steps or time.time() > deadline:
-            log(f"draft training stopped at step {step} of {steps}: time budget spent")
+            log(f"draft training stopped after {step} of {steps} steps: time budget spent")
             break
         for grp in opt.param_groups:
             grp["lr"] = lr_at(done, steps, 3e-3)
@@ -133,7 +133,8 @@ def train_draft(target, draft, data, steps, B, T, ttt, d_ids, log, deadline: flo
         opt.step()
         if step % 50 == 0 or step == steps - 1:
             log(f"draft step {step} loss {loss.item():.3f} lr {lr_at(done, steps, 3e-3):.2e}")
-    return step + 1
+        ran = step + 1
+    return ran
 
 
 def main(argv=None):

@@ -2,6 +2,7 @@
 sampled ones follow their generator; held-out topics stay out of training prompts; the training-time-test
 loss counts weighted positions only; the shape bench runs end to end on a small shape (CPU: no graphs)."""
 import math
+import time
 
 import torch
 
@@ -10,7 +11,7 @@ from provision.engine.generate import Engine
 from provision.engine.shape_bench import shape_bench
 from provision.engine.corpus import chat_prompts, held_out_chat_prompts, mentions_held_out
 from provision.engine.train_eagle3 import answer
-from provision.engine.train_tiny import ttt_loss
+from provision.engine.train_tiny import train_draft, ttt_loss
 
 
 def test_batched_answers_equal_single_greedy():
@@ -58,3 +59,18 @@ def test_ttt_loss_counts_weighted_positions_only():
     q[:, 5:] = torch.softmax(torch.randn(2, 3, 10, generator=g), -1)   # changes only unweighted positions
     assert torch.allclose(ttt_loss(p, outs, w), ttt_loss(q, outs, w))
     assert not torch.allclose(ttt_loss(p, outs, torch.ones(2, 8)), ttt_loss(q, outs, torch.ones(2, 8)))
+
+
+def test_train_draft_runs_its_steps_or_stops_at_the_deadline():
+    target, draft = random_pair(vocab=32, dim=32, n_layer=3, device="cpu")
+    target.setup_caches(17)                                        # the RoPE table; training uses no caches
+    for layer in target.layers:
+        layer.attention.kv_cache = None
+    target.requires_grad_(False)
+    draft.embed = target.tok_embeddings
+    data = torch.randint(0, 32, (400,), generator=torch.Generator().manual_seed(0))
+    run = lambda **kw: train_draft(target, draft, data, 4, 2, 16, 2, torch.arange(32), lambda s: None, **kw)  # noqa
+    before = draft.fc.weight.clone()
+    assert run() == 4 and not torch.equal(before, draft.fc.weight)
+    assert run(deadline=time.time() - 1) == 0 == run(deadline=time.time() - 1, time_schedule=True)
+    assert run(answer=data % 2 == 0, time_schedule=True, deadline=time.time() + 60) == 4
