@@ -67,7 +67,8 @@ def push(transport: Transport, root: str, files: list[tuple[dict, Path]]) -> int
     return len(send)
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """sha256 of a file, read in chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(CHUNK), b""):
@@ -97,7 +98,7 @@ def ensure_uv(transport: Transport, facts: dict) -> str:
     if isinstance(host_uv, str) and host_uv.startswith("/") and "\0" not in host_uv:
         return host_uv
     path = controller_uv()
-    f = {"sha256": _sha256(path), "filename": "uv", "mode": "750"}
+    f = {"sha256": sha256_file(path), "filename": "uv", "mode": "750"}
     root = root_of(transport)
     push(transport, root, [(f, path)])
     return f"{root}/cache/wheels/{f['sha256']}/uv"

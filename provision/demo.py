@@ -3,7 +3,6 @@
 callbacks. Also lock B's wheelhouse: the CPU torch wheel it pins by name and sha256, found, checked, named."""
 from __future__ import annotations
 
-import hashlib
 import shutil
 import subprocess
 import sys
@@ -12,19 +11,12 @@ from typing import Callable
 
 from . import apply as applymod
 from . import lock as lockmod
+from .build import sha256_file
 from .bundled import DEMO_LOCKS
 from .errors import InputError
 from .loopback import LoopbackHost
 from .plan import render_plan
 from .transport import connect, trust_host
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _pip_download(pin: str, house: Path) -> None:
@@ -72,7 +64,7 @@ def wheelhouse_lock(path: Path, house: Path, given: Path | None = None,
                 raise InputError(f"{p.pin}: pip found a wheel, but not {p.filename}, the one the lock pins "
                                  f"(found: {', '.join(sorted(x.name for x in house.glob('*.whl'))) or 'none'})",
                                  where=f"{lk.path}:{p.line}")
-            digest = _sha256(target)
+            digest = sha256_file(target)
             if digest != p.sha256:
                 raise InputError(f"{p.filename}: sha256 {digest} is not the lock's {p.sha256}",
                                  where=f"{lk.path}:{p.line}")
