@@ -164,10 +164,10 @@ def apply(transport: Transport, lock: Lock, *, saved_plan: Plan | None = None, a
 def _apply(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps, *, saved_plan, adopt_path,
            skip: list[str], installer, wheels_from, on_plan, progress) -> None:
     report.recovered = steps.run("recover", _recover, transport)
-    facts = steps.run("facts", gather, transport)
+    facts = steps.run("facts", gather, transport, python=lock.platform.python)
     if adopt_path and not facts.get("generations"):
         steps.run("adopt", adopt, transport, adopt_path, facts)
-        facts = gather(transport)
+        facts = gather(transport, python=lock.platform.python)
     if saved_plan is not None:
         if saved_plan.host != facts["host"] or saved_plan.facts_digest != facts_digest(facts):
             raise PlanError("the host changed since this plan was made; plan again", where=facts["host"])
@@ -309,7 +309,7 @@ def apply_fleet(targets: list, lock: Lock, *, serial: int = 0, forks: int = 5,
 
 
 def plan(transport: Transport, lock: Lock) -> Plan:
-    return make_plan(gather(transport), lock)
+    return make_plan(gather(transport, python=lock.platform.python), lock)
 
 
 def rollback(transport: Transport, to: str | None = None, dry_run: bool = False) -> dict:

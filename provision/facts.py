@@ -9,8 +9,9 @@ from .layout import DEFAULT_ROOT, root_of  # noqa: F401  (re-exported: the root 
 from .transport import Transport
 
 
-def gather(transport: Transport, *, adopt: str | None = None) -> dict:
-    payload = {"root": root_of(transport), "adopt": adopt,
+def gather(transport: Transport, *, python: str | None = None, adopt: str | None = None) -> dict:
+    """The host's facts; `python` ("3.12", a lock's) narrows the interpreters looked for to that version."""
+    payload = {"root": root_of(transport), "python": python, "adopt": adopt,
                "nvidia_smi": transport.target.vars.get("provision_nvidia_smi")}
     facts = transport.run_agent("facts", payload)
     facts["host"] = transport.target.name

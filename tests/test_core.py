@@ -260,6 +260,35 @@ def test_facts_with_recorded_nvidia_smi(target, tmp_path):
     assert any("compute capability 9.0" in m for _, m in findings)
 
 
+def test_facts_look_only_for_the_locks_python(tmp_path, monkeypatch):
+    """Given the lock's python, facts start no other interpreter (a broken python3.X on PATH goes unseen)
+    and still say where that version is; a broken wanted one is named with why; no python: every version."""
+    from provision.transport import Local
+
+    own = "%d.%d" % sys.version_info[:2]
+    other = "3.%d" % (sys.version_info[1] + 1)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / f"python{other}"
+    fake.write_text("#!/bin/sh\necho 'no such version here' >&2\nexit 127\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    tr = Local()
+    tr.target.vars.update(python=sys.executable, provision_root=str(tmp_path / "root"))
+    f = gather(tr, python=own)
+    assert f["pythons"] == {own: sys.executable} and f["broken_pythons"] == {}
+    assert f["python_versions"][own] == "%d.%d.%d" % sys.version_info[:3] and f["pythons_looked_for"] == own
+    f = gather(tr, python=other)
+    assert other not in f["pythons"] and f["broken_pythons"] == {str(fake): "no such version here"}
+    lk = lockmod.loads(f"lock: 1\nname: x\nplatform: {{python: '{other}'}}\n")
+    assert (True, f"host has no working Python {other} (found: {own} ({sys.executable})); "
+                  f"broken: {fake}: no such version here") in preflight_findings(f, lk)
+    f = gather(tr)
+    assert f["pythons_looked_for"] == "all" and str(fake) in f["broken_pythons"]
+    with pytest.raises(HostError, match="python must be 3.X"):
+        gather(tr, python="3.12; rm -rf /")
+
+
 def test_cuda_toolkit_from_nvidia_wheels_into_generation(toolkit_generation):
     """cuda-toolkit[nvcc,cudart,cccl,crt,nvvm]==13.0.1 from the index: nvcc V13.0.88 at the recorded CUDA_HOME,
     and it compiles for SM120 on a CPU-only host."""

@@ -1,7 +1,7 @@
 """Host agent (stdlib only): every fact a plan needs, gathered in one run, printed as one JSON line.
 
-Payload: {root, adopt?: PYTHON, nvidia_smi?: CMD}. Facts: OS, pythons, uv, disk, GPUs and driver
-(nvidia-smi), CUDA toolkits, generations, `current` and its distributions.
+Payload: {root, python?: X.Y, adopt?: PYTHON, nvidia_smi?: CMD}. Facts: OS, pythons (python X.Y only when
+given, else every python3.X), uv, disk, GPUs and driver (nvidia-smi), CUDA toolkits, generations, `current`.
 """
 import glob
 import os
@@ -34,13 +34,15 @@ def run_isolated(python, script, timeout=60):
     return sh([python, "-I", "-c", script], timeout=timeout, env=CLEAN_ENV, cwd="/")
 
 
-def pythons():
-    """Interpreters that run, by minor version: this one, then each python3.X on PATH, executed
-    (a broken shim is listed under `broken_pythons` with why, not offered to a lock)."""
+def pythons(want=None):
+    """Interpreters that run, by minor version: this one, then python3.X on PATH, executed (a broken shim
+    is listed under `broken_pythons` with why, not offered to a lock). With `want` ("3.12") only that
+    version is looked for, and nothing is started when this interpreter is it."""
     found = {"%d.%d" % sys.version_info[:2]: sys.executable}
     exact = {"%d.%d" % sys.version_info[:2]: "%d.%d.%d" % sys.version_info[:3]}
     broken = {}
-    for m in range(8, 16):
+    minors = [int(want.split(".")[1])] if want else range(8, 16)
+    for m in minors:
         path = shutil.which("python3.%d" % m)
         if not path or "3.%d" % m in found:
             continue
@@ -121,9 +123,12 @@ def main(a):
     root = a.get("root") or "/opt/provision"
     adopt = a.get("adopt")
     smi = a.get("nvidia_smi") or "nvidia-smi"
-    found, exact, broken = pythons()
+    want = a.get("python")
+    if want is not None and not re.match(r"^3\.\d{1,2}\Z", str(want)):
+        return {"error": "python must be 3.X, not %r" % (want,)}
+    found, exact, broken = pythons(want)
     facts = {"root": root, "os": os_release(), "pythons": found, "python_versions": exact,
-             "broken_pythons": broken, "uv": shutil.which("uv"), "cached_wheels": cached_wheels(root),
+             "broken_pythons": broken, "pythons_looked_for": want or "all", "uv": shutil.which("uv"), "cached_wheels": cached_wheels(root),
              "python_executable": sys.executable,
              "user": os.environ.get("USER") or str(os.getuid())}
     probe = root

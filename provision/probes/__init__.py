@@ -198,7 +198,7 @@ def run_probes(transport: Transport, lock: Lock | None = None, *, generation: st
     against = gen_lock if (adopted and gen_lock is not None) else lock
     venv = lay.venv(gen_id)
     python = lay.python(gen_id)
-    facts = facts or gather(transport)
+    facts = facts or gather(transport, python=lock.platform.python)
 
     selected = [p for p in REGISTRY if not only or p.name in only]
     results: dict[str, dict] = {}
