@@ -113,7 +113,22 @@ def test_fast_verbs_import_only_what_they_use(tmp_path, sshd):
         p = provision(str(out), verb, *host, code=code)
         assert "Traceback" not in p.stderr and "paramiko" in out.read_text().split()
         loaded = {m.split(".")[0] for m in out.read_text().split()}
-        assert not loaded & {"ansible", "ansible_runner", "yaml", "requests", "packaging", "invoke"}, (verb, loaded)
+        assert not loaded & {"ansible", "ansible_runner", "yaml", "requests", "packaging", "invoke", "pydantic"}, \
+            (verb, loaded)
+
+
+def test_parameter_values_and_their_errors_are_typers(tmp_path):
+    """Plain values are read without typer's validators; anything else gets typer's own value or error line."""
+    root = ["--local", "--root", str(tmp_path / "root"), "--json"]
+    for forks in ("3", "+3", " 3", "0x3"):
+        p = provision("history", *root, "--forks", forks)
+        want = (0, "") if forks in ("3", "+3", " 3") else (2, "Invalid value for '--forks': Input should be a valid "
+                                                               "integer, unable to parse string as an integer")
+        assert (p.returncode, want[1] in p.stderr) == (want[0], True), (forks, p.stderr)
+    p = provision("apply", *root, "--lock", str(tmp_path / "none.yaml"), "--installer", "conda")
+    assert p.returncode == 2 and "Invalid value for '--installer'" in p.stderr
+    p = provision("history", "-i", str(tmp_path / "missing.yml"))
+    assert p.returncode == 2 and p.stderr == f"error: {tmp_path / 'missing.yml'}: inventory not found\n"
 
 
 def test_plan_out_that_cannot_be_written_is_refused_before_any_host_is_contacted(tmp_path):

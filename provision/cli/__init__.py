@@ -7,6 +7,9 @@ import sys
 import typer
 
 from .. import __version__
+from . import params
+
+params.install()     # plain str/int/Path values skip typer's per-parameter pydantic validators
 
 
 def _version(value: bool) -> None:
