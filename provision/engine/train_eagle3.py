@@ -1,6 +1,7 @@
 """Trains an EAGLE-3 draft for a served checkpoint by self-distillation: the target answers chat prompts
-(templated ones and ones it writes itself) greedily, then the draft learns the target's next-token
-distributions on the answers with training-time test. `python -m provision.engine.train_eagle3 --model DIR --out DIR`"""
+(templated ones and ones it writes itself) greedily, and if asked also sampled, then the draft learns the
+target's next-token distributions on the answers with training-time test; it may start from a saved draft.
+`python -m provision.engine.train_eagle3 --model DIR --out DIR`"""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +15,7 @@ import torch
 
 from .corpus import chat_prompts, mentions_held_out
 from .draft import DraftArgs, Eagle3Draft
-from .loading import load_target, save_draft
+from .loading import load_draft, load_target, save_draft
 from .tokenizer import load_tokenizer, stop_ids
 from .train_tiny import train_draft
 
@@ -67,6 +68,24 @@ def self_prompts(target, tok, n: int, batch: int, stops: set, gen: torch.Generat
     return list(out)[:n]
 
 
+def start_draft(target, init: Path | None, freq: Counter, vocab: int, device) -> Eagle3Draft:
+    """The draft training starts from: the one saved in `init` (its vocabulary too), or random weights over
+    the `vocab` most frequent trained tokens (`freq`); either way it reads the target's embeddings."""
+    if init:
+        draft = load_draft(init, target, device)
+    else:
+        d_ids = torch.tensor(sorted(t for t, _ in freq.most_common(vocab)), device=device)
+        ta = target.args
+        da = DraftArgs(vocab_size=ta.vocab_size, dim=ta.dim, n_layer=1, n_head=ta.n_head,
+                       n_local_heads=ta.n_local_heads, head_dim=ta.head_dim, intermediate_size=ta.intermediate_size,
+                       norm_eps=ta.norm_eps, rope_base=ta.rope_base, rope_scaling=ta.rope_scaling,
+                       max_position_embeddings=ta.max_position_embeddings, draft_vocab_size=len(d_ids))
+        draft = Eagle3Draft(da).to(device)
+        draft.d2t.copy_(d_ids - torch.arange(len(d_ids), device=device))
+    draft.embed = target.tok_embeddings
+    return draft
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", type=Path, required=True, help="target checkpoint (with its tokenizer)")
@@ -75,8 +94,13 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=1512, help="templated chat prompts")
     ap.add_argument("--self-prompts", type=int, default=0, help="prompts the target writes itself")
     ap.add_argument("--max-new", type=int, default=320)
+    ap.add_argument("--sampled", type=int, default=0,
+                    help="answers to each prompt sampled at --temperature, besides the greedy one")
+    ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--gen-batch", type=int, default=128)
-    ap.add_argument("--draft-vocab", type=int, default=4096)
+    ap.add_argument("--draft-vocab", type=int, default=4096, help="draft vocabulary size (with --init: the draft's own)")
+    ap.add_argument("--init", type=Path, help="continue training this draft instead of starting from random weights")
+    ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
@@ -108,38 +132,34 @@ def main(argv=None):
     log(f"batched greedy answers equal single-sequence greedy: {answer(target, prompts[:2], 48, stops) == want}")
     convs, answers = [], []
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))     # similar lengths share a batch
-    for s in range(0, len(order), a.gen_batch):
-        batch = [prompts[i] for i in order[s:s + a.gen_batch]]
-        for p, r in zip(batch, answer(target, batch, a.max_new, stops)):
-            convs.append(p + r)
-            answers.append([False] * len(p) + [True] * len(r))
-        log(f"answered {len(convs)}/{len(prompts)} prompts")
+    sampler = torch.Generator(a.device).manual_seed(1)
+    for temperature in [0.0] + [a.temperature] * a.sampled:
+        for s in range(0, len(order), a.gen_batch):
+            batch = [prompts[i] for i in order[s:s + a.gen_batch]]
+            for p, r in zip(batch, answer(target, batch, a.max_new, stops, temperature, sampler)):
+                convs.append(p + r)
+                answers.append([False] * len(p) + [True] * len(r))
+            log(f"answered {len(convs)}/{len(prompts) * (1 + a.sampled)} prompts (temperature {temperature})")
     data = torch.tensor([t for c in convs for t in c])
     is_answer = torch.tensor([x for m in answers for x in m])
     log(f"self-distillation corpus: {len(convs)} conversations, {len(data)} tokens, {int(is_answer.sum())} in answers")
     target.setup_caches(a.seq + 1)                                         # the RoPE table; no caches
     for layer in target.layers:
         layer.attention.kv_cache = None
-    ta = target.args
     trained = is_answer if a.answer_loss else torch.ones_like(is_answer)
     freq = Counter(data[trained].tolist())
-    d_ids = torch.tensor(sorted(t for t, _ in freq.most_common(a.draft_vocab)), device=a.device)
+    draft = start_draft(target, a.init, freq, a.draft_vocab, a.device)
+    d_ids = draft.d2t + torch.arange(draft.args.draft_vocab_size, device=a.device)
     log(f"draft vocabulary covers {sum(freq[int(t)] for t in d_ids) / int(trained.sum()):.1%} of the trained tokens")
-    da = DraftArgs(vocab_size=ta.vocab_size, dim=ta.dim, n_layer=1, n_head=ta.n_head, n_local_heads=ta.n_local_heads,
-                   head_dim=ta.head_dim, intermediate_size=ta.intermediate_size, norm_eps=ta.norm_eps,
-                   rope_base=ta.rope_base, rope_scaling=ta.rope_scaling,
-                   max_position_embeddings=ta.max_position_embeddings, draft_vocab_size=len(d_ids))
-    draft = Eagle3Draft(da).to(a.device)
-    draft.d2t.copy_(d_ids - torch.arange(len(d_ids), device=a.device))
-    draft.embed = target.tok_embeddings
     done = train_draft(target, draft, data, a.steps, a.batch, a.seq, a.ttt, d_ids, log,
                        deadline=t0 + 60 * a.max_minutes, answer=is_answer if a.answer_loss else None,
-                       time_schedule=a.time_schedule)
+                       time_schedule=a.time_schedule, lr=a.lr)
     save_draft(draft, a.out, dtype=torch.float16)
     (a.out / "training.json").write_text(json.dumps({
         "target": str(a.model.name), "conversations": len(convs), "self_written_prompts": len(messages) - templated,
+        "sampled_answers_per_prompt": a.sampled, "temperature": a.temperature if a.sampled else None,
         "tokens": len(data), "answer_tokens": int(is_answer.sum()), "steps": done,
-        "steps_planned": a.steps,
+        "steps_planned": a.steps, "lr": a.lr, "init": str(a.init) if a.init else None,
         "batch": a.batch, "seq": a.seq, "ttt": a.ttt, "draft_vocab": len(d_ids), "seconds": round(time.time() - t0),
         "command": "python -m provision.engine.train_eagle3 " + " ".join(argv if argv is not None else sys.argv[1:])},
         indent=2) + "\n")

@@ -101,12 +101,12 @@ def ttt_loss(p, outs: list, w) -> torch.Tensor:
 
 
 def train_draft(target, draft, data, steps, B, T, ttt, d_ids, log, deadline: float = float("inf"),
-                answer: torch.Tensor | None = None, time_schedule: bool = False) -> int:
+                answer: torch.Tensor | None = None, time_schedule: bool = False, lr: float = 3e-3) -> int:
     """Distil the target into the draft for `steps` or until `deadline` (time.time()); with `time_schedule`
     the learning-rate schedule runs on steps or time, whichever is further along, so it completes.
     `answer` (bool per token of `data`) limits the loss to predicting answer tokens. Returns the steps run."""
     params = [p for n, p in draft.named_parameters()]
-    opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     dev = draft.fc.weight.device
     mask = torch.ones(T + 1, T + 1, dtype=torch.bool, device=dev).tril()
     pos = torch.arange(T + 1, device=dev)
@@ -121,7 +121,7 @@ def train_draft(target, draft, data, steps, B, T, ttt, d_ids, log, deadline: flo
             log(f"draft training stopped after {step} of {steps} steps: time budget spent")
             break
         for grp in opt.param_groups:
-            grp["lr"] = lr_at(done, steps, 3e-3)
+            grp["lr"] = lr_at(done, steps, lr)
         x, w = data[idx].to(dev), counts[idx[:, 1:]].to(dev)                 # [B, T+1], [B, T]
         with torch.no_grad():
             logits, aux = target(x, pos, mask, pos, capture=True)     # [B, T+1, V], [B, T+1, 3H]
@@ -132,7 +132,7 @@ def train_draft(target, draft, data, steps, B, T, ttt, d_ids, log, deadline: flo
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if step % 50 == 0 or step == steps - 1:
-            log(f"draft step {step} loss {loss.item():.3f} lr {lr_at(done, steps, 3e-3):.2e}")
+            log(f"draft step {step} loss {loss.item():.3f} lr {lr_at(done, steps, lr):.2e}")
         ran = step + 1
     return ran
 

@@ -1,8 +1,9 @@
 """Self-distillation pieces: batched left-padded greedy answers equal one-at-a-time greedy decoding,
 sampled ones follow their generator; held-out topics stay out of training prompts; the training-time-test
-loss counts weighted positions only; the shape bench runs end to end on a small shape (CPU: no graphs)."""
+loss counts weighted positions only; training continues from a saved draft; the shape bench runs end to end on a small shape (CPU: no graphs)."""
 import math
 import time
+from collections import Counter
 
 import torch
 
@@ -10,7 +11,8 @@ from conftest import random_pair
 from provision.engine.generate import Engine
 from provision.engine.shape_bench import shape_bench
 from provision.engine.corpus import chat_prompts, held_out_chat_prompts, mentions_held_out
-from provision.engine.train_eagle3 import answer
+from provision.engine.loading import save_draft
+from provision.engine.train_eagle3 import answer, start_draft
 from provision.engine.train_tiny import train_draft, ttt_loss
 
 
@@ -74,3 +76,22 @@ def test_train_draft_runs_its_steps_or_stops_at_the_deadline():
     assert run() == 4 and not torch.equal(before, draft.fc.weight)
     assert run(deadline=time.time() - 1) == 0 == run(deadline=time.time() - 1, time_schedule=True)
     assert run(answer=data % 2 == 0, time_schedule=True, deadline=time.time() + 60) == 4
+
+
+def test_training_continues_from_a_saved_draft(tmp_path):
+    target, saved = random_pair(vocab=32, dim=32, n_layer=3, draft_vocab=12, device="cpu")
+    save_draft(saved, tmp_path / "d")
+    freq = Counter(range(32))
+    fresh = start_draft(target, None, freq, 8, "cpu")
+    assert fresh.args.draft_vocab_size == 8 and not torch.equal(fresh.fc.weight, saved.fc.weight)
+    draft = start_draft(target, tmp_path / "d", freq, 8, "cpu")            # the saved draft's vocabulary, not 8
+    assert torch.equal(draft.d2t, saved.d2t) and torch.equal(draft.lm_head.weight, saved.lm_head.weight)
+    assert torch.equal(draft.fc.weight, saved.fc.weight) and draft.embed is target.tok_embeddings
+    target.setup_caches(17)
+    for layer in target.layers:
+        layer.attention.kv_cache = None
+    target.requires_grad_(False)
+    data = torch.randint(0, 32, (400,), generator=torch.Generator().manual_seed(0))
+    d_ids = draft.d2t + torch.arange(12)
+    assert train_draft(target, draft, data, 3, 2, 16, 2, d_ids, lambda s: None, lr=1e-3) == 3
+    assert 0 < (draft.fc.weight - saved.fc.weight).abs().max() < 0.05    # moved, from where it was
