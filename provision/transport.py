@@ -150,7 +150,7 @@ class Transport:
         """Run host agent `name` on `payload` (one JSON line on stdin; `extra_stdin` streams after it) with
         interpreter `python`; returns the agent's result (its last stdout line). Earlier lines
         {"_event": {...}} go to `on_event` (progress); agent errors become HostError. `python` defaults to
-        the host's (`self.python`)."""
+        the host's (`self.python`), which runs stdlib agents only and so starts without site (`-S`)."""
         from . import agent
 
         def line(text: str) -> None:
@@ -163,7 +163,7 @@ class Transport:
                     on_event(ev["_event"])
 
         msg = agent.message(name, payload, env)
-        r = self.run(agent.command(python or self.python),
+        r = self.run(agent.command(python or self.python, site=python is not None),
                      stdin=itertools.chain([msg], extra_stdin) if extra_stdin else msg,
                      timeout=timeout,
                      on_line=line if on_event else None)
@@ -209,7 +209,7 @@ class HeldLock:
         from . import agent
 
         root = self.path.rsplit("/", 1)[0] if self.path.endswith("/.lock") else self.path
-        self.proc = self.transport.spawn(agent.command(self.transport.python))
+        self.proc = self.transport.spawn(agent.command(self.transport.python, site=False))
         self.proc.send(agent.message("host", {"op": "hold", "root": root}))
         line = self.proc.readline()
         try:

@@ -28,9 +28,11 @@ def bundle() -> str:
     return base64.b64encode(zlib.compress(json.dumps(files, sort_keys=True).encode(), 9)).decode()
 
 
-def command(python: str = "python3") -> list[str]:
-    """The command line of every agent run: an interpreter and the constant loader, nothing else."""
-    return [python, "-I", "-c", BOOT]
+def command(python: str = "python3", site: bool = True) -> list[str]:
+    """The command line of every agent run: an interpreter and the constant loader, nothing else.
+    `site=False` (the host's own interpreter, which runs only stdlib agents) skips its site-packages'
+    start-up work (`-S`); a generation's interpreter keeps them."""
+    return [python, "-I", *([] if site else ["-S"]), "-c", BOOT]
 
 
 def message(name: str, payload: dict, env: dict | None = None) -> bytes:
