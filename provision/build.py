@@ -33,9 +33,9 @@ def packages_of(lock: Lock) -> tuple[list[dict], list[tuple[dict, Path]]]:
     pkgs, local = [], []
     for p in lock.packages:
         item = {"name": p.name, "version": p.version, "sha256": p.sha256, "filename": p.filename, "label": p.pin}
-        path = local_wheel(lock, p.url or "")
+        path = local_wheel(lock, p.url) if p.url else None
         if path is None:
-            item["url"] = p.url
+            item["url"] = p.url           # None: the host's cache must hold it (plan says when it does not)
         else:
             if not path.is_file():
                 raise ProvisionError(f"{p.pin}: wheel {path} not found", where=f"{lock.path}:{p.line}")

@@ -61,7 +61,7 @@ class Package:
     version: str
     sha256: str | None = None    # of the wheel file; required to install
     filename: str | None = None
-    url: str | None = None       # https://..., file:///..., or a path relative to the lock
+    url: str | None = None       # https://... or file:///...; None: only from the host's wheel cache
     index: str | None = None     # key into `indexes`, for information
     line: int = 0
 

@@ -407,12 +407,15 @@ def preflight_findings(facts: dict, lock: Lock, action: str = "build",
         out.append((True, f"only {human_size(free)} free under {facts.get('root')}; this build needs about {human_size(need)} "
                           f"(download, install and {human_size(MIN_FREE_BYTES)} to spare)"))
     if action == "build":
+        cached = set(facts.get("cached_wheels") or [])
         for p in lock.packages:
             if not p.sha256:
                 out.append((True, f"{p.pin} has no sha256 in {lock.where('packages')}: cannot install with "
                                   "--require-hashes"))
-            elif not (p.url and p.filename):
-                out.append((True, f"{p.pin} has no url/filename in the lock"))
+            elif not p.filename:
+                out.append((True, f"{p.pin} has no filename in the lock"))
+            elif not p.url and p.sha256 not in cached:
+                out.append((True, f"{p.pin} has no url in the lock and is not in the host's wheel cache"))
         for u in lock.unresolved:
             out.append((True, f"{u['name']} is unresolved in the lock: {u['reason']}"))
         no_nvcc = nvcc_missing(lock)

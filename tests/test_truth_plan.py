@@ -150,3 +150,30 @@ def test_plan_predicts_apply_on_a_real_host(base, tmp_path, wheels):
     assert planned == "build" and did == "none" and rep.failed_step == "plan"
     assert "no working Python 3.99" in rep.error
     assert [g["id"] for g in applymod.history(tr)["generations"]][-1] == "0004-a"
+
+
+def test_a_package_without_url_builds_from_the_hosts_cache_and_plan_says_so(tmp_path, wheels):
+    """A lock may name a wheel by hash alone (no url): plan refuses it exactly when apply could not fetch it."""
+    tr = Local(Target(host="local", vars={"provision_root": str(tmp_path / "root")}))
+    first = lockmod.load(write_lock(tmp_path / "a.yaml", "a", [wheels["alpha-1.0"]]))
+    rep = applymod.apply(tr, first)                      # alpha 1.0 is now in the host's wheel cache
+    assert rep.status == "applied", rep.status
+
+    def without_url(name, ws):
+        path = write_lock(tmp_path / f"{name}.yaml", name, ws)
+        data = yaml.safe_load(path.read_text())
+        del data["packages"][0]["url"]
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        return lockmod.load(path)
+
+    cached = without_url("b", [wheels["alpha-1.0"], wheels["beta-1.0"]])
+    planned = applymod.plan(tr, cached)
+    assert planned.action == "build" and planned.errors == []
+    assert applymod.apply(tr, cached).status == "applied"
+
+    missing = without_url("c", [wheels["gamma-1.0"]])
+    planned = applymod.plan(tr, missing)
+    assert planned.errors == ["gamma==1.0 has no url in the lock and is not in the host's wheel cache"]
+    with pytest.raises(ProvisionError):
+        applymod.apply(tr, missing)
+    assert tr.target.host and (tmp_path / "root" / "current").resolve().name.endswith("-b")
