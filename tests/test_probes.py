@@ -152,6 +152,15 @@ def test_gpu_probes_with_recorded_h200(adopted, tmp_path):
     assert "torch has no kernel image for sm_90" in r["arch"]["reason"]
 
 
+def test_torch_cuda_with_no_cuda_in_the_lock_reads_the_version_without_importing_torch(adopted):
+    import torch
+
+    r = by_name(run_probes(adopted, lock_text(), only=["torch-cuda"]))["torch-cuda"]
+    assert r["status"] == "skip" and r["reason"] == "the lock names no CUDA version"
+    assert r["figures"]["torch"] == torch.__version__
+    assert "torch_cuda" not in r["figures"]          # torch.version.cuda is what an import would have read
+
+
 def test_gpu_listed_but_torch_cannot_use_it(adopted, tmp_path):
     """nvidia-smi (recorded) shows GPUs; this CPU torch cannot use them: every GPU probe fails, naming why."""
     adopted.target.vars["provision_nvidia_smi"] = fake_smi(tmp_path, gpus=2)

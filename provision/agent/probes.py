@@ -179,8 +179,13 @@ def p_packages(a):
 
 
 def p_torch_cuda(a):
-    t = torch_facts()
     want = major_minor(a.get("cuda_version"))
+    if not want and not os.environ.get(TORCH_JSON_ENV):     # nothing to compare: read the version, import nothing
+        version = installed_dists().get("torch")
+        if version is None:
+            return result("torch-cuda", "skip", "torch is not installed in this generation")
+        return result("torch-cuda", "skip", "the lock names no CUDA version", torch=version, lock_cuda=None)
+    t = torch_facts()
     if not t["installed"]:
         return result("torch-cuda", "skip", "torch is not installed in this generation")
     figs = {"torch": t["version"], "torch_cuda": t["cuda"], "lock_cuda": want, "recorded": t.get("recorded")}
