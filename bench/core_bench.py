@@ -49,7 +49,7 @@ def main() -> None:
     args = ap.parse_args()
     a = lockmod.load(LOCKS / "a.yaml")
     load_start = os.getloadavg()[0]
-    with LoopbackHost() as host:
+    with LoopbackHost(login_rc=True) as host:     # sessions that read this machine's rc files, as operators' do
         b = lockmod.load(wheelhouse_lock(LOCKS / "b.yaml", Path(host.dir) / "wheelhouse"))   # its CPU torch
         trust_host(host.target)
         tr = connect(host.target)

@@ -29,13 +29,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 class LoopbackHost:
     """`with LoopbackHost() as h:` → h.target (not yet trusted), h.root, h.dir; stops sshd on exit."""
 
-    def __init__(self, base: str | Path | None = None, netns_index: int | None = None, login_rc: bool = True,
+    def __init__(self, base: str | Path | None = None, netns_index: int | None = None, login_rc: bool = False,
                  netns: bool = False, sshd_config: str = ""):
         """`netns=True` puts the host in a network namespace of its own, pv-host-i, reached over a veth
         pair at 10.203.i.2: i is the first index free when it starts (or `netns_index`), so concurrent runs
         never share one (the namespace is the run's own; nothing outside this machine is involved).
-        `login_rc=False`: sessions get an empty HOME, so the login shell reads no rc file (a fresh host's
-        sessions, whatever the user's own shell startup does). `sshd_config`: more sshd settings (one a line)."""
+        Sessions get an empty HOME, so the login shell reads no rc file: a fresh host's sessions, whatever
+        this machine's own shell startup does (a startup that a killed session can leave stalled, such as a
+        version manager's rehash lock). `login_rc=True` keeps the user's HOME and its rc files. `sshd_config`: more sshd settings (one a line)."""
         self.dir = Path(tempfile.mkdtemp(prefix="provision-host-", dir=base))
         self._index = netns_index
         self.netns_wanted = netns or netns_index is not None

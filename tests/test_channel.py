@@ -233,7 +233,7 @@ def test_host_whose_login_shell_reads_no_rc_file_runs_agents():
     from provision.loopback import LoopbackHost
     from provision.transport import connect, trust_host
 
-    with LoopbackHost(login_rc=False) as h:
+    with LoopbackHost() as h:
         trust_host(h.target)
         tr = connect(h.target)
         try:
