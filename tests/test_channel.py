@@ -229,16 +229,21 @@ def test_parallel_fetch_into_the_cache_with_readable_progress(target, tmp_path):
     assert [s for s, _ in done][:2] == ["recover", "facts"] and ("build" in [s for s, _ in done])
 
 
-def test_host_whose_login_shell_reads_no_rc_file_runs_agents():
+def test_a_host_whose_login_shell_prints_a_banner_still_runs_agents():
+    """A test host's sessions read only its own HOME's rc files (none by default); one that greets on stdout and
+    stderr at every login does not disturb the agents' replies."""
     from provision.loopback import LoopbackHost
     from provision.transport import connect, trust_host
 
     with LoopbackHost() as h:
+        home = h.dir / "home"
+        (home / ".bashrc").write_text('echo "welcome to the host"\necho "motd" >&2\n')
         trust_host(h.target)
         tr = connect(h.target)
         try:
-            assert tr.check(["sh", "-c", 'echo "$HOME"']).strip() == str(h.dir / "home")
+            assert tr.check(["sh", "-c", 'echo "$HOME"']).splitlines() == ["welcome to the host", str(home)]
             assert tr.run_agent("state", {"op": "history", "root": h.root})["generations"] == []
+            assert tr.run_agent("facts", {"root": h.root, "python": "3.11"})["pythons"]
         finally:
             tr.close()
 
