@@ -1,6 +1,7 @@
 """Decoding: plain, and EAGLE-3 tree speculation (draft tree → one masked verification →
 greedy or lossless sampling acceptance → KV compaction). Batch 1, static shapes, the step's state in
-device tensors: on CUDA every step replays a captured graph; the one host read per step is what it emitted."""
+device tensors: on CUDA every step replays a captured graph; the one host read per step is what it emitted.
+On CPU in bfloat16, every target step runs the same rows over one span, and greedy emits only exact rows."""
 from __future__ import annotations
 
 import os
@@ -114,6 +115,9 @@ class Engine:
         eos = getattr(tokenizer, "eos_id", None)
         self.stop_ids = set(stop_ids if stop_ids is not None else [] if eos is None else [eos])   # end of turn
         self.use_graphs = graphs
+        # shared rows: on CPU below float32 the GEMM kernel (and its rounding) depends on the row count, so
+        # plain decoding and verification both run num_draft_tokens rows over the whole cache (see _spec_rows)
+        self.shared_rows = self.device.type == "cpu" and target.output.weight.dtype != torch.float32
         self.configure(steps, topk, num_draft_tokens)
 
     def configure(self, steps: int, topk: int, num_draft_tokens: int = 0):
@@ -124,6 +128,7 @@ class Engine:
             raise EngineError(f"tree settings steps={steps} topk={topk} num_draft_tokens={n}: need steps, topk >= 1 "
                               f"and 2 <= num_draft_tokens <= {most}")
         self.steps, self.topk, self.n_tree = steps, topk, n
+        self.rows = n if self.shared_rows else 1      # rows of every plain decoding step
         S, dev = self.max_seq_len, self.device
         self.t_slots = S + n                          # context + one verification tree
         self.target.setup_caches(self.t_slots)
@@ -132,7 +137,7 @@ class Engine:
             self.d_ctx = S + steps + 2                # context + padded extend
             self.draft.setup_caches(self.d_ctx + steps * topk, self.target.tok_embeddings)
             self.d_arange = torch.arange(self.d_ctx + steps * topk, device=dev)
-        self.ar = torch.arange(max(n, steps + 1, topk * topk), device=dev)
+        self.ar = torch.arange(max(n, 2 * steps + 1, topk * topk), device=dev)   # 2*steps+1: see _spec_rows
         # step state: context length n (the slot of the token fed next), that token (plain: the next input;
         # speculation: the tree's root), and the draft's logits and state for the root's children
         p = self.target.output.weight
@@ -154,6 +159,10 @@ class Engine:
     def _w(self, x: int) -> int:
         """Attention span covering slots [0, x), rounded up to 64: few distinct shapes, short attention."""
         return -(-x // 64) * 64
+
+    def _target_span(self, x: int) -> int:
+        """The target's attention span for slots [0, x): the whole cache with shared rows (one reduction length)."""
+        return self.t_slots if self.shared_rows else self._span(x, self.t_slots)
 
     def _span(self, x: int, cap: int) -> int:
         """Span of a graphed step covering slots [0, x): powers of two from 256 (few graphs), else `_w`."""
@@ -177,9 +186,11 @@ class Engine:
         return torch.multinomial(probs_from_logits(logits, temperature, top_p), 1, generator=g).squeeze(-1)
 
     def _decode_fn(self, W: int, greedy: bool):
+        R = self.rows                                 # the one token repeated R times (identical rows)
         def step():
-            n = self.n_t
-            logits = self.target(self.tok.view(1, 1), n, (self.t_arange[:W] <= n)[None], n)[0, -1]
+            n = self.n_t.expand(R)
+            logits = self.target(self.tok.view(1, 1).expand(1, R), n, (self.t_arange[:W] <= n[:1])[None].expand(R, W),
+                                 n)[0, 0]
             if greedy:
                 self.tok.copy_(logits.argmax(-1))
             return logits
@@ -188,7 +199,7 @@ class Engine:
     def _decode(self, n: int, temperature: float, top_p: float, g):
         """Queue one step feeding `tok` at position n; `tok` becomes the next token. No host sync."""
         self.n_t.fill_(n)
-        W, greedy = self._span(n + 1, self.t_slots), temperature <= 0
+        W, greedy = self._target_span(n + 1), temperature <= 0
         logits = self.graphs.run(("decode", W, greedy), self._decode_fn(W, greedy))
         if not greedy:
             self.tok.copy_(self._pick(logits, temperature, top_p, g))
@@ -212,10 +223,10 @@ class Engine:
         yield from self._decode_loop(len(ids), max_new - 1, temperature, top_p, g)
 
     # ---- speculation ----------------------------------------------------------------------
-    def _draft_tree(self, W: int):
-        """Grow `steps` levels of `topk` beams from the root `tok`; keep the best n_tree-1 nodes by path
+    def _draft_tree(self, W: int, N: Optional[int] = None):
+        """Grow `steps` levels of `topk` beams from the root `tok`; keep the best N-1 nodes (N = n_tree) by path
         log-prob. Returns tokens [N] (root first), parent [N], ancestor matrix [N, N] (parents first)."""
-        K, N, dr, n = self.topk, self.n_tree, self.draft, self.n_t
+        K, N, dr, n = self.topk, N if N is not None else self.n_tree, self.draft, self.n_t
         score, di = torch.log_softmax(self.dlog.float(), -1).topk(K)           # level 1: [K]
         tok = dr.to_target(di)
         c_tok, c_score, c_par = [tok], [score], [self.ar.new_full((K,), -1)]
@@ -245,11 +256,21 @@ class Engine:
         cp = c_par[keep]
         parent = torch.cat([self.ar[:1], torch.where(cp < 0, 0, pos_of[cp.clamp(min=0)])])   # [N]
         tokens = torch.cat([self.tok, c_tok[keep]])
-        eye = torch.eye(N, dtype=torch.bool, device=self.device)
+        return tokens, parent, self._ancestors(parent, self.steps)
+
+    def _ancestors(self, parent: Tensor, depth: int) -> Tensor:
+        """[N, N] bool: A[i, j] when node j is node i or one of its ancestors (trees at most `depth` deep)."""
+        eye = torch.eye(len(parent), dtype=torch.bool, device=self.device)
         A = eye
-        for _ in range(self.steps):
+        for _ in range(depth):
             A = eye | A[parent]
-        return tokens, parent, A
+        return A
+
+    def _tree_mask(self, A: Tensor, n, W: int) -> Tensor:
+        """[N, W] attention mask of a tree at slots n..n+N-1: the context [0, n) and each node's ancestors."""
+        N, col = len(A), self.t_arange[:W]
+        rel = col - n
+        return (col < n)[None] | (A[:, rel.clamp(0, N - 1)] & ((rel >= 0) & (rel < N))[None])
 
     def _accept_greedy(self, logits, tokens, parent, A):
         tgt = logits.argmax(-1)                                                  # [N]
@@ -291,11 +312,8 @@ class Engine:
         """Draft a tree at n and run it through the target in one masked forward (tree slots n..n+N-1)."""
         N, n = self.n_tree, self.n_t
         tokens, parent, A = self._draft_tree(Wd)
-        col = self.t_arange[:Wt]
-        rel = col - n
-        tree = A[:, rel.clamp(0, N - 1)] & ((rel >= 0) & (rel < N))[None]
-        mask = (col < n)[None] | tree                                          # [N, Wt]: context + tree
-        vlogits, vaux = self.target(tokens[None], n + A.sum(-1) - 1, mask, n + self.ar[:N], capture=True)
+        vlogits, vaux = self.target(tokens[None], n + A.sum(-1) - 1, self._tree_mask(A, n, Wt), n + self.ar[:N],
+                                    capture=True)
         return tokens, parent, A, vlogits[0], vaux
 
     def _accepted(self, acc: Tensor, choice: Tensor):
@@ -321,7 +339,7 @@ class Engine:
     def _spec_step(self, n_hi: int, temperature: float, top_p: float, g) -> Tensor:
         """Queue one speculative step (draft, verify, accept, compact, extend) at the context `n_t` holds on
         the device, at most n_hi (which picks the spans); no host sync."""
-        Wt, Wd = self._span(n_hi + self.n_tree, self.t_slots), self._span(n_hi + self.steps + 1, self.d_ctx)
+        Wt, Wd = self._target_span(n_hi + self.n_tree), self._span(n_hi + self.steps + 1, self.d_ctx)
         if temperature <= 0:
             def step():
                 tokens, parent, A, vlogits, vaux = self._verify(Wt, Wd)
@@ -333,20 +351,26 @@ class Engine:
             buf.copy_(x)
         return self.graphs.run(("advance", Wd), lambda: self._advance(Wd, *self.acc))
 
-    def _spec(self, ids, max_new, temperature, top_p, g, stats) -> Iterator[list]:
-        dr, S, N = self.draft, self.max_seq_len, self.n_tree
+    def _spec_start(self, ids, temperature, top_p, g) -> Tensor:
+        """Prefill the target and the draft; the first token becomes the root at slot len(ids). Returns it."""
         logits, aux = self._prefill(ids, True)
         n = len(ids)
         root = self._pick(logits[0, -1], temperature, top_p, g)
         # draft prefill: position i reads (token i+1, target features at i)
         pos = torch.arange(n, device=self.device)
         nxt = torch.cat([torch.tensor(ids[1:], device=self.device, dtype=torch.long), root.view(1)])
-        dl, dh = dr(nxt[None], aux, pos, self.d_arange[None, : self._w(n)] <= pos[:, None], pos)
-        self.emit.clear()
+        dl, dh = self.draft(nxt[None], aux, pos, self.d_arange[None, : self._w(n)] <= pos[:, None], pos)
         self.n_t.fill_(n)
         self.tok.copy_(root)
         self.dlog.copy_(dl[0, -1])
         self.dhid.copy_(dh[0, -1:])
+        return root
+
+    def _spec(self, ids, max_new, temperature, top_p, g, stats) -> Iterator[list]:
+        S, N = self.max_seq_len, self.n_tree
+        self._spec_start(ids, temperature, top_p, g)
+        n = len(ids)
+        self.emit.clear()
         self.emit.push(self.tok)
         yield self.emit.pop(), 0
         produced, L = 1, min(self.steps + 1, N)
@@ -364,6 +388,43 @@ class Engine:
             yield emitted[:a], a
         yield from self._decode_loop(n, max_new - produced, temperature, top_p, g)   # context tail
 
+    # ---- greedy speculation with shared rows -------------------------------------------------
+    def _spec_rows(self, ids, max_new, stats) -> Iterator[list]:
+        """Greedy speculation whose every emitted token comes from an exact row: one computed as a plain step
+        computes it (same rows, span and kernels; its ancestors at the slots just before it; exact KV below).
+        Each step verifies one tree of n_tree rows at slots c..: the chain [t_c, pending...] whose last token
+        roots the drafted subtree. It emits the accepted path's exact prefix; the rest of the path (accepted,
+        not yet exact) is the next step's pending chain, recomputed there in place. Host-synchronous."""
+        R, W, S = self.n_tree, self.t_slots, self.max_seq_len
+        c, head = len(ids), int(self._spec_start(ids, 0.0, 1.0, None))   # t_c = head; KV exact below slot c
+        yield [head], 0
+        pend, produced = [], 1
+        while produced < max_new and c + self.steps < S:
+            r = len(pend)
+            self.n_t.fill_(c + r)                                    # the subtree's root: tok (pend[-1] or head)
+            Wd = self._span(c + r + self.steps + 1, self.d_ctx)
+            sub, sub_parent, _ = self._draft_tree(Wd, R - r)
+            tokens = torch.cat([torch.tensor(([head] + pend)[:r], dtype=torch.long, device=self.device), sub])
+            parent = torch.cat([self.ar[:1], self.ar[:r], sub_parent[1:] + r])   # chain 0..r, then the subtree
+            A = self._ancestors(parent, r + self.steps)
+            logits, aux = self.target(tokens[None], c + A.sum(-1) - 1, self._tree_mask(A, c, W), c + self.ar[:R],
+                                      capture=True)
+            acc, tgt = self._accept_greedy(logits[0], tokens, parent, A)
+            path = acc.nonzero().view(-1)                           # the accepted chain, row 0 first
+            out = tgt[path]                                         # out[j]: the token at slot c + j + 1
+            exact = int((path == self.ar[: len(path)]).cumprod(0).sum())   # rows 0..exact-1 sit at c.. in order
+            dpos = c + self.ar[: len(path)]                          # the draft reads (token j+1, features j)
+            dl, dh = self.draft(out[None], aux[0, path][None], dpos, self.d_arange[None, :Wd] <= dpos[:, None], dpos)
+            self.tok.copy_(out[-1:])
+            self.dlog.copy_(dl[0, -1])
+            self.dhid.copy_(dh[0, -1:])
+            emitted, pend = out[:exact].tolist(), out[exact:].tolist()
+            c, head, produced = c + exact, emitted[-1], produced + exact
+            stats.append(exact)
+            yield emitted, exact
+        self.tok.fill_(head)
+        yield from self._decode_loop(c, max_new - produced, 0.0, 1.0, None)   # context tail, plain from t_c
+
     # ---- public ---------------------------------------------------------------------------
     def stream(self, ids: list, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                speculative: bool = True, seed: Optional[int] = None, stop_at_eos: bool = True,
@@ -380,8 +441,12 @@ class Engine:
         g.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(7), "little"))
         stats = stats if stats is not None else []
         max_new = min(max_new_tokens, self.max_seq_len - len(ids))
-        gen = self._spec(ids, max_new, temperature, top_p, g, stats) if speculative and self.draft is not None \
-            else self._plain(ids, max_new, temperature, top_p, g)
+        if not speculative or self.draft is None:
+            gen = self._plain(ids, max_new, temperature, top_p, g)
+        elif self.shared_rows and temperature <= 0:
+            gen = self._spec_rows(ids, max_new, stats)
+        else:
+            gen = self._spec(ids, max_new, temperature, top_p, g, stats)
         left = max_new
         with torch.inference_mode():
             for chunk, _ in gen:

@@ -64,3 +64,48 @@ def test_context_end_and_eos(random_engine):
         e.generate([1] * 160, 4)
     with pytest.raises(EngineError, match="tree settings"):
         e.configure(2, 2, 9)
+
+
+# ---- shared rows (CPU below float32): plain and verification steps run the same rows over one span ----------
+
+def test_linear_rows_are_independent_at_a_fixed_row_count():
+    """What shared rows rely on: within one product of R rows, row i depends on row i alone (bfloat16 at
+    SmolLM2-135M's weight shapes, 16 and 32 rows). Across row counts it need not hold (on an AMX CPU, 1 row
+    and 28+ rows of some of these shapes round differently), which is why every step runs the same rows."""
+    g = torch.Generator().manual_seed(0)
+    for n, k in [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]:
+        w = (torch.randn(n, k, generator=g) * k ** -0.5).to(torch.bfloat16)
+        for R in (16, 32):
+            x = torch.randn(R, k, generator=g).to(torch.bfloat16)
+            y = torch.nn.functional.linear(x, w)
+            x2 = torch.randn(R, k, generator=g).to(torch.bfloat16)
+            x2[R // 2] = x[R // 2]                                # row R/2 kept, every other row replaced
+            assert torch.equal(torch.nn.functional.linear(x2, w)[R // 2], y[R // 2]), (n, k, R)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="shared rows are the CPU path")
+@pytest.mark.parametrize("tree", TREES + [(6, 8, 32)])
+def test_shared_rows_greedy_tiny_pair_bfloat16(tree):
+    e = load_engine(device="cpu", dtype="bfloat16", max_seq_len=512)
+    assert e.shared_rows
+    e.configure(*tree)
+    accepts = []
+    for p in ["t", *held_out_prompts(3)]:
+        ids = e.tokenizer.encode(p)
+        plain = e.generate(ids, 48, temperature=0, speculative=False, stop_at_eos=False).tokens
+        spec = e.generate(ids, 48, temperature=0, stop_at_eos=False)
+        assert spec.tokens == plain, p
+        accepts += spec.accept_lengths
+    assert sum(accepts) / len(accepts) > 1.5 and max(accepts) <= 2 * tree[0] + 1
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="shared rows are the CPU path")
+def test_shared_rows_context_end_bfloat16():
+    target, draft = random_pair(vocab=96, draft_vocab=48)
+    e = Engine(target.to(torch.bfloat16), draft.to(torch.bfloat16), max_seq_len=160)
+    e.configure(3, 2, 6)
+    ids = [i % 96 for i in range(150)]
+    plain = e.generate(ids, 100, temperature=0, speculative=False).tokens
+    assert e.generate(ids, 100, temperature=0).tokens == plain and len(plain) == 10
+    sampled = e.generate(ids[:20], 30, temperature=0.8, seed=1)                  # sampling: the usual tree
+    assert len(sampled.tokens) == 30

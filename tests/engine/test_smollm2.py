@@ -80,3 +80,21 @@ def test_cli_import(tmp_path, ckpt):
                         ((ckpt / "config.json", tmp_path / "y"), "not a readable GGUF file")]:
         p = cli("engine", "import", *args)
         assert p.returncode == 2 and words in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+@pytest.mark.skipif(os.environ.get("PROVISION_TEST_DEVICE", "cpu") != "cpu", reason="shared rows are the CPU path")
+def test_bfloat16_speculative_equals_plain(ckpt):
+    """bfloat16 on CPU with the shipped draft: greedy speculation emits exactly plain greedy decoding. On the two
+    held-out chat prompts used here, verification in the usual tree layout diverges from plain at token 34."""
+    from provision.engine.bench import encode_prompts
+    eng = load_engine(ckpt, REPO / "bench" / "smollm2-135m-instruct-eagle3", dtype="bfloat16", max_seq_len=256,
+                      steps=5, topk=4, num_draft_tokens=16)
+    assert eng.shared_rows
+    enc = encode_prompts(eng, True, 3)
+    accepts = []
+    for ids in (enc[0], enc[2]):
+        plain = eng.generate(ids, 48, speculative=False).tokens
+        spec = eng.generate(ids, 48)
+        assert spec.tokens == plain and len(plain) == 48
+        accepts += spec.accept_lengths
+    assert sum(accepts) / len(accepts) > 2.0
