@@ -102,6 +102,8 @@ def bench(prompts: int = typer.Option(8, "--prompts", help="held-out prompts"),
           max_seq_len: int = SeqOpt, threads: int = ThreadsOpt, json_out: bool = typer.Option(False, "--json"),
           chat: bool = typer.Option(False, "--chat", help="held-out chat prompts through the model's template"),
           peer: bool = typer.Option(False, "--peer", help="also time transformers on the same weights and threads"),
+          fixed_length: bool = typer.Option(False, "--fixed-length", help="decode --max-new-tokens past the end "
+                                            "of turn (by default each answer stops there)"),
           shape: Optional[str] = typer.Option(None, "--shape", help="llama3-8b: random weights of that shape; "
                                               "roofline, CUDA-graph step costs, transformers peer")):
     """Baseline vs EAGLE-3 greedy decoding in one run: tok/s, ratio, acceptance length, identical output."""
@@ -120,15 +122,16 @@ def bench(prompts: int = typer.Option(8, "--prompts", help="held-out prompts"),
     if eng.draft is None:
         raise EngineError(f"{model}: no EAGLE-3 draft to benchmark (pass --draft)")
     enc = encode_prompts(eng, chat, prompts)
-    r = run_bench(eng, enc, max_new_tokens, repeats)
+    r = run_bench(eng, enc, max_new_tokens, repeats, stop_at_eos=not fixed_length)
     if peer:
-        r.update(transformers_peer(model or TINY_DIR, eng, enc, max_new_tokens, r["plain_outputs"]))
+        r.update(transformers_peer(model or TINY_DIR, eng, enc, max_new_tokens, r["plain_outputs"], not fixed_length))
         r["plain_vs_transformers"] = round(r["baseline_tok_s"] / r["transformers_tok_s"], 3)
     r["threads"] = threads
     if json_out:
         return print_json({k: v for k, v in r.items() if k not in ("outputs", "plain_outputs")})
-    console.print(f"device {r['device']}  tree steps={r['steps']} topk={r['topk']} "
-                  f"draft tokens={r['num_draft_tokens']}  {r['prompts']} prompts x {r['max_new_tokens']} tokens")
+    console.print(f"device {r['device']} {r['dtype']}  tree steps={r['steps']} topk={r['topk']} "
+                  f"draft tokens={r['num_draft_tokens']}  {r['prompts']} prompts, {r['tokens']} tokens "
+                  f"(at most {r['max_new_tokens']} each)  load average {r['load_average_1min']['start']}")
     console.print(f"baseline  {r['baseline_tok_s']:>8} tok/s")
     console.print(f"EAGLE-3   {r['eagle3_tok_s']:>8} tok/s")
     console.print(f"ratio     {r['ratio']:>8}x   accept length {r['accept_length']} ({r['tree']})   "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -18,11 +19,14 @@ def _sync(engine: Engine):
         torch.cuda.synchronize()
 
 
-def run_bench(engine: Engine, prompts: list, max_new_tokens: int = 128, repeats: int = 1) -> dict:
-    """Greedy decode every prompt plainly and with speculation, interleaved (fair under noise)."""
+def run_bench(engine: Engine, prompts: list, max_new_tokens: int = 128, repeats: int = 1,
+              stop_at_eos: bool = True) -> dict:
+    """Greedy decode every prompt plainly and with speculation, interleaved (fair under noise); each answer
+    ends at the end-of-turn token unless `stop_at_eos` is off (then every answer is max_new_tokens long)."""
     tok = engine.tokenizer
     enc = [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-    kw = dict(max_new_tokens=max_new_tokens, temperature=0.0, stop_at_eos=False)
+    kw = dict(max_new_tokens=max_new_tokens, temperature=0.0, stop_at_eos=stop_at_eos)
+    load0 = os.getloadavg()[0]
     for spec in (False, True):                                   # warm-up (allocator, kernels)
         engine.generate(enc[0], max_new_tokens=8, speculative=spec, stop_at_eos=False)
     t_plain = t_spec = 0.0
@@ -42,7 +46,10 @@ def run_bench(engine: Engine, prompts: list, max_new_tokens: int = 128, repeats:
             outputs.append(b.tokens)
             plain.append(a.tokens)
     base, eagle = n_plain / t_plain, n_spec / t_spec
-    return {"device": str(engine.device), "prompts": len(enc), "max_new_tokens": max_new_tokens,
+    return {"device": str(engine.device), "dtype": str(engine.target.output.weight.dtype).removeprefix("torch."),
+            "prompts": len(enc), "max_new_tokens": max_new_tokens, "stop_at_eos": stop_at_eos,
+            "tokens": n_plain, "shared_rows": engine.shared_rows,
+            "load_average_1min": {"start": round(load0, 2), "end": round(os.getloadavg()[0], 2)},
             "steps": engine.steps, "topk": engine.topk, "num_draft_tokens": engine.n_tree,
             "baseline_tok_s": round(base, 2), "eagle3_tok_s": round(eagle, 2), "ratio": round(eagle / base, 3),
             "accept_length": round(sum(accepts) / max(len(accepts), 1), 3),
@@ -62,9 +69,10 @@ def encode_prompts(engine: Engine, chat: bool, n: int) -> list:
             for p in held_out_chat_prompts(n)]
 
 
-def transformers_peer(model_dir, engine: Engine, prompts: list, max_new_tokens: int, plain: list) -> dict:
-    """transformers' LlamaForCausalLM on the same weights and threads: greedy tok/s, and whether its
-    tokens equal the engine's plain greedy output."""
+def transformers_peer(model_dir, engine: Engine, prompts: list, max_new_tokens: int, plain: list,
+                      stop_at_eos: bool = True) -> dict:
+    """transformers' LlamaForCausalLM on the same weights, dtype and threads: greedy tok/s (it stops at the end
+    of turn), and whether its tokens equal the engine's plain greedy output."""
     import transformers
     dev = engine.device
     hf = transformers.LlamaForCausalLM.from_pretrained(str(model_dir), dtype=engine.target.output.weight.dtype)
@@ -79,8 +87,9 @@ def transformers_peer(model_dir, engine: Engine, prompts: list, max_new_tokens: 
             out = hf.generate(torch.tensor([ids], device=dev), **kw)[0, len(ids):].tolist()
             _sync(engine)
             t, n = t + time.perf_counter() - t0, n + len(out)
-            same &= out == want[: len(out)]      # transformers stops at end of turn; the bench does not
-    return {"transformers_tok_s": round(n / t, 2), "transformers_same_tokens": same}
+            same &= out == (want if stop_at_eos else want[: len(out)])   # past the end of turn: a prefix
+    return {"transformers_tok_s": round(n / t, 2), "transformers_same_tokens": same,
+            "load_average_1min_end": round(os.getloadavg()[0], 2)}
 
 
 def add_engine_args(ap: argparse.ArgumentParser):
@@ -103,6 +112,7 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--fixed-length", action="store_true", help="decode max-new-tokens past the end of turn")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (0: torch default; 1 suits the tiny pair)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
@@ -110,7 +120,7 @@ def main(argv=None):
         torch.set_num_threads(a.threads)
     try:
         eng = load_engine(a.model, a.draft, a.device, a.dtype, a.max_seq_len, a.steps, a.topk, a.num_draft_tokens)
-        r = run_bench(eng, held_out_prompts(a.prompts), a.max_new_tokens, a.repeats)
+        r = run_bench(eng, held_out_prompts(a.prompts), a.max_new_tokens, a.repeats, not a.fixed_length)
     except EngineError as e:
         raise SystemExit(f"error: {e}")
     if a.json:
