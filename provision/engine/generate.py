@@ -151,9 +151,15 @@ class Engine:
         self.acc = (torch.zeros((), dtype=torch.long, device=dev), torch.zeros(L, dtype=torch.long, device=dev),
                     torch.zeros(L, dtype=torch.long, device=dev), torch.zeros(1, n, aux, dtype=p.dtype, device=dev))
         self.graphs = StepGraphs(dev, self.use_graphs)                # the caches moved: graphs start afresh
-        if self.graphs.on:                                            # GEMV per weight shape: measured, kept
+        if self.graphs.on:                                  # GEMVs and attention per shape: measured, kept
+            rows = sorted({1, topk, n, L})                  # decode, draft, verification, draft extension
             kernels.tune([self.target] + ([self.draft] if self.draft is not None else []),
-                         rows=[r for r in (1, topk) if r in kernels.CONFIGS])
+                         rows=[r for r in rows if r in kernels.CONFIGS])
+            for m, top in ((self.target, self.t_slots), (self.draft, getattr(self, "d_ctx", 0))):
+                if m is not None:
+                    a = m.args
+                    kernels.tune_attention(a.n_head, a.n_local_heads, a.head_dim, p.dtype, dev, rows,
+                                           [256 << i for i in range(max(1, (top - 1).bit_length() - 7))])
         self.emit = Emitter(dev, L + 1)
 
     def _w(self, x: int) -> int:

@@ -1,6 +1,6 @@
 """Which implementation runs each hot op of a forward: torch everywhere; on CUDA without autograd, Triton's
-fused RMSNorm and SiLU·up, and its GEMV wherever a timing at load time beat cuBLAS for that (M, N, K).
-PROVISION_ENGINE_TRITON=0 (or `use_triton(False)`) keeps torch alone."""
+fused RMSNorm and SiLU·up, and wherever a timing at load time found it faster: its GEMV (per (M, N, K)), the
+GEMV with RMSNorm or SiLU·up folded in, its attention for a few rows. PROVISION_ENGINE_TRITON=0 keeps torch."""
 from __future__ import annotations
 
 import os
@@ -12,8 +12,12 @@ from torch import Tensor
 CONFIGS = {1: [(1, 2048, 4), (2, 2048, 8), (2, 1024, 4), (4, 1024, 8), (4, 512, 4), (8, 512, 4), (8, 256, 4),
                (16, 256, 8)],                                                     # (rows, k-chunk, warps)
            2: [(4, 256, 4), (8, 256, 8), (4, 512, 8)],
-           4: [(2, 256, 4), (4, 256, 8), (4, 128, 4)]}
+           4: [(2, 256, 4), (4, 256, 8), (4, 128, 4)],
+           16: [(16, 256, 4, True), (16, 512, 4, True), (32, 256, 4, True), (16, 128, 4, True)]}  # tensor cores
+CHUNKS = (64, 128, 256, 512, 1024)   # attention: slots per program (one program per kv head and chunk)
 CHOICE: dict = {}       # (M, N, K, dtype) → config where Triton beat cuBLAS at load time
+FUSED: dict = {}        # ("norm" | "silu", M, N, K, dtype) → config where the folded GEMV beat the two kernels
+ATTN: dict = {}         # (rows, kv heads, head dim, dtype, span) → chunk where Triton beat bmm-softmax-bmm
 TIMINGS: list = []      # what each tuning measured, for the bench
 _state = {"on": os.environ.get("PROVISION_ENGINE_TRITON", "1") != "0", "tk": None}
 
@@ -43,6 +47,40 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
     tk = _fast(x)
     cfg = CHOICE.get((x.numel() // x.shape[-1], *w.shape, x.dtype)) if tk else None
     return tk.skinny(x, w, *cfg) if cfg else F.linear(x, w)
+
+
+def norm_linear(x: Tensor, weight: Tensor, eps: float, w: Tensor, residual: Tensor | None = None):
+    """(h, linear(weight * RMSNorm(h), w)) for h = x (+ residual): one kernel where that was measured faster."""
+    tk = _fast(x)
+    cfg = FUSED.get(("norm", x.numel() // x.shape[-1], *w.shape, x.dtype)) if tk else None
+    if cfg:
+        return tk.norm_skinny(x, weight, eps, residual, w, *cfg)
+    if residual is None:
+        return x, linear(rms_norm(x, weight, eps), w)
+    h, xn = rms_norm(x, weight, eps, residual)
+    return h, linear(xn, w)
+
+
+def silu_linear(gu: Tensor, w: Tensor) -> Tensor:
+    """linear(silu(gate) * up, w) for gu = [gate | up]: one kernel where that was measured faster."""
+    tk = _fast(gu)
+    cfg = FUSED.get(("silu", gu.numel() // gu.shape[-1], *w.shape, gu.dtype)) if tk else None
+    return tk.silu_skinny(gu, w, *cfg) if cfg else linear(silu_mul(gu), w)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor):
+    """q [1, h, T, hd], k/v [1, kv, W, hd] cache views, mask [T, W] → [1, T, h, hd] from one Triton attention
+    (two with a split span) where it was measured faster than bmm, softmax, bmm; else None."""
+    tk = _fast(q)
+    if not tk or q.shape[0] != 1 or mask.dim() != 2 or k.stride(-2) != k.shape[-1]:
+        return None
+    chunk = ATTN.get((q.shape[1] // k.shape[1] * q.shape[2], k.shape[1], q.shape[-1], q.dtype, _bucket(mask.shape[-1])))
+    return tk.attend(q.contiguous(), k, v, mask.contiguous(), chunk) if chunk else None
+
+
+def _bucket(W: int) -> int:
+    """The tuned span covering W: a power of two from 256."""
+    return max(256, 1 << (W - 1).bit_length())
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
@@ -111,33 +149,97 @@ def _seconds(fn, weights: list, reps: int = 5) -> float:
     return a.elapsed_time(b) / 1e3 / (reps * len(weights))
 
 
+def _race(fn, cand, items: list, cfgs) -> tuple:
+    """Seconds per fn(item) over `items`, and the fastest cfg whose cand(item, cfg) agrees with fn(item) and beats
+    it (or None)."""
+    base = _seconds(fn, items)
+    best, best_t = None, base
+    for cfg in cfgs:
+        if not _agrees(cand(items[0], cfg), fn(items[0])):
+            continue
+        t = _seconds(lambda it: cand(it, cfg), items)
+        if t < best_t:
+            best, best_t = cfg, t
+    return base, best, best_t
+
+
+def _cfgs(M: int, N: int, K: int, dt) -> list:
+    """The GEMV configs that fit (M, N, K): tile sizes dividing the shape; tensor cores for half types only."""
+    return [c for c in CONFIGS.get(M, []) if not N % c[0] and not K % c[1] and (len(c) == 3 or dt != torch.float32)]
+
+
+def _record(kind: str, M: int, N: int, K: int, base: float, best, best_t: float):
+    TIMINGS.append({"kind": kind, "m": M, "n": N, "k": K, "torch_us": round(base * 1e6, 2),
+                    "best_us": round(best_t * 1e6, 2), "triton": list(best) if best else None})
+
+
 @torch.inference_mode()
 def tune(modules: list, rows=(1,)):
     """Time cuBLAS and each Triton GEMV config on every weight shape of `modules` (their nn.Linear weights)
-    at M = each of `rows`; record in CHOICE the configs that won. Off CUDA or without Triton: nothing."""
+    at M = each of `rows`, then the GEMVs with RMSNorm or SiLU·up folded in at the sites modules name
+    (`fused_gemvs()`) against the two kernels apart; record what won. Off CUDA or without Triton: nothing."""
     by_shape: dict = {}
+    sites: dict = {}
     for m in modules:
         for mod in m.modules():
             if isinstance(mod, torch.nn.Linear) and mod.weight.is_cuda:
                 by_shape.setdefault((*mod.weight.shape, mod.weight.dtype), []).append(mod.weight)
+            if hasattr(mod, "fused_gemvs") and next(mod.parameters()).is_cuda:
+                for kind, w, norm in mod.fused_gemvs():
+                    sites.setdefault((kind, *w.shape, w.dtype), []).append((w, norm))
     tk = _tk() if by_shape else None
     if tk is None:
         return
+    done = {(t["kind"], t["m"], t["n"], t["k"]) for t in TIMINGS}
     for (N, K, dt), ws in by_shape.items():
-        ws = ws[:8]
         for M in rows:
-            if (M, N, K, dt) in CHOICE or any(t["m"] == M and t["n"] == N and t["k"] == K for t in TIMINGS):
+            if ("gemv", M, N, K) not in done:
+                x = torch.randn(M, K, dtype=dt, device=ws[0].device)
+                base, best, best_t = _race(lambda w: F.linear(x, w), lambda w, c: tk.skinny(x, w, *c), ws[:8],
+                                           _cfgs(M, N, K, dt))
+                if best:
+                    CHOICE[(M, N, K, dt)] = best
+                _record("gemv", M, N, K, base, best, best_t)
+    for (kind, N, K, dt), items in sites.items():
+        for M in rows:
+            if (kind, M, N, K) in done:
                 continue
-            x = torch.randn(M, K, dtype=dt, device=ws[0].device)
-            base = _seconds(lambda w: F.linear(x, w), ws)
-            best, best_t = None, base
-            for bn, bk, warps in CONFIGS.get(M, []):
-                if N % bn or K % bk or not _agrees(tk.skinny(x, ws[0], bn, bk, warps), F.linear(x, ws[0])):
-                    continue
-                t = _seconds(lambda w: tk.skinny(x, w, bn, bk, warps), ws)
-                if t < best_t:
-                    best, best_t = (bn, bk, warps), t
+            dev = items[0][0].device
+            if kind == "norm":
+                x, r = (torch.randn(M, K, dtype=dt, device=dev) for _ in range(2))
+                base, best, best_t = _race(lambda it: linear(rms_norm(x, it[1].weight, it[1].eps, r)[1], it[0]),
+                                           lambda it, c: tk.norm_skinny(x, it[1].weight, it[1].eps, r, it[0], *c)[1],
+                                           items[:8], _cfgs(M, N, K, dt))
+            else:
+                gu = torch.randn(M, 2 * K, dtype=dt, device=dev)
+                base, best, best_t = _race(lambda it: linear(silu_mul(gu), it[0]),
+                                           lambda it, c: tk.silu_skinny(gu, it[0], *c), items[:8], _cfgs(M, N, K, dt))
             if best:
-                CHOICE[(M, N, K, dt)] = best
-            TIMINGS.append({"m": M, "n": N, "k": K, "cublas_us": round(base * 1e6, 2),
-                            "best_us": round(best_t * 1e6, 2), "triton": list(best) if best else None})
+                FUSED[(kind, M, N, K, dt)] = best
+            _record(kind, M, N, K, base, best, best_t)
+
+
+@torch.inference_mode()
+def tune_attention(heads: int, kv: int, hd: int, dtype, device, rows, spans):
+    """Time attention for T = each of `rows` query tokens over each span (a power of two) — bmm, masked softmax,
+    bmm against the Triton kernel at each chunk size — on random caches; record in ATTN the chunks that won."""
+    tk = _tk() if torch.device(device).type == "cuda" else None
+    if tk is None:
+        return
+    from .model import gqa_attention
+    for T in rows:
+        G = heads // kv * T
+        for W in spans:
+            key = (G, kv, hd, dtype, W)
+            if G > 64 or key in ATTN or any(t["kind"] == "attention" and t["m"] == G and t["n"] == W
+                                            for t in TIMINGS):
+                continue
+            q = torch.randn(1, heads, T, hd, dtype=dtype, device=device)
+            caches = [torch.randn(2, 1, kv, W, hd, dtype=dtype, device=device) for _ in range(8)]
+            mask = torch.arange(W, device=device)[None, :] <= W - 64 + torch.arange(T, device=device)[:, None]
+            base, best, best_t = _race(lambda c: gqa_attention(q, c[0], c[1], mask),
+                                       lambda c, ch: tk.attend(q, c[0], c[1], mask, ch[0]), caches,
+                                       [(ch,) for ch in CHUNKS if ch <= W])
+            if best:
+                ATTN[key] = best[0]
+            _record("attention", G, W, hd, base, best, best_t)

@@ -10,7 +10,7 @@ import torch
 
 from . import kernels
 from .draft import DraftArgs, Eagle3Draft
-from .generate import Engine
+from .generate import Engine, StepGraphs
 from .model import ModelArgs, Transformer
 
 SHAPES = {  # name → (target args, draft intermediate size)
@@ -19,7 +19,7 @@ SHAPES = {  # name → (target args, draft intermediate size)
     "tiny": dict(vocab_size=512, dim=128, n_layer=4, n_head=4, n_local_heads=2, intermediate_size=256,
                  max_position_embeddings=1024),
 }
-TREES = ((5, 4, 16), (4, 4, 16), (2, 4, 10), (3, 2, 6))   # tree shapes timed beside the default (3, 4, 16)
+TREES = ((5, 4, 16), (4, 4, 16), (2, 4, 16), (2, 4, 10), (3, 2, 6))   # tree shapes timed beside the default
 
 
 def random_pair(shape: str, device, dtype, draft_vocab: int = 32000):
@@ -169,7 +169,10 @@ def shape_bench(shape: str = "llama3-8b", device="cuda", dtype=torch.bfloat16, p
         f"(accept length {r['stream_accept_length']}, random draft); same tokens for the first "
         f"{r['stream_same_prefix']} of {new}")
     r["triton"] = kernels._tk() is not None and cuda
-    r["gemv"] = [t for t in kernels.TIMINGS if t["k"] in {w.shape[1] for w in target.parameters() if w.dim() == 2}]
+    if r["triton"]:
+        r["plain_tok_s_without"] = without(eng, prompt, new)
+        log(f"plain decode without each load-time choice: {r['plain_tok_s_without']}")
+    r["tuning"] = list(kernels.TIMINGS)
     for tree in (TREES if cuda else ()) if trees is None else trees:
         eng.configure(*tree)
         list(eng.stream(ids, 1))
@@ -187,6 +190,25 @@ def shape_bench(shape: str = "llama3-8b", device="cuda", dtype=torch.bfloat16, p
             r["transformers_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             log(f"transformers peer not measured: {r['transformers_error']}")
     return r
+
+
+def without(eng: Engine, prompt: int, new: int) -> dict:
+    """Plain decode tok/s with each family of Triton kernels chosen at load time left out in turn (fresh graphs),
+    and with Triton off altogether: what each contributes, in the same run."""
+    def tok_s():
+        eng.graphs = StepGraphs(eng.device)
+        return round(1 / per_call(lambda: eng._decode(prompt, 0.0, 1.0, None), new, True), 1)
+    out = {}
+    for name, table in (("attention", kernels.ATTN), ("folded_gemv", kernels.FUSED), ("gemv", kernels.CHOICE)):
+        saved = dict(table)
+        table.clear()
+        out[name] = tok_s()
+        table.update(saved)
+    kernels.use_triton(False)
+    out["triton"] = tok_s()
+    kernels.use_triton(True)
+    eng.graphs = StepGraphs(eng.device)
+    return out
 
 
 def spec_step(eng: Engine, n: int):

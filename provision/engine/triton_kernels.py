@@ -1,5 +1,6 @@
-"""Triton kernels for the CUDA decode path: a GEMV / skinny GEMM for a few rows (weights streamed once,
-no split-K), RMSNorm with the residual add fused, and SiLU(gate)·up. Imported only where Triton is."""
+"""Triton kernels for the CUDA decode path: a GEMV / skinny GEMM for a few rows (weights streamed once, no
+split-K; RMSNorm or SiLU·up optionally folded into its input), attention for a few query rows (flash-decoding),
+RMSNorm with the residual add, SiLU·up, rope with the KV write, masked softmax. Imported only where Triton is."""
 from __future__ import annotations
 
 import torch
@@ -9,31 +10,179 @@ from torch import Tensor
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, y_ptr, K, stride_x, stride_w, stride_y,
-                   M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    # y[m, n] = sum_k x[m, k] * w[n, k] for BN rows n of w; K % BK == 0 and N % BN == 0 (checked by the caller)
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+def _gemv_kernel(x_ptr, r_ptr, nw_ptr, h_ptr, w_ptr, y_ptr, K, stride_x, stride_w, stride_y, eps,
+                 M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRO: tl.constexpr, RES: tl.constexpr,
+                 DOT: tl.constexpr):
+    # y[m, n] = sum_k a[m, k] * w[n, k] for BN rows n of w, the input a made from x by the prologue:
+    #   PRO 0: a = x;  PRO 1 (RMSNorm): a = nw * h * rsqrt(mean(h²) + eps), h = x (+ r), written by program 0;
+    #   PRO 2 (SiLU·up): a = silu(x[:, :K]) * x[:, K:].  K % BK == 0 and N % BN == 0 (checked by the caller)
+    pid = tl.program_id(0)
+    rn = pid * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
-    w_row = w_ptr + rn[:, None] * stride_w + rk[None, :]                  # [BN, BK]
-    acc = tl.zeros((M, BN, BK), dtype=tl.float32)
     rm = tl.arange(0, M)
-    x_row = x_ptr + rm[:, None] * stride_x + rk[None, :]                  # [M, BK]
+    w_row = w_ptr + rn[:, None] * stride_w + rk[None, :]                  # [BN, BK]
+    xo = rm[:, None] * stride_x + rk[None, :]                              # [M, BK]
+    if DOT:
+        acc = tl.zeros((M, BN), dtype=tl.float32)
+    else:
+        acc = tl.zeros((M, BN, BK), dtype=tl.float32)
+    ss = tl.zeros((M, BK), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        w = tl.load(w_row + k0).to(tl.float32)
-        x = tl.load(x_row + k0).to(tl.float32)
-        acc += x[:, None, :] * w[None, :, :]
-    y = tl.sum(acc, axis=2)                                                # [M, BN]
+        w = tl.load(w_row + k0)
+        x = tl.load(x_ptr + xo + k0)
+        if PRO == 1:
+            if RES:
+                x = (x.to(tl.float32) + tl.load(r_ptr + xo + k0).to(tl.float32)).to(x.dtype)
+                if pid == 0:
+                    tl.store(h_ptr + xo + k0, x)
+            a = x.to(tl.float32)
+            ss += a * a
+            a = a * tl.load(nw_ptr + k0 + rk).to(tl.float32)[None, :]
+        elif PRO == 2:
+            g = x.to(tl.float32)
+            s = (g * tl.sigmoid(g)).to(x.dtype).to(tl.float32)          # silu rounded as torch's, then · up
+            a = (s * tl.load(x_ptr + xo + K + k0).to(tl.float32)).to(x.dtype).to(tl.float32)
+        else:
+            a = x.to(tl.float32)
+        if DOT:
+            acc += tl.dot(a.to(w.dtype), tl.trans(w))
+        else:
+            acc += a[:, None, :] * w.to(tl.float32)[None, :, :]
+    if DOT:
+        y = acc
+    else:
+        y = tl.sum(acc, axis=2)                                            # [M, BN]
+    if PRO == 1:
+        y = y * tl.rsqrt(tl.sum(ss, axis=1) / K + eps)[:, None]
     tl.store(y_ptr + rm[:, None] * stride_y + rn[None, :], y.to(y_ptr.dtype.element_ty))
 
 
-def skinny(x: Tensor, w: Tensor, bn: int, bk: int, warps: int) -> Tensor:
+def _gemv(x2: Tensor, w: Tensor, cfg, pro: int = 0, residual=None, nw=None, h=None, eps: float = 0.0) -> Tensor:
+    """x2 [M, K] (PRO 2: [M, 2K]) contiguous rows, M a power of two; cfg = (bn, bk, warps[, dot])."""
+    bn, bk, warps, *dot = cfg
+    N, K = w.shape
+    y = torch.empty(x2.shape[0], N, dtype=x2.dtype, device=x2.device)
+    _gemv_kernel[(N // bn,)](x2, residual if residual is not None else x2, nw if nw is not None else x2,
+                             h if h is not None else x2, w, y, K, x2.stride(0), w.stride(0), y.stride(0), eps,
+                             M=x2.shape[0], BN=bn, BK=bk, PRO=pro, RES=residual is not None,
+                             DOT=bool(dot and dot[0]), num_warps=warps)
+    return y
+
+
+def skinny(x: Tensor, w: Tensor, *cfg) -> Tensor:
     """x [..., K] with M = x.numel() // K rows (a power of two), w [N, K] → [..., N]."""
     K, N = x.shape[-1], w.shape[0]
-    x2 = x.reshape(-1, K)
-    y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
-    _skinny_kernel[(N // bn,)](x2, w, y, K, x2.stride(0), w.stride(0), y.stride(0),
-                               M=x2.shape[0], BN=bn, BK=bk, num_warps=warps)
-    return y.view(*x.shape[:-1], N)
+    return _gemv(x.reshape(-1, K), w, cfg).view(*x.shape[:-1], N)
+
+
+def norm_skinny(x: Tensor, nw: Tensor, eps: float, residual: Tensor | None, w: Tensor, *cfg):
+    """RMSNorm (of h = x + residual) straight into the GEMV: (h, linear(nw * norm(h), w)), one kernel."""
+    K, N = x.shape[-1], w.shape[0]
+    x2 = x.reshape(-1, K).contiguous()
+    r2 = residual.reshape(-1, K).contiguous() if residual is not None else None
+    h = torch.empty_like(x2) if residual is not None else x2
+    y = _gemv(x2, w, cfg, 1, r2, nw, h, eps)
+    return h.view(x.shape), y.view(*x.shape[:-1], N)
+
+
+def silu_skinny(gu: Tensor, w: Tensor, *cfg) -> Tensor:
+    """SiLU·up straight into the GEMV: gu [..., 2K] = [gate | up] → linear(silu(gate) * up, w), one kernel."""
+    N = w.shape[0]
+    return _gemv(gu.reshape(-1, gu.shape[-1]).contiguous(), w, cfg, 2).view(*gu.shape[:-1], N)
+
+
+@triton.jit
+def _attend_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, pm_ptr, pa_ptr, W, T, CHUNK, stride_kh, stride_m, scale,
+                   G: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, R: tl.constexpr, BW: tl.constexpr,
+                   SPLIT: tl.constexpr, IEEE: tl.constexpr):
+    # program (kv head c, chunk s): the G*T query rows r = (j, t) of heads c*G + j (contiguous in q [h, T, HD])
+    # attend to cache slots [s*CHUNK, s*CHUNK + CHUNK) ∩ [0, W) where mask[t] keeps them; online softmax in
+    # float. One chunk: o [T, H, HD] is written; several: (max, sum, acc) partials for _attend_combine_kernel
+    c, s = tl.program_id(0), tl.program_id(1)
+    r = tl.arange(0, R)
+    ok_r = r < G * T
+    t = r % T
+    d = tl.arange(0, HD)
+    q = tl.load(q_ptr + (c * G * T + r)[:, None] * HD + d[None, :], mask=ok_r[:, None], other=0.0)
+    m_i = tl.full((R,), float("-inf"), tl.float32)
+    l_i = tl.zeros((R,), tl.float32)
+    acc = tl.zeros((R, HD), tl.float32)
+    kb, vb = k_ptr + c * stride_kh, v_ptr + c * stride_kh
+    for w0 in range(s * CHUNK, tl.minimum(s * CHUNK + CHUNK, W), BW):
+        col = w0 + tl.arange(0, BW)
+        ok_c = col < W
+        kt = tl.load(kb + col[:, None] * HD + d[None, :], mask=ok_c[:, None], other=0.0)     # [BW, HD]
+        if IEEE:
+            sc = tl.dot(q, tl.trans(kt), input_precision="ieee")
+        else:
+            sc = tl.dot(q, tl.trans(kt))
+        keep = tl.load(m_ptr + t[:, None] * stride_m + col[None, :], mask=ok_r[:, None] & ok_c[None, :],
+                       other=0) != 0
+        sc = tl.where(keep, sc * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)               # a row with nothing kept yet
+        p = tl.exp(sc - base[:, None])
+        alpha = tl.exp(m_i - base)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vt = tl.load(vb + col[:, None] * HD + d[None, :], mask=ok_c[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        m_i = m_new
+    if SPLIT:
+        row = (c * tl.num_programs(1) + s) * R + r
+        tl.store(pm_ptr + row, m_i)
+        tl.store(pm_ptr + tl.num_programs(0) * tl.num_programs(1) * R + row, l_i)
+        tl.store(pa_ptr + row[:, None] * HD + d[None, :], acc)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(o_ptr + (t * H + c * G + r // T)[:, None] * HD + d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=ok_r[:, None])
+
+
+@triton.jit
+def _attend_combine_kernel(pm_ptr, pa_ptr, o_ptr, NS, T, G: tl.constexpr, H: tl.constexpr, HD: tl.constexpr,
+                           R: tl.constexpr):
+    # kv head c: merge the NS chunks' partials (max, sum, acc) of its rows into o [T, H, HD]
+    c = tl.program_id(0)
+    r = tl.arange(0, R)
+    d = tl.arange(0, HD)
+    m = tl.full((R,), float("-inf"), tl.float32)
+    l = tl.zeros((R,), tl.float32)
+    acc = tl.zeros((R, HD), tl.float32)
+    for s in range(0, NS):
+        row = (c * NS + s) * R + r
+        ms = tl.load(pm_ptr + row)
+        m_new = tl.maximum(m, ms)
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a, b = tl.exp(m - base), tl.exp(ms - base)
+        l = l * a + tl.load(pm_ptr + tl.num_programs(0) * NS * R + row) * b
+        acc = acc * a[:, None] + tl.load(pa_ptr + row[:, None] * HD + d[None, :]) * b[:, None]
+        m = m_new
+    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+    tl.store(o_ptr + (r % T * H + c * G + r // T)[:, None] * HD + d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=(r < G * T)[:, None])
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, chunk: int) -> Tensor:
+    """Attention for a few query rows, GQA without repeating K/V: q [1, h, T, hd] (contiguous), k, v [1, kv, W, hd]
+    views of the caches (slots contiguous), mask [T, W] bool. Each kv head's span is cut in `chunk`-slot pieces,
+    one program each (merged by a second kernel when there are several; chunk: a multiple of 64). Returns
+    [1, T, h, hd]."""
+    _, h, T, hd = q.shape
+    kv, W = k.shape[1], mask.shape[-1]
+    G, R = h // kv, max(16, triton.next_power_of_2(h // kv * T))
+    ns = triton.cdiv(W, chunk)
+    o = torch.empty(1, T, h, hd, dtype=q.dtype, device=q.device)
+    pm = torch.empty(2 * kv * ns * R if ns > 1 else 1, dtype=torch.float32, device=q.device)
+    pa = torch.empty(kv * ns * R * hd if ns > 1 else 1, dtype=torch.float32, device=q.device)
+    m8 = mask.view(torch.uint8)
+    _attend_kernel[(kv, ns)](q, k, v, m8, o, pm, pa, W, T, chunk, k.stride(1), m8.stride(0), hd ** -0.5, G=G, H=h,
+                             HD=hd, R=R, BW=64, SPLIT=ns > 1, IEEE=q.dtype == torch.float32, num_warps=4)
+    if ns > 1:
+        _attend_combine_kernel[(kv,)](pm, pa, o, ns, T, G=G, H=h, HD=hd, R=R, num_warps=4)
+    return o
 
 
 @triton.jit

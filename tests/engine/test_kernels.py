@@ -1,6 +1,6 @@
 """The Triton kernels compute what the torch ops they replace compute (fresh random inputs, float64
-reference): the GEMV for 1/2/4 rows, RMSNorm with and without the residual add, SiLU·up. Without a GPU
-they run in Triton's interpreter; without Triton this module is skipped (the torch path is what runs)."""
+reference): the GEMV for 1/2/4/16 rows (with RMSNorm or SiLU·up folded in), attention for a few rows, RMSNorm,
+SiLU·up, rope. Without a GPU they run in Triton's interpreter; without Triton this module is skipped."""
 import os
 
 import pytest
@@ -12,6 +12,9 @@ tk = pytest.importorskip("provision.engine.triton_kernels")
 from provision.engine import kernels  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# the half type of the tensor-core kernels' checks: Triton's interpreter multiplies bf16 tl.dot operands as raw
+# bits (wrong results on CPU), float16 it computes right; on a GPU, bf16, the type the engine serves in
+HALF = torch.bfloat16 if DEV == "cuda" else torch.float16
 
 
 def rel(y, ref):
@@ -78,3 +81,45 @@ def test_masked_softmax_matches_torch(dtype):
     got = tk.masked_softmax(s, mask, 0.125)
     assert rel(got, want) < (1e-6 if dtype == torch.float32 else 1e-2)
     assert torch.equal(got == 0, ~mask.expand_as(got))       # masked scores get exactly zero weight
+
+
+@pytest.mark.parametrize("m, cfg, dtype", [(1, (8, 128, 4), torch.float32), (1, (8, 128, 4), HALF),
+                                           (2, (4, 256, 4), torch.float32), (2, (4, 256, 4), HALF),
+                                           (16, (16, 128, 4, True), HALF)])   # tensor cores: half types only
+def test_gemv_prologues_match_torch(m, cfg, dtype):
+    g = torch.Generator().manual_seed(11 + m)
+    x, r = (torch.randn(1, m, 256, generator=g).to(DEV, dtype) for _ in range(2))
+    nw = (1 + 0.1 * torch.randn(256, generator=g)).to(DEV, dtype)
+    w = torch.randn(32, 256, generator=g).to(DEV, dtype)
+    gu = torch.randn(1, m, 512, generator=g).to(DEV, dtype)
+    with torch.enable_grad():       # the torch path: the reference
+        want_h, xn = kernels.rms_norm(x, nw, 1e-5, r)
+        want_y = kernels.linear(xn, w)
+        want_plain = kernels.linear(kernels.rms_norm(x, nw, 1e-5), w)
+        want_silu = kernels.linear(kernels.silu_mul(gu), w)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    h, y = tk.norm_skinny(x, nw, 1e-5, r, w, *cfg)
+    assert rel(h, want_h) < tol and rel(y, want_y) < tol
+    h0, y0 = tk.norm_skinny(x, nw, 1e-5, None, w, *cfg)
+    assert h0 is not None and rel(y0, want_plain) < tol
+    assert rel(tk.silu_skinny(gu, w, *cfg), want_silu) < tol
+    assert rel(tk.skinny(x, w, *cfg), x.double() @ w.double().T) < tol
+
+
+@pytest.mark.parametrize("T, W, chunk", [(1, 200, 64), (1, 256, 256), (4, 320, 128), (16, 128, 512)])
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_attend_matches_torch(T, W, chunk, dtype):
+    from provision.engine.model import gqa_attention
+    h, kv, hd, S = 8, 2, 32, 512
+    g = torch.Generator().manual_seed(T * W)
+    q = torch.randn(1, h, T, hd, generator=g).to(DEV, dtype)
+    kc, vc = (torch.randn(1, kv, S, hd, generator=g).to(DEV, dtype) for _ in range(2))
+    mask = torch.rand(T, W, generator=g) < 0.7
+    mask[:, 0] = True                                         # every row keeps at least one slot
+    mask = mask.to(DEV)
+    k, v = kc[:, :, :W], vc[:, :, :W]
+    with torch.enable_grad():
+        want = gqa_attention(q, k, v, mask)                   # bmm, masked softmax, bmm
+    got = tk.attend(q, k, v, mask, chunk)
+    assert got.shape == want.shape and not got.isnan().any()
+    assert rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
