@@ -19,11 +19,21 @@ CHOICE: dict = {}       # (M, N, K, dtype) → config where Triton beat cuBLAS a
 FUSED: dict = {}        # ("norm" | "silu", M, N, K, dtype) → config where the folded GEMV beat the two kernels
 ATTN: dict = {}         # (rows, kv heads, head dim, dtype, span) → chunk where Triton beat bmm-softmax-bmm
 TIMINGS: list = []      # what each tuning measured, for the bench
-_state = {"on": os.environ.get("PROVISION_ENGINE_TRITON", "1") != "0", "tk": None}
+_state = {"on": os.environ.get("PROVISION_ENGINE_TRITON", "1") != "0", "tk": None,
+          "pdl": os.environ.get("PROVISION_ENGINE_PDL", "1") != "0"}
 
 
 def use_triton(on: bool):
     _state["on"] = on
+
+
+def use_pdl(on: bool):
+    """Programmatic dependent launch for the Triton kernels (each starts while the previous drains), where the
+    GPU has it (compute capability 9.0 on)."""
+    _state["pdl"] = on
+    if _state["tk"]:
+        _state["tk"].PDL["on"] = on and os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available() \
+            and torch.cuda.get_device_capability() >= (9, 0)
 
 
 def _tk():
@@ -34,6 +44,7 @@ def _tk():
         try:
             from . import triton_kernels
             _state["tk"] = triton_kernels
+            use_pdl(_state["pdl"])
         except Exception:  # noqa: BLE001 - no Triton (or no compiler for it): torch alone
             _state["tk"] = False
     return _state["tk"] or None
@@ -155,7 +166,11 @@ def _race(fn, cand, items: list, cfgs) -> tuple:
     base = _seconds(fn, items)
     best, best_t = None, base
     for cfg in cfgs:
-        if not _agrees(cand(items[0], cfg), fn(items[0])):
+        try:
+            if not _agrees(cand(items[0], cfg), fn(items[0])):
+                continue
+        except triton_errors() as e:       # a config this GPU's compiler refuses (resources) is no candidate
+            TIMINGS.append({"kind": "refused", "config": list(cfg), "error": f"{type(e).__name__}: {str(e)[:200]}"})
             continue
         t = _seconds(lambda it: cand(it, cfg), items)
         if t < best_t:
@@ -163,13 +178,26 @@ def _race(fn, cand, items: list, cfgs) -> tuple:
     return base, best, best_t
 
 
+def triton_errors() -> tuple:
+    """What Triton raises when it cannot compile or launch a kernel config (out of resources, say)."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+    return CompilationError, OutOfResources
+
+
+def _done() -> set:
+    """(kind, m, n, k, dtype) of every race already run in this process."""
+    return {(t["kind"], t.get("m"), t.get("n"), t.get("k"), getattr(torch, t.get("dtype", ""), None)) for t in TIMINGS}
+
+
 def _cfgs(M: int, N: int, K: int, dt) -> list:
     """The GEMV configs that fit (M, N, K): tile sizes dividing the shape; tensor cores for half types only."""
     return [c for c in CONFIGS.get(M, []) if not N % c[0] and not K % c[1] and (len(c) == 3 or dt != torch.float32)]
 
 
-def _record(kind: str, M: int, N: int, K: int, base: float, best, best_t: float):
-    TIMINGS.append({"kind": kind, "m": M, "n": N, "k": K, "torch_us": round(base * 1e6, 2),
+def _record(kind: str, M: int, N: int, K: int, dt, base: float, best, best_t: float):
+    TIMINGS.append({"kind": kind, "m": M, "n": N, "k": K, "dtype": str(dt).removeprefix("torch."),
+                    "torch_us": round(base * 1e6, 2),
                     "best_us": round(best_t * 1e6, 2), "triton": list(best) if best else None})
 
 
@@ -190,19 +218,19 @@ def tune(modules: list, rows=(1,)):
     tk = _tk() if by_shape else None
     if tk is None:
         return
-    done = {(t["kind"], t["m"], t["n"], t["k"]) for t in TIMINGS}
+    done = _done()
     for (N, K, dt), ws in by_shape.items():
         for M in rows:
-            if ("gemv", M, N, K) not in done:
+            if ("gemv", M, N, K, dt) not in done:
                 x = torch.randn(M, K, dtype=dt, device=ws[0].device)
                 base, best, best_t = _race(lambda w: F.linear(x, w), lambda w, c: tk.skinny(x, w, *c), ws[:8],
                                            _cfgs(M, N, K, dt))
                 if best:
                     CHOICE[(M, N, K, dt)] = best
-                _record("gemv", M, N, K, base, best, best_t)
+                _record("gemv", M, N, K, dt, base, best, best_t)
     for (kind, N, K, dt), items in sites.items():
         for M in rows:
-            if (kind, M, N, K) in done:
+            if (kind, M, N, K, dt) in done:
                 continue
             dev = items[0][0].device
             if kind == "norm":
@@ -216,7 +244,7 @@ def tune(modules: list, rows=(1,)):
                                            lambda it, c: tk.silu_skinny(gu, it[0], *c), items[:8], _cfgs(M, N, K, dt))
             if best:
                 FUSED[(kind, M, N, K, dt)] = best
-            _record(kind, M, N, K, base, best, best_t)
+            _record(kind, M, N, K, dt, base, best, best_t)
 
 
 @torch.inference_mode()
@@ -231,8 +259,7 @@ def tune_attention(heads: int, kv: int, hd: int, dtype, device, rows, spans):
         G = heads // kv * T
         for W in spans:
             key = (G, kv, hd, dtype, W)
-            if G > 64 or key in ATTN or any(t["kind"] == "attention" and t["m"] == G and t["n"] == W
-                                            for t in TIMINGS):
+            if G > 64 or ("attention", G, W, hd, dtype) in _done():
                 continue
             q = torch.randn(1, heads, T, hd, dtype=dtype, device=device)
             caches = [torch.randn(2, 1, kv, W, hd, dtype=dtype, device=device) for _ in range(8)]
@@ -242,4 +269,4 @@ def tune_attention(heads: int, kv: int, hd: int, dtype, device, rows, spans):
                                        [(ch,) for ch in CHUNKS if ch <= W])
             if best:
                 ATTN[key] = best[0]
-            _record("attention", G, W, hd, base, best, best_t)
+            _record("attention", G, W, hd, dtype, base, best, best_t)   # (kv heads: one model's)

@@ -204,6 +204,10 @@ def without(eng: Engine, prompt: int, new: int) -> dict:
         table.clear()
         out[name] = tok_s()
         table.update(saved)
+    if kernels._tk().PDL["on"]:
+        kernels.use_pdl(False)
+        out["pdl"] = tok_s()
+        kernels.use_pdl(True)
     kernels.use_triton(False)
     out["triton"] = tok_s()
     kernels.use_triton(True)

@@ -7,15 +7,33 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+PDL = {"on": False}     # programmatic dependent launch (Hopper on): set by kernels.py
+
+
+def _launch() -> dict:
+    """Launch options every kernel here takes: with PDL, each starts while the previous one drains."""
+    return {"PDL": PDL["on"], "launch_pdl": PDL["on"]}
+
+
+@triton.jit
+def _after_previous(PDL: tl.constexpr):
+    # launched programmatically: wait until the previous kernel's writes are visible, then let the next kernel's
+    # programs launch (they wait the same way), so launch and ramp-up overlap this kernel's tail
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, r_ptr, nw_ptr, h_ptr, w_ptr, y_ptr, K, stride_x, stride_w, stride_y, eps,
                  M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRO: tl.constexpr, RES: tl.constexpr,
-                 DOT: tl.constexpr):
+                 DOT: tl.constexpr, PDL: tl.constexpr):
     # y[m, n] = sum_k a[m, k] * w[n, k] for BN rows n of w, the input a made from x by the prologue:
     #   PRO 0: a = x;  PRO 1 (RMSNorm): a = nw * h * rsqrt(mean(h²) + eps), h = x (+ r), written by program 0;
     #   PRO 2 (SiLU·up): a = silu(x[:, :K]) * x[:, K:].  K % BK == 0 and N % BN == 0 (checked by the caller)
+    _after_previous(PDL)
     pid = tl.program_id(0)
     rn = pid * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -65,7 +83,7 @@ def _gemv(x2: Tensor, w: Tensor, cfg, pro: int = 0, residual=None, nw=None, h=No
     _gemv_kernel[(N // bn,)](x2, residual if residual is not None else x2, nw if nw is not None else x2,
                              h if h is not None else x2, w, y, K, x2.stride(0), w.stride(0), y.stride(0), eps,
                              M=x2.shape[0], BN=bn, BK=bk, PRO=pro, RES=residual is not None,
-                             DOT=bool(dot and dot[0]), num_warps=warps)
+                             DOT=bool(dot and dot[0]), num_warps=warps, **_launch())
     return y
 
 
@@ -94,10 +112,11 @@ def silu_skinny(gu: Tensor, w: Tensor, *cfg) -> Tensor:
 @triton.jit
 def _attend_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, pm_ptr, pa_ptr, W, T, CHUNK, stride_kh, stride_m, scale,
                    G: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, R: tl.constexpr, BW: tl.constexpr,
-                   SPLIT: tl.constexpr, IEEE: tl.constexpr):
+                   SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     # program (kv head c, chunk s): the G*T query rows r = (j, t) of heads c*G + j (contiguous in q [h, T, HD])
     # attend to cache slots [s*CHUNK, s*CHUNK + CHUNK) ∩ [0, W) where mask[t] keeps them; online softmax in
     # float. One chunk: o [T, H, HD] is written; several: (max, sum, acc) partials for _attend_combine_kernel
+    _after_previous(PDL)
     c, s = tl.program_id(0), tl.program_id(1)
     r = tl.arange(0, R)
     ok_r = r < G * T
@@ -143,8 +162,9 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, pm_ptr, pa_ptr, W, T, CHUN
 
 @triton.jit
 def _attend_combine_kernel(pm_ptr, pa_ptr, o_ptr, NS, T, G: tl.constexpr, H: tl.constexpr, HD: tl.constexpr,
-                           R: tl.constexpr):
+                           R: tl.constexpr, PDL: tl.constexpr):
     # kv head c: merge the NS chunks' partials (max, sum, acc) of its rows into o [T, H, HD]
+    _after_previous(PDL)
     c = tl.program_id(0)
     r = tl.arange(0, R)
     d = tl.arange(0, HD)
@@ -179,15 +199,18 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, chunk: int) -> Tensor:
     pa = torch.empty(kv * ns * R * hd if ns > 1 else 1, dtype=torch.float32, device=q.device)
     m8 = mask.view(torch.uint8)
     _attend_kernel[(kv, ns)](q, k, v, m8, o, pm, pa, W, T, chunk, k.stride(1), m8.stride(0), hd ** -0.5, G=G, H=h,
-                             HD=hd, R=R, BW=64, SPLIT=ns > 1, IEEE=q.dtype == torch.float32, num_warps=4)
+                             HD=hd, R=R, BW=64, SPLIT=ns > 1, IEEE=q.dtype == torch.float32, num_warps=4,
+                             **_launch())
     if ns > 1:
-        _attend_combine_kernel[(kv,)](pm, pa, o, ns, T, G=G, H=h, HD=hd, R=R, num_warps=4)
+        _attend_combine_kernel[(kv,)](pm, pa, o, ns, T, G=G, H=h, HD=hd, R=R, num_warps=4, **_launch())
     return o
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, D, eps, ADD: tl.constexpr, BD: tl.constexpr):
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, D, eps, ADD: tl.constexpr, BD: tl.constexpr,
+                     PDL: tl.constexpr):
     # one row: h = x (+ r); y = w * to_dtype(h * rsqrt(mean(h²) + eps)), the float math of RMSNorm.forward
+    _after_previous(PDL)
     row = tl.program_id(0)
     c = tl.arange(0, BD)
     ok = c < D
@@ -209,13 +232,14 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     h = torch.empty_like(xc) if residual is not None else xc
     rc = residual.contiguous() if residual is not None else xc
     _rms_norm_kernel[(xc.numel() // D,)](xc, rc, weight, h, y, D, eps, ADD=residual is not None,
-                                         BD=triton.next_power_of_2(D), num_warps=8)
+                                         BD=triton.next_power_of_2(D), num_warps=8, **_launch())
     return y if residual is None else (h, y)
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, y_ptr, Hd, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, y_ptr, Hd, BLOCK: tl.constexpr, PDL: tl.constexpr):
     # gu: [rows, 2*Hd] = [gate | up]; y: [rows, Hd] = silu(gate) * up
+    _after_previous(PDL)
     row, blk = tl.program_id(0), tl.program_id(1)
     c = blk * BLOCK + tl.arange(0, BLOCK)
     ok = c < Hd
@@ -229,15 +253,16 @@ def silu_mul(gu: Tensor) -> Tensor:
     Hd = gu.shape[-1] // 2
     g2 = gu.contiguous().view(-1, 2 * Hd)
     y = torch.empty(g2.shape[0], Hd, dtype=gu.dtype, device=gu.device)
-    _silu_mul_kernel[(g2.shape[0], triton.cdiv(Hd, 1024))](g2, y, Hd, BLOCK=1024, num_warps=4)
+    _silu_mul_kernel[(g2.shape[0], triton.cdiv(Hd, 1024))](g2, y, Hd, BLOCK=1024, num_warps=4, **_launch())
     return y.view(*gu.shape[:-1], Hd)
 
 
 @triton.jit
 def _rope_kv_kernel(qkv_ptr, rope_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, T, S,
-                    H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr):
+                    H: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, PDL: tl.constexpr):
     # program (t, head) of qkv [T, H+2KV, HD]: q and k heads rotated (rotate-half), q → q[head, t],
     # k → k_cache[head-H, slot[t]], v → v_cache[head-H-KV, slot[t]]
+    _after_previous(PDL)
     t, head = tl.program_id(0), tl.program_id(1)
     half = tl.arange(0, HD // 2)
     src = qkv_ptr + (t * (H + 2 * KV) + head) * HD
@@ -265,13 +290,14 @@ def rope_kv(qkv: Tensor, rope: Tensor, slots: Tensor, k_cache: Tensor, v_cache: 
     kv = k_cache.shape[1]
     q = torch.empty(1, heads - 2 * kv, T, hd, dtype=qkv.dtype, device=qkv.device)
     _rope_kv_kernel[(T, heads)](qkv.contiguous(), rope.contiguous(), slots, q, k_cache, v_cache, T,
-                                k_cache.shape[2], H=heads - 2 * kv, KV=kv, HD=hd, num_warps=1)
+                                k_cache.shape[2], H=heads - 2 * kv, KV=kv, HD=hd, num_warps=1, **_launch())
     return q
 
 
 @triton.jit
-def _masked_softmax_kernel(s_ptr, m_ptr, p_ptr, T, W, scale, BW: tl.constexpr):
+def _masked_softmax_kernel(s_ptr, m_ptr, p_ptr, T, W, scale, BW: tl.constexpr, PDL: tl.constexpr):
     # row r of scores s [rows, W] (rows ordered (..., t)): p = softmax(where(mask[t], s * scale, -inf)) in float
+    _after_previous(PDL)
     r = tl.program_id(0)
     c = tl.arange(0, BW)
     ok = c < W
@@ -288,5 +314,6 @@ def masked_softmax(s: Tensor, mask: Tensor, scale: float) -> Tensor:
     sc = s.contiguous()
     p = torch.empty_like(sc)
     _masked_softmax_kernel[(sc.numel() // W,)](sc, mask.contiguous().view(torch.uint8), p, T, W, scale,
-                                               BW=triton.next_power_of_2(W), num_warps=4 if W <= 2048 else 8)
+                                               BW=triton.next_power_of_2(W), num_warps=4 if W <= 2048 else 8,
+                                               **_launch())
     return p
