@@ -1,6 +1,6 @@
 """Which implementation runs each hot op of a forward: torch everywhere; on CUDA without autograd, Triton's
-fused RMSNorm and SiLU·up, and wherever a timing at load time found it faster: its GEMV (per (M, N, K)), the
-GEMV with RMSNorm or SiLU·up folded in, its attention for a few rows. PROVISION_ENGINE_TRITON=0 keeps torch."""
+fused RMSNorm and SiLU·up, and wherever a timing at load time found it faster: its GEMV (per (M, N, K)) and its
+attention for a few rows (per span). PROVISION_ENGINE_TRITON=0 keeps torch alone; PROVISION_ENGINE_PDL=0, PDL."""
 from __future__ import annotations
 
 import os
@@ -16,7 +16,6 @@ CONFIGS = {1: [(1, 2048, 4), (2, 2048, 8), (2, 1024, 4), (4, 1024, 8), (4, 512, 
            16: [(16, 256, 4, True), (16, 512, 4, True), (32, 256, 4, True), (16, 128, 4, True)]}  # tensor cores
 CHUNKS = (64, 128, 256, 512, 1024)   # attention: slots per program (one program per kv head and chunk)
 CHOICE: dict = {}       # (M, N, K, dtype) → config where Triton beat cuBLAS at load time
-FUSED: dict = {}        # ("norm" | "silu", M, N, K, dtype) → config where the folded GEMV beat the two kernels
 ATTN: dict = {}         # (rows, kv heads, head dim, dtype, span) → chunk where Triton beat bmm-softmax-bmm
 TIMINGS: list = []      # what each tuning measured, for the bench
 _state = {"on": os.environ.get("PROVISION_ENGINE_TRITON", "1") != "0", "tk": None,
@@ -58,25 +57,6 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
     tk = _fast(x)
     cfg = CHOICE.get((x.numel() // x.shape[-1], *w.shape, x.dtype)) if tk else None
     return tk.skinny(x, w, *cfg) if cfg else F.linear(x, w)
-
-
-def norm_linear(x: Tensor, weight: Tensor, eps: float, w: Tensor, residual: Tensor | None = None):
-    """(h, linear(weight * RMSNorm(h), w)) for h = x (+ residual): one kernel where that was measured faster."""
-    tk = _fast(x)
-    cfg = FUSED.get(("norm", x.numel() // x.shape[-1], *w.shape, x.dtype)) if tk else None
-    if cfg:
-        return tk.norm_skinny(x, weight, eps, residual, w, *cfg)
-    if residual is None:
-        return x, linear(rms_norm(x, weight, eps), w)
-    h, xn = rms_norm(x, weight, eps, residual)
-    return h, linear(xn, w)
-
-
-def silu_linear(gu: Tensor, w: Tensor) -> Tensor:
-    """linear(silu(gate) * up, w) for gu = [gate | up]: one kernel where that was measured faster."""
-    tk = _fast(gu)
-    cfg = FUSED.get(("silu", gu.numel() // gu.shape[-1], *w.shape, gu.dtype)) if tk else None
-    return tk.silu_skinny(gu, w, *cfg) if cfg else linear(silu_mul(gu), w)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor):
@@ -204,47 +184,26 @@ def _record(kind: str, M: int, N: int, K: int, dt, base: float, best, best_t: fl
 @torch.inference_mode()
 def tune(modules: list, rows=(1,)):
     """Time cuBLAS and each Triton GEMV config on every weight shape of `modules` (their nn.Linear weights)
-    at M = each of `rows`, then the GEMVs with RMSNorm or SiLU·up folded in at the sites modules name
-    (`fused_gemvs()`) against the two kernels apart; record what won. Off CUDA or without Triton: nothing."""
+    at M = each of `rows`; record in CHOICE the configs that won. Off CUDA or without Triton: nothing."""
     by_shape: dict = {}
-    sites: dict = {}
     for m in modules:
         for mod in m.modules():
             if isinstance(mod, torch.nn.Linear) and mod.weight.is_cuda:
                 by_shape.setdefault((*mod.weight.shape, mod.weight.dtype), []).append(mod.weight)
-            if hasattr(mod, "fused_gemvs") and next(mod.parameters()).is_cuda:
-                for kind, w, norm in mod.fused_gemvs():
-                    sites.setdefault((kind, *w.shape, w.dtype), []).append((w, norm))
     tk = _tk() if by_shape else None
     if tk is None:
         return
     done = _done()
     for (N, K, dt), ws in by_shape.items():
         for M in rows:
-            if ("gemv", M, N, K, dt) not in done:
-                x = torch.randn(M, K, dtype=dt, device=ws[0].device)
-                base, best, best_t = _race(lambda w: F.linear(x, w), lambda w, c: tk.skinny(x, w, *c), ws[:8],
-                                           _cfgs(M, N, K, dt))
-                if best:
-                    CHOICE[(M, N, K, dt)] = best
-                _record("gemv", M, N, K, dt, base, best, best_t)
-    for (kind, N, K, dt), items in sites.items():
-        for M in rows:
-            if (kind, M, N, K, dt) in done:
+            if ("gemv", M, N, K, dt) in done:
                 continue
-            dev = items[0][0].device
-            if kind == "norm":
-                x, r = (torch.randn(M, K, dtype=dt, device=dev) for _ in range(2))
-                base, best, best_t = _race(lambda it: linear(rms_norm(x, it[1].weight, it[1].eps, r)[1], it[0]),
-                                           lambda it, c: tk.norm_skinny(x, it[1].weight, it[1].eps, r, it[0], *c)[1],
-                                           items[:8], _cfgs(M, N, K, dt))
-            else:
-                gu = torch.randn(M, 2 * K, dtype=dt, device=dev)
-                base, best, best_t = _race(lambda it: linear(silu_mul(gu), it[0]),
-                                           lambda it, c: tk.silu_skinny(gu, it[0], *c), items[:8], _cfgs(M, N, K, dt))
+            x = torch.randn(M, K, dtype=dt, device=ws[0].device)
+            base, best, best_t = _race(lambda w: F.linear(x, w), lambda w, c: tk.skinny(x, w, *c), ws[:8],
+                                       _cfgs(M, N, K, dt))
             if best:
-                FUSED[(kind, M, N, K, dt)] = best
-            _record(kind, M, N, K, dt, base, best, best_t)
+                CHOICE[(M, N, K, dt)] = best
+            _record("gemv", M, N, K, dt, base, best, best_t)
 
 
 @torch.inference_mode()

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from .kernels import attention, linear, masked_softmax, norm_linear, rms_norm, rope_into_cache, silu_linear
+from .kernels import attention, linear, masked_softmax, rms_norm, rope_into_cache, silu_mul
 
 
 @dataclass
@@ -138,13 +138,9 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, rope: Tensor, mask: Tensor, slots: Tensor) -> Tensor:
         # x: [B, T, in_dim]; mask: [T, W] bool over cache slots [0, W); slots: [T]
-        return self.attend(linear(x, self.wqkv.weight), rope, mask, slots)
-
-    def attend(self, qkv: Tensor, rope: Tensor, mask: Tensor, slots: Tensor) -> Tensor:
-        """Attention from the q/k/v projection qkv [B, T, (h + 2kv) * hd] on: rope, KV write, attend, output."""
-        B, T, _ = qkv.shape
+        B, T, _ = x.shape
         h, kv, cache = self.n_head, self.n_kv, self.kv_cache     # cache is None only when training
-        qkv = qkv.view(B, T, h + 2 * kv, self.hd)
+        qkv = linear(x, self.wqkv.weight).view(B, T, h + 2 * kv, self.hd)
         q = rope_into_cache(qkv, rope, slots, cache.k_cache, cache.v_cache) if cache is not None else None
         if q is not None:                                        # one fused kernel did rope and the cache write
             k, v = cache.k_cache, cache.v_cache
@@ -167,11 +163,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down(linear(x, self.w13.weight))
-
-    def down(self, gu: Tensor) -> Tensor:
-        """[..., 2 * hidden] = [gate | up] → w2(silu(gate) * up)."""
-        return silu_linear(gu, self.w2.weight)
+        return linear(silu_mul(linear(x, self.w13.weight)), self.w2.weight)
 
 
 class TransformerBlock(nn.Module):
@@ -186,15 +178,12 @@ class TransformerBlock(nn.Module):
         """Returns (input, h, f): the layer's input x (+ residual, the previous layer's feed-forward branch, added
         inside the norm's kernel), the residual stream after attention, and this layer's feed-forward branch;
         the layer's output is h + f, added by the next norm."""
-        an, fn, att, ff = self.attention_norm, self.ffn_norm, self.attention, self.feed_forward
-        x, qkv = norm_linear(x, an.weight, an.eps, att.wqkv.weight, residual)
-        h, gu = norm_linear(x, fn.weight, fn.eps, ff.w13.weight, att.attend(qkv, rope, mask, slots))
-        return x, h, ff.down(gu)
-
-    def fused_gemvs(self) -> list:
-        """The GEMVs whose input a norm or SiLU·up makes (kind, weight, norm): kernels may fold the two."""
-        return [("norm", self.attention.wqkv.weight, self.attention_norm),
-                ("norm", self.feed_forward.w13.weight, self.ffn_norm), ("silu", self.feed_forward.w2.weight, None)]
+        if residual is None:
+            xn = self.attention_norm(x)
+        else:
+            x, xn = self.attention_norm(x, residual=residual)
+        h, hn = self.ffn_norm(x, residual=self.attention(xn, rope, mask, slots))
+        return x, h, self.feed_forward(hn)
 
 
 class Transformer(nn.Module):

@@ -1,6 +1,6 @@
 """Triton kernels for the CUDA decode path: a GEMV / skinny GEMM for a few rows (weights streamed once, no
-split-K; RMSNorm or SiLU·up optionally folded into its input), attention for a few query rows (flash-decoding),
-RMSNorm with the residual add, SiLU·up, rope with the KV write, masked softmax. Imported only where Triton is."""
+split-K), attention for a few query rows (flash-decoding), RMSNorm with the residual add, SiLU·up, rope with the
+KV write, masked softmax; all launched programmatically on Hopper. Imported only where Triton is."""
 from __future__ import annotations
 
 import torch
@@ -27,86 +27,42 @@ def _after_previous(PDL: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, r_ptr, nw_ptr, h_ptr, w_ptr, y_ptr, K, stride_x, stride_w, stride_y, eps,
-                 M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRO: tl.constexpr, RES: tl.constexpr,
-                 DOT: tl.constexpr, PDL: tl.constexpr):
-    # y[m, n] = sum_k a[m, k] * w[n, k] for BN rows n of w, the input a made from x by the prologue:
-    #   PRO 0: a = x;  PRO 1 (RMSNorm): a = nw * h * rsqrt(mean(h²) + eps), h = x (+ r), written by program 0;
-    #   PRO 2 (SiLU·up): a = silu(x[:, :K]) * x[:, K:].  K % BK == 0 and N % BN == 0 (checked by the caller)
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, K, stride_x, stride_w, stride_y, M: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
+    # y[m, n] = sum_k x[m, k] * w[n, k] for BN rows n of w; K % BK == 0 and N % BN == 0 (checked by the caller).
+    # DOT: on tensor cores (M >= 16), else as broadcast products summed in float
     _after_previous(PDL)
-    pid = tl.program_id(0)
-    rn = pid * BN + tl.arange(0, BN)
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     rm = tl.arange(0, M)
     w_row = w_ptr + rn[:, None] * stride_w + rk[None, :]                  # [BN, BK]
-    xo = rm[:, None] * stride_x + rk[None, :]                              # [M, BK]
+    x_row = x_ptr + rm[:, None] * stride_x + rk[None, :]                  # [M, BK]
     if DOT:
         acc = tl.zeros((M, BN), dtype=tl.float32)
     else:
         acc = tl.zeros((M, BN, BK), dtype=tl.float32)
-    ss = tl.zeros((M, BK), dtype=tl.float32)
     for k0 in range(0, K, BK):
         w = tl.load(w_row + k0)
-        x = tl.load(x_ptr + xo + k0)
-        if PRO == 1:
-            if RES:
-                x = (x.to(tl.float32) + tl.load(r_ptr + xo + k0).to(tl.float32)).to(x.dtype)
-                if pid == 0:
-                    tl.store(h_ptr + xo + k0, x)
-            a = x.to(tl.float32)
-            ss += a * a
-            a = a * tl.load(nw_ptr + k0 + rk).to(tl.float32)[None, :]
-        elif PRO == 2:
-            g = x.to(tl.float32)
-            s = (g * tl.sigmoid(g)).to(x.dtype).to(tl.float32)          # silu rounded as torch's, then · up
-            a = (s * tl.load(x_ptr + xo + K + k0).to(tl.float32)).to(x.dtype).to(tl.float32)
-        else:
-            a = x.to(tl.float32)
+        x = tl.load(x_row + k0)
         if DOT:
-            acc += tl.dot(a.to(w.dtype), tl.trans(w))
+            acc += tl.dot(x, tl.trans(w))
         else:
-            acc += a[:, None, :] * w.to(tl.float32)[None, :, :]
+            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     if DOT:
         y = acc
     else:
         y = tl.sum(acc, axis=2)                                            # [M, BN]
-    if PRO == 1:
-        y = y * tl.rsqrt(tl.sum(ss, axis=1) / K + eps)[:, None]
     tl.store(y_ptr + rm[:, None] * stride_y + rn[None, :], y.to(y_ptr.dtype.element_ty))
 
 
-def _gemv(x2: Tensor, w: Tensor, cfg, pro: int = 0, residual=None, nw=None, h=None, eps: float = 0.0) -> Tensor:
-    """x2 [M, K] (PRO 2: [M, 2K]) contiguous rows, M a power of two; cfg = (bn, bk, warps[, dot])."""
-    bn, bk, warps, *dot = cfg
-    N, K = w.shape
-    y = torch.empty(x2.shape[0], N, dtype=x2.dtype, device=x2.device)
-    _gemv_kernel[(N // bn,)](x2, residual if residual is not None else x2, nw if nw is not None else x2,
-                             h if h is not None else x2, w, y, K, x2.stride(0), w.stride(0), y.stride(0), eps,
-                             M=x2.shape[0], BN=bn, BK=bk, PRO=pro, RES=residual is not None,
-                             DOT=bool(dot and dot[0]), num_warps=warps, **_launch())
-    return y
-
-
-def skinny(x: Tensor, w: Tensor, *cfg) -> Tensor:
-    """x [..., K] with M = x.numel() // K rows (a power of two), w [N, K] → [..., N]."""
+def skinny(x: Tensor, w: Tensor, bn: int, bk: int, warps: int, dot: bool = False) -> Tensor:
+    """x [..., K] with M = x.numel() // K rows (a power of two; >= 16 with dot), w [N, K] → [..., N]."""
     K, N = x.shape[-1], w.shape[0]
-    return _gemv(x.reshape(-1, K), w, cfg).view(*x.shape[:-1], N)
-
-
-def norm_skinny(x: Tensor, nw: Tensor, eps: float, residual: Tensor | None, w: Tensor, *cfg):
-    """RMSNorm (of h = x + residual) straight into the GEMV: (h, linear(nw * norm(h), w)), one kernel."""
-    K, N = x.shape[-1], w.shape[0]
-    x2 = x.reshape(-1, K).contiguous()
-    r2 = residual.reshape(-1, K).contiguous() if residual is not None else None
-    h = torch.empty_like(x2) if residual is not None else x2
-    y = _gemv(x2, w, cfg, 1, r2, nw, h, eps)
-    return h.view(x.shape), y.view(*x.shape[:-1], N)
-
-
-def silu_skinny(gu: Tensor, w: Tensor, *cfg) -> Tensor:
-    """SiLU·up straight into the GEMV: gu [..., 2K] = [gate | up] → linear(silu(gate) * up, w), one kernel."""
-    N = w.shape[0]
-    return _gemv(gu.reshape(-1, gu.shape[-1]).contiguous(), w, cfg, 2).view(*gu.shape[:-1], N)
+    x2 = x.reshape(-1, K)
+    y = torch.empty(x2.shape[0], N, dtype=x.dtype, device=x.device)
+    _gemv_kernel[(N // bn,)](x2, w, y, K, x2.stride(0), w.stride(0), y.stride(0), M=x2.shape[0], BN=bn, BK=bk,
+                             DOT=dot, num_warps=warps, **_launch())
+    return y.view(*x.shape[:-1], N)
 
 
 @triton.jit
