@@ -129,6 +129,8 @@ class Engine:
                               f"and 2 <= num_draft_tokens <= {most}")
         self.steps, self.topk, self.n_tree = steps, topk, n
         self.rows = n if self.shared_rows else 1      # rows of every plain decoding step
+        if self.shared_rows:
+            kernels.prepack([self.target] + ([self.draft] if self.draft is not None else []), rows=n)
         S, dev = self.max_seq_len, self.device
         self.t_slots = S + n                          # context + one verification tree
         self.target.setup_caches(self.t_slots)

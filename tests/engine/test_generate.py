@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, random_pair
+from provision.engine import kernels
 from provision.engine.corpus import held_out_prompts
 from provision.engine.errors import EngineError
 from provision.engine.generate import Engine
@@ -69,18 +70,20 @@ def test_context_end_and_eos(random_engine):
 # ---- shared rows (CPU below float32): plain and verification steps run the same rows over one span ----------
 
 def test_linear_rows_are_independent_at_a_fixed_row_count():
-    """What shared rows rely on: within one product of R rows, row i depends on row i alone (bfloat16 at
-    SmolLM2-135M's weight shapes, 16 and 32 rows). Across row counts it need not hold (on an AMX CPU, 1 row
-    and 28+ rows of some of these shapes round differently), which is why every step runs the same rows."""
+    """What shared rows rely on: within one product of R rows, row i depends on row i alone (the engine's linear,
+    bfloat16 weights laid out for R rows, SmolLM2-135M's weight shapes). Across row counts it need not hold (on an
+    AMX CPU, 1 row and 28+ rows of some of these shapes round differently): so every step runs the same rows."""
     g = torch.Generator().manual_seed(0)
     for n, k in [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]:
-        w = (torch.randn(n, k, generator=g) * k ** -0.5).to(torch.bfloat16)
         for R in (16, 32):
-            x = torch.randn(R, k, generator=g).to(torch.bfloat16)
-            y = torch.nn.functional.linear(x, w)
-            x2 = torch.randn(R, k, generator=g).to(torch.bfloat16)
-            x2[R // 2] = x[R // 2]                                # row R/2 kept, every other row replaced
-            assert torch.equal(torch.nn.functional.linear(x2, w)[R // 2], y[R // 2]), (n, k, R)
+            lin = torch.nn.Linear(k, n, bias=False).to(torch.bfloat16)
+            kernels.prepack([lin], R)
+            x, x2 = (torch.randn(1, R, k, generator=g).to(torch.bfloat16) for _ in range(2))
+            x2[0, R // 2] = x[0, R // 2]                          # row R/2 kept, every other row replaced
+            with torch.inference_mode():
+                y, y2 = kernels.linear(x, lin.weight), kernels.linear(x2, lin.weight)
+                torch.testing.assert_close(y, torch.nn.functional.linear(x, lin.weight), rtol=1e-2, atol=1e-2)
+            assert torch.equal(y2[0, R // 2], y[0, R // 2]), (n, k, R)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="shared rows are the CPU path")
