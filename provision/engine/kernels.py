@@ -65,7 +65,10 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor):
     """q [1, h, T, hd], k/v [1, kv, W, hd] cache views, mask [T, W] → [1, T, h, hd] from one Triton attention
-    (two with a split span) where it was measured faster than bmm, softmax, bmm; else None."""
+    (two with a split span) where it was measured faster than bmm, softmax, bmm; on CPU below float32, torch's
+    fused attention (each query row reduced on its own, in one order for one span); else None."""
+    if not q.is_cuda and q.dtype != torch.float32 and mask.dim() == 2 and not torch.is_grad_enabled():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
     tk = _fast(q)
     if not tk or q.shape[0] != 1 or mask.dim() != 2 or k.stride(-2) != k.shape[-1]:
         return None
