@@ -122,10 +122,8 @@ def bench(prompts: int = typer.Option(8, "--prompts", help="held-out prompts"),
     if eng.draft is None:
         raise EngineError(f"{model}: no EAGLE-3 draft to benchmark (pass --draft)")
     enc = encode_prompts(eng, chat, prompts)
-    r = run_bench(eng, enc, max_new_tokens, repeats, stop_at_eos=not fixed_length)
-    if peer:
-        r.update(transformers_peer(model or TINY_DIR, eng, enc, max_new_tokens, r["plain_outputs"], not fixed_length))
-        r["plain_vs_transformers"] = round(r["baseline_tok_s"] / r["transformers_tok_s"], 3)
+    r = run_bench(eng, enc, max_new_tokens, repeats, stop_at_eos=not fixed_length,
+                  peer=transformers_peer(model or TINY_DIR, eng) if peer else None)
     r["threads"] = threads
     if json_out:
         return print_json({k: v for k, v in r.items() if k not in ("outputs", "plain_outputs")})

@@ -20,9 +20,10 @@ def _sync(engine: Engine):
 
 
 def run_bench(engine: Engine, prompts: list, max_new_tokens: int = 128, repeats: int = 1,
-              stop_at_eos: bool = True) -> dict:
+              stop_at_eos: bool = True, peer=None) -> dict:
     """Greedy decode every prompt plainly and with speculation, interleaved (fair under noise); each answer
-    ends at the end-of-turn token unless `stop_at_eos` is off (then every answer is max_new_tokens long)."""
+    ends at the end-of-turn token unless `stop_at_eos` is off (then every answer is max_new_tokens long).
+    With `peer` (from transformers_peer), it decodes each prompt too, right after the engine's two runs."""
     tok = engine.tokenizer
     enc = [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
     kw = dict(max_new_tokens=max_new_tokens, temperature=0.0, stop_at_eos=stop_at_eos)
@@ -32,6 +33,7 @@ def run_bench(engine: Engine, prompts: list, max_new_tokens: int = 128, repeats:
     t_plain = t_spec = 0.0
     n_plain = n_spec = 0
     accepts, identical, outputs, plain = [], True, [], []
+    t_peer, n_peer, peer_same = 0.0, 0, True
     for _ in range(repeats):
         for ids in enc:
             _sync(engine)
@@ -45,8 +47,14 @@ def run_bench(engine: Engine, prompts: list, max_new_tokens: int = 128, repeats:
             identical &= a.tokens == b.tokens
             outputs.append(b.tokens)
             plain.append(a.tokens)
+            if peer is not None:
+                t0 = time.perf_counter()
+                out = peer(ids, max_new_tokens)
+                _sync(engine)
+                t_peer, n_peer = t_peer + time.perf_counter() - t0, n_peer + len(out)
+                peer_same &= out == (a.tokens if stop_at_eos else a.tokens[: len(out)])   # it stops at end of turn
     base, eagle = n_plain / t_plain, n_spec / t_spec
-    return {"device": str(engine.device), "dtype": str(engine.target.output.weight.dtype).removeprefix("torch."),
+    r = {"device": str(engine.device), "dtype": str(engine.target.output.weight.dtype).removeprefix("torch."),
             "prompts": len(enc), "max_new_tokens": max_new_tokens, "stop_at_eos": stop_at_eos,
             "tokens": n_plain, "shared_rows": engine.shared_rows,
             "load_average_1min": {"start": round(load0, 2), "end": round(os.getloadavg()[0], 2)},
@@ -55,6 +63,10 @@ def run_bench(engine: Engine, prompts: list, max_new_tokens: int = 128, repeats:
             "accept_length": round(sum(accepts) / max(len(accepts), 1), 3),
             "greedy_identical": identical, "outputs": outputs[: len(enc)], "plain_outputs": plain[: len(enc)],
             "tree": "chain" if engine.topk == 1 else "tree"}
+    if peer is not None:
+        r.update(transformers_tok_s=round(n_peer / t_peer, 2), transformers_same_tokens=peer_same,
+                 plain_vs_transformers=round(base / (n_peer / t_peer), 3))
+    return r
 
 
 def encode_prompts(engine: Engine, chat: bool, n: int) -> list:
@@ -69,27 +81,21 @@ def encode_prompts(engine: Engine, chat: bool, n: int) -> list:
             for p in held_out_chat_prompts(n)]
 
 
-def transformers_peer(model_dir, engine: Engine, prompts: list, max_new_tokens: int, plain: list,
-                      stop_at_eos: bool = True) -> dict:
-    """transformers' LlamaForCausalLM on the same weights, dtype and threads: greedy tok/s (it stops at the end
-    of turn), and whether its tokens equal the engine's plain greedy output."""
+def transformers_peer(model_dir, engine: Engine):
+    """transformers' LlamaForCausalLM on the same weights, dtype and threads, as a bench peer: (ids, max new
+    tokens) → its greedy tokens (it stops at the end of turn). Warmed up once."""
     import transformers
     dev = engine.device
     hf = transformers.LlamaForCausalLM.from_pretrained(str(model_dir), dtype=engine.target.output.weight.dtype)
     hf = hf.to(dev).eval()
-    kw = dict(max_new_tokens=max_new_tokens, do_sample=False, top_p=None, top_k=None, temperature=None)
-    t, n, same = 0.0, 0, True
-    with torch.inference_mode():
-        hf.generate(torch.tensor([prompts[0]], device=dev), **{**kw, "max_new_tokens": 8})
-        for ids, want in zip(prompts, plain):
-            _sync(engine)
-            t0 = time.perf_counter()
-            out = hf.generate(torch.tensor([ids], device=dev), **kw)[0, len(ids):].tolist()
-            _sync(engine)
-            t, n = t + time.perf_counter() - t0, n + len(out)
-            same &= out == (want if stop_at_eos else want[: len(out)])   # past the end of turn: a prefix
-    return {"transformers_tok_s": round(n / t, 2), "transformers_same_tokens": same,
-            "load_average_1min_end": round(os.getloadavg()[0], 2)}
+    kw = dict(do_sample=False, top_p=None, top_k=None, temperature=None)
+
+    def generate(ids: list, max_new_tokens: int) -> list:
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([ids], device=dev), max_new_tokens=max_new_tokens, **kw)
+        return out[0, len(ids):].tolist()
+    generate([1, 2, 3], 8)
+    return generate
 
 
 def add_engine_args(ap: argparse.ArgumentParser):

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from conftest import DEVICE
-from provision.engine.bench import run_bench
+from provision.engine import TINY_DIR
+from provision.engine.bench import run_bench, transformers_peer
 from provision.engine.corpus import held_out_prompts
 from provision.engine.loading import load_engine
 
@@ -40,3 +41,11 @@ def test_cli_bench_bfloat16_json():
     r = json.loads(p.stdout)
     assert (r["dtype"], r["shared_rows"], r["stop_at_eos"], r["tokens"]) == ("bfloat16", True, False, 48)
     assert r["greedy_identical"] and r["accept_length"] > 1.0
+
+
+def test_transformers_peer_runs_each_prompt_with_the_engine():
+    pytest.importorskip("transformers")
+    e = load_engine(device=DEVICE, max_seq_len=256)
+    r = run_bench(e, held_out_prompts(2), max_new_tokens=16, peer=transformers_peer(TINY_DIR, e))
+    assert r["transformers_same_tokens"] and r["greedy_identical"]      # float32: the same tokens as transformers
+    assert r["transformers_tok_s"] > 0 and r["plain_vs_transformers"] > 0
