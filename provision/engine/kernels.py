@@ -55,9 +55,9 @@ def _fast(x: Tensor):
 
 
 def linear(x: Tensor, w: Tensor) -> Tensor:
-    packed = getattr(w, "onednn", None)                   # set by prepack (CPU, bfloat16, inference)
-    if packed is not None and not torch.is_grad_enabled():
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
+    packed = getattr(w, "onednn", None)                   # (version, layout), set by prepack: CPU, bfloat16
+    if packed is not None and packed[0] == w._version and not torch.is_grad_enabled():   # not written since
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed[1], None, "none", [], "")
     tk = _fast(x)
     cfg = CHOICE.get((x.numel() // x.shape[-1], *w.shape, x.dtype)) if tk else None
     return tk.skinny(x, w, *cfg) if cfg else F.linear(x, w)
@@ -93,7 +93,7 @@ def prepack(modules: list, rows: int):
         for mod in m.modules():
             w = getattr(mod, "weight", None)
             if isinstance(mod, torch.nn.Linear) and w.dtype == torch.bfloat16 and w.device.type == "cpu":
-                w.onednn = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
+                w.onednn = (w._version, torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows))
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):

@@ -84,6 +84,10 @@ def test_linear_rows_are_independent_at_a_fixed_row_count():
                 y, y2 = kernels.linear(x, lin.weight), kernels.linear(x2, lin.weight)
                 torch.testing.assert_close(y, torch.nn.functional.linear(x, lin.weight), rtol=1e-2, atol=1e-2)
             assert torch.equal(y2[0, R // 2], y[0, R // 2]), (n, k, R)
+    with torch.no_grad():
+        lin.weight.mul_(2)                                        # a weight written after its layout: not used
+    with torch.inference_mode():
+        assert torch.equal(kernels.linear(x, lin.weight), torch.nn.functional.linear(x, lin.weight))
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="shared rows are the CPU path")
