@@ -129,6 +129,7 @@ class Engine:
                               f"and 2 <= num_draft_tokens <= {most}")
         self.steps, self.topk, self.n_tree = steps, topk, n
         self.rows = n if self.shared_rows else 1      # rows of every plain decoding step
+        self.max_emit = min(n, 2 * steps + 1 if self.shared_rows else steps + 1)   # tokens one step can emit
         if self.shared_rows:
             kernels.prepack([self.target] + ([self.draft] if self.draft is not None else []), rows=n)
         S, dev = self.max_seq_len, self.device

@@ -146,7 +146,7 @@ class Service:
     def __init__(self, engine: Engine, name: str = "provision-tiny", max_queued: int = MAX_QUEUED):
         self.engine, self.name = engine, name
         self.jobs: queue.Queue = queue.Queue(maxsize=max_queued)
-        self.metrics = Metrics(engine.steps + 1)
+        self.metrics = Metrics(engine.max_emit)
         self.created = int(time.time())
         threading.Thread(target=self._work, daemon=True, name="engine-worker").start()
 
