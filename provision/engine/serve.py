@@ -125,7 +125,7 @@ class Metrics:
                 lines += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {c[key]}"]
             lines += ["# HELP engine_queue_depth requests waiting for the model", "# TYPE engine_queue_depth gauge",
                       f"engine_queue_depth {queued}",
-                      "# HELP engine_accept_length tokens accepted per verification (bonus included)",
+                      "# HELP engine_accept_length tokens emitted per speculative step (accepted, bonus included)",
                       "# TYPE engine_accept_length histogram"]
             lines += [f'engine_accept_length_bucket{{le="{b}"}} {h}' for b, h in zip(self.buckets, self.hist)]
             lines += [f'engine_accept_length_bucket{{le="+Inf"}} {n}', f"engine_accept_length_sum {self.hist_sum}",
