@@ -36,7 +36,8 @@ class LoopbackHost:
         never share one (the namespace is the run's own; nothing outside this machine is involved).
         Sessions get an empty HOME, so the login shell reads no rc file: a fresh host's sessions, whatever
         this machine's own shell startup does (a startup that a killed session can leave stalled, such as a
-        version manager's rehash lock). `login_rc=True` keeps the user's HOME and its rc files. `sshd_config`: more sshd settings (one a line)."""
+        version manager's rehash lock). `login_rc=True` keeps the user's HOME and its rc files.
+        `sshd_config`: more sshd settings (one a line)."""
         self.dir = Path(tempfile.mkdtemp(prefix="provision-host-", dir=base))
         self._index = netns_index
         self.netns_wanted = netns or netns_index is not None

@@ -336,14 +336,18 @@ class Engine:
         the last accepted token becomes the root and n grows by the count. Returns [count, tokens...]."""
         n, L = self.n_t, path.shape[0]
         self.target.move_kv(n + path, n + self.ar[:L])
-        dpos = n + self.ar[:L]
-        dl, dh = self.draft(out[None], vaux[0, path][None], dpos, self.d_arange[None, :Wd] <= dpos[:, None], dpos)
-        last = (count - 1).view(1)
+        self._extend_draft(Wd, n, out, vaux[0, path], (count - 1).view(1))
+        self.n_t.add_(count)
+        return torch.cat([count.view(1), out])
+
+    def _extend_draft(self, Wd: int, n, out: Tensor, feats: Tensor, last: Tensor):
+        """Extend the draft over positions n.. (position j reads token out[j] and target features feats[j]);
+        out[last] becomes the root, and the draft's logits and state there its next input."""
+        dpos = n + self.ar[: out.shape[0]]
+        dl, dh = self.draft(out[None], feats[None], dpos, self.d_arange[None, :Wd] <= dpos[:, None], dpos)
         self.tok.copy_(out[last])
         self.dlog.copy_(dl[0, last][0])
         self.dhid.copy_(dh[0, last])
-        self.n_t.add_(count)
-        return torch.cat([count.view(1), out])
 
     def _spec_step(self, n_hi: int, temperature: float, top_p: float, g) -> Tensor:
         """Queue one speculative step (draft, verify, accept, compact, extend) at the context `n_t` holds on
@@ -422,11 +426,7 @@ class Engine:
             path = acc.nonzero().view(-1)                           # the accepted chain, row 0 first
             out = tgt[path]                                         # out[j]: the token at slot c + j + 1
             exact = int((path == self.ar[: len(path)]).cumprod(0).sum())   # rows 0..exact-1 sit at c.. in order
-            dpos = c + self.ar[: len(path)]                          # the draft reads (token j+1, features j)
-            dl, dh = self.draft(out[None], aux[0, path][None], dpos, self.d_arange[None, :Wd] <= dpos[:, None], dpos)
-            self.tok.copy_(out[-1:])
-            self.dlog.copy_(dl[0, -1])
-            self.dhid.copy_(dh[0, -1:])
+            self._extend_draft(Wd, c, out, aux[0, path], self.ar[len(path) - 1: len(path)])   # (token j+1, features j)
             emitted, pend = out[:exact].tolist(), out[exact:].tolist()
             c, head, produced = c + exact, emitted[-1], produced + exact
             stats.append(exact)
