@@ -91,15 +91,68 @@ STYLES = ("", " Keep it brief.", " Use an example.", " Answer in two short parag
 HELD_OUT = 8   # the last topics, and the last 3 things and goals, appear only in held-out prompts
 
 
-def _prompts(topics, things, goals) -> list[str]:
+def _prompts(topics, things, goals, templates=TEMPLATES) -> list[str]:
     fill = {"topic": topics, "thing": things, "goal": goals}
-    return [t.format(**{k: v}) + s for t in TEMPLATES for k in fill if "{" + k + "}" in t
+    return [t.format(**{k: v}) + s for t in templates for k in fill if "{" + k + "}" in t
             for v in fill[k] for s in STYLES]
+
+
+# More training material: subjects, things and goals no benchmark prompt is about, and more ways of asking
+TRAIN_TOPICS = tuple(t.strip() for t in """
+the heart of an atom, nuclear fission, nuclear fusion, the speed of light, sound waves, friction, momentum,
+the periodic table, acids and bases, chemical bonds, evaporation, erosion, glaciers, hurricanes, tornadoes,
+lightning, the ozone layer, the carbon cycle, the nitrogen cycle, ecosystems, food chains, evolution, natural selection,
+fossils, dinosaurs, mammals, reptiles, insects, ants, whales, dolphins, octopuses, sharks, penguins, wolves,
+elephants, migration of birds, hibernation, the human brain, the lungs, the kidneys, the liver, blood types, bones,
+muscles, the skin, the eye, hearing, taste, memory, emotions, stress, nutrition, vitamins, protein, sugar, fiber,
+hydration, antibiotics, viruses, bacteria, allergies, the common cold, first aid, meditation, yoga, posture,
+the Industrial Revolution, ancient Egypt, ancient Greece, the Renaissance, the Middle Ages, the Silk Road,
+the Vikings, the Cold War, World War I, the American Revolution, the invention of writing, the wheel, the compass,
+the telephone, the light bulb, the steam engine, the radio, television, photography, cinema, the bicycle,
+cars, electric cars, rockets, satellites, the space station, Mars, Jupiter, Saturn's rings, comets, asteroids,
+the Big Bang, galaxies, telescopes, microscopes, computers, programming, algorithms, databases, encryption,
+passwords, cybersecurity, open source software, spreadsheets, email, search engines, social media, smartphones,
+robots, artificial intelligence, virtual reality, 3D printing, solar power, wind power, hydroelectric power,
+nuclear power, fossil fuels, energy efficiency, insulation, plumbing, bread baking, fermentation, cheese,
+chocolate, tea, spices, rice, wheat, farming, irrigation, composting, soil, trees, forests, rivers, lakes,
+wetlands, mountains, islands, caves, rainforests, grasslands, the Arctic, Antarctica, maps, time zones,
+calendars, clocks, money, banks, taxes, budgets, loans, credit scores, supply and demand, trade, globalization,
+unemployment, taxes on goods, insurance, elections, the rule of law, human rights, the United Nations, voting,
+newspapers, libraries, museums, poetry, novels, theater, painting, sculpture, architecture, dance, opera, jazz,
+the piano, the guitar, languages, grammar, punctuation, translation, sign language, mathematics, fractions,
+percentages, probability, statistics, geometry, algebra, prime numbers, the number zero, infinity, logic,
+philosophy, ethics, happiness, curiosity, creativity, teamwork, leadership, negotiation, kindness, honesty,
+habits, motivation, procrastination, time management, critical thinking, the scientific method, peer review""".split(","))
+TRAIN_THINGS = ("a thunderstorm", "the wind at dawn", "a quiet morning", "a busy kitchen", "an old clock",
+                "a forest path", "a fishing boat", "a summer festival", "a winter evening", "the first day of school",
+                "a grandmother's recipe", "a lost key", "a red bicycle", "a childhood home", "a crowded bus",
+                "the full moon", "a field of sunflowers", "a letter from the past", "a waterfall", "a candle",
+                "a bookstore", "a robot who wants to paint", "a dragon who is afraid of fire", "a quiet village",
+                "the sea at night", "a hot air balloon", "a tiny island", "an abandoned castle", "a spring morning",
+                "a family dinner", "a broken umbrella", "a hummingbird", "a violin", "the last leaf on a tree",
+                "an astronaut far from home", "a lighthouse keeper's dog", "a secret garden door", "a long road",
+                "a cup of tea", "the first flight of a bird", "a wise old owl", "a city park", "a chess game",
+                "a birthday surprise", "a kite", "the northern lights", "a fox in the moonlight", "a paper boat")
+TRAIN_GOALS = ("getting up early", "drinking more water", "reading more books", "learning to code", "eating healthier",
+               "learning to swim", "planning a trip", "organizing a closet", "learning to draw", "writing a resume",
+               "preparing for a job interview", "managing stress", "building a habit", "learning the piano",
+               "growing vegetables", "taking better photos", "keeping a journal", "cooking rice", "baking bread",
+               "walking more each day", "reducing screen time", "learning to cook", "writing a cover letter",
+               "teaching a child to read", "caring for a dog", "moving to a new home", "paying off debt",
+               "learning to meditate", "improving handwriting", "giving feedback", "leading a team meeting",
+               "writing clear emails", "learning chess", "running a book club", "decluttering a home",
+               "planning a wedding", "camping for the first time", "learning to ride a bike", "painting a room",
+               "becoming more patient", "remembering names", "fixing a flat tire", "hosting a dinner party")
+TRAIN_TEMPLATES = ("Write a paragraph about {topic}.", "List five facts about {topic}.",
+                   "How would you teach {topic} to a beginner?", "What do people often get wrong about {topic}?",
+                   "Write a haiku about {thing}.", "Write a letter to a friend about {thing}.",
+                   "How do I get started with {goal}?", "Make a simple weekly plan for {goal}.")
 
 
 def chat_prompts(n: int, seed: int = 0) -> list[str]:
     """Training user messages (templates × topics × styles), shuffled; held-out topics excluded."""
-    out = _prompts(TOPICS[:-HELD_OUT], THINGS[:-3], GOALS[:-3])
+    topics, things, goals = TOPICS[:-HELD_OUT] + TRAIN_TOPICS, THINGS[:-3] + TRAIN_THINGS, GOALS[:-3] + TRAIN_GOALS
+    out = _prompts(topics, things, goals) + _prompts(topics, things, goals, TRAIN_TEMPLATES)
     random.Random(seed).shuffle(out)
     return out[:n]
 
@@ -113,7 +166,7 @@ def held_out_chat_prompts(n: int = 8, seed: int = 12345) -> list[str]:
 
 def _held_out_words() -> re.Pattern:
     """Word starts (6 letters at most) of the held-out topics that no training prompt contains."""
-    train = " ".join(_prompts(TOPICS[:-HELD_OUT], THINGS[:-3], GOALS[:-3])).lower()
+    train = " ".join(_prompts(TOPICS[:-HELD_OUT], THINGS[:-3], GOALS[:-3])).lower()   # the original lists only
     words = " ".join(TOPICS[-HELD_OUT:] + THINGS[-3:] + GOALS[-3:]).lower().split()
     stems = {w.rstrip("s")[:6] for w in words}
     return re.compile(r"\b(" + "|".join(sorted(s for s in stems if not re.search(r"\b" + s, train))) + ")")

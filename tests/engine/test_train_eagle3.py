@@ -45,7 +45,7 @@ def test_sampled_answers_follow_the_generator():
 
 def test_held_out_topics_stay_out_of_training_prompts():
     assert all(mentions_held_out(p) for p in held_out_chat_prompts(1000))
-    assert not any(mentions_held_out(p) for p in chat_prompts(10_000))
+    assert not any(mentions_held_out(p) for p in chat_prompts(10**6))
     assert not mentions_held_out("Explain photosynthesis.") and mentions_held_out("Why do CLOUDS float?")
 
 
@@ -84,7 +84,7 @@ def test_training_continues_from_a_saved_draft(tmp_path):
     freq = Counter(range(32))
     fresh = start_draft(target, None, freq, 8, "cpu")
     assert fresh.args.draft_vocab_size == 8 and not torch.equal(fresh.fc.weight, saved.fc.weight)
-    draft = start_draft(target, tmp_path / "d", freq, 8, "cpu")            # the saved draft's vocabulary, not 8
+    draft = start_draft(target, tmp_path / "d", freq, None, "cpu")         # the saved draft's own vocabulary
     assert torch.equal(draft.d2t, saved.d2t) and torch.equal(draft.lm_head.weight, saved.lm_head.weight)
     assert torch.equal(draft.fc.weight, saved.fc.weight) and draft.embed is target.tok_embeddings
     target.setup_caches(17)
@@ -95,3 +95,24 @@ def test_training_continues_from_a_saved_draft(tmp_path):
     d_ids = draft.d2t + torch.arange(12)
     assert train_draft(target, draft, data, 3, 2, 16, 2, d_ids, lambda s: None, lr=1e-3) == 3
     assert 0 < (draft.fc.weight - saved.fc.weight).abs().max() < 0.05    # moved, from where it was
+
+
+def test_a_saved_draft_moves_to_a_larger_vocabulary(tmp_path):
+    target, saved = random_pair(vocab=32, dim=32, n_layer=3, draft_vocab=12, device="cpu")
+    save_draft(saved, tmp_path / "d")
+    old = (saved.d2t + torch.arange(12)).tolist()
+    freq = Counter({t: 100 - t for t in range(32)})                      # the 20 most frequent: ids 0..19
+    draft = start_draft(target, tmp_path / "d", freq, 20, "cpu")
+    new = (draft.d2t + torch.arange(20)).tolist()
+    assert new == list(range(20)) and draft.args.draft_vocab_size == 20
+    kept = [t for t in new if t in old]
+    assert kept and len(kept) < 20
+    for t in new:                                                       # shared tokens keep their rows
+        row = draft.lm_head.weight[new.index(t)]
+        if t in old:
+            assert torch.equal(row, saved.lm_head.weight[old.index(t)])
+        else:                                                           # the others: the target's, scaled
+            cos = torch.nn.functional.cosine_similarity(row, target.output.weight[t], dim=0)
+            assert cos > 0.999
+    assert torch.equal(draft.fc.weight, saved.fc.weight) and draft.embed is target.tok_embeddings
+    assert torch.equal(draft.midlayer.attention.wqkv.weight, saved.midlayer.attention.wqkv.weight)
