@@ -137,8 +137,12 @@ def self_distill(target, tok, stops: set, a, log):
     convs, answers = [], []
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))     # similar lengths share a batch
     sampler = torch.Generator(a.device).manual_seed(1)
+    until = time.time() + 60 * a.gen_minutes
     for temperature in [0.0] + [a.temperature] * a.sampled:
         for s in range(0, len(order), a.gen_batch):
+            if time.time() > until:
+                log("answering stopped: --gen-minutes spent")
+                break
             batch = [prompts[i] for i in order[s:s + a.gen_batch]]
             for p, r in zip(batch, answer(target, batch, a.max_new, stops, temperature, sampler)):
                 convs.append(p + r)
@@ -163,6 +167,7 @@ def main(argv=None):
                     help="answers to each prompt sampled at --temperature, besides the greedy one")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--gen-batch", type=int, default=128)
+    ap.add_argument("--gen-minutes", type=float, default=float("inf"), help="stop answering prompts after this long")
     ap.add_argument("--draft-vocab", type=int,
                     help="draft vocabulary size (default 4096; with --init, the saved draft's own)")
     ap.add_argument("--init", type=Path, help="continue training this draft instead of starting from random weights")
