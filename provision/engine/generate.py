@@ -191,7 +191,7 @@ class Engine:
 
     def _pick(self, logits: Tensor, temperature: float, top_p: float, g) -> Tensor:
         if temperature <= 0:
-            return logits.argmax(-1)
+            return kernels.argmax(logits)
         return torch.multinomial(probs_from_logits(logits, temperature, top_p), 1, generator=g).squeeze(-1)
 
     def _decode_fn(self, W: int, greedy: bool):
@@ -201,7 +201,7 @@ class Engine:
             logits = self.target(self.tok.view(1, 1).expand(1, R), n, (self.t_arange[:W] <= n[:1])[None].expand(R, W),
                                  n)[0, 0]
             if greedy:
-                self.tok.copy_(logits.argmax(-1))
+                self.tok.copy_(kernels.argmax(logits))
             return logits
         return step
 
@@ -282,7 +282,7 @@ class Engine:
         return (col < n)[None] | (A[:, rel.clamp(0, N - 1)] & ((rel >= 0) & (rel < N))[None])
 
     def _accept_greedy(self, logits, tokens, parent, A):
-        tgt = logits.argmax(-1)                                                  # [N]
+        tgt = kernels.argmax(logits)                                             # [N]
         correct = (tokens == tgt[parent]) | (self.ar[: len(tokens)] == 0)       # the root is given
         acc = ~(A & ~correct[None]).any(-1)                                      # nodes on the accepted path
         return acc, tgt

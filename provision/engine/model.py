@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from .kernels import attention, linear, masked_softmax, rms_norm, rope_into_cache, silu_mul
+from .kernels import attention, attention_mask, linear, masked_softmax, rms_norm, rope_into_cache, silu_mul
 
 
 @dataclass
@@ -74,8 +74,8 @@ def rope_cache(seq_len: int, args: ModelArgs) -> Tensor:
 
 
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
-    # x: [B, h, T, hd]; rope: [T, 2, hd] already gathered at the tokens' positions
-    cos, sin = rope[:, 0].to(x.dtype), rope[:, 1].to(x.dtype)
+    # x: [B, h, T, hd] with rope [T, 2, hd], or [B, T, h, hd] with rope [T, 1, 2, hd]; gathered at the tokens' positions
+    cos, sin = rope[..., 0, :].to(x.dtype), rope[..., 1, :].to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -145,7 +145,8 @@ class Attention(nn.Module):
         if q is not None:                                        # one fused kernel did rope and the cache write
             k, v = cache.k_cache, cache.v_cache
         else:
-            q, k = apply_rope(qkv[:, :, : h + kv].transpose(1, 2), rope).split([h, kv], 1)   # [B, h|kv, T, hd]
+            qk = apply_rope(qkv[:, :, : h + kv], rope[:, None])  # [B, T, h+kv, hd], rotated in qkv's layout
+            q, k = qk[:, :, :h].transpose(1, 2), qk[:, :, h:].transpose(1, 2)   # [B, h|kv, T, hd] views
             v = qkv[:, :, h + kv:].transpose(1, 2)               # [B, kv, T, hd]
             if cache is not None:
                 k, v = cache.update(slots, k, v)                 # [B, kv, S, hd]
@@ -218,6 +219,7 @@ class Transformer(nn.Module):
         """
         x, f = self.tok_embeddings(idx), None
         rope = self.rope[pos].to(x.dtype)
+        mask = attention_mask(mask, x.dtype, self.args.n_head // self.args.n_local_heads)
         seen = {}
         for i, layer in enumerate(self.layers):
             x, h, f = layer(x, rope, mask, slots, residual=f)        # x: this layer's input

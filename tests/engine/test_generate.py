@@ -90,6 +90,41 @@ def test_linear_rows_are_independent_at_a_fixed_row_count():
         assert torch.equal(kernels.linear(x, lin.weight), torch.nn.functional.linear(x, lin.weight))
 
 
+def test_attention_rows_are_independent_on_cpu():
+    """The CPU fused attention below float32 (query heads grouped by KV head, additive mask built once): within one
+    call of R rows, row i depends on row i alone, as shared rows need; and it computes attention (against the
+    bmm, softmax, bmm reference) whether given the boolean mask or the prepared one."""
+    from provision.engine.model import gqa_attention
+    g = torch.Generator().manual_seed(0)
+    R, W, h, kv, hd = 16, 272, 9, 3, 64
+    q, q2 = (torch.randn(1, h, R, hd, generator=g).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, kv, W, hd, generator=g).to(torch.bfloat16) for _ in range(2))
+    q2[:, :, 5] = q[:, :, 5]                                        # row 5 kept, every other row replaced
+    mask = torch.arange(W)[None] <= 100 + torch.arange(R)[:, None]
+    mask[3, 7] = False
+    with torch.inference_mode():
+        prepared = kernels.attention_mask(mask, torch.bfloat16, h // kv)
+        assert prepared.shape == (h // kv * R, W) and prepared.dtype == torch.bfloat16
+        y, y2 = kernels.attention(q, k, v, prepared), kernels.attention(q2, k, v, prepared)
+        assert torch.equal(kernels.attention(q, k, v, mask), y)
+        ref = gqa_attention(q.float(), k.float(), v.float(), mask)  # float32: torch's reference path
+    assert y.shape == (1, R, h, hd) and torch.equal(y2[:, 5], y[:, 5])
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
+    assert kernels.attention_mask(mask, torch.float32, 3) is mask   # float32 keeps the boolean mask
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_is_the_first_maximum(dtype):
+    """kernels.argmax keeps torch.argmax's contract, ties included (bfloat16 logits tie often)."""
+    g = torch.Generator().manual_seed(0)
+    for shape in [(49152,), (16, 49152), (4, 17)]:
+        x = torch.randint(-3, 4, shape, generator=g).to(dtype)   # many ties
+        assert torch.equal(kernels.argmax(x), x.argmax(-1))
+        x = torch.randn(shape, generator=g).to(dtype)
+        x[..., 9] = x[..., -2] = x.max() + 1                       # two maxima: the first one wins
+        assert (kernels.argmax(x) == 9).all()
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="shared rows are the CPU path")
 @pytest.mark.parametrize("tree", TREES + [(6, 8, 32)])
 def test_shared_rows_greedy_tiny_pair_bfloat16(tree):
