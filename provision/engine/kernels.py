@@ -120,7 +120,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     if tk:
         return tk.rms_norm(x, weight, eps, residual)
     h = x if residual is None else x + residual
-    y = weight * F.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype)
+    if h.is_cuda:
+        y = weight * F.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype)
+    else:                                   # the same: on CPU torch normalizes below float32 in float, then rounds
+        y = weight * F.rms_norm(h, (h.shape[-1],), eps=eps)
     return y if residual is None else (h, y)
 
 

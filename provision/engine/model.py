@@ -75,7 +75,9 @@ def rope_cache(seq_len: int, args: ModelArgs) -> Tensor:
 
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
     # x: [B, h, T, hd] with rope [T, 2, hd], or [B, T, h, hd] with rope [T, 1, 2, hd]; gathered at the tokens' positions
-    cos, sin = rope[..., 0, :].to(x.dtype), rope[..., 1, :].to(x.dtype)
+    cos, sin = rope.unbind(-2)
+    if cos.dtype != x.dtype:
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -145,12 +147,12 @@ class Attention(nn.Module):
         if q is not None:                                        # one fused kernel did rope and the cache write
             k, v = cache.k_cache, cache.v_cache
         else:
-            qk = apply_rope(qkv[:, :, : h + kv], rope[:, None])  # [B, T, h+kv, hd], rotated in qkv's layout
-            q, k = qk[:, :, :h].transpose(1, 2), qk[:, :, h:].transpose(1, 2)   # [B, h|kv, T, hd] views
-            v = qkv[:, :, h + kv:].transpose(1, 2)               # [B, kv, T, hd]
+            qk, v = qkv.split([h + kv, kv], 2)
+            q, k = apply_rope(qk, rope[:, None]).split([h, kv], 2)   # rotated in qkv's layout [B, T, h|kv, hd]
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # [B, h|kv, T, hd] views
             if cache is not None:
                 k, v = cache.update(slots, k, v)                 # [B, kv, S, hd]
-        if cache is not None:
+        if cache is not None and mask.shape[-1] != k.shape[2]:
             k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]   # attend to the mask's span only
         return linear(gqa_attention(q, k, v, mask).reshape(B, T, self.n_head * self.hd), self.wo.weight)
 
