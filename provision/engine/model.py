@@ -78,6 +78,11 @@ def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
     cos, sin = rope.unbind(-2)
     if cos.dtype != x.dtype:
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return rotate(x, cos, sin)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE in the rotate-half layout, cos and sin broadcast against x."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -188,6 +193,27 @@ class TransformerBlock(nn.Module):
         h, hn = self.ffn_norm(x, residual=self.attention(xn, rope, mask, slots))
         return x, h, self.feed_forward(hn)
 
+    def lean(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, slots: Tensor, residual: Optional[Tensor]):
+        """forward's computation with as few Python-level calls as it takes, where the attention runs on CPU below
+        float32 (mask from attention_mask; cos, sin [T, 1, hd]): the same kernels on the same operands in the same
+        order, so the same bits (tests compare); those calls cost about a tenth of a CPU step. Weights and caches
+        come from `parts`, set by Transformer.setup_caches."""
+        wn1, eps, wqkv, kc, vc, wo, wn2, w13, w2, nh, kv, hd = self.parts
+        B, T, _ = x.shape
+        if residual is None:
+            xn = rms_norm(x, wn1, eps)
+        else:
+            x, xn = rms_norm(x, wn1, eps, residual)
+        qkv = linear(xn, wqkv).view(B, T, nh + 2 * kv, hd)
+        qk = rotate(qkv[:, :, : nh + kv], cos, sin)                        # [B, T, h+kv, hd]
+        kc.index_copy_(2, slots, qk[:, :, nh:].transpose(1, 2))
+        vc.index_copy_(2, slots, qkv[:, :, nh + kv:].transpose(1, 2))
+        if mask.shape[-1] != kc.shape[2]:
+            kc, vc = kc[:, :, : mask.shape[-1]], vc[:, :, : mask.shape[-1]]
+        y = attention(qk[:, :, :nh].transpose(1, 2), kc, vc, mask).reshape(B, T, nh * hd)
+        h, hn = rms_norm(x, wn2, eps, linear(y, wo))
+        return x, h, linear(silu_mul(linear(hn, w13)), w2)
+
 
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
@@ -205,8 +231,11 @@ class Transformer(nn.Module):
         self.kv_store = torch.zeros(a.n_layer, 2, batch, a.n_local_heads, max_slots, a.head_dim, dtype=p.dtype,
                                     device=p.device)
         for i, layer in enumerate(self.layers):
-            layer.attention.kv_cache = KVCache(batch, max_slots, a.n_local_heads, a.head_dim, p.dtype,
-                                               store=self.kv_store[i])
+            at, ff = layer.attention, layer.feed_forward
+            at.kv_cache = KVCache(batch, max_slots, a.n_local_heads, a.head_dim, p.dtype, store=self.kv_store[i])
+            layer.parts = (layer.attention_norm.weight, layer.attention_norm.eps, at.wqkv.weight, at.kv_cache.k_cache,
+                           at.kv_cache.v_cache, at.wo.weight, layer.ffn_norm.weight, ff.w13.weight, ff.w2.weight,
+                           a.n_head, a.n_local_heads, a.head_dim)
         self.register_buffer("rope", rope_cache(max_slots, self.args).to(p.device), persistent=False)
         self.max_slots = max_slots
 
@@ -221,10 +250,15 @@ class Transformer(nn.Module):
         """
         x, f = self.tok_embeddings(idx), None
         rope = self.rope[pos].to(x.dtype)
-        mask = attention_mask(mask, x.dtype, self.args.n_head // self.args.n_local_heads)
+        prepared = attention_mask(mask, x.dtype, self.args.n_head // self.args.n_local_heads)
+        lean = prepared is not mask and self.max_slots > 0           # CPU below float32: TransformerBlock.lean
+        cos, sin = rope[:, None].unbind(-2) if lean else (None, None)
         seen = {}
         for i, layer in enumerate(self.layers):
-            x, h, f = layer(x, rope, mask, slots, residual=f)        # x: this layer's input
+            if lean:
+                x, h, f = layer.lean(x, cos, sin, prepared, slots, f)   # x: this layer's input
+            else:
+                x, h, f = layer(x, rope, mask, slots, residual=f)
             if capture and i in self.args.aux_layers:
                 seen[i] = x
             x = h

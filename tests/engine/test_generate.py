@@ -113,6 +113,34 @@ def test_attention_rows_are_independent_on_cpu():
     assert kernels.attention_mask(mask, torch.float32, 3) is mask   # float32 keeps the boolean mask
 
 
+@pytest.mark.parametrize("T, W", [(8, 48), (5, 16)])                # a whole cache's span, and a shorter one
+def test_lean_layer_computes_the_forward_bits(T, W):
+    """On CPU below float32 the target runs TransformerBlock.lean: every output and every key and value it writes
+    equals, bit for bit, what the block's forward computes from the same inputs (the same kernels in one order)."""
+    target, _ = random_pair(n_layer=3, n_head=6, n_kv=2, dim=96, device="cpu")
+    target = target.to(torch.bfloat16)
+    target.setup_caches(48)
+    kernels.prepack([target], T)
+    g = torch.Generator().manual_seed(1)
+    slots = torch.arange(20, 20 + T)
+    mask = torch.arange(W)[None] <= slots[:, None]
+    with torch.inference_mode():
+        rope = target.rope[slots].to(torch.bfloat16)
+        prepared = kernels.attention_mask(mask, torch.bfloat16, 3)
+        assert prepared is not mask
+        cos, sin = rope[:, None].unbind(-2)
+        x, f = torch.randn(1, T, 96, generator=g).to(torch.bfloat16), None
+        for i, layer in enumerate(target.layers):
+            want = layer(x, rope, prepared, slots, residual=f)
+            cache = target.kv_store[i].clone()
+            target.kv_store[i, ..., slots, :] = torch.randn(2, 1, 2, T, 16, generator=g).to(torch.bfloat16)
+            got = layer.lean(x, cos, sin, prepared, slots, f)         # it must write this layer's keys and values
+            assert all(torch.equal(a, b) for a, b in zip(want, got))
+            assert torch.equal(target.kv_store[i], cache)
+            x, f = want[1], want[2]
+        assert not torch.equal(*got[1:]) and got[2].abs().sum() > 0
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_argmax_is_the_first_maximum(dtype):
     """kernels.argmax keeps torch.argmax's contract, ties included (bfloat16 logits tie often)."""
