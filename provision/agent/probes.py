@@ -725,10 +725,11 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, t
 
 
 def _included_round(base, prompts, max_tokens, timeout):
-    """Baseline (speculative: false) and EAGLE-3 per prompt, interleaved; warm-up first."""
+    """Baseline (speculative: false) and EAGLE-3 per prompt, interleaved; warm-up first, at the round's full
+    length, so that what a fresh server does once (new cache spans, first-use allocations) is not timed."""
     url = base + "/v1/completions"
     for spec in (False, True):
-        _post(url, {"prompt": prompts[0], "max_tokens": 8, "temperature": 0, "speculative": spec}, timeout)
+        _post(url, {"prompt": prompts[0], "max_tokens": max_tokens, "temperature": 0, "speculative": spec}, timeout)
     t = {False: 0.0, True: 0.0}
     n = {False: 0, True: 0}
     accepts, mismatch, ratios = [], [], []
