@@ -84,7 +84,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor):
     if not q.is_cuda and _cpu_fused(q.dtype, mask):
         B, h, T, hd = q.shape
         g = h // k.shape[1]
-        mask = attention_mask(mask, q.dtype, g) if mask.dtype == torch.bool else mask
+        mask = attention_mask(mask, q.dtype, g)                # as it came when already prepared
         y = F.scaled_dot_product_attention(q.reshape(B, k.shape[1], g * T, hd), k, v, attn_mask=mask)
         return y.view(B, h, T, hd).transpose(1, 2)
     tk = _fast(q)

@@ -194,8 +194,11 @@ def main(argv=None):
     stops = set(stop_ids(a.model))
     target = load_target(a.model, a.device).requires_grad_(False)
     if a.corpus:
-        saved = torch.load(a.corpus)
-        data, is_answer, about = saved["data"].long(), saved["is_answer"], saved["about"]
+        try:
+            saved = torch.load(a.corpus)
+            data, is_answer, about = saved["data"].long(), saved["is_answer"], saved["about"]
+        except (OSError, RuntimeError, KeyError, TypeError, AttributeError) as e:
+            raise SystemExit(f"error: --corpus {a.corpus}: not a corpus saved by --save-corpus ({e})") from None
         log(f"corpus from {a.corpus}")
     else:
         data, is_answer, about = self_distill(target, tok, stops, a, log)
