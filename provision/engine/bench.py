@@ -28,8 +28,10 @@ def run_bench(engine: Engine, prompts: list, max_new_tokens: int = 128, repeats:
     enc = [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
     kw = dict(max_new_tokens=max_new_tokens, temperature=0.0, stop_at_eos=stop_at_eos)
     load0 = os.getloadavg()[0]
+    capture = engine.capture()                                   # every step graph, before any timing
     for spec in (False, True):                                   # warm-up (allocator, kernels)
         engine.generate(enc[0], max_new_tokens=8, speculative=spec, stop_at_eos=False)
+    graphs = len(engine.graphs.graphs)
     t_plain = t_spec = 0.0
     n_plain = n_spec = 0
     accepts, identical, outputs, plain = [], True, [], []
@@ -62,11 +64,30 @@ def run_bench(engine: Engine, prompts: list, max_new_tokens: int = 128, repeats:
             "baseline_tok_s": round(base, 2), "eagle3_tok_s": round(eagle, 2), "ratio": round(eagle / base, 3),
             "accept_length": round(sum(accepts) / max(len(accepts), 1), 3),
             "greedy_identical": identical, "outputs": outputs[: len(enc)], "plain_outputs": plain[: len(enc)],
-            "tree": "chain" if engine.topk == 1 else "tree"}
+            "tree": "chain" if engine.topk == 1 else "tree",
+            "capture_s": capture["seconds"], "graphs": len(engine.graphs.graphs),
+            "graphs_captured_while_timed": len(engine.graphs.graphs) - graphs}
+    if engine.device.type == "cuda":
+        r.update(step_costs(engine, enc[0]))
     if peer is not None:
         r.update(transformers_tok_s=round(n_peer / t_peer, 2), transformers_same_tokens=peer_same,
                  plain_vs_transformers=round(base / (n_peer / t_peer), 3))
     return r
+
+
+def step_costs(engine: Engine, ids: list, reps: int = 50) -> dict:
+    """Milliseconds of one plain and one greedy speculative step at the prompt's context, steps queued back to
+    back (graph replays), and their ratio."""
+    from .shape_bench import per_call, spec_step
+    n, cuda = len(ids), engine.device.type == "cuda"
+    list(engine.stream(ids, 1, speculative=False))
+    with torch.inference_mode():
+        plain = per_call(lambda: engine._decode(n, 0.0, 1.0, None), reps, cuda)
+    list(engine.stream(ids, 1))
+    with torch.inference_mode():
+        spec = per_call(lambda: spec_step(engine, n), reps, cuda)
+    return {"plain_step_ms": round(1e3 * plain, 4), "spec_step_ms": round(1e3 * spec, 4),
+            "spec_step_in_plain_steps": round(spec / plain, 3)}
 
 
 def encode_prompts(engine: Engine, chat: bool, n: int) -> list:
@@ -133,7 +154,8 @@ def main(argv=None):
         print(json.dumps(r))
     else:
         print(f"baseline {r['baseline_tok_s']} tok/s  eagle3 {r['eagle3_tok_s']} tok/s  ratio {r['ratio']}  "
-              f"accept length {r['accept_length']}  greedy identical {r['greedy_identical']}")
+              f"accept length {r['accept_length']}  greedy identical {r['greedy_identical']}  "
+              f"graphs {r['graphs']} captured in {r['capture_s']} s")
 
 
 if __name__ == "__main__":

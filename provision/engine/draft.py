@@ -37,13 +37,15 @@ class Eagle3Layer(nn.Module):
         self.feed_forward = FeedForward(args.dim, args.intermediate_size)
         self.norm_before_residual = args.norm_before_residual
 
-    def forward(self, emb: Tensor, hidden: Tensor, rope, mask, slots) -> Tensor:
-        # emb, hidden: [B, T, H]
-        normed = self.hidden_norm(hidden)
-        x = torch.cat([self.input_layernorm(emb), normed], dim=-1)                     # [B, T, 2H]
+    def forward(self, emb: Tensor, hidden: Tensor, rope, mask, slots) -> tuple:
+        """emb, hidden: [B, T, H] → the layer's output as two branches (h, f), summed by the final norm."""
+        H = emb.shape[-1]
+        x = emb.new_empty(*emb.shape[:-1], 2 * H)                                      # [B, T, 2H]
+        self.input_layernorm(emb, out=x[..., :H])
+        normed = self.hidden_norm(hidden, out=x[..., H:])
         base = normed if self.norm_before_residual else hidden
         h, hn = self.ffn_norm(base, residual=self.attention(x, rope, mask, slots))
-        return h + self.feed_forward(hn)
+        return h, self.feed_forward(hn)
 
 
 class Eagle3Draft(nn.Module):
@@ -64,7 +66,7 @@ class Eagle3Draft(nn.Module):
         self.embed = embed
         self.midlayer.attention.kv_cache = KVCache(batch, max_slots, self.args.n_local_heads,
                                                    self.args.head_dim, p.dtype, p.device)
-        self.register_buffer("rope", rope_cache(max_slots, self.args).to(p.device), persistent=False)
+        self.register_buffer("rope", rope_cache(max_slots, self.args).to(p.device, p.dtype), persistent=False)
         self.max_slots = max_slots
 
     def forward(self, idx: Tensor, hidden: Tensor, pos: Tensor, mask: Tensor, slots: Tensor):
@@ -74,8 +76,9 @@ class Eagle3Draft(nn.Module):
         """
         if hidden.shape[-1] != self.args.dim:
             hidden = linear(hidden, self.fc.weight)
-        h = self.midlayer(self.embed_ids(idx), hidden, self.rope[pos].to(hidden.dtype), mask, slots)
-        return linear(self.norm(h), self.lm_head.weight), h
+        h, f = self.midlayer(self.embed_ids(idx), hidden, self.rope[pos].to(hidden.dtype), mask, slots)
+        h, normed = self.norm(h, residual=f)                                             # h + f, and its norm
+        return linear(normed, self.lm_head.weight), h
 
     def embed_ids(self, idx: Tensor) -> Tensor:
         return (self.embed_tokens if self.embed_tokens is not None else self.embed)(idx)

@@ -46,12 +46,14 @@ def probs_from_logits(logits: Tensor, temperature: float, top_p: float) -> Tenso
 
 class StepGraphs:
     """One CUDA graph per (step, span bucket): the first call runs the step for real and captures it, later
-    calls replay it. Off CUDA, or disabled, steps run eagerly. Steps read and write only static tensors."""
+    calls replay it. Off CUDA, or disabled, steps run eagerly. Steps read and write only static tensors.
+    The graphs share one memory pool; `seconds` is the time spent capturing them."""
 
     def __init__(self, device: torch.device, enabled: bool = True):
         self.on = enabled and device.type == "cuda"
         self.graphs: dict = {}
         self.pool = torch.cuda.graph_pool_handle() if self.on else None
+        self.seconds = 0.0
 
     def run(self, key, fn):
         if not self.on:
@@ -60,6 +62,7 @@ class StepGraphs:
         if hit is not None:
             hit[0].replay()
             return hit[1]
+        t0 = time.perf_counter()
         side, main = torch.cuda.Stream(), torch.cuda.current_stream()
         side.wait_stream(main)
         with torch.cuda.stream(side):
@@ -69,6 +72,7 @@ class StepGraphs:
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             static = fn()                           # recorded, not run
         self.graphs[key] = (graph, static)
+        self.seconds += time.perf_counter() - t0
         return out
 
 
@@ -149,6 +153,7 @@ class Engine:
         if self.draft is not None:
             self.dlog = torch.zeros(self.draft.args.draft_vocab_size, dtype=p.dtype, device=dev)
             self.dhid = torch.zeros(1, self.draft.args.dim, dtype=p.dtype, device=dev)
+            self.root_score, self.root_beam = torch.zeros(1, device=dev), torch.full((1,), -1, device=dev)
         L, aux = min(steps + 1, n), len(self.target.args.aux_layers) * self.target.args.dim
         # a sampled acceptance runs between two graphs and hands over: count, tokens, nodes, target features
         self.acc = (torch.zeros((), dtype=torch.long, device=dev), torch.zeros(L, dtype=torch.long, device=dev),
@@ -157,13 +162,35 @@ class Engine:
         if self.graphs.on:                                  # GEMVs and attention per shape: measured, kept
             rows = sorted({1, topk, n, L})                  # decode, draft, verification, draft extension
             kernels.tune([self.target] + ([self.draft] if self.draft is not None else []),
-                         rows=[r for r in rows if r in kernels.CONFIGS])
+                         rows=[r for r in rows if kernels.rows_bucket(r) in kernels.CONFIGS])
             for m, top in ((self.target, self.t_slots), (self.draft, getattr(self, "d_ctx", 0))):
                 if m is not None:
                     a = m.args
                     kernels.tune_attention(a.n_head, a.n_local_heads, a.head_dim, p.dtype, dev, rows,
                                            [256 << i for i in range(max(1, (top - 1).bit_length() - 7))])
         self.emit = Emitter(dev, L + 1)
+        self.fused = self.draft is not None and self._fused_agrees()
+
+    def capture(self) -> dict:
+        """Capture every greedy step's graph now, plain and speculative, one per span bucket up to the whole
+        context (at most two kinds × (log2(max_seq_len / 256) + 2) buckets, in one shared pool), so that no
+        request pays a capture. Leaves the step state undefined: every request starts with a prefill."""
+        if not self.graphs.on:
+            return {"graphs": 0, "seconds": 0.0}
+        t0, before, seen = time.perf_counter(), len(self.graphs.graphs), set()
+        S, N = self.max_seq_len, self.n_tree
+        with torch.inference_mode():
+            for n in range(1, S):
+                if self._target_span(n + 1) not in seen:
+                    seen.add(self._target_span(n + 1))
+                    self._decode(n, 0.0, 1.0, None)
+                spans = (self._target_span(n + N), self._span(n + self.steps + 1, self.d_ctx))
+                if self.draft is not None and n + N <= S and spans not in seen:
+                    seen.add(spans)
+                    self.n_t.fill_(n)
+                    self._spec_step(n, 0.0, 1.0, None)
+        torch.cuda.synchronize(self.device)
+        return {"graphs": len(self.graphs.graphs) - before, "seconds": round(time.perf_counter() - t0, 3)}
 
     def _w(self, x: int) -> int:
         """Attention span covering slots [0, x), rounded up to 64: few distinct shapes, short attention."""
@@ -267,6 +294,54 @@ class Engine:
         tokens = torch.cat([self.tok, c_tok[keep]])
         return tokens, parent, self._ancestors(parent, self.steps)
 
+    def _draft_tree_fused(self, tk, W: int, Wt: int) -> tuple:
+        """_draft_tree and the verification's inputs in Triton kernels (two per level, one for the tree): the same
+        tree, but for ties. Returns tokens, parent, ancestors [N, N], positions, slots, mask [N, Wt]."""
+        K, S, dr, n, dev = self.topk, self.steps, self.draft, self.n_t, self.device
+        M = K + (S - 1) * K * K
+        cand = (torch.empty(M, dtype=torch.long, device=dev), torch.empty(M, device=dev),
+                torch.empty(M, dtype=torch.long, device=dev))
+        beams = (torch.empty(K, device=dev), *(torch.empty(K, dtype=torch.long, device=dev) for _ in range(3)),
+                 torch.empty(K, self.dhid.shape[-1], dtype=self.dhid.dtype, device=dev))
+        mask = torch.empty(K, W + S * K, dtype=torch.bool, device=dev)          # context, then scratch slots
+        mask[:, :W] = self.d_arange[:W] < n
+        tk.expand(*tk.topk_logprob(self.dlog[None], K), self.root_score, self.root_beam, dr.d2t, cand, 0, beams,
+                  self.dhid, mask, W, 0, root=True)
+        pos, slots = n + self.ar[:S], W + self.ar[: S * K]
+        for s in range(1, S):
+            logits, h = dr(beams[1][None], beams[4][None], pos[s - 1].expand(K), mask, slots[(s - 1) * K: s * K])
+            tk.expand(*tk.topk_logprob(logits[0], K), beams[0], beams[2], dr.d2t, cand, K + (s - 1) * K * K, beams,
+                      h[0], mask, W, s * K, root=False)
+        return tk.tree(cand, self.tok, n, self.n_tree, S, Wt)
+
+    def _tree_ops(self):
+        return kernels.tree_ops(self.device) if self.fused else None
+
+    @torch.inference_mode()
+    def _fused_agrees(self) -> bool:
+        """Whether the Triton tree bookkeeping (where there is some) runs here and gives what the torch one
+        gives: one tree from random draft state and its acceptance, compared at configure."""
+        tk = kernels.tree_ops(self.device)
+        if tk is None:
+            return False
+        g = torch.Generator(device=self.device).manual_seed(0)
+        self.dlog.normal_(generator=g)
+        self.dhid.normal_(generator=g)
+        self.n_t.fill_(1)
+        Wd, Wt, N = self._span(self.steps + 2, self.d_ctx), self._target_span(1 + self.n_tree), self.n_tree
+        try:
+            tokens, parent, A = self._draft_tree(Wd)
+            got = self._draft_tree_fused(tk, Wd, Wt)
+            tgt = torch.randint(0, self.target.args.vocab_size, (N,), generator=g, device=self.device)
+            tgt[parent[1:]] = tokens[1:]                                         # a path the target agrees with
+            count, out, path = self._accepted(*self._accept_greedy(
+                torch.nn.functional.one_hot(tgt, self.target.args.vocab_size).float(), tokens, parent, A))
+            res, p, *_ = tk.accept(tgt, tokens, parent, A, self.n_t, path.shape[0])
+        except kernels.triton_errors() + (RuntimeError,):
+            return False
+        want = (tokens, parent, A, self.n_t + A.sum(-1) - 1, self._tree_mask(A, self.n_t, Wt), count, out, path)
+        return all(torch.equal(x, y) for x, y in zip((*got[:4], got[5], res[0], res[1:], p), want))
+
     def _ancestors(self, parent: Tensor, depth: int) -> Tensor:
         """[N, N] bool: A[i, j] when node j is node i or one of its ancestors (trees at most `depth` deep)."""
         eye = torch.eye(len(parent), dtype=torch.bool, device=self.device)
@@ -319,11 +394,16 @@ class Engine:
 
     def _verify(self, Wt: int, Wd: int):
         """Draft a tree at n and run it through the target in one masked forward (tree slots n..n+N-1)."""
-        N, n = self.n_tree, self.n_t
-        tokens, parent, A = self._draft_tree(Wd)
-        vlogits, vaux = self.target(tokens[None], n + A.sum(-1) - 1, self._tree_mask(A, n, Wt), n + self.ar[:N],
-                                    capture=True)
+        N, n, tk = self.n_tree, self.n_t, self._tree_ops()
+        if tk:
+            tokens, parent, A, pos, slots, mask = self._draft_tree_fused(tk, Wd, Wt)
+        else:
+            tokens, parent, A = self._draft_tree(Wd)
+            pos, slots, mask = n + A.sum(-1) - 1, n + self.ar[:N], self._tree_mask(A, n, Wt)
+        vlogits, vaux = self.target(tokens[None], pos, mask, slots, capture=True)
         return tokens, parent, A, vlogits[0], vaux
+
+
 
     def _accepted(self, acc: Tensor, choice: Tensor):
         """(accepted count, emitted tokens padded to L, their tree nodes)."""
@@ -345,19 +425,29 @@ class Engine:
         out[last] becomes the root, and the draft's logits and state there its next input."""
         dpos = n + self.ar[: out.shape[0]]
         dl, dh = self.draft(out[None], feats[None], dpos, self.d_arange[None, :Wd] <= dpos[:, None], dpos)
-        self.tok.copy_(out[last])
-        self.dlog.copy_(dl[0, last][0])
-        self.dhid.copy_(dh[0, last])
+        torch.index_select(out, 0, last, out=self.tok)
+        torch.index_select(dl[0], 0, last, out=self.dlog[None])
+        torch.index_select(dh[0], 0, last, out=self.dhid)
+
+    def _spec_greedy(self, Wt: int, Wd: int) -> Tensor:
+        """One greedy speculative step (the acceptance in one Triton kernel where there is one)."""
+        tokens, parent, A, vlogits, vaux = self._verify(Wt, Wd)
+        tk = self._tree_ops()
+        if not tk:
+            return self._advance(Wd, *self._accepted(*self._accept_greedy(vlogits, tokens, parent, A)), vaux)
+        L = min(self.steps + 1, self.n_tree)
+        res, path, src, dst, last = tk.accept(kernels.argmax(vlogits), tokens, parent, A, self.n_t, L)
+        self.target.move_kv(src, dst)
+        self._extend_draft(Wd, self.n_t, res[1:], vaux[0, path], last)
+        self.n_t.add_(res[0])
+        return res
 
     def _spec_step(self, n_hi: int, temperature: float, top_p: float, g) -> Tensor:
         """Queue one speculative step (draft, verify, accept, compact, extend) at the context `n_t` holds on
         the device, at most n_hi (which picks the spans); no host sync."""
         Wt, Wd = self._target_span(n_hi + self.n_tree), self._span(n_hi + self.steps + 1, self.d_ctx)
         if temperature <= 0:
-            def step():
-                tokens, parent, A, vlogits, vaux = self._verify(Wt, Wd)
-                return self._advance(Wd, *self._accepted(*self._accept_greedy(vlogits, tokens, parent, A)), vaux)
-            return self.graphs.run(("spec", Wt, Wd), step)
+            return self.graphs.run(("spec", Wt, Wd), lambda: self._spec_greedy(Wt, Wd))
         tokens, parent, A, vlogits, vaux = self.graphs.run(("verify", Wt, Wd), lambda: self._verify(Wt, Wd))
         acc = self._accepted(*self._accept_sample(vlogits, tokens, parent, A, temperature, top_p, g))
         for buf, x in zip(self.acc, (*acc, vaux)):

@@ -14,7 +14,10 @@ CONFIGS = {1: [(1, 2048, 4), (2, 2048, 8), (2, 1024, 4), (4, 1024, 8), (4, 512, 
                (16, 256, 8)],                                                     # (rows, k-chunk, warps)
            2: [(4, 256, 4), (8, 256, 8), (4, 512, 8)],
            4: [(2, 256, 4), (4, 256, 8), (4, 128, 4)],
-           16: [(16, 256, 4, True), (16, 512, 4, True), (32, 256, 4, True), (16, 128, 4, True)]}  # tensor cores
+           8: [(2, 128, 4), (4, 128, 8), (8, 64, 8)],
+           16: [(16, 256, 4, True), (16, 512, 4, True), (32, 256, 4, True), (16, 128, 4, True),   # tensor cores
+                (16, 1024, 8, True), (32, 512, 8, True), (64, 256, 8, True),
+                (2, 64, 4), (4, 64, 8), (4, 128, 8)]}       # rows: the next power of two of a product's rows
 CHUNKS = (64, 128, 256, 512, 1024)   # attention: slots per program (one program per kv head and chunk)
 CHOICE: dict = {}       # (M, N, K, dtype) → config where Triton beat cuBLAS at load time
 ATTN: dict = {}         # (rows, kv heads, head dim, dtype, span) → chunk where Triton beat bmm-softmax-bmm
@@ -61,6 +64,11 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
     tk = _fast(x)
     cfg = CHOICE.get((x.numel() // x.shape[-1], *w.shape, x.dtype)) if tk else None
     return tk.skinny(x, w, *cfg) if cfg else F.linear(x, w)
+
+
+def tree_ops(device: torch.device):
+    """The Triton kernels that build the speculative tree (topk_logprob, expand, tree) on CUDA, else None."""
+    return _tk() if device.type == "cuda" else None
 
 
 def _cpu_fused(dtype, mask: Tensor) -> bool:
@@ -114,16 +122,18 @@ def prepack(modules: list, rows: int):
                 w.onednn = (w._version, torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows))
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
-    """weight * RMSNorm(h) in float, h = x (+ residual); returns (h, normed) when residual is given."""
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None, out: Tensor | None = None):
+    """weight * RMSNorm(h) in float, h = x (+ residual); returns (h, normed) when residual is given. `out` (batch 1,
+    x's shape, rows at a stride): where the normed rows go, a column block of a wider tensor."""
     tk = _fast(x)
-    if tk:
-        return tk.rms_norm(x, weight, eps, residual)
+    if tk and (out is None or out.shape[:-2].numel() == 1):
+        return tk.rms_norm(x, weight, eps, residual, out)
     h = x if residual is None else x + residual
     if h.is_cuda:
         y = weight * F.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype)
     else:                                   # the same: on CPU torch normalizes below float32 in float, then rounds
         y = weight * F.rms_norm(h, (h.shape[-1],), eps=eps)
+    y = y if out is None else out.copy_(y)
     return y if residual is None else (h, y)
 
 
@@ -219,9 +229,15 @@ def _done() -> set:
     return {(t["kind"], t.get("m"), t.get("n"), t.get("k"), getattr(torch, t.get("dtype", ""), None)) for t in TIMINGS}
 
 
+def rows_bucket(M: int) -> int:
+    """The CONFIGS key of a product of M rows: the next power of two (the kernel pads the rows)."""
+    return 1 << (M - 1).bit_length()
+
+
 def _cfgs(M: int, N: int, K: int, dt) -> list:
     """The GEMV configs that fit (M, N, K): tile sizes dividing the shape; tensor cores for half types only."""
-    return [c for c in CONFIGS.get(M, []) if not N % c[0] and not K % c[1] and (len(c) == 3 or dt != torch.float32)]
+    return [c for c in CONFIGS.get(rows_bucket(M), []) if not N % c[0] and not K % c[1]
+            and (len(c) == 3 or dt != torch.float32)]
 
 
 def _record(kind: str, M: int, N: int, K: int, dt, base: float, best, best_t: float):

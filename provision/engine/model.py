@@ -128,9 +128,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: Tensor, residual: Optional[Tensor] = None):
-        """weight * norm(x); with `residual`: (h, weight * norm(h)) for h = x + residual."""
-        return rms_norm(x, self.weight, self.eps, residual)
+    def forward(self, x: Tensor, residual: Optional[Tensor] = None, out: Optional[Tensor] = None):
+        """weight * norm(x); with `residual`: (h, weight * norm(h)) for h = x + residual; written into `out`."""
+        return rms_norm(x, self.weight, self.eps, residual, out)
 
 
 class Attention(nn.Module):
@@ -236,7 +236,8 @@ class Transformer(nn.Module):
             layer.parts = (layer.attention_norm.weight, layer.attention_norm.eps, at.wqkv.weight, at.kv_cache.k_cache,
                            at.kv_cache.v_cache, at.wo.weight, layer.ffn_norm.weight, ff.w13.weight, ff.w2.weight,
                            a.n_head, a.n_local_heads, a.head_dim)
-        self.register_buffer("rope", rope_cache(max_slots, self.args).to(p.device), persistent=False)
+        # in the weights' dtype: the values a row rounded after its gather would have, without a cast per step
+        self.register_buffer("rope", rope_cache(max_slots, self.args).to(p.device, p.dtype), persistent=False)
         self.max_slots = max_slots
 
     def move_kv(self, src: Tensor, dst: Tensor):
