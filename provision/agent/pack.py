@@ -1,0 +1,386 @@
+"""Host agent (stdlib only): a generation back into wheels. Every installed file is checked against its RECORD
+first (`record.check`); then each distribution is rebuilt, in parallel, as a stored (uncompressed) wheel.
+
+Payload {op: pack, venv, out, root?, gen_dir?, allow_drift?, series?, jobs?} or {op: clean, root, dir}. See
+`arcname` for the layout of a rebuilt wheel. Patched files go back as shipped: read from the generation's own
+wheels in the host's cache, or recovered by reversing the series in memory; either must match RECORD.
+"""
+import csv
+import hashlib
+import io
+import os
+import re
+import shutil
+import stat
+import threading
+import time
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+
+from . import record
+from .host import AgentError, emit, inside, read_json
+
+CHUNK = 1 << 20
+DROPPED = ("INSTALLER", "REQUESTED", "direct_url.json", "RECORD", "RECORD.jws", "RECORD.p7s")   # installer-written
+EPOCH = (1980, 1, 1, 0, 0, 0)      # every entry's time: the same generation packs into the same bytes
+ZIP64 = (1 << 31) - 1
+SHEBANG_SH = b"'''exec' "          # the /bin/sh trampoline installers write for an over-long interpreter path
+
+
+def skipped(rel):
+    """Written at run time by the interpreter, never shipped in a wheel."""
+    return rel.endswith(".pyc") or "__pycache__/" in rel
+
+
+# ------------------------------------------------------------------ wheel names
+
+def wheel_meta(site, info):
+    """(tags in WHEEL's order, build tag or None) from the dist-info's WHEEL."""
+    tags, build = [], None
+    with open(os.path.join(site, info, "WHEEL"), encoding="utf-8", errors="replace") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k.strip() == "Tag" and v.strip():
+                tags.append(v.strip())
+            elif k.strip() == "Build" and v.strip():
+                build = v.strip()
+    if not tags:
+        raise AgentError("%s/WHEEL names no Tag" % info)
+    return tags, build
+
+
+def compress_tags(tags):
+    """PEP 425's compressed tag set: each component's values in the order they first appear, joined by '.'
+    (py2-none-any + py3-none-any -> py2.py3-none-any)."""
+    parts = ([], [], [])
+    for t in tags:
+        fields = t.split("-")
+        if len(fields) != 3 or not all(fields):
+            raise AgentError("bad wheel tag %r in WHEEL" % t)
+        for seen, value in zip(parts, fields):
+            if value not in seen:
+                seen.append(value)
+    return "-".join(".".join(p) for p in parts)
+
+
+def wheel_name(name, version, tags, build=None):
+    """<name>-<version>[-<build>]-<tags>.whl with PEP 427/491 escaping: runs of -_. in the name become _, a
+    lowercase name; - in the version (never in a normalized one) becomes _."""
+    escaped = re.sub(r"[-_.]+", "_", name).lower()
+    parts = [escaped, version.replace("-", "_")] + ([build] if build else []) + [compress_tags(tags)]
+    return "-".join(parts) + ".whl"
+
+
+# ------------------------------------------------------------------ where each installed file goes
+
+def entry_point_scripts(site, info):
+    """Names of the console and GUI scripts the installer generates from entry_points.txt."""
+    names, section = set(), None
+    try:
+        with open(os.path.join(site, info, "entry_points.txt"), encoding="utf-8", errors="replace") as f:
+            for line in f:
+                line = line.strip()
+                if line.startswith("["):
+                    section = line.strip("[]").strip()
+                elif section in ("console_scripts", "gui_scripts") and "=" in line and not line.startswith(("#", ";")):
+                    names.add(line.split("=", 1)[0].strip())
+    except OSError:
+        pass
+    return names
+
+
+def arcname(venv, site, full, rel, data_dir, scripts, py):
+    """Where an installed file goes in the wheel: its RECORD path under site-packages; a file that climbs out
+    goes to <data_dir>/scripts (bin/), headers (include/site/pythonX.Y/), data (the rest, by its path under
+    the venv); None for a console/GUI script the installer writes from entry_points.txt."""
+    if not rel.startswith("../") and not rel.startswith(".." + os.sep):
+        return os.path.normpath(rel).replace(os.sep, "/")
+    under = os.path.relpath(full, venv).replace(os.sep, "/")
+    head, _, rest = under.partition("/")
+    if head == "bin" and rest and "/" not in rest:
+        return None if rest in scripts else "%s/scripts/%s" % (data_dir, rest)
+    headers = "include/site/%s/" % py
+    if under.startswith(headers) and under.count("/") > headers.count("/"):
+        return "%s/headers/%s" % (data_dir, under[len(headers):].split("/", 1)[1])
+    return "%s/data/%s" % (data_dir, under)
+
+
+def unshebang(data):
+    """A script as a wheel ships it: the installer's interpreter line back to `#!python`."""
+    lines = data.split(b"\n", 3)          # #!/bin/sh, '''exec' PY "$0" "$@", ' ''', the script
+    if lines[0] == b"#!/bin/sh" and len(lines) == 4 and lines[1].startswith(SHEBANG_SH):
+        return b"#!python\n" + lines[3]
+    if data.startswith(b"#!"):
+        first, nl, body = data.partition(b"\n")
+        if b"python" in first:
+            return b"#!python" + (b"w" if first.rstrip().endswith(b"pythonw") else b"") + nl + body
+    return data
+
+
+# ------------------------------------------------------------------ one distribution
+
+def plan_dist(venv, site, name, version, info, drift, restored, py):
+    """[(arcname, source path, bytes or None, (digest, size) or None, mode)] of one distribution's wheel, its
+    file name, and the files left out (drift entries that cannot be packed: missing, outside)."""
+    tags, build = wheel_meta(site, info)
+    data_dir = info[:-len(".dist-info")] + ".data"
+    scripts = entry_point_scripts(site, info)
+    items, seen = [], set()
+    for rel, full, algo, digest, size in record.entries(site, info, venv):
+        if full is None or skipped(rel):
+            continue
+        if rel.startswith(info + "/") and rel[len(info) + 1:] in DROPPED:
+            continue
+        arc = arcname(venv, site, full, rel, data_dir, scripts, py)
+        if arc is None or arc in seen:
+            continue
+        if not os.path.isfile(full):      # missing: named in the drift already
+            continue
+        seen.add(arc)
+        mode = os.stat(full).st_mode
+        data = restored.get(full)
+        if arc.startswith(data_dir + "/scripts/"):
+            with open(full, "rb") as f:
+                data = unshebang(f.read())
+        known = None
+        if data is None and algo == "sha256" and digest and rel not in drift and size is not None:
+            known = (digest, size)      # checked against RECORD just now: its digest stands
+        items.append((arc, full, data, known, mode))
+    items.sort(key=lambda it: (it[0].startswith(info + "/"), it[0].startswith(data_dir + "/"), it[0]))
+    return items, wheel_name(name, version, tags, build)
+
+
+def write_wheel(path, info, items):
+    """A stored zip of `items` with a fresh RECORD; returns (files, bytes of content)."""
+    rows, total = [], 0
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for arc, full, data, known, mode in items:
+            zi = zipfile.ZipInfo(arc, date_time=EPOCH)
+            zi.compress_type = zipfile.ZIP_STORED
+            zi.external_attr = ((stat.S_IFREG | (0o755 if mode & 0o111 else 0o644)) << 16)
+            if data is not None:
+                zf.writestr(zi, data)
+                digest, size = record.b64digest(hashlib.sha256(data).digest()), len(data)
+            else:
+                size = os.path.getsize(full)
+                zi.file_size = size
+                h = None if known else hashlib.sha256()
+                with open(full, "rb") as src, zf.open(zi, "w", force_zip64=size > ZIP64) as dst:
+                    buf = bytearray(CHUNK)
+                    view = memoryview(buf)
+                    while True:
+                        n = src.readinto(buf)
+                        if not n:
+                            break
+                        dst.write(view[:n])
+                        if h is not None:
+                            h.update(view[:n])
+                digest = known[0] if known else record.b64digest(h.digest())
+            rows.append((arc, "sha256=" + digest, str(size)))
+            total += size
+        out = io.StringIO()
+        w = csv.writer(out, lineterminator="\n")
+        w.writerows(rows)
+        w.writerow((info + "/RECORD", "", ""))
+        zi = zipfile.ZipInfo(info + "/RECORD", date_time=EPOCH)
+        zi.external_attr = (stat.S_IFREG | 0o644) << 16
+        zf.writestr(zi, out.getvalue().encode("utf-8"))
+    return len(rows), total
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        buf = bytearray(CHUNK)
+        view = memoryview(buf)
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------ patches, drift
+
+def restore_patched(site, series):
+    """{absolute path: bytes as shipped} of the files a patch series changed, by reversing the series in memory
+    (the patcher's own engine: exact context, nothing written)."""
+    if not series:
+        return {}
+    from . import patcher
+
+    infos = {n: info for n, _, info in record.dist_infos(site)}
+    out = {}
+    for s in series:
+        info = infos.get(record.norm(s["package"]))
+        if info is None:
+            raise AgentError("patch series %s: %s is not installed here" % (s["name"], s["package"]))
+        owned = {rel for rel, full, _, _, _ in record.entries(site, info, site) if full is not None}
+        try:
+            _, state, original = patcher.plan(site, [s], "revert", owned=owned)
+        except patcher.PatchFailed as e:
+            raise AgentError("cannot recover the shipped files: %s" % e)
+        for path, lines in state.items():
+            if lines != original[path]:
+                out[os.path.normpath(path)] = "".join(lines).encode("utf-8")
+    return out
+
+
+def shipped_from_cache(chk, site, gen_dir, wheels_dir):
+    """{absolute path: bytes as shipped} of the files the generation's patches changed (its manifest names them),
+    read from the generation's own wheels in the host's cache (its requirements.txt names each by hash)."""
+    man = read_json(os.path.join(gen_dir, "manifest.json"), {}) or {}
+    patched = set(((man.get("patches") or {}).get("files") or {}))
+    owners = {name: [rel for rel in d["changed"] if rel in patched] for name, d in chk["dists"].items()}
+    owners = {n: rels for n, rels in owners.items() if rels}
+    if not owners:
+        return {}
+    wheels = {}
+    try:
+        with open(os.path.join(gen_dir, "requirements.txt")) as f:
+            for line in f:
+                m = re.match(r"^(\S+) @ file://(\S+) --hash=sha256:[0-9a-f]{64}$", line.strip())
+                if m:
+                    wheels[record.norm(m.group(1))] = m.group(2)
+    except OSError:
+        return {}
+    out = {}
+    for name, rels in owners.items():
+        path = wheels.get(name)
+        if not path or not os.path.isfile(path):
+            continue
+        with zipfile.ZipFile(inside(wheels_dir, path)) as z:
+            have = set(z.namelist())
+            for rel in rels:
+                if rel in have:
+                    out[os.path.normpath(os.path.join(site, rel))] = z.read(rel)
+    return out
+
+
+def drift_of(chk, site, restored):
+    """{name: [paths]} of the files that no longer match their RECORD, once patched files are taken back to
+    what was shipped; bytecode is left out (never packed)."""
+    drift = {}
+    for name, d in sorted(chk["dists"].items()):
+        bad = []
+        for rel in d["changed"]:
+            if skipped(rel):
+                continue
+            full = os.path.normpath(os.path.join(site, rel))
+            if full in restored and restored_ok(site, d["info"], rel, restored[full]):
+                continue
+            bad.append(rel)
+        bad += [rel for rel in d["missing"] + d["outside"] if not skipped(rel)]
+        if bad:
+            drift[name] = sorted(set(bad))
+    return drift
+
+
+def restored_ok(site, info, rel, data):
+    """Whether bytes recovered by reversing a patch are what RECORD says was installed."""
+    want = next((digest for r, _, algo, digest, _ in record.entries(site, info, site) if r == rel), None)
+    return want == record.b64digest(hashlib.sha256(data).digest())
+
+
+# ------------------------------------------------------------------ the agent
+
+def op_pack(a):
+    venv, out = a["venv"], a["out"]
+    if not os.path.isabs(out) or "\0" in out:
+        raise AgentError("output folder %r is not an absolute path" % out)
+    jobs = int(a.get("jobs") or min(32, (os.cpu_count() or 1) * 2))
+    t0 = time.perf_counter()
+    site = record.site_packages(venv)
+    if site is None:
+        raise AgentError("no site-packages under %s" % venv)
+    chk = record.check(venv, jobs=jobs)
+    restored = restore_patched(site, a.get("series") or [])
+    if a.get("gen_dir") and a.get("root"):
+        restored.update(shipped_from_cache(chk, site, inside(a["root"], a["gen_dir"]),
+                                           os.path.join(a["root"], "cache", "wheels")))
+    drift = drift_of(chk, site, restored)
+    t_check = time.perf_counter() - t0
+    emit({"_event": {"step": "check", "files": chk["files"], "bytes": chk["bytes"], "seconds": t_check,
+                     "drift": sum(map(len, drift.values()))}})
+    if drift and not a.get("allow_drift"):
+        return {"refused": "drift", "drift": drift, "check_seconds": t_check, "files": chk["files"]}
+    py = os.path.basename(os.path.dirname(site))
+    dists = sorted(chk["dists"].items(), key=lambda kv: -kv[1]["bytes"])
+    os.makedirs(out, exist_ok=True)
+    guard, done, results, errors = threading.Lock(), [0], {}, []
+
+    def one(kv):
+        name, d = kv
+        if d["info"] + "/RECORD" in d["missing"]:
+            return None         # no RECORD: nothing says what the distribution is (named in the drift)
+        items, filename = plan_dist(venv, site, name, d["version"], d["info"], set(drift.get(name, [])), restored, py)
+        dest = os.path.join(out, filename)
+        tmp = os.path.join(out, ".%s.tmp-%d" % (filename, os.getpid()))
+        try:
+            files, size = write_wheel(tmp, d["info"], items)
+            sha = sha256_file(tmp)
+            os.replace(tmp, dest)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        row = {"name": name, "version": d["version"], "filename": filename, "sha256": sha,
+               "size": os.path.getsize(dest), "files": files, "bytes": size,
+               "sources": [full for _, full, data, _, _ in items if full and data is None]}
+        with guard:
+            done[0] += 1
+            emit({"_event": {"step": "pack", "done": done[0], "total": len(dists), "name": name}})
+        return row
+
+    t1 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=jobs) as ex:
+        for kv, fut in [(kv, ex.submit(one, kv)) for kv in dists]:
+            try:
+                results[kv[0]] = fut.result()
+            except (OSError, AgentError, zipfile.LargeZipFile) as e:
+                errors.append("%s: %s" % (kv[0], getattr(e, "strerror", None) or e))
+    t_pack = time.perf_counter() - t1
+    if errors:
+        raise AgentError("cannot pack %s%s" % (errors[0], " (and %d more)" % (len(errors) - 1) if len(errors) > 1 else ""))
+    unpacked = sorted(n for n, r in results.items() if r is None)
+    results = {n: r for n, r in results.items() if r is not None}
+    sources = [p for r in results.values() for p in r.pop("sources")]
+    t_read = read_all(sources, jobs)
+    return {"site": site, "python": py, "wheels": [results[n] for n in sorted(results)],
+            "unpacked": unpacked,
+            "drift": drift, "extra": len([e for e in chk["extra"] if not skipped(e)]),
+            "files": chk["files"], "bytes": chk["bytes"],
+            "read_bytes": sum(os.path.getsize(p) for p in sources),
+            "seconds": {"check": t_check, "pack": t_pack, "read": t_read}, "jobs": jobs}
+
+
+def read_all(paths, jobs):
+    """Seconds to merely read these files (in 1 MiB chunks, `jobs` at a time): what packing is measured against."""
+    def one(path):
+        buf = bytearray(CHUNK)
+        with open(path, "rb") as f:
+            while f.readinto(buf):
+                pass
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=jobs) as ex:
+        list(ex.map(one, sorted(paths, key=lambda p: -os.path.getsize(p))))
+    return time.perf_counter() - t0
+
+
+def op_clean(a):
+    """Remove a pack's temporary folder under the host root's tmp/."""
+    path = inside(os.path.join(a["root"], "tmp"), a["dir"])
+    if os.path.realpath(path) == os.path.realpath(os.path.join(a["root"], "tmp")):
+        raise AgentError("refusing to remove %s itself" % path)
+    shutil.rmtree(path, ignore_errors=True)
+    return {"removed": path}
+
+
+def main(a):
+    op = a.get("op", "pack")
+    if op == "pack":
+        return op_pack(a)
+    if op == "clean":
+        return op_clean(a)
+    raise AgentError("unknown op %r" % op)
