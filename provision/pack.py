@@ -129,6 +129,10 @@ def pack(transport: Transport, out: Path, generation: str | None = None, *, allo
         raise HostError(f"generation {gen_id} has no lock.yaml", where=host)
     source = lockmod.loads(info["lock_text"], f"{host}:{gen_id}/lock.yaml")
     venv = venv_of(transport, gen_id, manifest)
+    rules = base_lock or source      # what the packed lock says besides its packages
+    if base_lock and base_lock.platform.python != source.platform.python:
+        raise InputError(f"generation {gen_id} runs Python {source.platform.python}; {base} is for Python "
+                         f"{base_lock.platform.python}", where="--base")
     lay = layout.of(transport)
     remote = str(out) if transport.target.local else f"{lay.root}/tmp/pack-{gen_id}-{os.getpid()}-{int(time.time())}"
     payload = {"op": "pack", "venv": venv, "out": remote, "root": lay.root, "allow_drift": allow_drift,
@@ -157,11 +161,9 @@ def pack(transport: Transport, out: Path, generation: str | None = None, *, allo
             except ProvisionError:
                 pass
 
-    rules = base_lock or source
-    env_python = str(res.get("python", "")).removeprefix("python")
-    if env_python and env_python != rules.platform.python:
-        raise InputError(f"{venv} runs Python {env_python}; {rules.path} is for Python {rules.platform.python}",
-                         where="--base" if base_lock else f"{host}:{gen_id}")
+    if res.get("python") != f"python{rules.platform.python}":
+        raise HostError(f"{venv} runs {res.get('python')!r}, not Python {rules.platform.python} as its lock says",
+                        where=host)
 
     by_name = {w["name"]: dict(w, drift=res["drift"].get(w["name"])) for w in wheels}
     replaced = []

@@ -21,7 +21,7 @@ from . import record
 from .host import AgentError, emit, inside, read_json
 
 CHUNK = 1 << 20
-DROPPED = ("INSTALLER", "REQUESTED", "direct_url.json", "RECORD", "RECORD.jws", "RECORD.p7s")   # installer-written
+DROPPED = ("INSTALLER", "REQUESTED", "direct_url.json", "uv_cache.json", "RECORD", "RECORD.jws", "RECORD.p7s")  # by installers
 EPOCH = (1980, 1, 1, 0, 0, 0)      # every entry's time: the same generation packs into the same bytes
 ZIP64 = (1 << 31) - 1
 SHEBANG_SH = b"'''exec' "          # the /bin/sh trampoline installers write for an over-long interpreter path
