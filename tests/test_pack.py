@@ -19,7 +19,7 @@ from provision.agent.pack import compress_tags, unshebang, wheel_name
 from provision.loopback import LoopbackHost
 from provision.transport import trust_host
 from test_core import cli, host_args
-from wheelhouse import make_wheel, write_lock
+from wheelhouse import write_lock
 
 PY = "cp%d%d" % sys.version_info[:2]
 PLATFORM_TAGS = [f"{PY}-{PY}-manylinux_2_17_x86_64", f"{PY}-{PY}-manylinux2014_x86_64"]
@@ -132,7 +132,8 @@ def test_pack_managed_generation_and_rebuild_offline(target, tmp_path, wheels, o
         assert {"tool-1.0.data/data/share/tool/notes.txt", "tool-1.0.data/headers/tool.h"} <= names
         assert not any(n.endswith(("INSTALLER", "REQUESTED", "direct_url.json")) or n.endswith("/tool")
                        for n in names)                               # the console script is the installer's
-        assert all(i.compress_type == zipfile.ZIP_STORED for i in z.infolist())
+        assert all(i.compress_type == zipfile.ZIP_STORED for i in z.infolist()) and z.testzip() is None
+        assert z.getinfo("tool-1.0.data/scripts/tool-helper").external_attr >> 16 & 0o111
     assert cli("lock", "check", out / "lock.yaml", "--offline", check=0)
 
     h, kh = offline_host

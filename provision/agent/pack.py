@@ -12,9 +12,11 @@ import os
 import re
 import shutil
 import stat
+import struct
 import threading
 import time
 import zipfile
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 from . import record
@@ -22,8 +24,6 @@ from .host import AgentError, emit, inside, read_json
 
 CHUNK = 1 << 20
 DROPPED = ("INSTALLER", "REQUESTED", "direct_url.json", "uv_cache.json", "RECORD", "RECORD.jws", "RECORD.p7s")  # by installers
-EPOCH = (1980, 1, 1, 0, 0, 0)      # every entry's time: the same generation packs into the same bytes
-ZIP64 = (1 << 31) - 1
 SHEBANG_SH = b"'''exec' "          # the /bin/sh trampoline installers write for an over-long interpreter path
 
 
@@ -150,55 +150,102 @@ def plan_dist(venv, site, name, version, info, drift, restored, py):
     return items, wheel_name(name, version, tags, build)
 
 
-def write_wheel(path, info, items):
-    """A stored zip of `items` with a fresh RECORD; returns (files, bytes of content)."""
+class StoredZip:
+    """A stored (uncompressed) zip written front to back: each member's CRC-32 and size are known before its
+    header is written, so nothing is sought back and the file's sha256 is taken as it is written (zip64 where
+    a size, an offset or the member count needs it)."""
+
+    TIME, DATE = 0, (1 << 5) | 1      # 1980-01-01 00:00:00: every pack of a generation gives the same bytes
+    FLAGS = 0x800                     # names are UTF-8
+    BIG = 0xFFFFFFFF
+
+    def __init__(self, f):
+        self.f, self.h, self.pos, self.members = f, hashlib.sha256(), 0, []
+
+    def _write(self, b):
+        self.f.write(b)
+        self.h.update(b)
+        self.pos += len(b)
+
+    def add(self, name, crc, size, mode, chunks):
+        """One member: `chunks` yield exactly `size` bytes whose CRC-32 is `crc`."""
+        raw = name.encode("utf-8")
+        extra = struct.pack("<HHQQ", 1, 16, size, size) if size >= self.BIG else b""
+        small = min(size, self.BIG)
+        offset = self.pos
+        self._write(struct.pack("<IHHHHHIIIHH", 0x04034b50, 45 if extra else 20, self.FLAGS, 0, self.TIME,
+                                self.DATE, crc, small, small, len(raw), len(extra)) + raw + extra)
+        n = 0
+        for chunk in chunks:
+            self._write(chunk)
+            n += len(chunk)
+        if n != size:
+            raise AgentError("%s changed size while it was packed (%d, then %d bytes)" % (name, size, n))
+        perm = 0o755 if mode & 0o111 else 0o644
+        self.members.append((raw, crc, size, (stat.S_IFREG | perm) << 16, offset))
+
+    def close(self):
+        """Write the central directory; returns the zip's sha256 (hex)."""
+        start = self.pos
+        for raw, crc, size, attr, offset in self.members:
+            big = ([size, size] if size >= self.BIG else []) + ([offset] if offset >= self.BIG else [])
+            extra = struct.pack("<HH" + "Q" * len(big), 1, 8 * len(big), *big) if big else b""
+            need = 45 if extra else 20
+            self._write(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014b50, (3 << 8) | need, need, self.FLAGS, 0,
+                                    self.TIME, self.DATE, crc, min(size, self.BIG), min(size, self.BIG), len(raw),
+                                    len(extra), 0, 0, 0, attr, min(offset, self.BIG)) + raw + extra)
+        size, count = self.pos - start, len(self.members)
+        if count >= 0xFFFF or start >= self.BIG or size >= self.BIG:
+            at = self.pos
+            self._write(struct.pack("<IQHHIIQQQQ", 0x06064b50, 44, (3 << 8) | 45, 45, 0, 0, count, count, size, start))
+            self._write(struct.pack("<IIQI", 0x07064b50, 0, at, 1))
+        self._write(struct.pack("<IHHHHIIH", 0x06054b50, 0, 0, min(count, 0xFFFF), min(count, 0xFFFF),
+                                min(size, self.BIG), min(start, self.BIG), 0))
+        return self.h.hexdigest()
+
+
+def chunks_of(path, h=None):
+    """A file's bytes in 1 MiB chunks, each also fed to `h` when given."""
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(CHUNK)
+            if not b:
+                return
+            if h is not None:
+                h.update(b)
+            yield b
+
+
+def crc_of(path):
+    crc = 0
+    for b in chunks_of(path):
+        crc = zlib.crc32(b, crc)
+    return crc
+
+
+def write_wheel(path, info, items, crcs):
+    """A stored wheel of `items` (file members' CRC-32 in `crcs`) with a fresh RECORD last; returns
+    (members, bytes of content, sha256 of the wheel)."""
     rows, total = [], 0
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+    with open(path, "wb") as f:
+        z = StoredZip(f)
         for arc, full, data, known, mode in items:
-            zi = zipfile.ZipInfo(arc, date_time=EPOCH)
-            zi.compress_type = zipfile.ZIP_STORED
-            zi.external_attr = ((stat.S_IFREG | (0o755 if mode & 0o111 else 0o644)) << 16)
             if data is not None:
-                zf.writestr(zi, data)
+                z.add(arc, zlib.crc32(data), len(data), mode, [data])
                 digest, size = record.b64digest(hashlib.sha256(data).digest()), len(data)
             else:
                 size = os.path.getsize(full)
-                zi.file_size = size
                 h = None if known else hashlib.sha256()
-                with open(full, "rb") as src, zf.open(zi, "w", force_zip64=size > ZIP64) as dst:
-                    buf = bytearray(CHUNK)
-                    view = memoryview(buf)
-                    while True:
-                        n = src.readinto(buf)
-                        if not n:
-                            break
-                        dst.write(view[:n])
-                        if h is not None:
-                            h.update(view[:n])
+                z.add(arc, crcs[full], size, mode, chunks_of(full, h))
                 digest = known[0] if known else record.b64digest(h.digest())
             rows.append((arc, "sha256=" + digest, str(size)))
             total += size
         out = io.StringIO()
-        w = csv.writer(out, lineterminator="\n")
-        w.writerows(rows)
-        w.writerow((info + "/RECORD", "", ""))
-        zi = zipfile.ZipInfo(info + "/RECORD", date_time=EPOCH)
-        zi.external_attr = (stat.S_IFREG | 0o644) << 16
-        zf.writestr(zi, out.getvalue().encode("utf-8"))
-    return len(rows), total
-
-
-def sha256_file(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        buf = bytearray(CHUNK)
-        view = memoryview(buf)
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            h.update(view[:n])
-    return h.hexdigest()
+        csv.writer(out, lineterminator="\n").writerows(rows + [(info + "/RECORD", "", "")])
+        text = out.getvalue().encode("utf-8")
+        z.add(info + "/RECORD", zlib.crc32(text), len(text), 0o644, [text])
+        sha = z.close()
+    return len(rows), total, sha
 
 
 # ------------------------------------------------------------------ patches, drift
@@ -310,35 +357,45 @@ def op_pack(a):
     os.makedirs(out, exist_ok=True)
     guard, done, results, errors = threading.Lock(), [0], {}, []
 
-    def one(kv):
+    def planned(kv):
         name, d = kv
         if d["info"] + "/RECORD" in d["missing"]:
             return None         # no RECORD: nothing says what the distribution is (named in the drift)
-        items, filename = plan_dist(venv, site, name, d["version"], d["info"], set(drift.get(name, [])), restored, py)
+        return plan_dist(venv, site, name, d["version"], d["info"], set(drift.get(name, [])), restored, py)
+
+    def one(kv, plan):
+        name, d = kv
+        items, filename = plan
         dest = os.path.join(out, filename)
         tmp = os.path.join(out, ".%s.tmp-%d" % (filename, os.getpid()))
         try:
-            files, size = write_wheel(tmp, d["info"], items)
-            sha = sha256_file(tmp)
+            files, size, sha = write_wheel(tmp, d["info"], items, crcs)
             os.replace(tmp, dest)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        row = {"name": name, "version": d["version"], "filename": filename, "sha256": sha,
-               "size": os.path.getsize(dest), "files": files, "bytes": size,
-               "sources": [full for _, full, data, _, _ in items if full and data is None]}
         with guard:
             done[0] += 1
             emit({"_event": {"step": "pack", "done": done[0], "total": len(dists), "name": name}})
-        return row
+        return {"name": name, "version": d["version"], "filename": filename, "sha256": sha,
+                "size": os.path.getsize(dest), "files": files, "bytes": size,
+                "sources": [full for _, full, data, _, _ in items if full and data is None]}
 
     t1 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=jobs) as ex:
-        for kv, fut in [(kv, ex.submit(one, kv)) for kv in dists]:
+        plans = dict(zip([n for n, _ in dists], ex.map(planned, dists)))
+        # every member's CRC-32 first, all files at once (the largest first), so each wheel is then written
+        # front to back; a large distribution's files are spread over every thread
+        sources = sorted({full for p in plans.values() if p for _, full, data, _, _ in p[0] if data is None},
+                         key=lambda x: -os.path.getsize(x))
+        crcs = dict(zip(sources, ex.map(crc_of, sources)))
+        futures = [(kv, ex.submit(one, kv, plans[kv[0]])) for kv in dists if plans[kv[0]]]
+        for kv, fut in futures:
             try:
                 results[kv[0]] = fut.result()
-            except (OSError, AgentError, zipfile.LargeZipFile) as e:
+            except (OSError, AgentError) as e:
                 errors.append("%s: %s" % (kv[0], getattr(e, "strerror", None) or e))
+    results.update({n: None for n, p in plans.items() if p is None})
     t_pack = time.perf_counter() - t1
     if errors:
         raise AgentError("cannot pack %s%s" % (errors[0], " (and %d more)" % (len(errors) - 1) if len(errors) > 1 else ""))
