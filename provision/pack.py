@@ -136,7 +136,8 @@ def pack(transport: Transport, out: Path, generation: str | None = None, *, allo
     lay = layout.of(transport)
     remote = str(out) if transport.target.local else f"{lay.root}/tmp/pack-{gen_id}-{os.getpid()}-{int(time.time())}"
     payload = {"op": "pack", "venv": venv, "out": remote, "root": lay.root, "allow_drift": allow_drift,
-               "series": series_payload(source, host), "jobs": jobs}
+               "series": series_payload(source, host), "jobs": jobs,
+               "workers": os.environ.get("PROVISION_PACK_WORKERS", "processes")}
     if not manifest.get("adopted_from"):
         payload["gen_dir"] = lay.gen_dir(gen_id)
     try:
@@ -212,7 +213,8 @@ def pack(transport: Transport, out: Path, generation: str | None = None, *, allo
     return {"host": host, "generation": gen_id, "venv": venv, "out": str(out), "lock": str(lock_path),
             "name": written.name, "distributions": len(wheels), "extra": [x["filename"] for x in extras],
             "replaced": replaced, "files": res["files"], "bytes": res["bytes"], "read_bytes": res["read_bytes"],
-            "wheel_bytes": sum(w["size"] for w in wheels), "jobs": res["jobs"], "seconds": secs,
+            "wheel_bytes": sum(w["size"] for w in wheels), "jobs": res["jobs"], "workers": res.get("workers"),
+            "seconds": secs,
             "ratio": (secs["check"] + secs["pack"]) / secs["read"] if secs["read"] > 0 else None,
             "drift": res["drift"], "unpacked": res.get("unpacked", []), "not_owned": res.get("extra", 0),
             "missing_series": missing_series, "check": check}

@@ -1,12 +1,13 @@
 """Host agent (stdlib only): a generation back into wheels. Every installed file is checked against its RECORD
 first (`record.check`); then each distribution is rebuilt, in parallel, as a stored (uncompressed) wheel.
 
-Payload {op: pack, venv, out, root?, gen_dir?, allow_drift?, series?, jobs?} or {op: clean, root, dir}. See
+Payload {op: pack, venv, out, root?, gen_dir?, allow_drift?, series?, jobs?, workers?: processes|threads} or {op: clean, root, dir}. See
 `arcname` for the layout of a rebuilt wheel. Patched files go back as shipped: read from the generation's own
 wheels in the host's cache, or recovered by reversing the series in memory; either must match RECORD.
 """
 import csv
 import hashlib
+import heapq
 import io
 import os
 import re
@@ -17,7 +18,7 @@ import threading
 import time
 import zipfile
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 
 from . import record
 from .host import AgentError, emit, inside, read_json
@@ -204,16 +205,24 @@ class StoredZip:
         return self.h.hexdigest()
 
 
+_BUF = threading.local()
+
+
 def chunks_of(path, h=None):
-    """A file's bytes in 1 MiB chunks, each also fed to `h` when given."""
+    """A file's bytes in chunks of up to 1 MiB, each also fed to `h` when given. Each chunk is a view of one
+    buffer per thread, valid until the next is asked for."""
+    buf = getattr(_BUF, "buf", None)
+    if buf is None:
+        buf = _BUF.buf = bytearray(CHUNK)
+    view = memoryview(buf)
     with open(path, "rb") as f:
         while True:
-            b = f.read(CHUNK)
-            if not b:
+            n = f.readinto(buf)
+            if not n:
                 return
             if h is not None:
-                h.update(b)
-            yield b
+                h.update(view[:n])
+            yield view[:n]
 
 
 def crc_of(path):
@@ -221,6 +230,65 @@ def crc_of(path):
     for b in chunks_of(path):
         crc = zlib.crc32(b, crc)
     return crc
+
+
+def read_one(path):
+    for _ in chunks_of(path):
+        pass
+
+
+def crcs_of(paths):
+    return [crc_of(p) for p in paths]
+
+
+def read_some(paths):
+    for p in paths:
+        read_one(p)
+
+
+def bins(paths, n):
+    """`paths` in `n` lists of about equal bytes (the largest first, each into the lightest list so far)."""
+    heap = [(0, i, []) for i in range(max(1, n))]
+    for p in sorted(paths, key=lambda x: -os.path.getsize(x)):
+        size, i, items = heapq.heappop(heap)
+        items.append(p)
+        heapq.heappush(heap, (size + os.path.getsize(p), i, items))
+    return [items for _, _, items in sorted(heap, key=lambda b: -b[0]) if items]
+
+
+def check_some(args):
+    """record.check over some distributions of a venv (one worker's share)."""
+    venv, names, threads = args
+    return record.check(venv, jobs=threads, only=set(names))
+
+
+def check(venv, site, jobs, workers):
+    """record.check over the whole venv, its distributions shared out over the workers (processes: the
+    per-file interpreter work of tens of thousands of files is spread too); `extra`: files under
+    site-packages that no RECORD lists."""
+    names = [n for n, _, _ in record.dist_infos(site)]
+    if workers != "processes" or jobs < 2:
+        return record.check(venv, jobs=min(32, jobs * 2))
+    shares = [names[i::jobs] for i in range(jobs)]
+    out = {"site": site, "dists": {}, "files": 0, "bytes": 0}
+    with pool(workers, jobs) as ex:
+        for part in ex.map(check_some, [(venv, share, 4) for share in shares if share]):
+            out["dists"].update(part["dists"])
+            out["files"] += part["files"]
+            out["bytes"] += part["bytes"]
+    listed = set()
+    for d in out["dists"].values():
+        try:
+            listed |= {full for _, full, _, _, _ in record.entries(site, d["info"], venv) if full}
+        except OSError:
+            pass
+    extra = []
+    for dirpath, dirnames, filenames in os.walk(site):
+        dirnames[:] = [x for x in dirnames if x != "__pycache__"]
+        extra += [os.path.relpath(os.path.join(dirpath, f), site) for f in filenames
+                  if os.path.join(dirpath, f) not in listed and not f.endswith(record.SKIP_SUFFIXES)]
+    out["extra"] = sorted(extra)
+    return out
 
 
 def write_wheel(path, info, items, crcs):
@@ -246,6 +314,24 @@ def write_wheel(path, info, items, crcs):
         z.add(info + "/RECORD", zlib.crc32(text), len(text), 0o644, [text])
         sha = z.close()
     return len(rows), total, sha
+
+
+def plan_one(args):
+    return plan_dist(*args)
+
+
+def build_one(out, name, version, info, items, filename, crcs):
+    """Write one distribution's wheel into `out` (through a temp file); its row for the reply."""
+    dest = os.path.join(out, filename)
+    tmp = os.path.join(out, ".%s.tmp-%d" % (filename, os.getpid()))
+    try:
+        files, size, sha = write_wheel(tmp, info, items, crcs)
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return {"name": name, "version": version, "filename": filename, "sha256": sha, "size": os.path.getsize(dest),
+            "files": files, "bytes": size, "sources": [full for _, full, data, _, _ in items if data is None]}
 
 
 # ------------------------------------------------------------------ patches, drift
@@ -336,12 +422,14 @@ def op_pack(a):
     venv, out = a["venv"], a["out"]
     if not os.path.isabs(out) or "\0" in out:
         raise AgentError("output folder %r is not an absolute path" % out)
-    jobs = int(a.get("jobs") or min(32, (os.cpu_count() or 1) * 2))
+    workers = a.get("workers") if a.get("workers") in ("threads", "processes") else "processes"
+    cores = os.cpu_count() or 1
+    jobs = int(a.get("jobs") or (cores if workers == "processes" else min(32, cores * 2)))
     t0 = time.perf_counter()
     site = record.site_packages(venv)
     if site is None:
         raise AgentError("no site-packages under %s" % venv)
-    chk = record.check(venv, jobs=jobs)
+    chk = check(venv, site, jobs, workers)
     restored = restore_patched(site, a.get("series") or [])
     if a.get("gen_dir") and a.get("root"):
         restored.update(shipped_from_cache(chk, site, inside(a["root"], a["gen_dir"]),
@@ -355,74 +443,70 @@ def op_pack(a):
     py = os.path.basename(os.path.dirname(site))
     dists = sorted(chk["dists"].items(), key=lambda kv: -kv[1]["bytes"])
     os.makedirs(out, exist_ok=True)
-    guard, done, results, errors = threading.Lock(), [0], {}, []
-
-    def planned(kv):
-        name, d = kv
-        if d["info"] + "/RECORD" in d["missing"]:
-            return None         # no RECORD: nothing says what the distribution is (named in the drift)
-        return plan_dist(venv, site, name, d["version"], d["info"], set(drift.get(name, [])), restored, py)
-
-    def one(kv, plan):
-        name, d = kv
-        items, filename = plan
-        dest = os.path.join(out, filename)
-        tmp = os.path.join(out, ".%s.tmp-%d" % (filename, os.getpid()))
-        try:
-            files, size, sha = write_wheel(tmp, d["info"], items, crcs)
-            os.replace(tmp, dest)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        with guard:
-            done[0] += 1
-            emit({"_event": {"step": "pack", "done": done[0], "total": len(dists), "name": name}})
-        return {"name": name, "version": d["version"], "filename": filename, "sha256": sha,
-                "size": os.path.getsize(dest), "files": files, "bytes": size,
-                "sources": [full for _, full, data, _, _ in items if full and data is None]}
+    results, errors = {}, []
 
     t1 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=jobs) as ex:
-        plans = dict(zip([n for n, _ in dists], ex.map(planned, dists)))
+    todo = [(venv, site, name, d["version"], d["info"], sorted(drift.get(name, [])), restored, py) for name, d in dists
+            if d["info"] + "/RECORD" not in d["missing"]]     # no RECORD: nothing says what the dist is (drift)
+    with pool(workers, jobs) as ex:
+        plans = dict(zip([t[2] for t in todo], ex.map(plan_one, todo)))
         # every member's CRC-32 first, all files at once (the largest first), so each wheel is then written
-        # front to back; a large distribution's files are spread over every thread
-        sources = sorted({full for p in plans.values() if p for _, full, data, _, _ in p[0] if data is None},
-                         key=lambda x: -os.path.getsize(x))
-        crcs = dict(zip(sources, ex.map(crc_of, sources)))
-        futures = [(kv, ex.submit(one, kv, plans[kv[0]])) for kv in dists if plans[kv[0]]]
-        for kv, fut in futures:
+        # front to back; a large distribution's files are spread over every worker
+        sources = bins({full for items, _ in plans.values() for _, full, data, _, _ in items if data is None},
+                       jobs * 4 if workers == "processes" else jobs * 64)
+        t_plan = time.perf_counter()
+        crcs = {p: c for share, got in zip(sources, ex.map(crcs_of, sources)) for p, c in zip(share, got)}
+        t_crc = time.perf_counter()
+        futures = {}
+        for name, d in dists:
+            if name in plans:
+                items, filename = plans[name]
+                mine = {full: crcs[full] for _, full, data, _, _ in items if data is None}
+                futures[ex.submit(build_one, out, name, d["version"], d["info"], items, filename, mine)] = name
+        for fut in as_completed(futures):
+            name = futures[fut]
             try:
-                results[kv[0]] = fut.result()
+                results[name] = fut.result()
             except (OSError, AgentError) as e:
-                errors.append("%s: %s" % (kv[0], getattr(e, "strerror", None) or e))
-    results.update({n: None for n, p in plans.items() if p is None})
+                errors.append("%s: %s" % (name, getattr(e, "strerror", None) or e))
+            emit({"_event": {"step": "pack", "done": len(results) + len(errors), "total": len(futures),
+                             "name": name}})
+    results.update({n: None for n, _ in dists if n not in plans})
     t_pack = time.perf_counter() - t1
     if errors:
         raise AgentError("cannot pack %s%s" % (errors[0], " (and %d more)" % (len(errors) - 1) if len(errors) > 1 else ""))
     unpacked = sorted(n for n, r in results.items() if r is None)
     results = {n: r for n, r in results.items() if r is not None}
     sources = [p for r in results.values() for p in r.pop("sources")]
-    t_read = read_all(sources, jobs)
+    t_read = read_all(sources, jobs, workers)
     return {"site": site, "python": py, "wheels": [results[n] for n in sorted(results)],
             "unpacked": unpacked,
             "drift": drift, "extra": len([e for e in chk["extra"] if not skipped(e)]),
             "files": chk["files"], "bytes": chk["bytes"],
             "read_bytes": sum(os.path.getsize(p) for p in sources),
-            "seconds": {"check": t_check, "pack": t_pack, "read": t_read}, "jobs": jobs}
+            "seconds": {"check": t_check, "pack": t_pack, "read": t_read, "pack_plan": t_plan - t1,
+                        "pack_crc": t_crc - t_plan, "pack_write": t1 + t_pack - t_crc}, "jobs": jobs,
+            "workers": workers}
 
 
-def read_all(paths, jobs):
-    """Seconds to merely read these files (in 1 MiB chunks, `jobs` at a time): what packing is measured against."""
-    def one(path):
-        buf = bytearray(CHUNK)
-        with open(path, "rb") as f:
-            while f.readinto(buf):
-                pass
-
+def read_all(paths, jobs, workers):
+    """Seconds to merely read these files (in 1 MiB chunks, on the same workers as the pack): what packing is
+    measured against."""
+    shares = bins(paths, jobs * 4 if workers == "processes" else jobs * 64)
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=jobs) as ex:
-        list(ex.map(one, sorted(paths, key=lambda p: -os.path.getsize(p))))
+    with pool(workers, jobs) as ex:
+        list(ex.map(read_some, shares))
     return time.perf_counter() - t0
+
+
+def pool(workers, jobs):
+    """`jobs` worker processes (forked: they share this process's modules, the agent bundle included) or
+    threads. Processes spread the per-file interpreter work too; threads share one interpreter lock."""
+    if workers == "processes":
+        import multiprocessing
+
+        return ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("fork"))
+    return ThreadPoolExecutor(max_workers=jobs)
 
 
 def op_clean(a):
