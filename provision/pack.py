@@ -73,16 +73,16 @@ def venv_of(transport: Transport, gen_id: str, manifest: dict) -> str:
     return layout.of(transport).venv(gen_id)
 
 
-def series_payload(source: lockmod.Lock, host: str) -> list[dict]:
+def series_payload(source: lockmod.Lock, base: lockmod.Lock | None, host: str) -> list[dict]:
     """The patch series a generation's lock names, as the host agent reverses them, when this controller has
-    them (beside a lock it reads, or shipped with provision); [] otherwise (the host's cached wheels serve)."""
+    them (beside the --base lock, or shipped with provision); [] otherwise (the host's cached wheels serve)."""
     from . import patches
 
     out = []
     versions = {p.name: {"version": p.version} for p in source.packages}
     for rel in source.patches:
         try:
-            s = patches.load_series(source.resolve_path(rel))
+            s = patches.load_series((base or source).resolve_path(rel))
         except ProvisionError:
             continue
         try:
@@ -136,7 +136,7 @@ def pack(transport: Transport, out: Path, generation: str | None = None, *, allo
     lay = layout.of(transport)
     remote = str(out) if transport.target.local else f"{lay.root}/tmp/pack-{gen_id}-{os.getpid()}-{int(time.time())}"
     payload = {"op": "pack", "venv": venv, "out": remote, "root": lay.root, "allow_drift": allow_drift,
-               "series": series_payload(source, host), "jobs": jobs,
+               "series": series_payload(source, base_lock, host), "jobs": jobs,
                "workers": os.environ.get("PROVISION_PACK_WORKERS", "processes")}
     if not manifest.get("adopted_from"):
         payload["gen_dir"] = lay.gen_dir(gen_id)

@@ -114,10 +114,15 @@ def test_pack_managed_generation_and_rebuild_offline(target, tmp_path, wheels, o
     assert "(9, 10, 12)" in Path(patched).read_text()
 
     out = tmp_path / "house"
+    shipped = zipfile.ZipFile(tool).read("tool/target.py")
     p = cli("pack", *host_args(target), "--out", out, check=0)     # over SSH: the wheels come back by hash
     assert "patch series patches/tool-1.0 not found here" in p.stderr     # the host keeps no series: say so
+    with zipfile.ZipFile(out / tool.name) as z:                   # as shipped: from the host's cached wheel
+        assert z.read("tool/target.py") == shipped
+    for cached in (src_root / "cache" / "wheels").glob(f"*/{tool.name}"):
+        cached.unlink()                                             # gone: the series, reversed, brings it back
     p = cli("pack", *host_args(target), "--out", out, "--base", lk, check=0)   # the lock it was applied from
-    assert "Packed" in p.stdout and "pack ÷ read" in p.stdout, p.stdout
+    assert "Packed" in p.stdout and "÷ read" in p.stdout, p.stdout
     packed = yaml.safe_load((out / "lock.yaml").read_text())
     assert packed["patches"] == ["patches/tool-1.0"] and (out / "patches" / "tool-1.0" / "series.yaml").is_file()
     by_name = {q["name"]: q for q in packed["packages"]}
@@ -127,7 +132,7 @@ def test_pack_managed_generation_and_rebuild_offline(target, tmp_path, wheels, o
         assert q["url"] == (out / q["filename"]).as_uri()
     with zipfile.ZipFile(out / tool.name) as z:
         names = set(z.namelist())
-        assert z.read("tool/target.py") == zipfile.ZipFile(tool).read("tool/target.py")   # as shipped
+        assert z.read("tool/target.py") == shipped
         assert z.read("tool-1.0.data/scripts/tool-helper").startswith(b"#!python\n")
         assert {"tool-1.0.data/data/share/tool/notes.txt", "tool-1.0.data/headers/tool.h"} <= names
         assert not any(n.endswith(("INSTALLER", "REQUESTED", "direct_url.json")) or n.endswith("/tool")
