@@ -79,7 +79,8 @@ def test_wheel_names_follow_pep_425_and_427():
     assert compress_tags(["py2-none-any", "py3-none-any"]) == "py2.py3-none-any"
     assert compress_tags(["cp312-cp312-manylinux_2_27_x86_64", "cp312-cp312-manylinux_2_28_x86_64"]) == \
         "cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64"
-    assert wheel_name("Foo.Bar-baz", "2.9.1+cu130", ["py3-none-any"], "7") == "foo_bar_baz-2.9.1+cu130-7-py3-none-any.whl"
+    assert wheel_name("Foo.Bar-baz", "2.9.1+cu130", ["py3-none-any"], "7") == \
+        "foo_bar_baz-2.9.1+cu130-7-py3-none-any.whl"
     assert unshebang(b"#!/opt/x/venv/bin/python\nprint(1)\n") == b"#!python\nprint(1)\n"
     assert unshebang(b"#!/bin/sh\n'''exec' /very/long/bin/python \"$0\" \"$@\"\n' '''\nprint(1)\n") == \
         b"#!python\nprint(1)\n"

@@ -1,10 +1,6 @@
-"""Host agent (stdlib only): a generation back into wheels. Every installed file is checked against its RECORD
-first (`record.check`); then each distribution is rebuilt, in parallel, as a stored (uncompressed) wheel.
-
-Payload {op: pack, venv, out, root?, gen_dir?, allow_drift?, series?, jobs?, workers?: processes|threads} or {op: clean, root, dir}. See
-`arcname` for the layout of a rebuilt wheel. Patched files go back as shipped: read from the generation's own
-wheels in the host's cache, or recovered by reversing the series in memory; either must match RECORD.
-"""
+"""Host agent (stdlib only): a generation back into stored wheels, each file first checked against its RECORD.
+Payload {op: pack, venv, out, root?, gen_dir?, allow_drift?, series?, jobs?, workers?} or {op: clean, root, dir};
+`arcname` says where each installed file goes; patched files go back as shipped (`shipped_from_cache`)."""
 import csv
 import hashlib
 import heapq
@@ -24,7 +20,8 @@ from . import record
 from .host import AgentError, emit, inside, read_json
 
 CHUNK = 1 << 20
-DROPPED = ("INSTALLER", "REQUESTED", "direct_url.json", "uv_cache.json", "RECORD", "RECORD.jws", "RECORD.p7s")  # by installers
+# what installers write into a dist-info (and the signature of the RECORD written anew)
+DROPPED = ("INSTALLER", "REQUESTED", "direct_url.json", "uv_cache.json", "RECORD", "RECORD.jws", "RECORD.p7s")
 SHEBANG_SH = b"'''exec' "          # the /bin/sh trampoline installers write for an over-long interpreter path
 
 
@@ -121,8 +118,8 @@ def unshebang(data):
 # ------------------------------------------------------------------ one distribution
 
 def plan_dist(venv, site, name, version, info, drift, restored, py):
-    """[(arcname, source path, bytes or None, (digest, size) or None, mode)] of one distribution's wheel, its
-    file name, and the files left out (drift entries that cannot be packed: missing, outside)."""
+    """([(arcname, source path, bytes or None, (digest, size) or None, mode)], wheel file name) of one
+    distribution; missing files and paths outside the venv (named in the drift) are left out."""
     tags, build = wheel_meta(site, info)
     data_dir = info[:-len(".dist-info")] + ".data"
     scripts = entry_point_scripts(site, info)
@@ -474,7 +471,8 @@ def op_pack(a):
     results.update({n: None for n, _ in dists if n not in plans})
     t_pack = time.perf_counter() - t1
     if errors:
-        raise AgentError("cannot pack %s%s" % (errors[0], " (and %d more)" % (len(errors) - 1) if len(errors) > 1 else ""))
+        more = " (and %d more)" % (len(errors) - 1) if len(errors) > 1 else ""
+        raise AgentError("cannot pack %s%s" % (errors[0], more))
     unpacked = sorted(n for n, r in results.items() if r is None)
     results = {n: r for n, r in results.items() if r is not None}
     sources = [p for r in results.values() for p in r.pop("sources")]

@@ -20,12 +20,13 @@ def register(app: typer.Typer) -> None:
                                               help="pack files that no longer match their RECORD as they are, and "
                                                    "record them in the lock (`drift:` per package)"),
              base: Optional[Path] = typer.Option(None, "--base",
-                                                 help="take platform, requires, overrides, patches, engine and probes "
-                                                      "from this lock (an adopted generation's captured lock has none)"),
+                                                 help="take platform, requires, overrides, patches, engine, probes "
+                                                      "from this lock (an adopted one's captured lock has none)"),
              with_: List[Path] = typer.Option([], "--with", help="add this wheel file (repeatable); it replaces a "
                                                                  "packed distribution of the same name"),
              name: Optional[str] = typer.Option(None, "--name", help="the lock's name (default: the source's)"),
-             jobs: Optional[int] = typer.Option(None, "--jobs", min=1, max=256, help="workers on the host (default: one process per core)"),
+             jobs: Optional[int] = typer.Option(None, "--jobs", min=1, max=256,
+                                                help="workers on the host (default: one process per core)"),
              json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
              limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
              root: Optional[str] = RootOpt):
@@ -69,8 +70,8 @@ def render(rep: dict) -> None:
                   f"{rep['distributions']} distributions, {rep['files']} files, {human_size(rep['bytes'])} checked, "
                   f"{human_size(rep['wheel_bytes'])} of wheels.", markup=False, soft_wrap=True)
     ratio = f"{rep['ratio']:.2f}×" if rep["ratio"] is not None else "n/a"
-    console.print(f"  check {s['check']:.2f}s + pack {s['pack']:.2f}s on {rep['jobs']} {rep['workers']}; reading the same "
-                  f"{human_size(rep['read_bytes'])} alone {s['read']:.2f}s: (check + pack) ÷ read {ratio}"
+    console.print(f"  check {s['check']:.2f}s + pack {s['pack']:.2f}s on {rep['jobs']} {rep['workers']}; reading "
+                  f"the same {human_size(rep['read_bytes'])} alone {s['read']:.2f}s: (check + pack) ÷ read {ratio}"
                   + (f"; fetched over the connection {s['fetch']:.2f}s" if s.get("fetch", 0) > 0.01 else "")
                   + f"; total {s['total']:.2f}s.", markup=False, soft_wrap=True)
     for n, paths in sorted(rep["drift"].items()):
