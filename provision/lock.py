@@ -48,7 +48,7 @@ TOP_KEYS = {"lock", "name", "description", "platform", "indexes", "requires", "o
             "unresolved", "patches", "engine", "probes"}
 PLATFORM_KEYS = {"python", "os", "arch", "gpus", "driver", "cuda"}
 OVERRIDE_KEYS = {"package", "pins", "use", "reason"}
-PACKAGE_KEYS = {"name", "version", "filename", "url", "sha256", "index"}
+PACKAGE_KEYS = {"name", "version", "filename", "url", "sha256", "index", "drift"}
 ENGINE_KEYS = {"kind", "model", "architecture", "draft", "tp", "port", "speculative", "launch", "device", "dtype",
                "steps", "topk", "num_draft_tokens", "max_seq_len", "threads"}
 SPECULATIVE_KEYS = {"algorithm", "steps", "topk", "num_draft_tokens"}
@@ -63,6 +63,7 @@ class Package:
     filename: str | None = None
     url: str | None = None       # https://... or file:///...; None: only from the host's wheel cache
     index: str | None = None     # key into `indexes`, for information
+    drift: list[str] | None = None   # `pack --allow-drift`: files packed as found, not as their RECORD says
     line: int = 0
 
     @property
@@ -346,8 +347,9 @@ def _parse(doc: yamlio.Doc) -> Lock:
             last = unquote(urlsplit(url).path.rsplit("/", 1)[-1])
             if filename is not None and last != filename:
                 v.fail(pk + ("url",), f"{pname}: the URL's file {last!r} is not the lock's filename {filename!r}")
+        drift = v.strings(p, pk, "drift") if p.get("drift") is not None else None
         packages.append(Package(name=pname, version=ver, sha256=sha, filename=filename, url=url, index=idx,
-                                line=doc.line(*pk)))
+                                drift=drift, line=doc.line(*pk)))
 
     unresolved = []
     for uk, u in v.items(d, (), "unresolved", {"name", "requirement", "reason"}, "a mapping with name, reason"):

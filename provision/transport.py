@@ -16,7 +16,7 @@ import subprocess
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 from .errors import HostError, HostKeyError, HostLockedError, InputError
 
@@ -187,6 +187,11 @@ class Transport:
         if r.rc != 0:
             raise HostError(f"cannot write {path}: {r.stderr.strip()}", where=self.target.name)
 
+    def read(self, path: str) -> Iterator[bytes]:
+        """The bytes of one file on the host, in chunks as they arrive (the path is the only argument);
+        HostError when it cannot be read."""
+        raise NotImplementedError
+
     def hold(self, lock_path: str) -> "HeldLock":
         """Take the host's flock for one mutating run; released when the run ends or dies."""
         return HeldLock(self, lock_path)
@@ -197,6 +202,10 @@ class Transport:
 
     def close(self) -> None:
         pass
+
+
+# Copies one file (argv[1]) to stdout: what `SSH.read` runs on the host.
+CAT = "import shutil,sys\nwith open(sys.argv[1],'rb') as f: shutil.copyfileobj(f,sys.stdout.buffer,1<<20)"
 
 
 class HeldLock:
@@ -297,6 +306,13 @@ class Local(Transport):
 
     def spawn(self, argv):
         return _LocalProc([str(a) for a in argv])
+
+    def read(self, path):
+        try:
+            with open(path, "rb") as f:
+                yield from iter(lambda: f.read(1 << 20), b"")
+        except OSError as e:
+            raise HostError(f"cannot read {path}: {e.strerror or e}", where=self.target.name) from None
 
 
 def _chunks(data) -> Iterable[bytes]:
@@ -420,6 +436,24 @@ class SSH(Transport):
         chan = self.client.get_transport().open_session()
         chan.exec_command(quote(argv))
         return _SSHProc(chan)
+
+    def read(self, path):
+        try:
+            chan = self.client.get_transport().open_session()
+            chan.exec_command(quote([self.python, "-I", "-S", "-c", CAT, path]))
+            chan.shutdown_write()
+            while True:
+                chunk = chan.recv(1 << 20)
+                if not chunk:
+                    break
+                yield chunk
+            rc = chan.recv_exit_status()
+            err = chan.makefile_stderr("rb").read().decode(errors="replace").strip()
+            chan.close()
+        except Exception as e:  # noqa: BLE001 - paramiko raises many kinds when a host vanishes
+            raise HostError(f"connection lost: {e or type(e).__name__}", where=self.target.name) from None
+        if rc != 0:
+            raise HostError(f"cannot read {path}: {(err.splitlines() or [f'exit {rc}'])[-1]}", where=self.target.name)
 
     def close(self):
         self.client.close()

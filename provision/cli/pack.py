@@ -1,0 +1,95 @@
+"""`provision pack`: a generation into a hashed wheelhouse another host rebuilds from offline (parse, call, render)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from .common import (HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHostsOpt, LimitOpt, LocalOpt, RootOpt, console,
+                     edge, err_console, one_target, print_json)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    @edge
+    def pack(host: Optional[str] = HostArg,
+             generation: Optional[str] = typer.Argument(None, help="generation number or id (default: current)"),
+             out: Path = typer.Option(..., "--out", "-o", help="the wheelhouse folder: wheels and lock.yaml go here"),
+             allow_drift: bool = typer.Option(False, "--allow-drift",
+                                              help="pack files that no longer match their RECORD as they are, and "
+                                                   "record them in the lock (`drift:` per package)"),
+             base: Optional[Path] = typer.Option(None, "--base",
+                                                 help="take platform, requires, overrides, patches, engine, probes "
+                                                      "from this lock (an adopted one's captured lock has none)"),
+             with_: List[Path] = typer.Option([], "--with", help="add this wheel file (repeatable); it replaces a "
+                                                                 "packed distribution of the same name"),
+             name: Optional[str] = typer.Option(None, "--name", help="the lock's name (default: the source's)"),
+             jobs: Optional[int] = typer.Option(None, "--jobs", min=1, max=256,
+                                                help="workers on the host (default: one process per core)"),
+             json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
+             limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
+             root: Optional[str] = RootOpt):
+        """Pack a generation (managed or adopted) into DIR: one stored wheel per distribution, rebuilt from its
+        installed files after each was checked against its RECORD, and DIR/lock.yaml naming each by sha256."""
+        from .. import pack as packmod
+        from ..transport import connect
+
+        if (local or inventory) and host is not None and generation is None:   # `provision pack --local GEN`
+            host, generation = None, host
+        t = one_target(host, local, inventory, key, known_hosts, root, limit)
+        tr = connect(t)
+        status = None if json_out or not err_console.is_terminal else err_console.status(f"packing {t.name} …")
+
+        def progress(ev: dict) -> None:
+            if status is not None and ev.get("step") == "pack":
+                status.update(f"packing {t.name}: {ev['done']}/{ev['total']} wheels")
+        try:
+            if status is not None:
+                status.start()
+            rep = packmod.pack(tr, out, generation, allow_drift=allow_drift, base=base, extra=with_, name=name,
+                               jobs=jobs, progress=progress)
+        finally:
+            if status is not None:
+                status.stop()
+            tr.close()
+        if json_out:
+            print_json(dict(rep, check=rep["check"].to_json()))
+        else:
+            render(rep)
+        if not rep["check"].ok:
+            raise typer.Exit(1)
+
+
+def render(rep: dict) -> None:
+    from ..lockcheck import render_report
+    from ..units import human_size
+
+    s = rep["seconds"]
+    console.print(f"Packed {rep['host']}:{rep['generation']} ({rep['venv']}) into {rep['out']}: "
+                  f"{rep['distributions']} distributions, {rep['files']} files, {human_size(rep['bytes'])} checked, "
+                  f"{human_size(rep['wheel_bytes'])} of wheels.", markup=False, soft_wrap=True)
+    ratio = f"{rep['ratio']:.2f}×" if rep["ratio"] is not None else "n/a"
+    console.print(f"  check {s['check']:.2f}s + pack {s['pack']:.2f}s on {rep['jobs']} {rep['workers']}; reading "
+                  f"the same {human_size(rep['read_bytes'])} alone {s['read']:.2f}s: (check + pack) ÷ read {ratio}"
+                  + (f"; fetched over the connection {s['fetch']:.2f}s" if s.get("fetch", 0) > 0.01 else "")
+                  + f"; total {s['total']:.2f}s.", markup=False, soft_wrap=True)
+    for n, paths in sorted(rep["drift"].items()):
+        console.print(f"  drift {n}: {', '.join(paths[:5])}" + (f" and {len(paths) - 5} more" if len(paths) > 5
+                                                                else "") + " (packed as found; recorded in the lock)",
+                      markup=False, soft_wrap=True)
+    for n in rep["unpacked"]:
+        err_console.print(f"warning: {n} has no readable RECORD: not packed", markup=False)
+    if rep["not_owned"]:
+        err_console.print(f"warning: {rep['not_owned']} files under site-packages belong to no RECORD: not packed",
+                          markup=False)
+    for r in rep["replaced"]:
+        console.print(f"  replaced {r} (--with)", markup=False)
+    for x in rep["extra"]:
+        console.print(f"  added {x}", markup=False)
+    for rel in rep["missing_series"]:
+        err_console.print(f"warning: patch series {rel} not found here; the lock finds it only among those "
+                          f"shipped with provision", markup=False)
+    console.print(render_report(rep["check"]), markup=False, soft_wrap=True)
+    console.print(f"Wrote {rep['lock']}: apply it offline with `provision apply HOST --lock {rep['lock']}`.",
+                  markup=False, soft_wrap=True)

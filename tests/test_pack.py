@@ -1,0 +1,225 @@
+"""`provision pack`: a generation back into a hashed wheelhouse that a host with no route to any index rebuilds
+exactly; drift against RECORD refused or recorded; wheel names, scripts, data files and patched files as shipped."""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from provision.agent import record
+from provision.agent.pack import compress_tags, unshebang, wheel_name
+from provision.loopback import LoopbackHost
+from provision.transport import trust_host
+from test_core import cli, host_args
+from wheelhouse import write_lock
+
+PY = "cp%d%d" % sys.version_info[:2]
+PLATFORM_TAGS = [f"{PY}-{PY}-manylinux_2_17_x86_64", f"{PY}-{PY}-manylinux2014_x86_64"]
+
+
+def _hash(data: bytes) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def rich_wheel(outdir: Path, name="tool", version="1.0", build="1") -> Path:
+    """A platform wheel with a build tag, a console script, a script, a data file, a header and a module a
+    patch series targets."""
+    mod, info, data = name.replace("-", "_"), f"{name.replace('-', '_')}-{version}.dist-info", f"{name}-{version}.data"
+    files = {
+        f"{mod}/__init__.py": b"def main():\n    print('tool main')\n",
+        f"{mod}/target.py": b"SUPPORTED = (9, 10)\n\n\ndef size(cc):\n    return SUPPORTED.index(cc)\n",
+        f"{data}/scripts/tool-helper": b"#!python\nprint('helper')\n",
+        f"{data}/data/share/tool/notes.txt": b"data file\n",
+        f"{data}/headers/tool.h": b"#define TOOL 1\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+        f"{info}/WHEEL": ("Wheel-Version: 1.0\nGenerator: provision-tests\nRoot-Is-Purelib: false\n"
+                          + "".join(f"Tag: {t}\n" for t in PLATFORM_TAGS) + f"Build: {build}\n").encode(),
+        f"{info}/entry_points.txt": f"[console_scripts]\ntool = {mod}:main\n".encode(),
+    }
+    record_text = "".join(f"{p},{_hash(d)},{len(d)}\n" for p, d in files.items()) + f"{info}/RECORD,,\n"
+    files[f"{info}/RECORD"] = record_text.encode()
+    path = outdir / wheel_name(name, version, PLATFORM_TAGS, build)
+    with zipfile.ZipFile(path, "w") as z:
+        for p, d in files.items():
+            z.writestr(zipfile.ZipInfo(p, date_time=(2020, 1, 1, 0, 0, 0)), d)
+    return path
+
+
+def series(folder: Path) -> Path:
+    d = folder / "patches" / "tool-1.0"
+    d.mkdir(parents=True)
+    (d / "series.yaml").write_text("series: 1\npackage: tool\nversion: '==1.0'\npatches:\n  - file: 0001-cc12.patch\n"
+                                   "    description: capability 12\n    reason: the table lacks 12\n")
+    (d / "0001-cc12.patch").write_text("--- a/tool/target.py\n+++ b/tool/target.py\n@@ -1,4 +1,4 @@\n"
+                                       "-SUPPORTED = (9, 10)\n+SUPPORTED = (9, 10, 12)\n \n \n def size(cc):\n")
+    return d
+
+
+def site_hashes(venv: Path) -> dict:
+    """{path under site-packages: sha256} of every installed file outside the dist-infos (where installers
+    write their own INSTALLER/RECORD), bytecode left out."""
+    site = Path(record.site_packages(str(venv)))
+    out = {}
+    for p in site.rglob("*"):
+        rel = p.relative_to(site).as_posix()
+        if p.is_file() and ".dist-info/" not in rel and "__pycache__" not in rel:
+            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def test_wheel_names_follow_pep_425_and_427():
+    assert compress_tags(["py2-none-any", "py3-none-any"]) == "py2.py3-none-any"
+    assert compress_tags(["cp312-cp312-manylinux_2_27_x86_64", "cp312-cp312-manylinux_2_28_x86_64"]) == \
+        "cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64"
+    assert wheel_name("Foo.Bar-baz", "2.9.1+cu130", ["py3-none-any"], "7") == \
+        "foo_bar_baz-2.9.1+cu130-7-py3-none-any.whl"
+    assert unshebang(b"#!/opt/x/venv/bin/python\nprint(1)\n") == b"#!python\nprint(1)\n"
+    assert unshebang(b"#!/bin/sh\n'''exec' /very/long/bin/python \"$0\" \"$@\"\n' '''\nprint(1)\n") == \
+        b"#!python\nprint(1)\n"
+    assert unshebang(b"#!/bin/bash\necho hi\n") == b"#!/bin/bash\necho hi\n"
+
+
+@pytest.fixture
+def offline_host(tmp_path):
+    """A host in a network namespace of its own: no route to any index, nor to the controller's loopback."""
+    h = LoopbackHost(netns=True)
+    kh = tmp_path / "known_hosts"
+    try:
+        h.start()
+        t = h.target
+        t.known_hosts = kh
+        trust_host(t)
+        yield h, kh
+    finally:
+        h.cleanup()
+
+
+def test_pack_managed_generation_and_rebuild_offline(target, tmp_path, wheels, offline_host):
+    house = tmp_path / "src"
+    house.mkdir()
+    tool = rich_wheel(house)
+    series(house)
+    lk = write_lock(house / "stack.yaml", "stack", [tool, wheels["alpha-1.0"]], patches=["patches/tool-1.0"])
+    cli("apply", *host_args(target), "--lock", lk, check=0)
+    src_root = Path(target.vars["provision_root"])
+    src_venv = src_root / "current" / "venv"
+    patched = record.site_packages(str(src_venv)) + "/tool/target.py"
+    assert "(9, 10, 12)" in Path(patched).read_text()
+
+    out = tmp_path / "house"
+    shipped = zipfile.ZipFile(tool).read("tool/target.py")
+    p = cli("pack", *host_args(target), "--out", out, check=0)     # over SSH: the wheels come back by hash
+    assert "patch series patches/tool-1.0 not found here" in p.stderr     # the host keeps no series: say so
+    with zipfile.ZipFile(out / tool.name) as z:                   # as shipped: from the host's cached wheel
+        assert z.read("tool/target.py") == shipped
+    for cached in (src_root / "cache" / "wheels").glob(f"*/{tool.name}"):
+        cached.unlink()                                             # gone: the series, reversed, brings it back
+    p = cli("pack", *host_args(target), "--out", out, "--base", lk, check=0)   # the lock it was applied from
+    assert "Packed" in p.stdout and "÷ read" in p.stdout, p.stdout
+    packed = yaml.safe_load((out / "lock.yaml").read_text())
+    assert packed["patches"] == ["patches/tool-1.0"] and (out / "patches" / "tool-1.0" / "series.yaml").is_file()
+    by_name = {q["name"]: q for q in packed["packages"]}
+    assert by_name["tool"]["filename"] == tool.name                 # build tag and compressed platform tags
+    for q in packed["packages"]:
+        assert hashlib.sha256((out / q["filename"]).read_bytes()).hexdigest() == q["sha256"]
+        assert q["url"] == (out / q["filename"]).as_uri()
+    with zipfile.ZipFile(out / tool.name) as z:
+        names = set(z.namelist())
+        assert z.read("tool/target.py") == shipped
+        assert z.read("tool-1.0.data/scripts/tool-helper").startswith(b"#!python\n")
+        assert {"tool-1.0.data/data/share/tool/notes.txt", "tool-1.0.data/headers/tool.h"} <= names
+        assert not any(n.endswith(("INSTALLER", "REQUESTED", "direct_url.json")) or n.endswith("/tool")
+                       for n in names)                               # the console script is the installer's
+        assert all(i.compress_type == zipfile.ZIP_STORED for i in z.infolist()) and z.testzip() is None
+        assert z.getinfo("tool-1.0.data/scripts/tool-helper").external_attr >> 16 & 0o111
+    assert cli("lock", "check", out / "lock.yaml", "--offline", check=0)
+
+    h, kh = offline_host
+    other = ["root@%s" % h.address, "--key", h.dir / "client_ed25519", "--known-hosts", kh, "--root", h.root]
+    reach = subprocess.run(["ip", "netns", "exec", h.netns, sys.executable, "-c",
+                            "import socket; socket.create_connection(('pypi.org', 443), timeout=3)"],
+                           capture_output=True, text=True)
+    assert reach.returncode != 0                                    # really offline
+    env = {**os.environ, "PROVISION_WHEELHOUSE": str(out)}
+    a = subprocess.run([sys.executable, "-m", "provision.cli", "apply", *map(str, other), "--lock",
+                        str(out / "lock.yaml"), "--wheels-from", "controller"], capture_output=True, text=True,
+                       env=env, cwd=Path(__file__).parent.parent)
+    assert a.returncode == 0, a.stderr
+    new_venv = Path(h.root) / "current" / "venv"
+    assert site_hashes(new_venv) == site_hashes(src_venv)           # patched file included: the series re-applied
+    for venv in (src_venv, new_venv):
+        chk = record.check(str(venv))
+        assert {n: d["changed"] for n, d in chk["dists"].items() if d["changed"] or d["missing"]} == \
+            {"tool": ["tool/target.py"]}                             # only what the series changes
+    run = subprocess.run([str(new_venv / "bin" / "tool")], capture_output=True, text=True)
+    assert run.stdout == "tool main\n"                              # regenerated by the installer
+    assert (new_venv / "bin" / "tool-helper").read_text() == f"#!{new_venv.resolve()}/bin/python\nprint('helper')\n"
+    assert (new_venv / "share" / "tool" / "notes.txt").read_text() == "data file\n"
+
+
+@pytest.fixture
+def adopted(tmp_path, wheels):
+    """A hand-made venv (uv, from the test wheels, offline) adopted as generation 0 of a local root."""
+    venv = tmp_path / "env"
+    subprocess.run(["uv", "venv", "-q", "--python", sys.executable, str(venv)], check=True)
+    subprocess.run(["uv", "pip", "install", "-q", "--offline", "--no-index", "--python", str(venv / "bin" / "python"),
+                    str(wheels["alpha-1.0"]), str(wheels["beta-1.0"])], check=True)
+    root = tmp_path / "root"
+    cli("adopt", "--local", venv, "--root", root, check=0)
+    return venv, root
+
+
+def test_adopted_drift_refused_then_recorded_with_base_and_extra(adopted, tmp_path, wheels):
+    venv, root = adopted
+    site = Path(record.site_packages(str(venv)))
+    (site / "alpha" / "__init__.py").write_text("__version__ = 'edited by hand'\n")
+    out = tmp_path / "house"
+    p = cli("pack", "--local", "--root", root, "--out", out, check=1)
+    assert "no longer match their RECORD: alpha: alpha/__init__.py" in p.stderr and "--allow-drift" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+    assert not (out / "lock.yaml").exists()
+
+    base = write_lock(tmp_path / "base.yaml", "gpu-base", [], engine={"kind": "none"}, probes={"min_speedup": 1.0},
+                      requires=[])
+    wrong = write_lock(tmp_path / "wrong.yaml", "wrong", [], python="3.99")
+    assert "runs Python" in cli("pack", "--local", "--root", root, "--out", out, "--allow-drift", "--base", wrong,
+                                check=2).stderr
+    p = cli("pack", "--local", "--root", root, "--out", out, "--allow-drift", "--base", base,
+            "--with", wheels["gamma-1.0"], check=0)
+    assert "drift alpha: alpha/__init__.py" in p.stdout
+    data = yaml.safe_load((out / "lock.yaml").read_text())
+    assert data["name"] == "gpu-base" and data["probes"] == {"min_speedup": 1.0}
+    pk = {q["name"]: q for q in data["packages"]}
+    assert pk["alpha"]["drift"] == ["alpha/__init__.py"] and "drift" not in pk["beta"]
+    assert pk["gamma"]["sha256"] == hashlib.sha256(wheels["gamma-1.0"].read_bytes()).hexdigest()
+    with zipfile.ZipFile(out / pk["alpha"]["filename"]) as z:              # packed as found, RECORD made anew
+        assert z.read("alpha/__init__.py") == b"__version__ = 'edited by hand'\n"
+        rec = z.read("alpha-1.0.dist-info/RECORD").decode()
+        assert _hash(b"__version__ = 'edited by hand'\n") in rec
+    cli("lock", "check", out / "lock.yaml", "--offline", check=0)
+
+    bad = dict(data, packages=[dict(pk["alpha"], drift="alpha/__init__.py")])    # the field is checked
+    (out / "bad.yaml").write_text(yaml.safe_dump(bad))
+    assert "packages.0.drift" in cli("lock", "check", out / "bad.yaml", check=2).stderr
+
+    # `--local` loads neither SSH nor Ansible; `--json` gives the figures
+    code = ("import sys, json; from provision.cli import app\n"
+            "try:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n    rc = e.code\n"
+            "print(json.dumps([rc, [m for m in ('paramiko', 'ansible_runner') if m in sys.modules]]))")
+    r = subprocess.run([sys.executable, "-c", code, "pack", "--local", "--root", str(root), "--out",
+                        str(tmp_path / "h2"), "--allow-drift", "--json"], capture_output=True, text=True,
+                       cwd=Path(__file__).parent.parent)
+    lines = r.stdout.strip().splitlines()
+    assert json.loads(lines[-1]) == [0, []], r.stderr
+    rep = json.loads("\n".join(lines[:-1]))
+    assert rep["distributions"] == 2 and rep["seconds"]["read"] > 0 and rep["ratio"] > 0
+    beta = pk["beta"]["filename"]
+    assert (tmp_path / "h2" / beta).read_bytes() == (out / beta).read_bytes()   # the same env packs to the same bytes
