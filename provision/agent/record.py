@@ -10,12 +10,16 @@ import csv
 import hashlib
 import io
 import os
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .host import norm
 
 CHUNK = 1 << 20
 SKIP_SUFFIXES = (".pyc",)       # written at run time by the interpreter, never installed content
+# What `uv venv` itself writes into site-packages (no distribution's RECORD lists them): not extra.
+UV_WRITES = ("_virtualenv.py", "_virtualenv.pth")
 
 
 def site_packages(venv):
@@ -57,16 +61,29 @@ def b64digest(raw):
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
 
 
+_BUF = threading.local()
+
+
+def _buffer():
+    """This thread's read buffer (one per thread, reused for every file it reads)."""
+    buf = getattr(_BUF, "buf", None)
+    if buf is None:
+        buf = _BUF.buf = bytearray(CHUNK)
+    return buf
+
+
 def hash_file(path):
     """(sha256 as RECORD writes it, size) of one file."""
     h, n = hashlib.sha256(), 0
-    with open(path, "rb") as f:
+    buf = _buffer()
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
         while True:
-            b = f.read(CHUNK)
-            if not b:
+            k = f.readinto(buf)
+            if not k:
                 break
-            h.update(b)
-            n += len(b)
+            h.update(view[:k])
+            n += k
     return b64digest(h.digest()), n
 
 
@@ -91,20 +108,30 @@ def entries(site, info, top):
     return out
 
 
-def check(venv, jobs=None, only=None):
+def jobs_default():
+    return min(32, (os.cpu_count() or 1) * 2)
+
+
+def check(venv, jobs=None, only=None, expect=None, baseline=False, digests=False):
     """Every installed file of the venv against its RECORD. Returns
     {site, dists: {name: {version, info, files, bytes, changed: [rel], missing: [rel], outside: [rel],
-    unhashed: n}}, files, bytes, extra: [paths relative to site-packages no RECORD lists]}.
-    `only`: a set of normalized names to check (default all)."""
+    unhashed: n, overridden: n}}, files, bytes, seconds, extra: [paths relative to site-packages no RECORD
+    lists], unclaimed: [keys of `expect` no RECORD lists]}.
+    `only`: a set of normalized names to check (default all). `expect`: {path relative to site-packages:
+    sha256 hex} that replace RECORD's hash for those files (a patch series' results). `baseline`: then read the
+    same files again without hashing, in parallel (`read_seconds`, `read_bytes`: the cost of reading alone).
+    `digests`: also {absolute path: digest found} of every file hashed (`digests`)."""
     site = site_packages(venv)
     if site is None:
         raise OSError("no site-packages under %s" % venv)
+    expect = {os.path.normpath(k): _b64_of_hex(v) for k, v in (expect or {}).items()}
+    claimed = set()
     dists, work, listed = {}, [], set()
     for name, version, info in dist_infos(site):
         if only is not None and name not in only:
             continue
         d = dists[name] = {"version": version, "info": info, "files": 0, "bytes": 0, "changed": [], "missing": [],
-                           "outside": [], "unhashed": 0}
+                           "outside": [], "unhashed": 0, "overridden": 0}
         try:
             rows = entries(site, info, venv)
         except OSError:
@@ -115,23 +142,33 @@ def check(venv, jobs=None, only=None):
                 d["outside"].append(rel)
                 continue
             listed.add(full)
+            key = os.path.normpath(rel)
+            if key in expect:
+                algo, digest = "sha256", expect[key]
+                claimed.add(key)
+                d["overridden"] += 1
             if not digest or algo != "sha256":
                 d["unhashed"] += 1
                 continue
-            work.append((name, rel, full, digest))
+            work.append((name, rel, full, digest, size or 0))
 
     def one(item):
-        name, rel, full, digest = item
+        name, rel, full, digest, _ = item
         try:
             got, n = hash_file(full)
         except FileNotFoundError:
-            return name, rel, None, 0
+            return name, rel, full, None, None, 0
         except OSError:
-            return name, rel, "", 0
-        return name, rel, got == digest, n
+            return name, rel, full, None, False, 0
+        return name, rel, full, got, got == digest, n
 
-    with ThreadPoolExecutor(max_workers=jobs or min(32, (os.cpu_count() or 1) * 2)) as ex:
-        for name, rel, ok, n in ex.map(one, sorted(work, key=lambda w: -_size(w[2]))):
+    work.sort(key=lambda w: -w[4])       # largest first (RECORD's sizes): the pool's tail is short
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=jobs or jobs_default()) as ex:
+        found = {}
+        for name, rel, full, got, ok, n in ex.map(one, work):
+            if got is not None:
+                found[full] = got
             d = dists[name]
             d["files"] += 1
             d["bytes"] += n
@@ -139,23 +176,54 @@ def check(venv, jobs=None, only=None):
                 d["missing"].append(rel)
             elif not ok:
                 d["changed"].append(rel)
+    seconds = time.monotonic() - t0
     extra = []
     if only is None:
         for dirpath, dirnames, filenames in os.walk(site):
             dirnames[:] = [x for x in dirnames if x != "__pycache__"]
             for fn in filenames:
                 full = os.path.join(dirpath, fn)
-                if full not in listed and not fn.endswith(SKIP_SUFFIXES):
+                if full not in listed and not fn.endswith(SKIP_SUFFIXES) and \
+                        not (dirpath == site and fn in UV_WRITES):
                     extra.append(os.path.relpath(full, site))
     for d in dists.values():
         for k in ("changed", "missing", "outside"):
             d[k].sort()
-    return {"site": site, "dists": dists, "extra": sorted(extra),
-            "files": sum(d["files"] for d in dists.values()), "bytes": sum(d["bytes"] for d in dists.values())}
+    out = {"site": site, "dists": dists, "extra": sorted(extra), "unclaimed": sorted(set(expect) - claimed),
+           "files": sum(d["files"] for d in dists.values()), "bytes": sum(d["bytes"] for d in dists.values()),
+           "seconds": seconds}
+    if digests:
+        out["digests"] = found
+    if baseline:
+        out["read_seconds"], out["read_bytes"] = read_all([w[2] for w in work], jobs)
+    return out
 
 
-def _size(path):
+def read_all(paths, jobs=None):
+    """(seconds, bytes) to read every file of `paths` in parallel, without hashing: what hashing is measured
+    against."""
+    def one(path):
+        n, buf = 0, _buffer()
+        try:
+            with open(path, "rb", buffering=0) as f:
+                while True:
+                    k = f.readinto(buf)
+                    if not k:
+                        break
+                    n += k
+        except OSError:
+            pass
+        return n
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=jobs or jobs_default()) as ex:
+        total = sum(ex.map(one, paths))
+    return time.monotonic() - t0, total
+
+
+def _b64_of_hex(hexdigest):
+    """A sha256 hex digest as RECORD writes it (one that is not hex never matches)."""
     try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
+        return b64digest(bytes.fromhex(hexdigest))
+    except (TypeError, ValueError):
+        return "!" + str(hexdigest)
