@@ -15,7 +15,7 @@ from .lock import Lock, loads
 from .transport import Transport
 
 FEW = 3          # files named per distribution before "and N more"
-INSTALLER_OWN = {"pip": {"pip", "setuptools"}}    # what `python -m venv` puts in a venv before the lock's packages
+INSTALLER_OWN = {"pip": {"pip", "setuptools", "wheel"}}    # what `python -m venv` seeds before the lock
 
 
 def _same_version(a: str, b: str) -> bool:
@@ -132,7 +132,9 @@ def seal(t: Transport, lock: Lock, gen_id: str, installer: str | None) -> dict:
         more = f" (and {len(rows) - 2} more distributions)" if len(rows) > 2 else ""
         raise HostError(f"{gen_id} does not match its lock after the build: "
                         + "; ".join(line(r) for r in rows[:2]) + more, where=t.target.name)
+    from .units import human_size
+
     rate = found["bytes"] / found["seconds"] / 1e9 if found["seconds"] > 0 else 0.0
-    detail = (f"{found['files']} files, {found['bytes'] / 1e9:.2f} GB hashed in {found['seconds']:.1f}s "
+    detail = (f"{found['files']} files, {human_size(found['bytes'])} hashed in {found['seconds']:.1f}s "
               f"({rate:.2f} GB/s): all match RECORD and the lock; stamped, read-only")
     return {"detail": detail, "record": rec, "stamped": found.get("stamped")}

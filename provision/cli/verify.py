@@ -13,7 +13,9 @@ from .common import (ForksOpt, HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHost
 
 def figures(v: dict) -> str:
     """bytes hashed, seconds, rate; and the plain read of the same bytes, when measured."""
-    text = f"{v['files']} files, {v['bytes'] / 1e9:.2f} GB hashed in {v['seconds']:.2f}s"
+    from ..units import human_size
+
+    text = f"{v['files']} files, {human_size(v['bytes'])} hashed in {v['seconds']:.2f}s"
     if v.get("rate_gbs"):
         text += f" ({v['rate_gbs']:.2f} GB/s, {v['jobs']} threads)"
     if v.get("read_seconds") is not None and v.get("ratio"):
