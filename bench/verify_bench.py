@@ -87,7 +87,7 @@ def main() -> None:
         except ImportError:
             verifymod = None
         if verifymod is not None:
-            v = verifymod.verify(tr, gen)
+            v = verifymod.verify(tr, gen, baseline=True)
             fig.update(verify_verdict=v["verdict"], verify_bytes=v["bytes"], verify_files=v["files"],
                        verify_s=v["seconds"], verify_gbs=v["rate_gbs"], read_s=v["read_seconds"],
                        read_gbs=v["read_rate_gbs"], verify_over_read=v["ratio"])

@@ -189,10 +189,14 @@ def _apply(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps,
         report.status, report.generation = "noop", facts["current"]
         return
     if plan.action == "reuse":
-        report.generation = plan.reuse
-        _switch(transport, report, steps, plan.reuse, {"lock": lock.name, "reuse": True})
-        report.status = "reused"
-        return
+        check = steps.run("check", verifymod.check, transport, plan.reuse)
+        if check["verdict"] == "clean":
+            report.generation = plan.reuse
+            _switch(transport, report, steps, plan.reuse, {"lock": lock.name, "reuse": True})
+            report.status = "reused"
+            return
+        report.warnings.append(f"{plan.reuse} holds this lock but fails verification ({check['named']}): "
+                               "built a new generation instead")
 
     lay = layout.of(transport)
     manifest = {"lock_name": lock.name, "lock_digest": lock.digest, "stack": asdict(stack_of_lock(lock)),

@@ -97,10 +97,11 @@ def _lock_of(t: Transport, gen_id: str) -> tuple[Lock, dict]:
     return loads(info["lock_text"], f"{t.target.name}:{gen_id}/lock.yaml"), info.get("manifest") or {}
 
 
-def verify(t: Transport, generation: str | None = None, baseline: bool = True, jobs: int | None = None) -> dict:
+def verify(t: Transport, generation: str | None = None, baseline: bool = False, jobs: int | None = None) -> dict:
     """`provision verify HOST [GEN]`: the generation (default current) checked on the host, judged against its
     lock, the verdict recorded (manifest `verify`, history event `verify`). Returns the verdict with the
-    figures: bytes hashed, seconds, and (baseline) the seconds to merely read the same bytes."""
+    figures: bytes hashed, seconds, and (baseline) the seconds to merely read the same bytes, before hashing
+    and after it (the ratio is of hashing to the read after it: both from the page cache when they fit)."""
     gen_id = generations.resolve(t, generation)
     lock, manifest = _lock_of(t, gen_id)
     found = t.run_agent("verify", {"op": "verify", "root": root_of(t), "id": gen_id, "baseline": baseline,
@@ -115,7 +116,7 @@ def verify(t: Transport, generation: str | None = None, baseline: bool = True, j
     out["rate_gbs"] = found["bytes"] / found["seconds"] / 1e9 if found["seconds"] > 0 else None
     if "read_seconds" in found:
         rs = found["read_seconds"]
-        out.update(read_seconds=rs, read_bytes=found["read_bytes"],
+        out.update(read_seconds=rs, read_bytes=found["read_bytes"], first_read_seconds=found["first_read_seconds"],
                    read_rate_gbs=found["read_bytes"] / rs / 1e9 if rs > 0 else None,
                    ratio=found["seconds"] / rs if rs > 0 else None)
     return out
@@ -138,3 +139,13 @@ def seal(t: Transport, lock: Lock, gen_id: str, installer: str | None) -> dict:
     detail = (f"{found['files']} files, {human_size(found['bytes'])} hashed in {found['seconds']:.1f}s "
               f"({rate:.2f} GB/s): all match RECORD and the lock; stamped, read-only")
     return {"detail": detail, "record": rec, "stamped": found.get("stamped")}
+
+
+def check(t: Transport, gen_id: str) -> dict:
+    """Rollback's quick check of one generation (every file's stat against its build's stamp, hashing what
+    changed), for a switch that did not go through `rollback`: apply's reuse of an existing generation."""
+    out = t.run_agent("verify", {"op": "quick", "root": root_of(t), "id": gen_id})
+    out["named"] = out.get("named") or ""
+    verdict = "clean" if out["verdict"] == "clean" else f"drift: {out['named']}"
+    out["detail"] = f"{gen_id}: {out['files']} files against its stamp, {out['hashed']} hashed: {verdict}"
+    return out

@@ -119,7 +119,9 @@ def check(venv, jobs=None, only=None, expect=None, baseline=False, digests=False
     lists], unclaimed: [keys of `expect` no RECORD lists]}.
     `only`: a set of normalized names to check (default all). `expect`: {path relative to site-packages:
     sha256 hex} that replace RECORD's hash for those files (a patch series' results). `baseline`: then read the
-    same files again without hashing, in parallel (`read_seconds`, `read_bytes`: the cost of reading alone).
+    same files without hashing, in parallel, before hashing (`first_read_seconds`: from disk or the page cache,
+    as they were) and after it (`read_seconds`, `read_bytes`): hashing and the second read then both read from
+    the page cache when the files fit in memory, so their ratio is hashing's own cost.
     `digests`: also {absolute path: digest found} of every file hashed (`digests`)."""
     site = site_packages(venv)
     if site is None:
@@ -163,6 +165,8 @@ def check(venv, jobs=None, only=None, expect=None, baseline=False, digests=False
         return name, rel, full, got, got == digest, n
 
     work.sort(key=lambda w: -w[4])       # largest first (RECORD's sizes): the pool's tail is short
+    if baseline:      # a first plain read brings the files into the page cache, as it would for hashing
+        first = read_all([w[2] for w in work], jobs)
     t0 = time.monotonic()
     with ThreadPoolExecutor(max_workers=jobs or jobs_default()) as ex:
         found = {}
@@ -195,6 +199,7 @@ def check(venv, jobs=None, only=None, expect=None, baseline=False, digests=False
     if digests:
         out["digests"] = found
     if baseline:
+        out["first_read_seconds"] = first[0]
         out["read_seconds"], out["read_bytes"] = read_all([w[2] for w in work], jobs)
     return out
 

@@ -346,7 +346,7 @@ def op_rollback(root, a):
     check = None if a.get("force") else quick(root, target[1])
     if check and check["verdict"] == "drift":
         return {"error": "generation %s fails verification (%s); not switched to it (--force switches anyway)"
-                % (target[1], drift_named(check)), "check": check}
+                % (target[1], check["named"]), "check": check}
     if a.get("dry_run"):
         return {"from": before, "to": target[1], "forward": forward, "dry_run": True, "check": check}
     t0 = time.perf_counter()
@@ -355,25 +355,6 @@ def op_rollback(root, a):
                        "forward": forward, "forced": bool(a.get("force"))})
     return {"from": before, "to": target[1], "forward": forward, "switch_seconds": time.perf_counter() - t0,
             "event": ev, "check": check}
-
-
-def drift_named(check, few=3):
-    """A quick check's drift in a few words: the first files named, then how many more."""
-    items = [f + " changed" for f in check["changed"]] + [f + " missing" for f in check["missing"]] + \
-        [f + " not installed by the build" for f in check["extra"]]
-    if not items and check.get("last_verify"):
-        items = [f for f in check["last_verify"]["named"]]
-        lead = "its last verify (%s) found drift: " % check["last_verify"].get("time")
-    else:
-        lead = ""
-    shown = ", ".join(_short(i) for i in items[:few])
-    more = " and %d more" % (len(items) - few) if len(items) > few else ""
-    return lead + shown + more
-
-
-def _short(path):
-    """A path under a venv as its site-packages-relative tail (lib/pythonX.Y/site-packages/ dropped)."""
-    return re.sub(r"^lib/python[0-9.]+/site-packages/", "", path)
 
 
 def op_adopt(root, a):

@@ -4,6 +4,7 @@ against the hashes their series produced) and `quick` (rollback's check: every f
 """
 import json
 import os
+import re
 import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -123,7 +124,7 @@ def full(venv, patched, jobs=None, baseline=False, digests=False):
              for name, d in res["dists"].items()}
     out = {"site": res["site"], "dists": dists, "extra": res["extra"], "unclaimed_patches": res["unclaimed"],
            "files": res["files"], "bytes": res["bytes"], "seconds": res["seconds"]}
-    for k in ("read_seconds", "read_bytes", "digests"):
+    for k in ("first_read_seconds", "read_seconds", "read_bytes", "digests"):
         if k in res:
             out[k] = res[k]
     return out
@@ -187,7 +188,27 @@ def quick(root, gen_id, jobs=None):
         out["last_verify"] = {"time": last.get("time"), "named": last.get("named") or []}
         drift = True
     out["verdict"] = "drift" if drift else "clean"
+    out["named"] = named(out) if drift else ""
     return out
+
+
+def named(check, few=3):
+    """A quick check's drift in a few words: the first files named, then how many more."""
+    items = [f + " changed" for f in check["changed"]] + [f + " missing" for f in check["missing"]] + \
+        [f + " not installed by the build" for f in check["extra"]]
+    if not items and check.get("last_verify"):
+        items = [f for f in check["last_verify"]["named"]]
+        lead = "its last verify (%s) found drift: " % check["last_verify"].get("time")
+    else:
+        lead = ""
+    shown = ", ".join(_short(i) for i in items[:few])
+    more = " and %d more" % (len(items) - few) if len(items) > few else ""
+    return lead + shown + more
+
+
+def _short(path):
+    """A path under a venv as its site-packages-relative tail (lib/pythonX.Y/site-packages/ dropped)."""
+    return re.sub(r"^lib/python[0-9.]+/site-packages/", "", path)
 
 
 def op_quick(root, a):
