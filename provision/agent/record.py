@@ -94,6 +94,7 @@ def entries(site, info, top):
     with open(path, encoding="utf-8", errors="replace", newline="") as f:
         rows = list(csv.reader(io.StringIO(f.read())))
     real_top = os.path.realpath(top)
+    real = {}           # directory → its realpath: a RECORD's files share a few directories
     out = []
     for row in rows:
         if not row or not row[0]:
@@ -102,8 +103,12 @@ def entries(site, info, top):
         algo, _, digest = (row[1] if len(row) > 1 else "").partition("=")
         size = int(row[2]) if len(row) > 2 and row[2].isdigit() else None
         full = os.path.normpath(os.path.join(site, rel))
-        ok = "\0" not in rel and not os.path.isabs(rel) and \
-            (os.path.realpath(os.path.dirname(full)) + os.sep).startswith(real_top + os.sep)
+        ok = "\0" not in rel and not os.path.isabs(rel)
+        if ok:
+            parent = os.path.dirname(full)
+            if parent not in real:
+                real[parent] = os.path.realpath(parent)
+            ok = (real[parent] + os.sep).startswith(real_top + os.sep)
         out.append((rel, full if ok else None, algo, digest, size))
     return out
 
@@ -164,13 +169,16 @@ def check(venv, jobs=None, only=None, expect=None, baseline=False, digests=False
             return name, rel, full, None, False, 0
         return name, rel, full, got, got == digest, n
 
+    def many(items):
+        return [one(item) for item in items]
+
     work.sort(key=lambda w: -w[4])       # largest first (RECORD's sizes): the pool's tail is short
     if baseline:      # a first plain read brings the files into the page cache, as it would for hashing
         first = read_all([w[2] for w in work], jobs)
     t0 = time.monotonic()
     with ThreadPoolExecutor(max_workers=jobs or jobs_default()) as ex:
         found = {}
-        for name, rel, full, got, ok, n in ex.map(one, work):
+        for name, rel, full, got, ok, n in (r for rs in ex.map(many, batches(work, lambda w: w[4])) for r in rs):
             if got is not None:
                 found[full] = got
             d = dists[name]
@@ -204,6 +212,21 @@ def check(venv, jobs=None, only=None, expect=None, baseline=False, digests=False
     return out
 
 
+def batches(items, size_of, target=1 << 23):
+    """`items` (largest first) in consecutive groups of about `target` bytes (at most 512 items): one pool task
+    each, so that thousands of small files do not cost a task each."""
+    out, cur, cur_bytes = [], [], 0
+    for it in items:
+        cur.append(it)
+        cur_bytes += size_of(it)
+        if cur_bytes >= target or len(cur) >= 512:
+            out.append(cur)
+            cur, cur_bytes = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
 def read_all(paths, jobs=None):
     """(seconds, bytes) to read every file of `paths` in parallel, without hashing: what hashing is measured
     against."""
@@ -222,8 +245,16 @@ def read_all(paths, jobs=None):
 
     t0 = time.monotonic()
     with ThreadPoolExecutor(max_workers=jobs or jobs_default()) as ex:
-        total = sum(ex.map(one, paths))
+        total = sum(ex.map(lambda group: sum(one(p[0]) for p in group),
+                           batches([(p, _size(p)) for p in paths], lambda p: p[1])))
     return time.monotonic() - t0, total
+
+
+def _size(path):
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def _b64_of_hex(hexdigest):

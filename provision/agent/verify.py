@@ -29,23 +29,24 @@ def paths(root, gen_id):
 def walk(venv):
     """(path under the venv, lstat) of every file and symlink in the venv; bytecode the interpreter writes at
     run time (__pycache__, *.pyc) is not installed content and is left out."""
-    stack = [venv]
+    stack = [(venv, "")]
     while stack:
-        d = stack.pop()
+        d, prefix = stack.pop()
         try:
             entries = list(os.scandir(d))
         except OSError:
             continue
         for e in entries:
             try:
-                st = e.stat(follow_symlinks=False)
+                if e.is_dir(follow_symlinks=False):
+                    if e.name != "__pycache__":
+                        stack.append((e.path, prefix + e.name + "/"))
+                    continue
+                if e.name.endswith(record.SKIP_SUFFIXES):
+                    continue
+                yield prefix + e.name, e.stat(follow_symlinks=False)
             except OSError:
                 continue
-            if stat.S_ISDIR(st.st_mode):
-                if e.name != "__pycache__":
-                    stack.append(e.path)
-            elif not e.name.endswith(record.SKIP_SUFFIXES):
-                yield os.path.relpath(e.path, venv), st
 
 
 def read_only(venv):
@@ -83,11 +84,11 @@ def _digest(full, st):
 
 
 def op_seal(root, a):
-    """After the build and its patches: files read-only, a full check (RECORD and patch hashes, the
-    distributions installed), then the stamp of every file that rollback's quick check compares with."""
+    """After the build (which made the files read-only) and its patches (which keep a file's mode): a full check
+    (RECORD and patch hashes, the distributions installed), then the stamp of every file that rollback's quick
+    check compares with."""
     gdir, venv = paths(root, a["id"])
     t0 = time.monotonic()
-    ro = read_only(venv)
     out = full(venv, patched_files(gdir), a.get("jobs"), digests=True)
     digests = out.pop("digests")
     files, todo = {}, []
@@ -101,9 +102,9 @@ def op_seal(root, a):
             files[rel][4] = d
     tmp = os.path.join(gdir, STAMP + ".tmp-%d" % os.getpid())
     with open(tmp, "w") as f:
-        json.dump({"venv": venv, "files": files}, f, separators=(",", ":"), sort_keys=True)
+        f.write(json.dumps({"venv": venv, "files": files}, separators=(",", ":")))
     os.replace(tmp, os.path.join(gdir, STAMP))
-    out.update(read_only=ro["files"], shared=ro["shared"], stamped=len(files), seal_seconds=time.monotonic() - t0)
+    out.update(stamped=len(files), seal_seconds=time.monotonic() - t0)
     return out
 
 
