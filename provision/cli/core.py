@@ -417,16 +417,18 @@ def history_table(h: dict, host: str):
     from rich.table import Table
 
     table = Table(title=plain(f"generations on {host}"), title_justify="left")
-    for col in ("", "generation", "lock", "created", "status", "probes"):
+    for col in ("", "generation", "lock", "created", "status", "probes", "verified"):
         table.add_column(col, no_wrap=True)
     for g in h["generations"]:
+        v = g.get("verify") if isinstance(g.get("verify"), dict) else None
         probes = g.get("probes_summary") or {}
         ptxt = " ".join(f"{k}={v}" for k, v in probes.items() if v) if isinstance(probes, dict) else str(probes)
         status = g.get("status", "?")
         if g.get("skipped_probes"):
             status += f" (skipped: {','.join(g['skipped_probes'])})"
         table.add_row(*(plain(c) for c in ("→" if g["id"] == h["current"] else "", g["id"], g.get("lock_name", ""),
-                                           g.get("created", ""), status, ptxt or "-")))
+                                           g.get("created", ""), status, ptxt or "-",
+                                           f"{v.get('verdict')} ({v.get('time')})" if v else "-")))
     return table
 
 
