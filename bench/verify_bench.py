@@ -1,7 +1,8 @@
 """Benchmark of what isolation and verification cost, on a throwaway loopback host (real sshd, uv, the demo locks).
 
 Prints, measured in this one run: a cached apply of demo lock B (CPU torch; its wheels and uv's unpacked copies
-already on the host, under another lock name so that it builds), its build and install seconds, the disk the new
+already on the host, under another lock name so that it builds), its build and install seconds, the seal, the
+cache entries hashed again before the build used them, the disk the new
 generation owns (bytes of files no other path links), `verify` of it (bytes hashed, seconds, GB/s, and a plain
 parallel read of the same bytes: the ratio), and rollback with its check against rollback --force.
 Runs on checkouts without verify too (then those figures are absent), so that before and after compare.
@@ -76,6 +77,8 @@ def main() -> None:
                 seals.append(steps["seal"])
             gen = rep.generation
             fig["isolation"] = rep.build.get("isolation", "hardlink")
+            if rep.build.get("recheck"):
+                fig["recheck"] = rep.build["recheck"]
         fig.update(cached_apply_b_s=statistics.median(applies), build_s=statistics.median(builds),
                    install_s=statistics.median(installs))
         if seals:
@@ -118,6 +121,10 @@ def main() -> None:
     print(f"cached apply of demo-b (median of {args.repeat})   {fig['cached_apply_b_s']:7.2f} s   build "
           f"{fig['build_s']:.2f} s (uv install {fig['install_s']:.2f} s)"
           + (f", seal {fig['seal_s']:.2f} s" if "seal_s" in fig else ""))
+    if "recheck" in fig:
+        rc = fig["recheck"]
+        print(f"cache entries hashed again          {rc['seconds']:7.2f} s   {rc['checked']} entries, "
+              f"{rc['bytes'] / 1e6:.0f} MB, before the build used them")
     print(f"disk the generation owns            {fig['generation_own_bytes'] / 2**20:7.1f} MiB of "
           f"{fig['generation_bytes'] / 2**20:.1f} MiB its files hold")
     if "verify_s" in fig:
