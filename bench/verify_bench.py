@@ -3,7 +3,7 @@
 Prints, measured in this one run: a cached apply of demo lock B (CPU torch; its wheels and uv's unpacked copies
 already on the host, under another lock name so that it builds), its build and install seconds, the seal, the
 cache entries hashed again before the build used them, the disk the new
-generation owns (bytes of files no other path links), `verify` of it (bytes hashed, seconds, GB/s, and a plain
+generation owns (bytes of files no other path links; and the filesystem's free space before and after), `verify` of it (bytes hashed, seconds, GB/s, and a plain
 parallel read of the same bytes: the ratio), and rollback with its check against rollback --force.
 Runs on checkouts without verify too (then those figures are absent), so that before and after compare.
 Usage: python bench/verify_bench.py [--json] [--repeat N]
@@ -41,6 +41,11 @@ def owned_bytes(path: Path) -> tuple[int, int]:
     return own, total
 
 
+def free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
 def renamed(lock_path: Path, name: str, out: Path) -> Path:
     """The same lock under another name: another generation, built from the host's caches."""
     text = lock_path.read_text().replace(f"name: {lockmod.load(lock_path).name}\n", f"name: {name}\n", 1)
@@ -63,13 +68,15 @@ def main() -> None:
         skip = ["engine"]             # the engine probe times decoding, not the build: left out of every apply
         applymod.apply(tr, a, skip_probes=skip)
         applymod.apply(tr, lockmod.load(b_path), skip_probes=skip)      # the caches now hold B
-        applies, builds, installs, seals = [], [], [], []
+        applies, builds, installs, seals, deltas = [], [], [], [], []
         gen = None
         for i in range(args.repeat):
             lk = lockmod.load(renamed(b_path, f"demo-b{i}", house / f"b{i}.yaml"))
+            free0 = free_bytes(host.root)
             t0 = time.perf_counter()
             rep = applymod.apply(tr, lk, skip_probes=skip)
             applies.append(time.perf_counter() - t0)
+            deltas.append(free0 - free_bytes(host.root))
             steps = {s.name: s.seconds for s in rep.steps}
             builds.append(steps["build"])
             installs.append(rep.build.get("install_seconds") or 0.0)
@@ -84,7 +91,7 @@ def main() -> None:
         if seals:
             fig["seal_s"] = statistics.median(seals)
         own, total = owned_bytes(Path(host.root) / "generations" / gen / "venv")
-        fig.update(generation_own_bytes=own, generation_bytes=total)
+        fig.update(generation_own_bytes=own, generation_bytes=total, fs_used_per_apply=statistics.median(deltas))
         try:
             from provision import verify as verifymod
         except ImportError:
@@ -126,7 +133,10 @@ def main() -> None:
         print(f"cache entries hashed again          {rc['seconds']:7.2f} s   {rc['checked']} entries, "
               f"{rc['bytes'] / 1e6:.0f} MB, before the build used them")
     print(f"disk the generation owns            {fig['generation_own_bytes'] / 2**20:7.1f} MiB of "
-          f"{fig['generation_bytes'] / 2**20:.1f} MiB its files hold")
+          f"{fig['generation_bytes'] / 2**20:.1f} MiB its files hold (files no other path links; reflinked "
+          "files count whole)")
+    print(f"free space taken per cached apply   {fig['fs_used_per_apply'] / 2**20:7.1f} MiB   (statvfs of the host "
+          "root's filesystem; other writers on it count too)")
     if "verify_s" in fig:
         print(f"verify                              {fig['verify_s']:7.2f} s   {fig['verify_files']} files, "
               f"{fig['verify_bytes'] / 1e9:.2f} GB, {fig['verify_gbs']:.2f} GB/s; a plain read of the same bytes "

@@ -131,8 +131,10 @@ def seal(t: Transport, lock: Lock, gen_id: str, installer: str | None) -> dict:
     if verdict["verdict"] != "clean":
         rows = verdict["rows"]
         more = f" (and {len(rows) - 2} more distributions)" if len(rows) > 2 else ""
+        hint = ("; uv's unpacked cache (cache/uv) may hold a changed copy: remove it and apply again, uv rebuilds "
+                "it from the verified wheels" if verdict["counts"]["changed"] else "")
         raise HostError(f"{gen_id} does not match its lock after the build: "
-                        + "; ".join(line(r) for r in rows[:2]) + more, where=t.target.name)
+                        + "; ".join(line(r) for r in rows[:2]) + more + hint, where=t.target.name)
     from .units import human_size
 
     rate = found["bytes"] / found["seconds"] / 1e9 if found["seconds"] > 0 else 0.0
