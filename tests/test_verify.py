@@ -14,9 +14,11 @@ import threading
 import zipfile
 from pathlib import Path
 
+import pytest
 import yaml
 
 from provision import apply as applymod, generations, lock as lockmod
+from provision.errors import HostError
 from provision.transport import connect
 from sglang_wheel import wheel as sglang_wheel
 from wheelhouse import make_wheel, write_lock
@@ -242,3 +244,25 @@ def test_reuse_of_a_drifted_generation_builds_a_new_one(target, tmp_path, wheels
                for w in again.warnings), again.warnings
     assert "6.6" not in (site(root, again.generation) / "alpha" / "__init__.py").read_text()
     assert again.verify["verdict"] == "clean"
+
+
+def test_changed_copy_in_uvs_cache_fails_the_seal_not_a_generation(target, tmp_path, wheels):
+    """A write into uv's unpacked cache (not through a generation) would reach the next build's copy: the seal
+    finds it before the probes, the generation fails, `current` stays."""
+    root = Path(target.vars["provision_root"])
+    la = lockmod.load(write_lock(tmp_path / "a.yaml", "a", [wheels["beta-1.0"]]))
+    lb = lockmod.load(write_lock(tmp_path / "b.yaml", "b", [wheels["alpha-1.0"], wheels["beta-1.0"]]))
+    tr = connect(target)
+    try:
+        ra = applymod.apply(tr, la)
+        (cached,) = (root / "cache" / "uv" / "archive-v0").glob("*/beta/__init__.py")
+        append(cached, "TAMPERED=1\n")
+        with pytest.raises(HostError) as e:
+            applymod.apply(tr, lb)
+        msg = str(e.value)
+        h = applymod.history(tr)
+    finally:
+        tr.close()
+    assert "does not match its lock after the build: beta 1.0: 1 changed (beta/__init__.py)" in msg
+    assert "uv's unpacked cache" in msg
+    assert h["current"] == ra.generation and h["generations"][-1]["status"] == "failed"
