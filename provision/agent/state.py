@@ -172,7 +172,7 @@ def op_recover(root, a):
     """Settle what an interrupted run left (the caller holds the host lock): a generation `switching` that
     `current` names is committed (manifest and history repaired); one left building/built/verified, or
     switching but not current, is abandoned and its venv removed; failed ones lose their venv; temp
-    files go."""
+    files and partial downloads in the cache (`.part-`) go."""
     cur = current(root)
     out = {"abandoned": [], "repaired": [], "freed": [], "removed_tmp": [], "removed_partial": [], "errors": []}
     for d in [root] + [os.path.join(root, "generations", g) for _, g, _ in gens(root)]:
