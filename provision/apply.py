@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 
-from . import build as buildmod, generations, layout, lock as lockmod
+from . import build as buildmod, generations, layout, lock as lockmod, verify as verifymod
 from .errors import HostError, PlanError, ProvisionError
 from .facts import capture_lock, env_paths, gather
 from .lock import Lock
@@ -54,7 +54,8 @@ class ApplyReport:
     probes: dict | None = None
     patches: dict | None = None
     run_dir: str | None = None
-    build: dict | None = None          # the build's figures: fetched, cached, pushed, seconds per phase
+    build: dict | None = None          # the build's figures: fetched, cached, pushed, seconds per phase, isolation
+    verify: dict | None = None         # the seal's full check of the new generation (manifest `verify`)
     error: str | None = None
     seconds: float = 0.0
 
@@ -188,10 +189,14 @@ def _apply(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps,
         report.status, report.generation = "noop", facts["current"]
         return
     if plan.action == "reuse":
-        report.generation = plan.reuse
-        _switch(transport, report, steps, plan.reuse, {"lock": lock.name, "reuse": True})
-        report.status = "reused"
-        return
+        check = steps.run("check", verifymod.check, transport, plan.reuse)
+        if check["verdict"] == "clean":
+            report.generation = plan.reuse
+            _switch(transport, report, steps, plan.reuse, {"lock": lock.name, "reuse": True})
+            report.status = "reused"
+            return
+        report.warnings.append(f"{plan.reuse} holds this lock but fails verification ({check['named']}): "
+                               "built a new generation instead")
 
     lay = layout.of(transport)
     manifest = {"lock_name": lock.name, "lock_digest": lock.digest, "stack": asdict(stack_of_lock(lock)),
@@ -210,17 +215,19 @@ def _apply(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps,
         manifest.update(cuda_home=layout.cuda_home(lock, lay.venv(gen["id"])),
                         installer=report.build["installer"], run_dir=report.run_dir)
         generations.mark(transport, gen["id"], status="built", cuda_home=manifest["cuda_home"],
-                         installer=manifest["installer"], run_dir=report.run_dir, build=report.build)
+                         installer=manifest["installer"], run_dir=report.run_dir, build=report.build,
+                         isolation=report.build.get("isolation"))
         report.patches = steps.run("patch", patch_hook, transport, lock, gen)
-        if report.patches.get("files"):   # recorded before probes: the patches probe checks these sha256
+        if report.patches.get("files"):   # recorded before probes and the seal: both check these sha256
             manifest["patches"] = report.patches
             generations.mark(transport, gen["id"], patches=report.patches)
+        report.verify = steps.run("seal", verifymod.seal, transport, lock, gen["id"], manifest["installer"])["record"]
         report.probes = steps.run("probe", probe_hook, transport, lock, gen, skip, facts, manifest)
         if report.probes.get("status") == "fail":
             report.failed_step = "probe"
             raise ProbesFailed(probe_failure(gen["id"], report.probes, facts.get("current")), where=facts["host"])
         generations.mark(transport, gen["id"], status="verified", probes_summary=report.probes.get("summary"),
-                         patches=report.patches, skipped_probes=skip)
+                         patches=report.patches, skipped_probes=skip, verify=report.verify)
     except BaseException as e:
         reason = str(e) or type(e).__name__
         report.error = reason
@@ -312,8 +319,8 @@ def plan(transport: Transport, lock: Lock) -> Plan:
     return make_plan(gather(transport, python=lock.platform.python), lock)
 
 
-def rollback(transport: Transport, to: str | None = None, dry_run: bool = False) -> dict:
-    return generations.rollback(transport, to, dry_run=dry_run)
+def rollback(transport: Transport, to: str | None = None, dry_run: bool = False, force: bool = False) -> dict:
+    return generations.rollback(transport, to, dry_run=dry_run, force=force)
 
 
 def history(transport: Transport) -> dict:

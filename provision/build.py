@@ -50,21 +50,26 @@ def _stream(paths: list[Path]) -> Iterator[bytes]:
             yield from iter(lambda: f.read(CHUNK), b"")
 
 
-def push(transport: Transport, root: str, files: list[tuple[dict, Path]]) -> int:
-    """Copy files the host's cache lacks into it (by sha256; the host verifies each on the way in).
-    Returns how many were sent."""
-    entries = [{"sha256": f["sha256"], "filename": f["filename"]} for f, _ in files]
+def push(transport: Transport, root: str, files: list[tuple[dict, Path]]) -> dict:
+    """Copy files the host's cache lacks into it (by sha256; the host verifies each on the way in). The host
+    first hashes again the entries it holds, and one that changed is removed and sent again.
+    Returns {sent, recheck: {checked, bytes, seconds, healed: [file names]}, rechecked: [sha256]}."""
+    entries = [{"sha256": f["sha256"], "filename": f["filename"], "store": f.get("store") or "wheels"}
+               for f, _ in files]
     if not entries:
-        return 0
-    missing = transport.run_agent("build", {"op": "have", "root": root, "files": entries})["missing"]
+        return {"sent": 0, "recheck": None, "rechecked": []}
+    have = transport.run_agent("build", {"op": "have", "root": root, "files": entries})
+    missing, rc = have["missing"], have.get("recheck") or {}
+    rc = dict(rc, healed=[p.rsplit("/", 1)[-1] for p in rc.get("healed") or [] if isinstance(p, str)])
+    out = {"sent": len(missing), "recheck": rc, "rechecked": [e["sha256"] for e in entries]}
     if not missing:
-        return 0
+        return out
     send = [files[i] for i in missing]
     header = [dict(entries[i], size=path.stat().st_size, mode=f.get("mode"), label=f.get("label"))
               for i, (f, path) in zip(missing, send)]
     transport.run_agent("build", {"op": "push", "root": root, "files": header},
                         extra_stdin=_stream([path for _, path in send]))
-    return len(send)
+    return out
 
 
 def sha256_file(path: Path) -> str:
@@ -92,16 +97,16 @@ def under(root: str, path, what: str, host: str) -> str:
     return path
 
 
-def ensure_uv(transport: Transport, facts: dict) -> str:
-    """The host's uv, or the controller's pushed into the host's cache by hash."""
+def ensure_uv(transport: Transport, facts: dict) -> tuple[str, dict | None]:
+    """The host's uv, or the controller's pushed by hash into the host's cache/uv-bin (which gc keeps); with
+    what `push` found (None when the host has its own)."""
     host_uv = facts.get("uv")
     if isinstance(host_uv, str) and host_uv.startswith("/") and "\0" not in host_uv:
-        return host_uv
+        return host_uv, None
     path = controller_uv()
-    f = {"sha256": sha256_file(path), "filename": "uv", "mode": "750"}
+    f = {"sha256": sha256_file(path), "filename": "uv", "mode": "750", "store": "uv", "label": "uv"}
     root = root_of(transport)
-    push(transport, root, [(f, path)])
-    return f"{root}/cache/wheels/{f['sha256']}/uv"
+    return f"{root}/cache/uv-bin/{f['sha256']}/uv", push(transport, root, [(f, path)])
 
 
 def _size(n: float) -> str:
@@ -115,6 +120,8 @@ def _size(n: float) -> str:
 def describe(ev: dict) -> str | None:
     """One readable line for a build agent event (None: nothing worth showing)."""
     step = ev.get("step")
+    if step == "cache" and ev.get("healed"):
+        return healed_line(ev["healed"])
     if step == "fetch" and ev.get("summary"):
         if not ev.get("fetched"):
             return f"fetch: all {ev.get('cached', 0)} wheels cached"
@@ -168,13 +175,21 @@ def _build(transport: Transport, lock: Lock, facts: dict, gen: dict, installer: 
         for item, path in zip(remote, shared().fetch(lock, remote)):
             del item["url"]
             local.append((item, path))
-    pushed = push(transport, root, local)
+    pushes = [push(transport, root, local)]
+    pushed = pushes[0]["sent"]
+    if pushes[0]["recheck"] and pushes[0]["recheck"]["healed"]:
+        say("build", "info", healed_line(pushes[0]["recheck"]["healed"], "pushed"))
     if pushed:
         say("build", "info", f"pushed {pushed} wheel(s) held by the controller")
     payload = {"op": "build", "root": root, "gen_dir": gen["dir"], "venv": gen["venv"], "python": python,
-               "installer": installer, "packages": pkgs, "jobs": int(os.environ.get("PROVISION_FETCH_JOBS", "8"))}
+               "installer": installer, "packages": pkgs, "jobs": int(os.environ.get("PROVISION_FETCH_JOBS", "8")),
+               "rechecked": pushes[0]["rechecked"]}
     if installer == "uv":
-        payload["uv"] = ensure_uv(transport, facts)
+        payload["uv"], uv_push = ensure_uv(transport, facts)
+        if uv_push:
+            pushes.append(uv_push)
+            if uv_push["recheck"]["healed"]:
+                say("build", "info", healed_line(uv_push["recheck"]["healed"], "pushed"))
 
     def on_event(ev: dict) -> None:
         line = describe(ev)
@@ -183,6 +198,10 @@ def _build(transport: Transport, lock: Lock, facts: dict, gen: dict, installer: 
 
     figs = transport.run_agent("build", payload, on_event=on_event)
     figs.update(pushed=pushed, wheels_from="controller" if from_controller else "host")
+    rcs = [p["recheck"] for p in pushes if p["recheck"]] + [figs.get("recheck") or {}]
+    figs["recheck"] = {"checked": sum(r.get("checked", 0) for r in rcs), "bytes": sum(r.get("bytes", 0) for r in rcs),
+                       "seconds": round(sum(r.get("seconds", 0) for r in rcs), 3),
+                       "healed": [h for r in rcs for h in r.get("healed") or []]}
     if lock.platform.cuda.source == "apt":
         figs.update(host_steps(transport, lock, gen["id"], facts, say))
     return figs
@@ -206,8 +225,16 @@ def host_steps(transport: Transport, lock: Lock, label: str, facts: dict, say: P
     return {"run_dir": res.run_dir, "ansible_seconds": round(res.seconds, 2)}
 
 
+def healed_line(names: list[str], how: str = "fetched") -> str:
+    """The one line that says the host's cache held changed copies, removed and replaced."""
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (f"cache: {len(names)} entr{'y' if len(names) == 1 else 'ies'} no longer matched {'its' if len(names) == 1 else 'their'} "
+            f"sha256 ({shown}): removed and {how} again")
+
+
 def summary(figs: dict, count: int) -> str:
-    """The build step's line: what was fetched, what came from the cache, how long each phase took."""
+    """The build step's line: what was fetched, what came from the cache, how long each phase took, how the
+    generation's files are its own (isolation), and cache entries healed."""
     parts = [f"{count} packages with {figs['installer']}"]
     if figs.get("fetched"):
         parts.append(f"fetched {figs['fetched']} ({_size(figs['fetched_bytes'])} in {figs['fetch_seconds']:.1f}s)")
@@ -218,4 +245,11 @@ def summary(figs: dict, count: int) -> str:
         parts.append(f"{pushed} pushed by the controller")
     if figs.get("install_seconds") is not None:
         parts.append(f"install {figs['install_seconds']:.1f}s")
+    if figs.get("isolation"):
+        parts.append({"reflink": "own files by reflink (copy-on-write)",
+                      "copy": "own files by copy (no reflinks here)"}.get(figs["isolation"], figs["isolation"])
+                     + ", read-only")
+    rc = figs.get("recheck") or {}
+    if rc.get("healed"):
+        parts.append(f"healed {len(rc['healed'])} changed cache entr{'y' if len(rc['healed']) == 1 else 'ies'}")
     return ", ".join(parts)

@@ -20,6 +20,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from .host import AgentError, ensure_root, event, inside
+from .verify import read_only
 
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 FILENAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+!-]*$")
@@ -27,11 +28,50 @@ CHUNK = 1 << 20
 LOOPBACK = ("127.0.0.1", "localhost", "::1")     # a mirror on the host itself may speak plain http
 
 
-def entry(lay, sha256, filename):
-    """The cache entry of one file: <cache>/<sha256>/<filename>; a file there was verified on its way in."""
+def entry(lay, sha256, filename, store="wheels"):
+    """The cache entry of one file: <cache>/<sha256>/<filename> (`store` "uv": the tool's own uv, under
+    cache/uv-bin, which gc keeps); a file there was verified on its way in, and is hashed again before a build
+    uses it (`recheck`)."""
     if not SHA256.match(sha256 or "") or not FILENAME.match(filename or "") or ".." in filename:
         raise AgentError("bad cache entry %r/%r" % (sha256, filename))
-    return os.path.join(lay["wheels"], sha256, filename)
+    if store not in ("wheels", "uv"):
+        raise AgentError("bad cache store %r" % (store,))
+    return os.path.join(lay[store], sha256, filename)
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for b in iter(lambda: f.read(CHUNK), b""):
+            h.update(b)
+    return h.hexdigest()
+
+
+def recheck(paths, jobs=8):
+    """Hash again, in parallel, the cache entries a build is about to use: {path: sha256} pairs. An entry whose
+    bytes no longer match its name (a disk fault, a write through it) is removed, so it is fetched or pushed
+    again. Returns {checked, bytes, seconds, healed: [path]}."""
+    t0 = time.monotonic()
+    present = [(p, sha) for p, sha in paths if os.path.isfile(p)]
+
+    def one(item):
+        path, sha = item
+        try:
+            return path, sha256_file(path) == sha, os.path.getsize(path)
+        except OSError:
+            return path, False, 0
+
+    healed, nbytes = [], 0
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(present) or 1))) as pool:
+        for path, ok, n in pool.map(one, present):
+            nbytes += n
+            if not ok:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                healed.append(path)
+    return {"checked": len(present), "bytes": nbytes, "seconds": round(time.monotonic() - t0, 3), "healed": healed}
 
 
 def store(path, sha256, chunks, label):
@@ -57,9 +97,12 @@ def store(path, sha256, chunks, label):
 
 
 def op_have(a):
-    """{root, files: [{sha256, filename}]} -> {missing: [index, ...]}."""
+    """{root, files: [{sha256, filename, store?}]} -> {missing: [index, ...], recheck: {...}}: entries present are
+    hashed again first (`recheck`), and one that changed is removed and reported missing, so it is sent again."""
     lay = ensure_root(a["root"])
-    return {"missing": [i for i, f in enumerate(a["files"]) if not os.path.isfile(entry(lay, f["sha256"], f["filename"]))]}
+    paths = [entry(lay, f["sha256"], f["filename"], f.get("store") or "wheels") for f in a["files"]]
+    rc = recheck([(p, f["sha256"]) for p, f in zip(paths, a["files"])], int(a.get("jobs") or 8))
+    return {"missing": [i for i, p in enumerate(paths) if not os.path.isfile(p)], "recheck": rc}
 
 
 def op_push(a):
@@ -79,7 +122,7 @@ def op_push(a):
                 left -= len(b)
                 yield b
 
-        stored.append(entry(lay, f["sha256"], f["filename"]))
+        stored.append(entry(lay, f["sha256"], f["filename"], f.get("store") or "wheels"))
         store(stored[-1], f["sha256"], chunks(), f.get("label") or f["filename"])
         if f.get("mode"):
             os.chmod(stored[-1], int(f["mode"], 8) & 0o750)
@@ -203,6 +246,12 @@ def op_build(a):
         raise AgentError("interpreter %r is not an absolute path" % python)
     figs = {"installer": installer}
     t0 = time.monotonic()
+    skip = set(a.get("rechecked") or [])      # what `have` hashed again in this apply already
+    rc = recheck([(entry(lay, p["sha256"], p["filename"]), p["sha256"]) for p in a.get("packages") or []
+                  if p["sha256"] not in skip], int(a.get("jobs") or 8))
+    if rc["healed"]:
+        event(step="cache", healed=[os.path.basename(p) for p in rc["healed"]])
+    figs["recheck"] = dict(rc, healed=[os.path.basename(p) for p in rc["healed"]])
     n, nbytes, secs = fetch(lay, a.get("packages") or [], int(a.get("jobs") or 8), float(a.get("timeout") or 300))
     figs.update(fetched=n, fetched_bytes=nbytes, fetch_seconds=round(secs, 2), cached=len(a.get("packages") or []) - n)
     event(step="fetch", summary=True, fetched=n, cached=figs["cached"], bytes=nbytes, seconds=time.monotonic() - t0)
@@ -211,16 +260,19 @@ def op_build(a):
         uv = a.get("uv")
         if not uv or not os.path.isabs(uv):
             raise AgentError("no uv on the host (%r)" % uv)
+        os.makedirs(lay["uv_cache"], exist_ok=True)
+        mode = "clone" if reflinks(lay["uv_cache"], gen_dir) else "copy"
+        figs["isolation"] = "reflink" if mode == "clone" else "copy"
         env = clean_env({"UV_NO_CONFIG": "1", "UV_PYTHON_DOWNLOADS": "never", "UV_CACHE_DIR": lay["uv_cache"],
-                         "UV_LINK_MODE": "hardlink", "UV_NO_PROGRESS": "1"})
+                         "UV_LINK_MODE": mode, "UV_NO_PROGRESS": "1"})
         if not os.path.exists(os.path.join(venv, "bin", "python")):
             figs["venv_seconds"] = round(_run([uv, "venv", "--quiet", "--python", python, venv], env, "venv"), 2)
         if a.get("packages"):
-            event(step="install", line="installing %d packages with uv (hardlinks from %s)"
-                  % (len(a["packages"]), lay["uv_cache"]))
+            event(step="install", line="installing %d packages with uv (%s from %s)"
+                  % (len(a["packages"]), "reflinked" if mode == "clone" else "copied", lay["uv_cache"]))
             figs["install_seconds"] = round(_run(
                 [uv, "pip", "install", "--python", os.path.join(venv, "bin", "python"), "--no-deps",
-                 "--require-hashes", "--offline", "--no-index", "--link-mode", "hardlink", "-r", reqs],
+                 "--require-hashes", "--offline", "--no-index", "--link-mode", mode, "-r", reqs],
                 env, "install"), 2)
     elif installer == "pip":
         env = clean_env({"PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
@@ -232,10 +284,44 @@ def op_build(a):
                 [os.path.join(venv, "bin", "python"), "-I", "-m", "pip", "install", "--isolated", "--no-deps",
                  "--require-hashes", "--no-index", "--no-cache-dir", "--progress-bar", "off", "-r", reqs],
                 env, "install"), 2)
+        figs["isolation"] = "copy"
     else:
         raise AgentError("unknown installer %r" % installer)
+    t1 = time.monotonic()
+    ro = read_only(venv)
+    figs.update(read_only_files=ro["files"], read_only_seconds=round(time.monotonic() - t1, 2))
+    if ro["shared"]:     # uv linked where it was asked to copy: a write through this venv would reach others
+        raise AgentError("%d installed files share their inode with another path (the uv cache or another "
+                         "generation); a generation must own its files" % ro["shared"])
     figs["seconds"] = round(time.monotonic() - t0, 2)
     return figs
+
+
+FICLONE = 0x40049409    # ioctl: share one file's extents with another, copy-on-write (XFS, btrfs, ...)
+
+
+def reflinks(src_dir, dst_dir):
+    """Whether a file under `src_dir` can be reflinked into `dst_dir` (same copy-on-write filesystem). uv's
+    `--link-mode clone` falls back to hardlinks silently where it cannot reflink, so this is asked first and uv
+    is told to copy when the answer is no."""
+    import fcntl
+
+    src = os.path.join(src_dir, ".reflink-probe-%d" % os.getpid())
+    dst = os.path.join(dst_dir, ".reflink-probe-%d" % os.getpid())
+    try:
+        with open(src, "wb") as f:
+            f.write(b"\0" * 4096)
+        with open(src, "rb") as s, open(dst, "wb") as d:
+            fcntl.ioctl(d.fileno(), FICLONE, s.fileno())
+        return True
+    except OSError:
+        return False
+    finally:
+        for p in (src, dst):
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
 
 
 def op_unpack(a):

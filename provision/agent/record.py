@@ -10,12 +10,16 @@ import csv
 import hashlib
 import io
 import os
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .host import norm
 
 CHUNK = 1 << 20
 SKIP_SUFFIXES = (".pyc",)       # written at run time by the interpreter, never installed content
+# What `uv venv` itself writes into site-packages (no distribution's RECORD lists them): not extra.
+UV_WRITES = ("_virtualenv.py", "_virtualenv.pth")
 
 
 def site_packages(venv):
@@ -57,16 +61,29 @@ def b64digest(raw):
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
 
 
+_BUF = threading.local()
+
+
+def _buffer():
+    """This thread's read buffer (one per thread, reused for every file it reads)."""
+    buf = getattr(_BUF, "buf", None)
+    if buf is None:
+        buf = _BUF.buf = bytearray(CHUNK)
+    return buf
+
+
 def hash_file(path):
     """(sha256 as RECORD writes it, size) of one file."""
     h, n = hashlib.sha256(), 0
-    with open(path, "rb") as f:
+    buf = _buffer()
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
         while True:
-            b = f.read(CHUNK)
-            if not b:
+            k = f.readinto(buf)
+            if not k:
                 break
-            h.update(b)
-            n += len(b)
+            h.update(view[:k])
+            n += k
     return b64digest(h.digest()), n
 
 
@@ -77,6 +94,7 @@ def entries(site, info, top):
     with open(path, encoding="utf-8", errors="replace", newline="") as f:
         rows = list(csv.reader(io.StringIO(f.read())))
     real_top = os.path.realpath(top)
+    real = {}           # directory → its realpath: a RECORD's files share a few directories
     out = []
     for row in rows:
         if not row or not row[0]:
@@ -85,26 +103,42 @@ def entries(site, info, top):
         algo, _, digest = (row[1] if len(row) > 1 else "").partition("=")
         size = int(row[2]) if len(row) > 2 and row[2].isdigit() else None
         full = os.path.normpath(os.path.join(site, rel))
-        ok = "\0" not in rel and not os.path.isabs(rel) and \
-            (os.path.realpath(os.path.dirname(full)) + os.sep).startswith(real_top + os.sep)
+        ok = "\0" not in rel and not os.path.isabs(rel)
+        if ok:
+            parent = os.path.dirname(full)
+            if parent not in real:
+                real[parent] = os.path.realpath(parent)
+            ok = (real[parent] + os.sep).startswith(real_top + os.sep)
         out.append((rel, full if ok else None, algo, digest, size))
     return out
 
 
-def check(venv, jobs=None, only=None):
+def jobs_default():
+    return min(32, (os.cpu_count() or 1) * 2)
+
+
+def check(venv, jobs=None, only=None, expect=None, baseline=False, digests=False):
     """Every installed file of the venv against its RECORD. Returns
     {site, dists: {name: {version, info, files, bytes, changed: [rel], missing: [rel], outside: [rel],
-    unhashed: n}}, files, bytes, extra: [paths relative to site-packages no RECORD lists]}.
-    `only`: a set of normalized names to check (default all)."""
+    unhashed: n, overridden: n}}, files, bytes, seconds, extra: [paths relative to site-packages no RECORD
+    lists], unclaimed: [keys of `expect` no RECORD lists]}.
+    `only`: a set of normalized names to check (default all). `expect`: {path relative to site-packages:
+    sha256 hex} that replace RECORD's hash for those files (a patch series' results). `baseline`: then read the
+    same files without hashing, in parallel, before hashing (`first_read_seconds`: from disk or the page cache,
+    as they were) and after it (`read_seconds`, `read_bytes`): hashing and the second read then both read from
+    the page cache when the files fit in memory, so their ratio is hashing's own cost.
+    `digests`: also {absolute path: digest found} of every file hashed (`digests`)."""
     site = site_packages(venv)
     if site is None:
         raise OSError("no site-packages under %s" % venv)
+    expect = {os.path.normpath(k): _b64_of_hex(v) for k, v in (expect or {}).items()}
+    claimed = set()
     dists, work, listed = {}, [], set()
     for name, version, info in dist_infos(site):
         if only is not None and name not in only:
             continue
         d = dists[name] = {"version": version, "info": info, "files": 0, "bytes": 0, "changed": [], "missing": [],
-                           "outside": [], "unhashed": 0}
+                           "outside": [], "unhashed": 0, "overridden": 0}
         try:
             rows = entries(site, info, venv)
         except OSError:
@@ -115,23 +149,38 @@ def check(venv, jobs=None, only=None):
                 d["outside"].append(rel)
                 continue
             listed.add(full)
+            key = os.path.normpath(rel)
+            if key in expect:
+                algo, digest = "sha256", expect[key]
+                claimed.add(key)
+                d["overridden"] += 1
             if not digest or algo != "sha256":
                 d["unhashed"] += 1
                 continue
-            work.append((name, rel, full, digest))
+            work.append((name, rel, full, digest, size or 0))
 
     def one(item):
-        name, rel, full, digest = item
+        name, rel, full, digest, _ = item
         try:
             got, n = hash_file(full)
         except FileNotFoundError:
-            return name, rel, None, 0
+            return name, rel, full, None, None, 0
         except OSError:
-            return name, rel, "", 0
-        return name, rel, got == digest, n
+            return name, rel, full, None, False, 0
+        return name, rel, full, got, got == digest, n
 
-    with ThreadPoolExecutor(max_workers=jobs or min(32, (os.cpu_count() or 1) * 2)) as ex:
-        for name, rel, ok, n in ex.map(one, sorted(work, key=lambda w: -_size(w[2]))):
+    def many(items):
+        return [one(item) for item in items]
+
+    work.sort(key=lambda w: -w[4])       # largest first (RECORD's sizes): the pool's tail is short
+    if baseline:      # a first plain read brings the files into the page cache, as it would for hashing
+        first = read_all([w[2] for w in work], jobs)
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=jobs or jobs_default()) as ex:
+        found = {}
+        for name, rel, full, got, ok, n in (r for rs in ex.map(many, batches(work, lambda w: w[4])) for r in rs):
+            if got is not None:
+                found[full] = got
             d = dists[name]
             d["files"] += 1
             d["bytes"] += n
@@ -139,19 +188,66 @@ def check(venv, jobs=None, only=None):
                 d["missing"].append(rel)
             elif not ok:
                 d["changed"].append(rel)
+    seconds = time.monotonic() - t0
     extra = []
     if only is None:
         for dirpath, dirnames, filenames in os.walk(site):
             dirnames[:] = [x for x in dirnames if x != "__pycache__"]
             for fn in filenames:
                 full = os.path.join(dirpath, fn)
-                if full not in listed and not fn.endswith(SKIP_SUFFIXES):
+                if full not in listed and not fn.endswith(SKIP_SUFFIXES) and \
+                        not (dirpath == site and fn in UV_WRITES):
                     extra.append(os.path.relpath(full, site))
     for d in dists.values():
         for k in ("changed", "missing", "outside"):
             d[k].sort()
-    return {"site": site, "dists": dists, "extra": sorted(extra),
-            "files": sum(d["files"] for d in dists.values()), "bytes": sum(d["bytes"] for d in dists.values())}
+    out = {"site": site, "dists": dists, "extra": sorted(extra), "unclaimed": sorted(set(expect) - claimed),
+           "files": sum(d["files"] for d in dists.values()), "bytes": sum(d["bytes"] for d in dists.values()),
+           "seconds": seconds}
+    if digests:
+        out["digests"] = found
+    if baseline:
+        out["first_read_seconds"] = first[0]
+        out["read_seconds"], out["read_bytes"] = read_all([w[2] for w in work], jobs)
+    return out
+
+
+def batches(items, size_of, target=1 << 23):
+    """`items` (largest first) in consecutive groups of about `target` bytes (at most 512 items): one pool task
+    each, so that thousands of small files do not cost a task each."""
+    out, cur, cur_bytes = [], [], 0
+    for it in items:
+        cur.append(it)
+        cur_bytes += size_of(it)
+        if cur_bytes >= target or len(cur) >= 512:
+            out.append(cur)
+            cur, cur_bytes = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+def read_all(paths, jobs=None):
+    """(seconds, bytes) to read every file of `paths` in parallel, without hashing: what hashing is measured
+    against."""
+    def one(path):
+        n, buf = 0, _buffer()
+        try:
+            with open(path, "rb", buffering=0) as f:
+                while True:
+                    k = f.readinto(buf)
+                    if not k:
+                        break
+                    n += k
+        except OSError:
+            pass
+        return n
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=jobs or jobs_default()) as ex:
+        total = sum(ex.map(lambda group: sum(one(p[0]) for p in group),
+                           batches([(p, _size(p)) for p in paths], lambda p: p[1])))
+    return time.monotonic() - t0, total
 
 
 def _size(path):
@@ -159,3 +255,11 @@ def _size(path):
         return os.path.getsize(path)
     except OSError:
         return 0
+
+
+def _b64_of_hex(hexdigest):
+    """A sha256 hex digest as RECORD writes it (one that is not hex never matches)."""
+    try:
+        return b64digest(bytes.fromhex(hexdigest))
+    except (TypeError, ValueError):
+        return "!" + str(hexdigest)

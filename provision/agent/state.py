@@ -10,6 +10,7 @@ import shutil
 import time
 
 from .host import AgentError, current, ensure_root, generations as gens, read_json, try_lock
+from .verify import quick
 
 
 def now():
@@ -171,15 +172,23 @@ def op_recover(root, a):
     """Settle what an interrupted run left (the caller holds the host lock): a generation `switching` that
     `current` names is committed (manifest and history repaired); one left building/built/verified, or
     switching but not current, is abandoned and its venv removed; failed ones lose their venv; temp
-    files go."""
+    files and partial downloads in the cache (`.part-`) go."""
     cur = current(root)
-    out = {"abandoned": [], "repaired": [], "freed": [], "removed_tmp": [], "errors": []}
+    out = {"abandoned": [], "repaired": [], "freed": [], "removed_tmp": [], "removed_partial": [], "errors": []}
     for d in [root] + [os.path.join(root, "generations", g) for _, g, _ in gens(root)]:
         for f in os.listdir(d) if os.path.isdir(d) else []:
             if re.search(r"\.tmp-\d+$", f) or f.endswith(".tmp"):
                 try:
                     os.unlink(os.path.join(d, f))
                     out["removed_tmp"].append(os.path.join(d, f))
+                except OSError as e:
+                    out["errors"].append(oserr(e))
+    for d in partial_dirs(root):     # downloads and pushes an interrupted run left half-written
+        for f in os.listdir(d):
+            if PARTIAL.search(f):
+                try:
+                    os.unlink(os.path.join(d, f))
+                    out["removed_partial"].append(os.path.join(d, f))
                 except OSError as e:
                     out["errors"].append(oserr(e))
     for _, gen_id, man in gens(root):
@@ -205,6 +214,18 @@ def op_recover(root, a):
         except OSError as e:
             out["errors"].append("%s: %s" % (gen_id, oserr(e)))
     return out
+
+
+PARTIAL = re.compile(r"\.part-\d+-\d+$")      # agent/build.py's `store`: <entry>.part-<pid>-<thread>
+
+
+def partial_dirs(root):
+    """The cache entry directories (wheels and the tool's uv) where a `.part-` file can be left."""
+    for store in (os.path.join(root, "cache", "wheels"), os.path.join(root, "cache", "uv-bin")):
+        for sha in sorted(os.listdir(store)) if os.path.isdir(store) else []:
+            d = os.path.join(store, sha)
+            if os.path.isdir(d) and not os.path.islink(d):
+                yield d
 
 
 RUNNABLE = ("ready", "adopted")
@@ -233,13 +254,14 @@ def op_gc(root, a):
     kept_runnable = {g[1] for g in runnable[len(runnable) - keep:]} if keep else set()
     doomed = [g for g in all_gens if g[1] not in protected and g[1] not in kept_runnable]
     kept = [g for g in all_gens if g not in doomed]
-    needed = set()
+    needed, dists = set(), set()
     for _, gen_id, _ in kept:
         try:
-            needed |= set(re.findall(r"--hash=sha256:([0-9a-f]{64})",
-                                     open(os.path.join(root, "generations", gen_id, "requirements.txt")).read()))
+            text = open(os.path.join(root, "generations", gen_id, "requirements.txt")).read()
         except OSError:
-            pass
+            continue
+        needed |= set(re.findall(r"--hash=sha256:([0-9a-f]{64})", text))
+        dists |= {wheel_dist(f) for f in re.findall(r"/([^/\s]+\.whl) --hash=", text)}
     out = {"dry_run": bool(a.get("dry_run")), "current": cur, "rollback_target": back[1] if back else None,
            "generations": [], "cache": [], "bytes": 0, "errors": [], "recovered": recovered}
     for _, gen_id, man in doomed:
@@ -254,7 +276,7 @@ def op_gc(root, a):
             size = disk_used(os.path.join(cache, sha))
             out["cache"].append({"sha256": sha, "bytes": size})
             out["bytes"] += size
-    out["uv_cache"] = unused_uv_archives(root, [g["id"] for g in out["generations"]])
+    out["uv_cache"] = unused_uv_archives(root, dists)
     out["bytes"] += sum(u["bytes"] for u in out["uv_cache"])
     if a.get("dry_run"):
         return out
@@ -321,14 +343,18 @@ def op_rollback(root, a):
     if target[1] == before:
         return {"from": before, "to": before, "noop": True}
     forward = target[0] > int(before.split("-", 1)[0])
+    check = None if a.get("force") else quick(root, target[1])
+    if check and check["verdict"] == "drift":
+        return {"error": "generation %s fails verification (%s); not switched to it (--force switches anyway)"
+                % (target[1], check["named"]), "check": check}
     if a.get("dry_run"):
-        return {"from": before, "to": target[1], "forward": forward, "dry_run": True}
+        return {"from": before, "to": target[1], "forward": forward, "dry_run": True, "check": check}
     t0 = time.perf_counter()
     switch_link(root, target[1])
     ev = record(root, {"event": "rollback", "from": before, "to": target[1], "lock": target[2].get("lock_name"),
-                       "forward": forward})
+                       "forward": forward, "forced": bool(a.get("force"))})
     return {"from": before, "to": target[1], "forward": forward, "switch_seconds": time.perf_counter() - t0,
-            "event": ev}
+            "event": ev, "check": check}
 
 
 def op_adopt(root, a):
@@ -398,33 +424,33 @@ def disk_used(path):
     return total
 
 
-def unused_uv_archives(root, going):
-    """[{archive, bytes}] of uv's unpacked wheels (cache/uv/archive-v0/*) that no venv links a file of once the
-    generations `going` are gone (uv installs by hardlink: a file's other links are venvs). `bytes` leaves out
-    files those generations link, counted with them already."""
+def wheel_dist(filename):
+    """(normalized name, version) of a wheel file name (name-version-tags.whl), or of a dist-info dir name."""
+    parts = filename.split("-")
+    return (re.sub(r"[-_.]+", "-", parts[0]).lower(), parts[1] if len(parts) > 1 else "")
+
+
+def unused_uv_archives(root, dists):
+    """[{archive, bytes}] of uv's unpacked wheels (cache/uv/archive-v0/*) whose distribution (its dist-info's
+    name and version) no kept generation's requirements name. Generations own copies of their files, so an
+    archive is only what makes the next install of the same wheel fast."""
     base = os.path.join(root, "cache", "uv", "archive-v0")
     if not os.path.isdir(base):
         return []
-    links = {}
-    for gen_id in going:
-        for st in files(os.path.join(root, "generations", gen_id, "venv")):
-            if st.st_nlink > 1:
-                key = (st.st_dev, st.st_ino)
-                links[key] = links.get(key, 0) + 1
     out = []
     for name in sorted(os.listdir(base)):
         path = os.path.join(base, name)
         if os.path.islink(path) or not os.path.isdir(path):
             continue
-        sts = list(files(path))
-        if all(st.st_nlink - 1 <= links.get((st.st_dev, st.st_ino), 0) for st in sts):
-            out.append({"archive": name, "bytes": sum(st.st_blocks * 512 for st in sts
-                                                      if (st.st_dev, st.st_ino) not in links)})
+        infos = [e[:-len(".dist-info")] for e in os.listdir(path) if e.endswith(".dist-info")]
+        if infos and all(wheel_dist(i) not in dists for i in infos):
+            out.append({"archive": name, "bytes": disk_used(path)})
     return out
 
 
 def op_status(root, a):
-    """One row for a fleet table: current generation, its lock, since when, last probe verdict, disk used."""
+    """One row for a fleet table: current generation, its lock, since when, last probe and verify verdicts, disk
+    used."""
     cur, all_gens = current(root), gens(root)
     man = next((m for _, name, m in all_gens if name == cur), {})
     since, probe = None, None
@@ -442,7 +468,7 @@ def op_status(root, a):
     except OSError:
         pass
     return {"root": root, "current": cur, "lock": man.get("lock_name"), "since": since or man.get("created"),
-            "probe": probe, "generations": len(all_gens),
+            "probe": probe, "verify": man.get("verify"), "generations": len(all_gens),
             "ready": sum(1 for _, _, m in all_gens if m.get("status") in ("ready", "adopted")),
             "disk_bytes": disk_used(root) if os.path.isdir(root) else 0}
 

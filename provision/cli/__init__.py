@@ -31,7 +31,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
 
 # Each sub-module registers its commands on `app` (top-level verbs) or adds a sub-app; each imports
 # the library only inside its commands, so starting the tool stays cheap.
-for _mod in ("core", "lock", "hosts", "patches", "engine", "probe", "pack"):
+for _mod in ("core", "lock", "hosts", "patches", "engine", "probe", "verify", "pack"):
     importlib.import_module(f"{__name__}.{_mod}").register(app)
 
 

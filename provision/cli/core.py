@@ -89,6 +89,13 @@ def _switched(out: dict) -> str:
     return "Switched forward" if out.get("forward") else "Rolled back"
 
 
+def _checked(check: dict | None) -> str:
+    if not check:
+        return " (not checked: --force)"
+    how = "files' stat against the build's stamp" if check["how"] == "stamp" else "files against RECORD"
+    return f" ({check['files']} {how}, {check['hashed']} hashed, {check['seconds']:.2f}s)"
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     @edge
@@ -247,6 +254,8 @@ def register(app: typer.Typer) -> None:
     def rollback(host: Optional[str] = HostArg,
                  to: Optional[str] = typer.Option(None, "--to", help="generation number or id (may be newer)"),
                  dry_run: bool = typer.Option(False, "--dry-run", help="say where each host would switch; change nothing"),
+                 force: bool = typer.Option(False, "--force",
+                                            help="switch even to a generation that fails verification"),
                  serial: int = SerialOpt, forks: int = ForksOpt,
                  json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
                  limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
@@ -256,7 +265,8 @@ def register(app: typer.Typer) -> None:
         from ..fleet import rollout
 
         ts = targets(host, local, inventory, key, known_hosts, root, limit)
-        rows = rollout(ts, lambda tr: generations.rollback(tr, to, dry_run=dry_run), serial=serial, forks=forks)
+        rows = rollout(ts, lambda tr: generations.rollback(tr, to, dry_run=dry_run, force=force), serial=serial,
+                       forks=forks)
         if len(rows) == 1 and not rows[0].ok:
             raise rows[0].error
 
@@ -270,7 +280,7 @@ def register(app: typer.Typer) -> None:
                               markup=False)
             else:
                 console.print(f"{_switched(out)} {r.host}: current {out['from']} → {out['to']} "
-                              f"in {out['seconds']:.2f}s.", markup=False)
+                              f"in {out['seconds']:.2f}s{_checked(out.get('check'))}.", markup=False)
         print_rows(rows, show, json_out)
         exit_for(rows)
 
@@ -407,38 +417,42 @@ def history_table(h: dict, host: str):
     from rich.table import Table
 
     table = Table(title=plain(f"generations on {host}"), title_justify="left")
-    for col in ("", "generation", "lock", "created", "status", "probes"):
+    for col in ("", "generation", "lock", "created", "status", "probes", "verified"):
         table.add_column(col, no_wrap=True)
     for g in h["generations"]:
+        v = g.get("verify") if isinstance(g.get("verify"), dict) else None
         probes = g.get("probes_summary") or {}
         ptxt = " ".join(f"{k}={v}" for k, v in probes.items() if v) if isinstance(probes, dict) else str(probes)
         status = g.get("status", "?")
         if g.get("skipped_probes"):
             status += f" (skipped: {','.join(g['skipped_probes'])})"
         table.add_row(*(plain(c) for c in ("→" if g["id"] == h["current"] else "", g["id"], g.get("lock_name", ""),
-                                           g.get("created", ""), status, ptxt or "-")))
+                                           g.get("created", ""), status, ptxt or "-",
+                                           f"{v.get('verdict')} ({v.get('time')})" if v else "-")))
     return table
 
 
 def status_table(rows):
     from rich.table import Table
 
-    from ..units import human_size
+    from ..units import ago, human_size
 
     table = Table(title_justify="left")
-    for col in ("host", "current", "lock", "since", "last probe", "generations", "disk"):
+    for col in ("host", "current", "lock", "since", "last probe", "verified", "generations", "disk"):
         table.add_column(col, no_wrap=True)
     for r in rows:
         if not r.ok:
             table.add_row(*(plain(c) for c in (r.host, "unreachable" if r.stage == "connect" else "error",
-                                               row_error(r).split(": ", 1)[1], "", "", "", "")))
+                                               row_error(r).split(": ", 1)[1], "", "", "", "", "")))
             continue
         s = r.value
         p = s.get("probe")
         probe = f"{p['status']} ({p['time']})" if p else "-"
+        v = s.get("verify")
+        verified = f"{v['verdict']} ({ago(v['time'])}{', at build' if v.get('how') == 'build' else ''})" if v else "-"
         table.add_row(*(plain(c) for c in (r.host, s.get("current") or "(none)", s.get("lock") or "-",
-                                           s.get("since") or "-", probe, f"{s['generations']} ({s['ready']} runnable)",
-                                           human_size(s["disk_bytes"]))))
+                                           s.get("since") or "-", probe, verified,
+                                           f"{s['generations']} ({s['ready']} runnable)", human_size(s["disk_bytes"]))))
     return table
 
 

@@ -1,0 +1,60 @@
+"""`provision verify`: a generation's files and distributions against its lock, by distribution (parse, call,
+render)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .common import (ForksOpt, HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHostsOpt, LimitOpt, LocalOpt, RootOpt,
+                     console, edge, exit_for, over_hosts, print_rows, styled, targets)
+
+
+def figures(v: dict) -> str:
+    """bytes hashed, seconds, rate; and the plain read of the same bytes, when measured."""
+    from ..units import human_size
+
+    text = f"{v['files']} files, {human_size(v['bytes'])} hashed in {v['seconds']:.2f}s"
+    if v.get("rate_gbs"):
+        text += f" ({v['rate_gbs']:.2f} GB/s, {v['jobs']} threads)"
+    if v.get("read_seconds") is not None and v.get("ratio"):
+        text += (f"; reading the same bytes without hashing {v['first_read_seconds']:.2f}s before, "
+                 f"{v['read_seconds']:.2f}s after ({v['read_rate_gbs']:.2f} GB/s): hashing takes {v['ratio']:.1f}x "
+                 "a plain read")
+    return text
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    @edge
+    def verify(host: Optional[str] = HostArg,
+               generation: Optional[str] = typer.Argument(None, help="generation number or id (default: current)"),
+               baseline: bool = typer.Option(False, "--baseline",
+                                             help="also time plain parallel reads of the same bytes, before and after "
+                                                  "hashing (hashing's yardstick: the ratio)"),
+               jobs: Optional[int] = typer.Option(None, "--jobs", min=1, max=256,
+                                                  help="hashing threads on the host (default: 2 per core, at most 32)"),
+               json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
+               limit: Optional[str] = LimitOpt, forks: int = ForksOpt, key: Optional[Path] = KeyOpt,
+               known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
+        """Every file of a generation against its RECORD hash (patched files against their series' hashes) and its
+        distributions against its lock; exit 1 on drift, one line per distribution."""
+        from .. import verify as verifymod
+
+        if (local or inventory) and host is not None and generation is None:   # `provision verify --local GEN`
+            host, generation = None, host
+        rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit),
+                          lambda tr: verifymod.verify(tr, generation, baseline=baseline, jobs=jobs), forks)
+
+        def show(r):
+            v = r.value
+            for text in v["lines"]:
+                console.print(f"  {text}", markup=False)
+            mark = ("clean", "green") if v["verdict"] == "clean" else ("drift", "red")
+            what = "" if v["verdict"] == "clean" else f" in {len(v['rows'])} distribution(s)"
+            console.print(styled(f"{v['generation']} on {r.host}: ", mark, f"{what} — {figures(v)}"), soft_wrap=True)
+        print_rows(rows, show, json_out)
+        exit_for(rows)
+        if any(r.value["verdict"] != "clean" for r in rows):
+            raise typer.Exit(1)

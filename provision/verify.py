@@ -1,0 +1,153 @@
+"""What is on a host against what its lock says: every file of a generation against its RECORD hash (patched
+files against the hashes their series produced) and the installed distributions against the generation's lock,
+judged here, by distribution. The build's seal and `provision verify` both end in `judge`."""
+from __future__ import annotations
+
+import time
+
+from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
+
+from . import generations
+from .errors import HostError
+from .facts import root_of
+from .lock import Lock, loads
+from .transport import Transport
+
+FEW = 3          # files named per distribution before "and N more"
+INSTALLER_OWN = {"pip": {"pip", "setuptools", "wheel"}}    # what `python -m venv` seeds before the lock
+
+
+def _same_version(a: str, b: str) -> bool:
+    try:
+        return Version(a) == Version(b)
+    except InvalidVersion:
+        return a == b
+
+
+def named(files: list[str], few: int = FEW) -> str:
+    shown = ", ".join(files[:few])
+    return shown + (f" and {len(files) - few} more" if len(files) > few else "")
+
+
+def judge(found: dict, lock: Lock, installer: str | None = None) -> dict:
+    """The verdict on an agent's check (`agent/verify.full`): {verdict: clean|drift, rows: [{dist, version, what,
+    files}], counts}. One row per distribution that drifted: changed, missing and outside files; missing,
+    extra and other-version distributions against the lock; then files no RECORD lists, and patched files no
+    RECORD lists."""
+    want = {canonicalize_name(p.name): p.version for p in lock.packages}
+    have = {name: d for name, d in found["dists"].items()}
+    tolerated = INSTALLER_OWN.get(installer or "", set())
+    rows, counts = [], {"changed": 0, "missing": 0, "extra": 0, "dists_missing": 0, "dists_extra": 0,
+                        "dists_other_version": 0}
+    for name in sorted(set(want) | set(have)):
+        d = have.get(name)
+        if d is None:
+            rows.append({"dist": name, "version": None, "what": f"not installed (the lock says {want[name]})",
+                         "files": []})
+            counts["dists_missing"] += 1
+            continue
+        parts, files = [], []
+        if name not in want:
+            if name in tolerated:
+                continue
+            parts.append("installed, but not in the lock")
+            counts["dists_extra"] += 1
+        elif not _same_version(d["version"], want[name]):
+            parts.append(f"version {d['version']} installed, the lock says {want[name]}")
+            counts["dists_other_version"] += 1
+        for key, label in (("changed", "changed"), ("missing", "missing"), ("outside", "outside the venv")):
+            if d[key]:
+                parts.append(f"{len(d[key])} {label} ({named(d[key])})")
+                files += d[key]
+        counts["changed"] += len(d["changed"]) + len(d["outside"])
+        counts["missing"] += len(d["missing"])
+        if parts:
+            rows.append({"dist": name, "version": d["version"], "what": "; ".join(parts), "files": files})
+    if found.get("extra"):
+        rows.append({"dist": "(no distribution)", "version": None, "files": found["extra"],
+                     "what": f"{len(found['extra'])} files no RECORD lists ({named(found['extra'])})"})
+        counts["extra"] += len(found["extra"])
+    if found.get("unclaimed_patches"):
+        un = found["unclaimed_patches"]
+        rows.append({"dist": "(patches)", "version": None, "files": un,
+                     "what": f"{len(un)} patched files no RECORD lists ({named(un)})"})
+        counts["missing"] += len(un)
+    return {"verdict": "drift" if rows else "clean", "rows": rows, "counts": counts}
+
+
+def summary(found: dict, verdict: dict, how: str) -> dict:
+    """What the manifest keeps of a verdict (status shows it; rollback refuses on its drift)."""
+    named_files = [f"{r['dist']}: {f}" for r in verdict["rows"] for f in r["files"][:FEW]][:10]
+    return {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "verdict": verdict["verdict"], "how": how,
+            "files": found["files"], "bytes": found["bytes"], "seconds": round(found["seconds"], 3),
+            "drifted": len(verdict["rows"]), "named": named_files, **verdict["counts"]}
+
+
+def line(row: dict) -> str:
+    """One line per drifted distribution."""
+    v = f" {row['version']}" if row.get("version") else ""
+    return f"{row['dist']}{v}: {row['what']}"
+
+
+def _lock_of(t: Transport, gen_id: str) -> tuple[Lock, dict]:
+    info = generations.read(t, gen_id)
+    if not info.get("lock_text"):
+        raise HostError(f"generation {gen_id} has no lock.yaml", where=t.target.name)
+    return loads(info["lock_text"], f"{t.target.name}:{gen_id}/lock.yaml"), info.get("manifest") or {}
+
+
+def verify(t: Transport, generation: str | None = None, baseline: bool = False, jobs: int | None = None) -> dict:
+    """`provision verify HOST [GEN]`: the generation (default current) checked on the host, judged against its
+    lock, the verdict recorded (manifest `verify`, history event `verify`). Returns the verdict with the
+    figures: bytes hashed, seconds, and (baseline) the seconds to merely read the same bytes, before hashing
+    and after it (the ratio is of hashing to the read after it: both from the page cache when they fit)."""
+    gen_id = generations.resolve(t, generation)
+    lock, manifest = _lock_of(t, gen_id)
+    found = t.run_agent("verify", {"op": "verify", "root": root_of(t), "id": gen_id, "baseline": baseline,
+                                   "jobs": jobs})
+    verdict = judge(found, lock, manifest.get("installer"))
+    rec = summary(found, verdict, "verify")
+    event = {"event": "verify", **{k: rec[k] for k in ("verdict", "files", "bytes", "seconds", "drifted", "changed",
+                                                       "missing", "extra")}}
+    generations.mark(t, gen_id, event=event, verify=rec)
+    out = dict(verdict, host=t.target.name, generation=gen_id, files=found["files"], bytes=found["bytes"],
+               seconds=found["seconds"], jobs=found.get("jobs"), lines=[line(r) for r in verdict["rows"]])
+    out["rate_gbs"] = found["bytes"] / found["seconds"] / 1e9 if found["seconds"] > 0 else None
+    if "read_seconds" in found:
+        rs = found["read_seconds"]
+        out.update(read_seconds=rs, read_bytes=found["read_bytes"], first_read_seconds=found["first_read_seconds"],
+                   read_rate_gbs=found["read_bytes"] / rs / 1e9 if rs > 0 else None,
+                   ratio=found["seconds"] / rs if rs > 0 else None)
+    return out
+
+
+def seal(t: Transport, lock: Lock, gen_id: str, installer: str | None) -> dict:
+    """The build's last step (after patches, before probes): files read-only, a stamp of every file for rollback's
+    quick check, and a full check judged against the lock. Drift fails the build (HostError naming it)."""
+    found = t.run_agent("verify", {"op": "seal", "root": root_of(t), "id": gen_id})
+    verdict = judge(found, lock, installer)
+    rec = summary(found, verdict, "build")
+    if verdict["verdict"] != "clean":
+        rows = verdict["rows"]
+        more = f" (and {len(rows) - 2} more distributions)" if len(rows) > 2 else ""
+        hint = ("; uv's unpacked cache (cache/uv) may hold a changed copy: remove it and apply again, uv rebuilds "
+                "it from the verified wheels" if verdict["counts"]["changed"] else "")
+        raise HostError(f"{gen_id} does not match its lock after the build: "
+                        + "; ".join(line(r) for r in rows[:2]) + more + hint, where=t.target.name)
+    from .units import human_size
+
+    rate = found["bytes"] / found["seconds"] / 1e9 if found["seconds"] > 0 else 0.0
+    detail = (f"{found['files']} files, {human_size(found['bytes'])} hashed in {found['seconds']:.1f}s "
+              f"({rate:.2f} GB/s): all match RECORD and the lock; stamped, read-only")
+    return {"detail": detail, "record": rec, "stamped": found.get("stamped")}
+
+
+def check(t: Transport, gen_id: str) -> dict:
+    """Rollback's quick check of one generation (every file's stat against its build's stamp, hashing what
+    changed), for a switch that did not go through `rollback`: apply's reuse of an existing generation."""
+    out = t.run_agent("verify", {"op": "quick", "root": root_of(t), "id": gen_id})
+    out["named"] = out.get("named") or ""
+    verdict = "clean" if out["verdict"] == "clean" else f"drift: {out['named']}"
+    out["detail"] = f"{gen_id}: {out['files']} files against its stamp, {out['hashed']} hashed: {verdict}"
+    return out
