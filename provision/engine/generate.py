@@ -26,10 +26,17 @@ class Result:
     seconds: float = 0.0
     prompt_tokens: int = 0
     finish_reason: str = "length"
+    margins: list = field(default_factory=list)         # plain greedy, on request: (top-2 gap, max |logit|) per token
 
     @property
     def accept_length(self) -> float:
         return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+
+def top2_margin(logits: Tensor) -> Tensor:
+    """[V] logits → float32 [2]: top-1 minus top-2 logit as the step computed them (its dtype), and max |logit|."""
+    top = logits.topk(2).values.float()
+    return torch.stack([top[0] - top[1], logits.abs().max().float()])
 
 
 def probs_from_logits(logits: Tensor, temperature: float, top_p: float) -> Tensor:
@@ -77,31 +84,36 @@ class StepGraphs:
 
 
 class Emitter:
-    """Brings steps' emitted ids to the host in order: on CUDA through pinned memory and an event per step,
-    so that `depth` steps can be queued before the host waits on the oldest."""
+    """Brings steps' emitted ids (and, on request, a few float32 values each) to the host in order: on CUDA
+    through pinned memory and an event per step, so that `depth` steps can be queued before the host waits."""
 
-    def __init__(self, device: torch.device, size: int, depth: int = 2):
+    def __init__(self, device: torch.device, size: int, depth: int = 2, nvals: int = 2):
         self.cuda, self.depth = device.type == "cuda", depth
         self.host = torch.empty(depth, size, dtype=torch.long, pin_memory=self.cuda)
+        self.vals = torch.empty(depth, nvals, dtype=torch.float32, pin_memory=self.cuda)
         self.events = [torch.cuda.Event() if self.cuda else None for _ in range(depth)]
         self.queued: deque = deque()
         self.pushed = 0
 
-    def push(self, ids: Tensor):
+    def push(self, ids: Tensor, vals: Optional[Tensor] = None):
         if len(self.queued) == self.depth:
             raise RuntimeError("emitter full")               # a bug in the caller, never the user's input
         slot, k = self.pushed % self.depth, ids.numel()
         self.host[slot, :k].copy_(ids.view(-1), non_blocking=True)
+        if vals is not None:
+            self.vals[slot, : vals.numel()].copy_(vals.view(-1), non_blocking=True)
         if self.cuda:
             self.events[slot].record()
         self.queued.append((slot, k))
         self.pushed += 1
 
-    def pop(self) -> list:
+    def pop(self, vals: bool = False):
+        """The oldest step's ids; with `vals`, (ids, its values)."""
         slot, k = self.queued.popleft()
         if self.cuda:
             self.events[slot].synchronize()
-        return self.host[slot, :k].tolist()
+        ids = self.host[slot, :k].tolist()
+        return (ids, self.vals[slot].tolist()) if vals else ids
 
     def clear(self):
         self.queued.clear()
@@ -221,7 +233,7 @@ class Engine:
             return kernels.argmax(logits)
         return torch.multinomial(probs_from_logits(logits, temperature, top_p), 1, generator=g).squeeze(-1)
 
-    def _decode_fn(self, W: int, greedy: bool):
+    def _decode_fn(self, W: int, greedy: bool, margins: bool = False):
         R = self.rows                                 # the one token repeated R times (identical rows)
         def step():
             n = self.n_t.expand(R)
@@ -229,34 +241,45 @@ class Engine:
                                  n)[0, 0]
             if greedy:
                 self.tok.copy_(kernels.argmax(logits))
-            return logits
+            return (logits, top2_margin(logits)) if margins else (logits, None)
         return step
 
-    def _decode(self, n: int, temperature: float, top_p: float, g):
-        """Queue one step feeding `tok` at position n; `tok` becomes the next token. No host sync."""
+    def _decode(self, n: int, temperature: float, top_p: float, g, margins: bool = False):
+        """Queue one step feeding `tok` at position n; `tok` becomes the next token. No host sync. Returns
+        the step's margin tensor (with `margins`, greedy only), else None."""
         self.n_t.fill_(n)
         W, greedy = self._target_span(n + 1), temperature <= 0
-        logits = self.graphs.run(("decode", W, greedy), self._decode_fn(W, greedy))
+        logits, margin = self.graphs.run(("decode", W, greedy, margins), self._decode_fn(W, greedy, margins))
         if not greedy:
             self.tok.copy_(self._pick(logits, temperature, top_p, g))
+        return margin
 
-    def _decode_loop(self, n: int, left: int, temperature, top_p, g) -> Iterator[list]:
+    def _decode_loop(self, n: int, left: int, temperature, top_p, g, margins: Optional[list] = None) -> Iterator[list]:
         """Plain steps from `tok` at position n, up to `left` tokens. Two steps stay queued: the device
-        runs the next while the host reads one and the caller consumes it."""
-        total, issued = max(0, min(left, self.max_seq_len - n)), 0
+        runs the next while the host reads one and the caller consumes it. `margins` collects each emitted
+        token's (top-2 gap, max |logit|), brought back with it."""
+        total, issued, want = max(0, min(left, self.max_seq_len - n)), 0, margins is not None
         for _ in range(total):
             while issued < total and len(self.emit.queued) < 2:
-                self._decode(n + issued, temperature, top_p, g)
-                self.emit.push(self.tok)
+                self.emit.push(self.tok, self._decode(n + issued, temperature, top_p, g, want))
                 issued += 1
-            yield self.emit.pop(), 0
+            yield self._popped(margins), 0
 
-    def _plain(self, ids, max_new, temperature, top_p, g) -> Iterator[list]:
+    def _popped(self, margins: Optional[list]) -> list:
+        """The oldest queued step's ids; its values go to `margins` when that is a list."""
+        if margins is None:
+            return self.emit.pop()
+        ids, vals = self.emit.pop(vals=True)
+        margins.append(tuple(vals))
+        return ids
+
+    def _plain(self, ids, max_new, temperature, top_p, g, margins: Optional[list] = None) -> Iterator[list]:
         self.emit.clear()
-        self.tok.copy_(self._pick(self._prefill(ids, False)[0, -1], temperature, top_p, g))
-        self.emit.push(self.tok)
-        yield self.emit.pop(), 0
-        yield from self._decode_loop(len(ids), max_new - 1, temperature, top_p, g)
+        logits = self._prefill(ids, False)[0, -1]
+        self.tok.copy_(self._pick(logits, temperature, top_p, g))
+        self.emit.push(self.tok, top2_margin(logits) if margins is not None else None)
+        yield self._popped(margins), 0
+        yield from self._decode_loop(len(ids), max_new - 1, temperature, top_p, g, margins)
 
     # ---- speculation ----------------------------------------------------------------------
     def _draft_tree(self, W: int, N: Optional[int] = None):
@@ -527,8 +550,9 @@ class Engine:
     # ---- public ---------------------------------------------------------------------------
     def stream(self, ids: list, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                speculative: bool = True, seed: Optional[int] = None, stop_at_eos: bool = True,
-               stats: Optional[list] = None) -> Iterator[list]:
-        """Yield lists of new token ids; `stats` collects the accept length of each verification."""
+               stats: Optional[list] = None, margins: Optional[list] = None) -> Iterator[list]:
+        """Yield lists of new token ids; `stats` collects the accept length of each verification, `margins`
+        (plain greedy decoding only) each emitted token's (top-1 minus top-2 logit, max |logit|) at its step."""
         if not ids:
             raise EngineError("empty prompt")
         if len(ids) >= self.max_seq_len:
@@ -536,12 +560,15 @@ class Engine:
         V = self.target.args.vocab_size
         if min(ids) < 0 or max(ids) >= V:
             raise EngineError(f"token ids must lie in [0, {V})")
+        plain = not speculative or self.draft is None
+        if margins is not None and (temperature > 0 or not plain):
+            raise EngineError("margins are reported for plain greedy decoding only (temperature 0, not speculative)")
         g = torch.Generator(device=self.device)
         g.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(7), "little"))
         stats = stats if stats is not None else []
         max_new = min(max_new_tokens, self.max_seq_len - len(ids))
-        if not speculative or self.draft is None:
-            gen = self._plain(ids, max_new, temperature, top_p, g)
+        if plain:
+            gen = self._plain(ids, max_new, temperature, top_p, g, margins)
         elif self.shared_rows and temperature <= 0:
             gen = self._spec_rows(ids, max_new, stats)
         else:
@@ -559,9 +586,10 @@ class Engine:
                 if left <= 0:
                     return
 
-    def generate(self, ids: list, max_new_tokens: int = 64, **kw) -> Result:
-        t0, stats, out = time.perf_counter(), [], []
-        for chunk in self.stream(ids, max_new_tokens, stats=stats, **kw):
+    def generate(self, ids: list, max_new_tokens: int = 64, margins: bool = False, **kw) -> Result:
+        """The whole completion; `margins`: record each token's margin (plain greedy only, see `stream`)."""
+        t0, stats, out, m = time.perf_counter(), [], [], [] if margins else None
+        for chunk in self.stream(ids, max_new_tokens, stats=stats, margins=m, **kw):
             out.extend(chunk)
         reason = "stop" if out and out[-1] in self.stop_ids and kw.get("stop_at_eos", True) else "length"
-        return Result(out, stats, time.perf_counter() - t0, len(ids), reason)
+        return Result(out, stats, time.perf_counter() - t0, len(ids), reason, m[: len(out)] if margins else [])

@@ -31,7 +31,7 @@ FIELDS = {  # request field → accepted types (bool is excluded from numbers be
     "seed": (int, type(None)), "model": (str,), "stop": (str, list, type(None)), "n": (int,),
     "logprobs": (bool, int, type(None)), "echo": (bool,), "top_logprobs": (int, type(None)),
     "best_of": (int,), "presence_penalty": (int, float), "frequency_penalty": (int, float),
-    "stream_options": (dict, type(None)), "user": (str,),
+    "stream_options": (dict, type(None)), "user": (str,), "margins": (bool,),
 }
 # accepted only at their neutral value; anything else is refused by name
 NEUTRAL = {"n": (1,), "logprobs": (None, False, 0), "echo": (False,), "top_logprobs": (None, 0), "best_of": (1,),
@@ -223,7 +223,24 @@ class Service:
             raise BadRequest(400, "this model has no tokenizer: stop strings cannot be matched")
         params = {"max_new_tokens": mt, "temperature": t, "top_p": tp,
                   "speculative": req.get("speculative", True), "seed": seed}
+        if req.get("margins"):
+            self._check_margins(req, chat, t)
+            params["margins"] = []          # filled by the engine: (top-2 gap, max |logit|) per token
         return ids, params, req.get("stream", False), stop
+
+    def _check_margins(self, req, chat: bool, temperature: float):
+        """`margins: true` asks a plain greedy completion for each token's top-1 minus top-2 logit."""
+        if chat or req.get("stream", False):
+            raise BadRequest(400, "margins: only on /v1/completions without streaming")
+        if temperature > 0 or (req.get("speculative", True) and self.engine.draft is not None):
+            raise BadRequest(400, "margins: reported for plain greedy decoding only (send temperature 0 and "
+                                  "speculative false)")
+
+    def margins_report(self, margins: list, n: int) -> dict:
+        """The response's `margins`: the model's dtype and layers, each returned token's gap and logit scale."""
+        t = self.engine.target
+        return {"dtype": str(t.output.weight.dtype).removeprefix("torch."), "layers": t.args.n_layer,
+                "gaps": [m[0] for m in margins[:n]], "scales": [m[1] for m in margins[:n]]}
 
     def _prompt_ids(self, req) -> list:
         if "prompt" not in req:
@@ -412,7 +429,10 @@ class Handler(BaseHTTPRequestHandler):
         body = "".join(text)
         choice = ({"message": {"role": "assistant", "content": body}, "logprobs": None, "finish_reason": finish}
                   if chat else {"text": body, "token_ids": out, "logprobs": None, "finish_reason": finish})
-        self._send(200, self._envelope(cid, chat, choice, self._usage(job, out, stats)))
+        resp = self._envelope(cid, chat, choice, self._usage(job, out, stats))
+        if "margins" in job.params:
+            resp["margins"] = self.service.margins_report(job.params["margins"], len(out))
+        self._send(200, resp)
 
     def _stream(self, job, chat, stop):
         cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]

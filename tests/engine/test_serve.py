@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
+import torch
 
 from conftest import DEVICE
 from provision.engine.loading import load_engine
@@ -64,6 +65,26 @@ def test_streaming(url):
     assert len(chunks) > 3
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["accept_length"] > 1
+
+
+def test_margins_of_plain_greedy(url):
+    """`margins: true`: each returned token's top-1 minus top-2 logit and max |logit| at its step, as one
+    forward over the prompt and the output computes them; the output itself is the plain greedy one."""
+    body = dict(prompt=PROMPT, max_tokens=24, temperature=0, speculative=False)
+    r = complete(url, margins=True, **body).json()
+    m, ids = r["margins"], r["choices"][0]["token_ids"]
+    plain = complete(url, **body).json()
+    assert ids == plain["choices"][0]["token_ids"] and "margins" not in plain
+    assert m["dtype"] == "float32" and len(m["gaps"]) == len(m["scales"]) == len(ids) == 24
+    e = load_engine(device=DEVICE, max_seq_len=256)
+    prompt = [256] + list(PROMPT.encode())
+    assert m["layers"] == e.target.args.n_layer
+    with torch.inference_mode():
+        logits = e._prefill(prompt + ids[:-1], False)[0, len(prompt) - 1:].float()     # [24, V]: token t's step
+    top = logits.topk(2).values
+    assert logits.argmax(-1).tolist() == ids
+    assert torch.allclose(torch.tensor(m["gaps"]), top[:, 0] - top[:, 1], atol=1e-3)
+    assert torch.allclose(torch.tensor(m["scales"]), logits.abs().max(-1).values, atol=1e-3)
 
 
 @pytest.mark.parametrize("body,status,words", [
@@ -165,6 +186,12 @@ def test_content_length_checked(url, head, body, status):
     ({"prompt": "x", "max_tokens": 2, "stop": ["a"] * 5}, "stop"),
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
     ({"messages": "hi"}, "messages"),
+    ({"prompt": "x", "temperature": 0, "speculative": False, "margins": "yes"}, "margins"),
+    ({"prompt": "x", "temperature": 0, "margins": True}, "plain greedy decoding only"),
+    ({"prompt": "x", "temperature": 0.7, "speculative": False, "margins": True}, "plain greedy decoding only"),
+    ({"prompt": "x", "temperature": 0, "speculative": False, "margins": True, "stream": True}, "without streaming"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": 0, "speculative": False, "margins": True},
+     "only on /v1/completions"),
 ])
 def test_malformed_fields_are_4xx(url, body, words):
     chat = "messages" in body
