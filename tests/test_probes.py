@@ -350,6 +350,114 @@ def test_engine_probe_catches_silent_fallback_and_slowdown(adopted, pairs):
     assert not engine_procs(str(pairs["agreeing"]))
 
 
+# ---------------------------------------------------------------- engine probe: the greedy verdict
+
+FAULTY = ROOT / "tests" / "engine" / "serve_with_fault.py"
+FAULT_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+
+
+def probe_engine(fault: str, *serve_args, prompts=FAULT_PROMPTS, max_tokens=32) -> dict:
+    """The engine probe's host side (agent/probes.p_engine) against the real server with one fault injected
+    (tests/engine/serve_with_fault.py)."""
+    argv = [sys.executable, str(FAULTY), fault, "--host", "127.0.0.1", "--port", "0", "--device", "cpu",
+            "--threads", "1", "--max-seq-len", "256", *map(str, serve_args)]
+    r = agentprobes.p_engine({"engine": {"kind": "included", "argv": argv, "env": {"PYTHONPATH": str(ROOT)},
+                                         "device": "cpu", "prompts": prompts, "max_tokens": max_tokens,
+                                         "min_speedup": 0.01}})
+    assert not engine_procs(str(FAULTY), fault)
+    return r
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("fault", ["none", "accept", "position"])
+def test_engine_probe_fails_a_broken_verifier(fault, dtype):
+    """The bundled tiny pair: healthy, it passes (bfloat16 on the CPU: identical, shared rows); with a broken
+    accept rule or drafted tokens verified one position late it fails, at a divergence far from a near-tie."""
+    r = probe_engine(fault, "--dtype", dtype)
+    f = r["figures"]
+    if fault == "none":
+        assert r["status"] == "pass" and f["greedy_identical"] and not f["divergences"], r
+        assert r["reason"].startswith("identical greedy output")
+        return
+    assert r["status"] == "fail" and "not at a near-tie" in r["reason"] and "top-2 gap" in r["reason"], r
+    assert not f["greedy_identical"]                       # the exact-identity rule failed it too
+    far = [d for d in f["divergences"] if not d["near_tie"]]
+    assert far and all(d["gap"] > d["bound"] and d["dtype"] == dtype for d in far)
+
+
+def make_near_tie_pair(d: Path, dim: int = 256, n_layer: int = 4, delta: float = 0.007) -> Path:
+    """A pair whose target nearly ties tokens 0 and 1 at every step (their output rows differ by `delta` in one
+    coordinate) and prefers them to all others (a large first embedding coordinate); the draft always proposes 0,
+    so it is accepted wherever 0 wins."""
+    import torch
+
+    from provision.engine.draft import DraftArgs, Eagle3Draft
+    from provision.engine.loading import save_draft, save_target
+    from provision.engine.model import ModelArgs, Transformer
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=260, dim=dim, n_head=4, n_local_heads=2, intermediate_size=3 * dim,
+              max_position_embeddings=1024)
+    target = Transformer(ModelArgs(n_layer=n_layer, **kw))
+    draft = Eagle3Draft(DraftArgs(n_layer=1, draft_vocab_size=260, **kw))
+    for m in (target, draft):
+        for p in m.parameters():
+            torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1)
+            if p.dim() == 1:
+                p.data += 1.0
+    with torch.no_grad():
+        target.tok_embeddings.weight[:, 0] = 10.0
+        row = 0.05 * torch.randn(dim)
+        row[0] += 1.0
+        out = target.output.weight
+        out.zero_()
+        out[0] = out[1] = row
+        out[1, 1] += delta
+        draft.lm_head.weight.zero_()
+    draft.d2t.zero_()
+    d.mkdir(parents=True, exist_ok=True)
+    save_target(target, d, eos_token_id=257, bos_token_id=256)
+    save_draft(draft, d / "draft", aux_layer_ids=[2, n_layer // 2, n_layer - 3])
+    (d / "byte_tokenizer.json").write_text(json.dumps({"bos_id": 256, "eos_id": 257}))
+    return d
+
+
+def test_engine_probe_passes_divergences_at_near_ties(tmp_path):
+    """A healthy bfloat16 engine whose plain steps (1 row) and verifications (5 rows) round differently, as on a
+    GPU: its greedy outputs part where tokens 0 and 1 nearly tie. The probe passes it, naming each divergence's
+    gap and bound; the exact-identity rule failed it."""
+    pair = make_near_tie_pair(tmp_path / "tie")
+    prompts = FAULT_PROMPTS + ["In the beginning", "1, 2, 3, 4, 5, 6,"]
+    r = probe_engine("rows", "--model", pair, "--dtype", "bfloat16", "--steps", 4, "--topk", 1,
+                     "--num-draft-tokens", 5, prompts=prompts, max_tokens=48)
+    f = r["figures"]
+    if f.get("greedy_identical"):
+        pytest.skip("this CPU rounds one row and five rows alike: no divergence to judge")
+    assert r["status"] == "pass", r
+    assert f["divergences"] and all(d["near_tie"] and d["gap"] <= d["bound"] for d in f["divergences"])
+    assert f["identical_prompts"] == len(prompts) - len(f["divergences"])
+    assert f"greedy identical on {f['identical_prompts']} of {len(prompts)} prompts; " \
+           f"{len(f['divergences'])} divergence(s) at near-ties" in r["reason"]
+
+
+def test_near_tie_verdict():
+    bound, judge = agentprobes.near_tie_bound, agentprobes.judge_divergence
+    u = agentprobes.UNIT_ROUNDOFF
+    assert bound("bfloat16", 8, 10.0) / bound("float32", 8, 10.0) == u["bfloat16"] / u["float32"]
+    assert bound("float16", 8, 10.0) < bound("bfloat16", 8, 10.0) < bound("bfloat16", 32, 10.0)
+    assert bound("bfloat16", 8, 20.0) == 2 * bound("bfloat16", 8, 10.0) and bound("int8", 8, 10.0) is None
+    b = bound("bfloat16", 8, 10.0)
+    report = {"dtype": "bfloat16", "layers": 8, "gaps": [3 * b, 3 * b, b / 2, 3 * b], "scales": [10.0] * 4}
+    d = judge([5, 6, 7, 8], [5, 6, 9, 9], report)                   # parts at token 2, a near-tie there
+    assert d["near_tie"] and d["position"] == 2 and (d["plain_token"], d["spec_token"]) == (7, 9) and d["bound"] == b
+    report["gaps"][2] = 2 * b
+    assert not judge([5, 6, 7, 8], [5, 6, 9, 9], report)["near_tie"]     # the same place, a clear winner
+    assert not judge([5, 6, 7, 8], [5, 1, 7, 8], report)["near_tie"]     # an earlier divergence decides
+    assert not judge([5, 6, 7], [5, 6, 7, 8], report)["near_tie"]        # lengths differ
+    assert not judge([5, 6, 7, 8], [5, 6, 9, 9], dict(report, dtype="int8"))["near_tie"]
+    assert judge([5, 6, 7, 8], [5, 6, 9, 9], dict(report, dtype="float32", gaps=[b / 2] * 4))["near_tie"] is False
+
+
 # ---------------------------------------------------------------- CLI: the H200 command sequence on CPU
 
 def cli(*args):

@@ -5,6 +5,7 @@ Each result: {name, status: pass|fail|skip|warn, reason, figures}. Never imports
 """
 import glob
 import json
+import math
 import os
 import re
 import shutil
@@ -724,17 +725,60 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, t
            "In the beginning"]
 
 
+# Unit roundoff of the dtypes an engine computes in (half the spacing of numbers in [1, 2)).
+UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+
+
+def near_tie_bound(dtype, layers, scale):
+    """The largest top-2 logit gap at which two correct evaluations of the same step, rounded differently, may
+    pick different greedy tokens: 2·√(2L+2)·u·max|logit| (docs/probes.md derives it). None for an unknown dtype."""
+    u = UNIT_ROUNDOFF.get(dtype)
+    return None if u is None else 2.0 * math.sqrt(2 * layers + 2) * u * scale
+
+
+def first_divergence(a, b):
+    """Index of the first token where a and b differ (the shorter one's end counts); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def judge_divergence(plain, spec, report):
+    """One prompt's plain and speculative greedy token ids, and the plain run's `margins` report (dtype, layers,
+    gaps, scales): where they first differ, the plain step's top-2 gap there and the near-tie bound."""
+    i = first_divergence(plain, spec)
+    d = {"position": i, "plain_token": plain[i] if i < len(plain) else None,
+         "spec_token": spec[i] if i < len(spec) else None, "dtype": report.get("dtype"),
+         "layers": report.get("layers")}
+    gaps, scales = report.get("gaps") or [], report.get("scales") or []
+    if i >= len(plain) or i >= len(spec):
+        d.update(near_tie=False, why="the outputs differ in length at token %d" % i)
+        return d
+    if i >= len(gaps) or i >= len(scales):
+        d.update(near_tie=False, why="the engine reports no margin for token %d" % i)
+        return d
+    bound = near_tie_bound(d["dtype"], int(d["layers"] or 0), abs(scales[i]))
+    d.update(gap=gaps[i], scale=scales[i], bound=bound)
+    if bound is None:
+        d.update(near_tie=False, why="no unit roundoff known for dtype %r" % d["dtype"])
+    else:
+        d["near_tie"] = gaps[i] <= bound
+    return d
+
+
 def _included_round(base, prompts, max_tokens, timeout):
     """Baseline (speculative: false) and EAGLE-3 per prompt, interleaved, each twice; warm-up first, at the
     round's full length, so that what a fresh server does once (new cache spans, first-use allocations) is not
-    timed."""
+    timed. Where a prompt's greedy outputs differ, one more (untimed) plain run reports its margins, and the
+    first divergence is judged against the near-tie bound."""
     url = base + "/v1/completions"
     for spec in (False, True):
         _post(url, {"prompt": prompts[0], "max_tokens": max_tokens, "temperature": 0, "speculative": spec}, timeout)
     t = {False: 0.0, True: 0.0}
     n = {False: 0, True: 0}
-    accepts, mismatch, ratios = [], [], []
-    for p in prompts:
+    accepts, mismatch, ratios, diverged = [], [], [], []
+    for k, p in enumerate(prompts):
         outs, tps = {False: [], True: []}, {False: 0.0, True: 0.0}
         for spec in (False, True, True, False):   # each mode twice, in mirrored order; its faster run counts,
             t0 = time.perf_counter()              # so a stall from elsewhere on the host does not decide a ratio
@@ -749,9 +793,29 @@ def _included_round(base, prompts, max_tokens, timeout):
                 accepts.append(float(r["usage"].get("accept_length") or 0.0))
         if tps[False]:
             ratios.append(tps[True] / tps[False])
-        if any(o != outs[False][0] for o in outs[False] + outs[True]):
+        plain, spec = outs[False][0], outs[True][0]
+        if outs[False][1] != plain or outs[True][1] != spec:
             mismatch.append(p)
-    return t, n, accepts, mismatch, ratios
+            diverged.append({"prompt": k, "near_tie": False, "why": "greedy output changed between two runs of "
+                                                                    "the same mode"})
+        elif plain != spec:
+            mismatch.append(p)
+            diverged.append(dict(_judged(url, p, max_tokens, timeout, plain, spec), prompt=k))
+    return t, n, accepts, mismatch, ratios, diverged
+
+
+def _judged(url, prompt, max_tokens, timeout, plain, spec):
+    """Ask the plain run again, with its margins, and judge where the two greedy outputs part."""
+    if not isinstance(plain, list) or not isinstance(spec, list):
+        return {"near_tie": False, "why": "the engine returns no token ids to compare"}
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "speculative": False, "margins": True}
+    try:
+        r = _post(url, body, timeout)
+    except urllib.error.HTTPError as ex:
+        return {"near_tie": False, "why": "the engine reports no margins (HTTP %d)" % ex.code}
+    if r["choices"][0].get("token_ids") != plain:
+        return {"near_tie": False, "why": "plain greedy output changed when its margins were asked for"}
+    return judge_divergence(plain, spec, r.get("margins") or {})
 
 
 def _sglang_round(base, prompts, max_tokens, timeout, spec):
@@ -811,11 +875,13 @@ def p_engine(a):
             s.stop()
             t, n = {False: sb, True: st}, {False: nb, True: nt}
             mismatch = [p for p, x, y in zip(prompts, out_b, out_s) if x != y]
+            diverged = [{"prompt": k, "near_tie": False, "why": "SGLang reports no margins"}
+                        for k, p in enumerate(prompts) if p in mismatch]
             ratios = []   # two launches, not interleaved: the totals' ratio is the figure
         else:
             s, url = launch(e["argv"], None)
             figs["url"] = url
-            t, n, accepts, mismatch, ratios = _included_round(url, prompts, max_tokens, req_timeout)
+            t, n, accepts, mismatch, ratios, diverged = _included_round(url, prompts, max_tokens, req_timeout)
     except (RuntimeError, urllib.error.URLError, OSError, ValueError, KeyError) as ex:
         return result("engine", "fail", "%s: %s" % (type(ex).__name__, ex), **figs)
     finally:
@@ -828,10 +894,12 @@ def p_engine(a):
     # mode's faster of two runs), so a request stalled by something else on the host cannot decide it alone.
     ratio = sorted(ratios)[len(ratios) // 2] if ratios else (spec_tps / base_tps if base_tps else 0.0)
     figs.update(baseline_tok_s=round(base_tps, 2), spec_tok_s=round(spec_tps, 2), speedup=round(ratio, 3),
-                accept_length=round(acc, 3), greedy_identical=not mismatch, mismatched=mismatch[:3])
-    bad = []
-    if mismatch:
-        bad.append("greedy output differs with speculation on %d of %d prompts" % (len(mismatch), len(prompts)))
+                accept_length=round(acc, 3), greedy_identical=not mismatch, mismatched=mismatch[:3],
+                identical_prompts=len(prompts) - len(mismatch), divergences=diverged)
+    bad, far = [], [d for d in diverged if not d["near_tie"]]
+    if far:
+        bad.append("greedy output differs with speculation on %d of %d prompts, %d not at a near-tie: %s" %
+                   (len(mismatch), len(prompts), len(far), _why(far[0], prompts)))
     if acc <= 1.0:
         bad.append("mean acceptance length %.2f ≤ 1.0: speculation accepts nothing (silent fallback)" % acc)
     if ratio < min_speedup:
@@ -839,8 +907,22 @@ def p_engine(a):
                    (ratio, spec_tps, base_tps, min_speedup))
     if bad:
         return result("engine", "fail", "; ".join(bad), **figs)
-    return result("engine", "pass", "identical greedy output, accept length %.2f, speedup %.2f× ≥ %.2f" %
-                  (acc, ratio, min_speedup), **figs)
+    same = "identical greedy output" if not diverged else \
+        "greedy identical on %d of %d prompts; %d divergence(s) at near-ties (%s, %s)" % (
+            len(prompts) - len(diverged), len(prompts), len(diverged),
+            ", ".join("gap %.3g ≤ bound %.3g" % (d["gap"], d["bound"]) for d in diverged), diverged[0]["dtype"])
+    return result("engine", "pass", "%s, accept length %.2f, speedup %.2f× ≥ %.2f" % (same, acc, ratio, min_speedup),
+                  **figs)
+
+
+def _why(d, prompts):
+    """One divergence that is not a near-tie, in words."""
+    where = "prompt %r" % prompts[d["prompt"]][:40]
+    if "gap" in d and d.get("bound") is not None:
+        return "%s at token %d (plain %s, speculative %s): the plain step's top-2 gap %.3g > near-tie bound %.3g " \
+               "(%s, %d layers, max |logit| %.3g)" % (where, d["position"], d["plain_token"], d["spec_token"],
+                                                      d["gap"], d["bound"], d["dtype"], d["layers"], d["scale"])
+    return "%s: %s" % (where, d["why"])
 
 
 PROBES = {
