@@ -29,9 +29,11 @@ def run_bench(engine: Engine, prompts: list, max_new_tokens: int = 128, repeats:
     kw = dict(max_new_tokens=max_new_tokens, temperature=0.0, stop_at_eos=stop_at_eos)
     load0 = os.getloadavg()[0]
     capture = engine.capture()                                   # every step graph, before any timing
-    for spec in (False, True):                                   # warm-up (allocator, kernels)
-        engine.generate(enc[0], max_new_tokens=8, speculative=spec, stop_at_eos=False)
-    graphs = len(engine.graphs.graphs)
+    t0 = time.perf_counter()
+    for ids in enc:              # warm-up: each prompt's prefill shapes (kernels compiled per shape), each mode
+        for spec in (False, True):
+            engine.generate(ids, max_new_tokens=4, speculative=spec, stop_at_eos=False)
+    warm, graphs = time.perf_counter() - t0, len(engine.graphs.graphs)
     t_plain = t_spec = 0.0
     n_plain = n_spec = 0
     accepts, identical, outputs, plain = [], True, [], []
@@ -65,7 +67,7 @@ def run_bench(engine: Engine, prompts: list, max_new_tokens: int = 128, repeats:
             "accept_length": round(sum(accepts) / max(len(accepts), 1), 3),
             "greedy_identical": identical, "outputs": outputs[: len(enc)], "plain_outputs": plain[: len(enc)],
             "tree": "chain" if engine.topk == 1 else "tree",
-            "capture_s": capture["seconds"], "graphs": len(engine.graphs.graphs),
+            "capture_s": capture["seconds"], "warm_up_s": round(warm, 3), "graphs": len(engine.graphs.graphs),
             "graphs_captured_while_timed": len(engine.graphs.graphs) - graphs}
     if engine.device.type == "cuda":
         r.update(step_costs(engine, enc[0]))
