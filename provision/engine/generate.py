@@ -426,8 +426,6 @@ class Engine:
         vlogits, vaux = self.target(tokens[None], pos, mask, slots, capture=True)
         return tokens, parent, A, vlogits[0], vaux
 
-
-
     def _accepted(self, acc: Tensor, choice: Tensor):
         """(accepted count, emitted tokens padded to L, their tree nodes)."""
         N, L = self.n_tree, min(self.steps + 1, self.n_tree)
