@@ -20,19 +20,32 @@ CACHE = REPO / ".cache" / "wheels"
 
 
 def wheel(version: str = "0.5.9", dist: str = "sglang") -> Path:
-    """A pure-Python wheel of `dist` (sglang, or e.g. flashinfer-python) from the index, cached."""
+    """A wheel of `dist` (sglang, or e.g. flashinfer-python, ninja) for this interpreter from the index, cached."""
     CACHE.mkdir(parents=True, exist_ok=True)
-    pattern = f"{dist.replace('-', '_')}-{version}-py3-none-any.whl"
+    name = dist.replace("-", "_")
     with open(CACHE / ".download.lock", "w") as lock:      # parallel test runs download once
         fcntl.flock(lock, fcntl.LOCK_EX)
-        found = CACHE / pattern
-        if not found.exists():
+        found = _cached(name, version)
+        if found is None:
             r = subprocess.run([sys.executable, "-m", "pip", "download", "--isolated", "--no-deps",
-                                "--disable-pip-version-check", "-q", f"{dist}=={version}", "-d", str(CACHE)],
-                               capture_output=True, text=True)
-            if r.returncode != 0 or not found.exists():
+                                "--only-binary=:all:", "--disable-pip-version-check", "-q", f"{dist}=={version}",
+                                "-d", str(CACHE)], capture_output=True, text=True)
+            found = _cached(name, version)
+            if r.returncode != 0 or found is None:
                 raise RuntimeError(f"cannot download {dist}=={version}: {(r.stderr or r.stdout).strip()[-400:]}")
     return found
+
+
+def _cached(name: str, version: str) -> Path | None:
+    """The cached wheel of name==version this interpreter can install (pure Python, or its own tags)."""
+    from packaging.tags import sys_tags
+    from packaging.utils import parse_wheel_filename
+
+    mine = set(sys_tags())
+    for w in sorted(CACHE.glob(f"{name}-{version}-*.whl")):
+        if any(t in mine for t in parse_wheel_filename(w.name)[3]):
+            return w
+    return None
 
 
 def unpack(version: str, dest: Path) -> Path:

@@ -104,7 +104,7 @@ def test_nvcc_from_toolkit_wheels_compiles_sm120(toolkit_generation):
     assert rep.status == "applied", rep.error
     r = by_name(rep.probes)["nvcc"]
     assert r["status"] == "pass", r
-    assert r["figures"]["nvcc"] == "13.0.88" and "sm_120" in r["figures"]["compiled"]
+    assert r["figures"]["nvcc"] == "13.0.88" and "sm_120a" in r["figures"]["compiled"]
     assert r["figures"]["cuda_home"].endswith("site-packages/nvidia/cu13")
     tr = connect(t)
     try:
@@ -117,8 +117,8 @@ def test_nvcc_from_toolkit_wheels_compiles_sm120(toolkit_generation):
         data["platform"]["cuda"]["version"] = "13.0.1"
         data["platform"]["gpus"]["compute_capability"] = ["12.0", "99.9"]
         rep3 = run_probes(tr, lockmod.from_data(data, "bad-cc"), only=["nvcc"])
-        assert "nvcc -arch=sm_999 failed" in by_name(rep3)["nvcc"]["reason"]
-        assert by_name(rep3)["nvcc"]["figures"]["compiled"].keys() == {"sm_120"}
+        assert "nvcc -arch=sm_999a failed" in by_name(rep3)["nvcc"]["reason"]
+        assert by_name(rep3)["nvcc"]["figures"]["compiled"].keys() == {"sm_120a"}
     finally:
         tr.close()
 
@@ -152,6 +152,33 @@ def test_gpu_probes_with_recorded_h200(adopted, tmp_path):
     assert "torch has no kernel image for sm_90" in r["arch"]["reason"]
 
 
+def test_sm120_lock_on_a_recorded_hopper_host(adopted, tmp_path):
+    """lockfiles/cuda13-sm120.yaml (the seed hosts' 12.0) probed where the GPU is a 9.0 (recorded H200): arch says
+    the GPU is not a target, the real nvcc compiles sm_120a (the lock's) and sm_90a (the GPU's)."""
+    import shutil
+
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        pytest.skip("no nvcc on PATH: the nvcc probe needs a real CUDA toolkit")
+    dry = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", "/dev/null", "-o", "/dev/null"], capture_output=True,
+                         text=True)
+    home = str(Path(dry.stderr.split("_HERE_=", 1)[1].splitlines()[0]).parent)
+    adopted.target.vars["provision_nvidia_smi"] = fake_smi(tmp_path)
+    adopted.target.vars["provision_probe_env"] = {"PROVISION_PROBE_TORCH_JSON": str(H200 / "torch.json")}
+    data = yaml.safe_load((ROOT / "lockfiles" / "cuda13-sm120.yaml").read_text())
+    data["platform"]["cuda"]["home"] = home              # the host's toolkit, wherever this machine has it
+    rep = run_probes(adopted, lockmod.from_data(data, "cuda13-sm120"),
+                     only=["driver", "nvcc", "torch-cuda", "arch", "flashinfer"])
+    r = by_name(rep)
+    assert rep["status"] == "pass", [(x["name"], x["reason"]) for x in rep["results"] if x["status"] == "fail"]
+    assert r["arch"]["status"] == "pass" and r["arch"]["figures"]["untargeted_gpus"] == ["9.0"]
+    assert "GPU capability 9.0 is not among the lock's targets (12.0)" in r["arch"]["reason"]
+    assert r["arch"]["figures"]["covered_by"] == {"torch:9.0": "sm_90", "torch:12.0": "sm_120"}
+    assert r["nvcc"]["figures"]["targets"] == {"9.0": "gpu", "12.0": "lock"}
+    assert r["nvcc"]["figures"]["compiled"].keys() == {"sm_90a", "sm_120a"}
+    assert r["flashinfer"]["status"] == "skip" and "flashinfer-python is not installed" in r["flashinfer"]["reason"]
+
+
 def test_torch_cuda_with_no_cuda_in_the_lock_reads_the_version_without_importing_torch(adopted):
     import torch
 
@@ -175,8 +202,9 @@ def test_gpu_listed_but_torch_cannot_use_it(adopted, tmp_path):
 def test_no_gpu_probes_skip_with_reasons(adopted):
     rep = run_probes(adopted, lock_text(gpus={"compute_capability": ["9.0"]}, driver={"min": "580.65.06"}))
     r = by_name(rep)
-    for name in ("driver", "arch", "matmul", "flashinfer", "sgl-kernel"):
+    for name in ("driver", "arch", "matmul", "sgl-kernel"):
         assert r[name]["status"] == "skip" and r[name]["reason"].startswith("no NVIDIA GPU on this host")
+    assert r["flashinfer"]["status"] == "skip" and "flashinfer-python is not installed" in r["flashinfer"]["reason"]
     assert r["nccl"]["reason"].startswith("no NVIDIA GPU on this host") and r["engine"]["status"] == "skip"
     assert [x["name"] for x in rep["results"]] == [p.name for p in REGISTRY]
     assert rep["status"] == "pass" and r["packages"]["status"] == "pass"

@@ -1,9 +1,13 @@
 """CUDA toolkits per major: CUDA_HOME follows the real wheel layouts; `lock check` refuses a toolkit source
-that cannot give the nvcc probe an nvcc; the CUDA 12.8 baseline takes its toolkit from the host."""
+that cannot give the nvcc probe an nvcc; the CUDA 12.8 baseline takes its toolkit from the host. With the real
+nvcc on this GPU-less machine: the nvcc probe compiles arch-specific targets (sm_120a) for what the lock targets,
+and flashinfer's JIT compiles its kernels for 12.0a and reports what it refuses there."""
 from __future__ import annotations
 
 import copy
 from pathlib import Path
+
+import pytest
 
 from provision import lock as lockmod, lockcheck, plan, toolkit
 from provision.agent import probes as agentprobes
@@ -47,3 +51,79 @@ def test_nvcc_probe_skips_for_a_host_toolkit_that_is_absent_and_fails_for_a_miss
     assert r["status"] == "skip" and "source host" in r["reason"]
     r = agentprobes.p_nvcc({"cuda_home": absent, "cuda_source": "wheels", "cuda_version": "13.0.1"})
     assert r["status"] == "fail"
+
+
+# ---------------------------------------------------------------- the real nvcc and flashinfer's JIT, no GPU
+
+def _nvcc_home() -> tuple[str, str]:
+    """(CUDA home, release) of the nvcc on PATH, as nvcc itself reports them; skips where there is none."""
+    import re
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvcc"):
+        pytest.skip("no nvcc on PATH: the compile checks need a real CUDA toolkit")
+    dry = subprocess.run(["nvcc", "--dryrun", "-c", "-x", "cu", "/dev/null", "-o", "/dev/null"],
+                         capture_output=True, text=True)
+    here = re.search(r"^#\$ _HERE_=(.+)$", dry.stderr + dry.stdout, re.M)
+    release = re.search(r"release (\d+\.\d+)", subprocess.run(["nvcc", "--version"], capture_output=True,
+                                                             text=True).stdout)
+    assert here and release, dry.stderr[-400:]
+    return str(Path(here.group(1).strip()).parent), release.group(1)
+
+
+def test_nvcc_probe_compiles_what_the_lock_targets_and_the_gpus_are_arch_specific_where_they_can_be():
+    home, release = _nvcc_home()
+    a = {"cuda_home": home, "cuda_source": "host", "cuda_version": release, "ccs": ["12.0", "8.9"],
+         "gpus": [{"compute_cap": "9.0"}, {"compute_cap": "12.0"}]}
+    r = agentprobes.p_nvcc(a)
+    assert r["status"] == "pass", r
+    assert r["figures"]["targets"] == {"8.9": "lock", "9.0": "gpu", "12.0": "lock+gpu"}
+    assert r["figures"]["compiled"].keys() == {"sm_89", "sm_90a", "sm_120a"} and not r["figures"]["failed"]
+    assert "sm_120a (lock+gpu, " in r["reason"] and "sm_90a (gpu, " in r["reason"]
+    assert [agentprobes.specific(cc) for cc in ("8.9", "9.0", "10.3", "12.0")] == ["8.9", "9.0a", "10.3a", "12.0a"]
+    r = agentprobes.p_nvcc(dict(a, gpus=[{"compute_cap": "[N/A]"}]))
+    assert r["status"] == "fail" and "compute capability '[N/A]', not major.minor" in r["reason"]
+
+
+@pytest.fixture(scope="module")
+def flashinfer_python(tmp_path_factory) -> str:
+    """A venv over this interpreter (its CPU torch) with the target lock's flashinfer-python and the
+    distributions its JIT needs to import and build (apache-tvm-ffi, ninja, nvidia-ml-py), from real wheels."""
+    import subprocess
+    import sys
+
+    from sglang_wheel import wheel
+
+    want = lockmod.load(TARGET).versions()
+    wheels = [str(wheel(want[d], d)) for d in ("flashinfer-python", "apache-tvm-ffi", "ninja", "nvidia-ml-py")]
+    venv = tmp_path_factory.mktemp("flashinfer") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    p = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
+                        "--no-deps", "--no-index", "--no-compile", "--disable-pip-version-check", *wheels],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-600:]
+    return str(venv / "bin" / "python")
+
+
+def test_flashinfer_jit_compiles_for_sm120_without_a_gpu_and_reports_what_it_refuses(flashinfer_python, tmp_path):
+    """flashinfer 0.6.4's own JitSpecs, built by the real nvcc for 12.0a on this CPU-only machine: its fused
+    SiLU-and-mul kernel compiles; the trtllm all-reduce fusion module is refused for 12.0 (a finding, not a
+    failure) and accepted for 9.0."""
+    home, _ = _nvcc_home()
+    st, reason, figs = agentprobes.jit_part({"ccs": ["12.0"], "cuda_home": home}, python=flashinfer_python,
+                                            build=("silu-and-mul",))
+    assert st == "pass", reason
+    assert reason.startswith("JIT-compiled silu-and-mul sm_120a (") and \
+        reason.endswith("; refused: trtllm allreduce fusion (sm_120a)")
+    got = figs["jit"]["sm_120a"]
+    assert got["silu-and-mul"]["status"] in ("built", "compiled"), got   # compiled: no libcuda to link here
+    assert got["silu-and-mul"]["module"] == "silu_and_mul" and got["silu-and-mul"]["seconds"] > 0
+    assert got["allreduce-fusion"]["status"] == "refused" and "major versions [9, 10]" in \
+        got["allreduce-fusion"]["error"]
+    hopper = agentprobes.flashinfer_jit("9.0", home, flashinfer_python, build=(), check=("allreduce-fusion",))
+    assert hopper == {"allreduce-fusion": {"status": "accepted", "module": "trtllm_comm"}}
+
+    st, reason, _ = agentprobes.jit_part({"ccs": ["12.0"], "cuda_home": str(tmp_path / "cuda")})
+    assert st == "skip" and reason == f"JIT not compiled: no nvcc at {tmp_path / 'cuda' / 'bin' / 'nvcc'}"
+    assert agentprobes.jit_part({"ccs": [], "cuda_home": home})[0] == "skip"

@@ -47,6 +47,29 @@ def sm(cc):
     return "sm_%s%s" % (major, minor)
 
 
+def specific(cc):
+    """A capability with its arch-specific feature set where it has one (9.0 and later: wgmma, tcgen05,
+    the Blackwell block-scaled MMA): '12.0' → '12.0a', '8.9' → '8.9'."""
+    return cc + "a" if int(cc.split(".")[0]) >= 9 else cc
+
+
+CC_RE = re.compile(r"^\d{1,3}\.\d{1,2}$")
+
+
+def targets(a):
+    """{capability: 'lock', 'gpu' or 'lock+gpu'}: what the lock targets and what this host's GPUs are
+    (a GPU capability nvidia-smi printed in another form is left out; `unreadable_caps` names it)."""
+    gpu = {g["compute_cap"] for g in a.get("gpus") or [] if CC_RE.match(g.get("compute_cap") or "")}
+    lock = set(a.get("ccs") or [])
+    return {cc: "+".join(w for w, s in (("lock", lock), ("gpu", gpu)) if cc in s)
+            for cc in sorted(lock | gpu, key=vtuple)}
+
+
+def unreadable_caps(a):
+    return sorted({str(g.get("compute_cap")) for g in a.get("gpus") or []
+                   if not CC_RE.match(g.get("compute_cap") or "")})
+
+
 # ------------------------------------------------------------------ torch facts
 
 _TORCH = {}
@@ -131,29 +154,40 @@ def p_nvcc(a):
     figs["nvcc"] = m.group(2)
     if major_minor(m.group(1)) != major_minor(want):
         return result("nvcc", "fail", "nvcc %s at %s, the lock wants CUDA %s" % (m.group(2), home, want), **figs)
-    ccs = a.get("ccs") or sorted({g["compute_cap"] for g in a.get("gpus") or []})
+    ccs = targets(a)
+    figs["targets"] = ccs
+    odd = unreadable_caps(a)
+    if odd:
+        figs["unreadable_caps"] = odd
+        return result("nvcc", "fail", "nvidia-smi reported compute capability %r, not major.minor: cannot say what "
+                                      "to compile for" % odd[0], **figs)
     if not ccs:
         return result("nvcc", "pass", "nvcc %s = CUDA %s; no compute capability to compile for" % (m.group(2), want),
                       **figs)
-    compiled = {}
+    compiled, failed = {}, {}
     env = dict(os.environ, CUDA_HOME=home, PATH=os.path.join(home, "bin") + os.pathsep + os.environ.get("PATH", ""))
     with tempfile.TemporaryDirectory(prefix="provision-nvcc-") as d:
         src = os.path.join(d, "k.cu")
         with open(src, "w") as f:
             f.write(KERNEL_CU)
         for cc in ccs:
-            arch = sm(cc)
+            arch = sm(specific(cc))
             obj = os.path.join(d, "k_%s.o" % arch)
             t0 = time.perf_counter()
             rc, out, err = sh([nvcc, "-arch=%s" % arch, "-c", src, "-o", obj], timeout=300, env=env, cwd=d)
             if rc != 0 or not os.path.exists(obj):
-                figs["compiled"] = compiled
                 last = (err or out).strip().splitlines()[-1:] or ["exit %d" % rc]
-                return result("nvcc", "fail", "nvcc -arch=%s failed: %s" % (arch, last[0][:200]), **figs)
+                failed[arch] = last[0][:200]
+                continue
             compiled[arch] = round(time.perf_counter() - t0, 2)
-    figs["compiled"] = compiled
-    return result("nvcc", "pass", "nvcc %s = CUDA %s; compiled for %s" % (m.group(2), want, ", ".join(compiled)),
-                  **figs)
+    figs.update(compiled=compiled, failed=failed)
+    if failed:
+        arch, why = next(iter(failed.items()))
+        return result("nvcc", "fail", "nvcc -arch=%s failed: %s%s" % (
+            arch, why, "; compiled for %s" % ", ".join(compiled) if compiled else ""), **figs)
+    return result("nvcc", "pass", "nvcc %s = CUDA %s; compiled for %s" % (
+        m.group(2), want, ", ".join("%s (%s, %.1fs)" % (sm(specific(cc)), w, compiled[sm(specific(cc))])
+                                    for cc, w in ccs.items())), **figs)
 
 
 BOOTSTRAP = {"pip", "setuptools", "wheel"}   # seeded into a venv by `python -m venv`, not installed from a lock
@@ -270,16 +304,21 @@ def p_arch(a):
         if not archs:
             how[lib] = "no compiled targets found (JIT or unreadable)"
             continue
-        for cc in gpu_ccs:
+        for cc in sorted(set(gpu_ccs) | set(lock_ccs), key=vtuple):
             c = covered(cc, archs)
             how["%s:%s" % (lib, cc)] = c
             if c is None:
                 bad.append("%s has no kernel image for %s (has %s)" % (lib, sm(cc), ", ".join(archs)))
     figs["covered_by"] = how
+    # A GPU the lock does not target: covered or not, this host is not the hardware the lock was made for.
+    figs["untargeted_gpus"] = untargeted = [cc for cc in gpu_ccs if lock_ccs and cc not in lock_ccs]
+    note = "; this host's GPU capability %s is not among the lock's targets (%s): its kernels are checked on " \
+           "it, the lock's by compiling for them (nvcc, flashinfer probes)" % (
+               ", ".join(untargeted), ", ".join(lock_ccs)) if untargeted else ""
     if bad:
-        return result("arch", "fail", "; ".join(bad), **figs)
-    return result("arch", "pass", "every capability (%s) covered by torch's arch list" %
-                  ", ".join(sorted(set(gpu_ccs) | set(lock_ccs))), **figs)
+        return result("arch", "fail", "; ".join(bad) + note, **figs)
+    return result("arch", "pass", "every capability (%s) covered by torch's arch list%s" %
+                  (", ".join(sorted(set(gpu_ccs) | set(lock_ccs), key=vtuple)), note), **figs)
 
 
 def _need_cuda(name):
@@ -362,6 +401,136 @@ def p_smoke(a, name):
         return result(name, "fail", "%s: error %s > %g" % (what, worst, tol), errors=errs, check=what)
     return result(name, "pass", "%s on %d GPU(s): max error %.2g ≤ %g" % (what, len(errs), worst, tol),
                   errors=errs, check=what)
+
+
+# flashinfer's JIT for one capability, without a GPU: `python -c JIT_WORKER BUILD CHECK` (JSON lists of
+# module names) with FLASHINFER_CUDA_ARCH_LIST set. Each module's JitSpec is generated (flashinfer refuses a capability there:
+# RuntimeError) and, unless it is only checked, built with nvcc and ninja into a .so (JitSpec.build).
+JIT_WORKER = r"""
+import json, re, sys, time
+import torch
+from flashinfer.jit import activation, comm, norm
+from flashinfer.jit.attention import modules as att
+f16 = torch.float16
+GEN = {
+    "decode": lambda: att.gen_single_decode_module(f16, f16, f16, 128, 128, 0, False, False),
+    "prefill": lambda: att.gen_single_prefill_module("fa2", f16, f16, f16, 128, 128, 0, False, False, False),
+    "norm": norm.gen_norm_module,
+    "silu-and-mul": lambda: activation.gen_act_and_mul_module("silu"),
+    "allreduce-fusion": comm.gen_trtllm_comm_module,
+}
+def why(text):
+    lines = [l.strip() for l in text.splitlines() if l.strip()]
+    hits = [l for l in lines if re.search(r"error|fatal|cannot find", l, re.I)
+            and not l.startswith(("[", "FAILED")) and " -o " not in l]
+    return (hits or lines or ["no output"])[0][:300]
+build, check = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+out = {}
+for name in build + check:
+    t0 = time.perf_counter()
+    try:
+        spec = GEN[name]()
+    except Exception as e:
+        out[name] = {"status": "refused", "error": why(str(e))}
+        continue
+    if name in check:
+        out[name] = {"status": "accepted", "module": spec.name}
+        continue
+    try:
+        spec.build(verbose=False)
+        out[name] = {"status": "built" if spec.jit_library_path.exists() else "failed", "module": spec.name}
+    except Exception as e:
+        objs = spec.get_object_paths()
+        done = bool(objs) and all(p.exists() for p in objs)
+        out[name] = {"status": "compiled" if done else "failed", "module": spec.name, "error": why(str(e))}
+    out[name]["seconds"] = round(time.perf_counter() - t0, 2)
+print(json.dumps(out))
+"""
+# What the flashinfer probe JIT-compiles per capability the lock targets (bounded: one of each kind SGLang
+# serves with), and what it only checks flashinfer accepts: the trtllm all-reduce fusion kernels, which
+# flashinfer 0.6.4 refuses for 12.0 and the patched SGLang does not use there: a refusal is a finding.
+JIT_BUILD = {"decode": "decode attention", "prefill": "prefill attention", "norm": "norm",
+             "silu-and-mul": "silu-and-mul"}
+JIT_CHECK = {"allreduce-fusion": "trtllm allreduce fusion"}
+JIT_TIMEOUT = 1200      # seconds per capability
+
+
+def flashinfer_jit(cc, cuda_home, python=sys.executable, build=tuple(JIT_BUILD), check=tuple(JIT_CHECK),
+                   timeout=JIT_TIMEOUT):
+    """flashinfer's JIT modules generated (and `build` ones compiled) for capability `cc` by `python`'s
+    flashinfer with the nvcc of `cuda_home`, in a scratch workspace, no GPU visible: {module: {status,
+    seconds, error}}; status built, compiled (objects, not linked), failed, refused (flashinfer rejects
+    the capability) or accepted (only checked)."""
+    bindirs = [os.path.dirname(python), os.path.join(cuda_home, "bin")]   # ninja, nvcc
+    with tempfile.TemporaryDirectory(prefix="provision-flashinfer-jit-") as d:
+        env = dict(os.environ, CUDA_HOME=cuda_home, CUDA_PATH=cuda_home, CUDA_VISIBLE_DEVICES="",
+                   FLASHINFER_CUDA_ARCH_LIST=specific(cc), FLASHINFER_WORKSPACE_BASE=d,
+                   PATH=os.pathsep.join(bindirs + [os.environ.get("PATH", "")]))
+        env.pop("FLASHINFER_DISABLE_JIT", None)
+        try:
+            p = subprocess.run([python, "-c", JIT_WORKER, json.dumps(list(build)), json.dumps(list(check))],
+                               capture_output=True, text=True, env=env, cwd=d, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError("not done within %ds" % timeout)
+    lines = p.stdout.strip().splitlines()
+    if p.returncode != 0 or not lines:
+        last = [l for l in p.stderr.strip().splitlines() if l.strip()][-1:] or ["exit %d" % p.returncode]
+        raise RuntimeError(last[0][:300])
+    return json.loads(lines[-1])
+
+
+def jit_part(a, python=sys.executable, build=tuple(JIT_BUILD), check=tuple(JIT_CHECK)):
+    """(status, reason, figures) of JIT-compiling flashinfer for every capability the lock targets."""
+    ccs = sorted(a.get("ccs") or [], key=vtuple)
+    home = a.get("cuda_home")
+    nvcc = os.path.join(home, "bin", "nvcc") if home else None
+    if not ccs:
+        return "skip", "JIT not compiled: the lock names no compute capability", {}
+    if not nvcc or not os.path.exists(nvcc):
+        return "skip", "JIT not compiled: no nvcc at %s" % nvcc, {}
+    per, ok, bad, refused = {}, [], [], []
+    for cc in ccs:
+        arch = sm(specific(cc))
+        try:
+            per[arch] = got = flashinfer_jit(cc, home, python, build, check)
+        except (RuntimeError, ValueError, OSError) as e:
+            per[arch] = {}
+            bad.append("%s: %s" % (arch, e))
+            continue
+        for name, r in got.items():
+            what = JIT_BUILD.get(name) or JIT_CHECK.get(name)
+            if name in JIT_CHECK:
+                if r["status"] == "refused":
+                    refused.append("%s (%s)" % (what, arch))
+            elif r["status"] == "built":
+                ok.append("%s %s (%.0fs)" % (what, arch, r["seconds"]))
+            elif r["status"] == "compiled":
+                ok.append("%s %s (%.0fs; not linked: %s)" % (what, arch, r["seconds"], r.get("error")))
+            else:
+                bad.append("%s %s %s: %s" % (what, arch, r["status"], r.get("error")))
+    figs = {"jit": per, "jit_refused": refused}
+    tail = "; refused: %s" % ", ".join(refused) if refused else ""
+    if bad:
+        return "fail", "JIT failed: %s%s" % ("; ".join(bad), tail), figs
+    return "pass", "JIT-compiled %s%s" % (", ".join(ok), tail), figs
+
+
+def p_flashinfer(a):
+    """The runtime smoke on this host's GPUs, and flashinfer's JIT for the lock's capabilities (no GPU)."""
+    if "flashinfer-python" not in installed_dists():
+        return result("flashinfer", "skip", "flashinfer-python is not installed in this generation")
+    if a.get("gpus"):
+        smoke = p_smoke(a, "flashinfer")
+        parts = [(smoke["status"], smoke["reason"], smoke["figures"])]
+    else:
+        parts = [("skip", "no GPU on this host: no runtime smoke", {})]
+    parts.append(jit_part(a))
+    figs = {}
+    for _, _, f in parts:
+        figs.update(f)
+    states = [s for s, _, _ in parts]
+    status = "fail" if "fail" in states else "pass" if "pass" in states else "skip"
+    return result("flashinfer", status, "; ".join(r for _, r, _ in parts), **figs)
 
 
 # One process per GPU; rank 0 prints the JSON. `python -c WORKER KIND RANK WORLD PORT BACKEND`.
@@ -927,7 +1096,7 @@ def _why(d, prompts):
 
 PROBES = {
     "driver": p_driver, "nvcc": p_nvcc, "packages": p_packages, "torch-cuda": p_torch_cuda, "arch": p_arch,
-    "matmul": lambda a: p_smoke(a, "matmul"), "flashinfer": lambda a: p_smoke(a, "flashinfer"),
+    "matmul": lambda a: p_smoke(a, "matmul"), "flashinfer": p_flashinfer,
     "sgl-kernel": lambda a: p_smoke(a, "sgl-kernel"), "nccl": lambda a: p_collective(a, "nccl"),
     "symm-mem": lambda a: p_collective(a, "symm-mem"), "allreduce": p_allreduce, "jit-cache": p_jit_cache,
     "engine": p_engine,
