@@ -937,7 +937,7 @@ def judge_divergence(plain, spec, report):
     if bound is None:
         d.update(near_tie=False, why="no unit roundoff known for dtype %r" % d["dtype"])
     else:
-        d["near_tie"] = gaps[i] <= bound
+        d["near_tie"] = gap <= bound
     return d
 
 
@@ -1084,7 +1084,8 @@ def p_engine(a):
     same = "identical greedy output" if not diverged else \
         "greedy identical on %d of %d prompts; %d divergence(s) at near-ties (%s, %s)" % (
             len(prompts) - len(diverged), len(prompts), len(diverged),
-            ", ".join("gap %.3g ≤ bound %.3g" % (d["gap"], d["bound"]) for d in diverged), diverged[0]["dtype"])
+            ", ".join("gap %s%.3g ≤ bound %.3g" % ("≥ " if d["gap_at_least"] else "", d["gap"], d["bound"])
+                      for d in diverged), diverged[0]["dtype"])
     return result("engine", "pass", "%s, accept length %.2f, speedup %.2f× ≥ %.2f" % (same, acc, ratio, min_speedup),
                   **figs)
 

@@ -26,17 +26,22 @@ class Result:
     seconds: float = 0.0
     prompt_tokens: int = 0
     finish_reason: str = "length"
-    margins: list = field(default_factory=list)         # plain greedy, on request: (top-2 gap, max |logit|) per token
+    margins: list = field(default_factory=list)         # plain greedy, on request: per token, see Engine.stream
 
     @property
     def accept_length(self) -> float:
         return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
 
 
-def top2_margin(logits: Tensor) -> Tensor:
-    """[V] logits → float32 [2]: top-1 minus top-2 logit as the step computed them (its dtype), and max |logit|."""
-    top = logits.topk(2).values.float()
-    return torch.stack([top[0] - top[1], logits.abs().max().float()])
+MARGIN_TOP = 4                                         # tokens a margin names: the emitted one and the next three
+
+
+def step_margin(logits: Tensor) -> Tensor:
+    """[V] logits → float32 [1 + 2k] (k = MARGIN_TOP): max |logit|, the k largest logits' ids, and each one's
+    gap below the largest (0 first), as the step computed them (in its dtype)."""
+    top = logits.topk(MARGIN_TOP)
+    v = top.values.float()
+    return torch.cat([logits.abs().max().float().view(1), top.indices.float(), v[0] - v])
 
 
 def probs_from_logits(logits: Tensor, temperature: float, top_p: float) -> Tensor:
@@ -87,7 +92,7 @@ class Emitter:
     """Brings steps' emitted ids (and, on request, a few float32 values each) to the host in order: on CUDA
     through pinned memory and an event per step, so that `depth` steps can be queued before the host waits."""
 
-    def __init__(self, device: torch.device, size: int, depth: int = 2, nvals: int = 2):
+    def __init__(self, device: torch.device, size: int, depth: int = 2, nvals: int = 1 + 2 * MARGIN_TOP):
         self.cuda, self.depth = device.type == "cuda", depth
         self.host = torch.empty(depth, size, dtype=torch.long, pin_memory=self.cuda)
         self.vals = torch.empty(depth, nvals, dtype=torch.float32, pin_memory=self.cuda)
@@ -241,7 +246,7 @@ class Engine:
                                  n)[0, 0]
             if greedy:
                 self.tok.copy_(kernels.argmax(logits))
-            return (logits, top2_margin(logits)) if margins else (logits, None)
+            return (logits, step_margin(logits)) if margins else (logits, None)
         return step
 
     def _decode(self, n: int, temperature: float, top_p: float, g, margins: bool = False):
@@ -257,7 +262,7 @@ class Engine:
     def _decode_loop(self, n: int, left: int, temperature, top_p, g, margins: Optional[list] = None) -> Iterator[list]:
         """Plain steps from `tok` at position n, up to `left` tokens. Two steps stay queued: the device
         runs the next while the host reads one and the caller consumes it. `margins` collects each emitted
-        token's (top-2 gap, max |logit|), brought back with it."""
+        token's margin (see `stream`), brought back with it."""
         total, issued, want = max(0, min(left, self.max_seq_len - n)), 0, margins is not None
         for _ in range(total):
             while issued < total and len(self.emit.queued) < 2:
@@ -270,14 +275,16 @@ class Engine:
         if margins is None:
             return self.emit.pop()
         ids, vals = self.emit.pop(vals=True)
-        margins.append(tuple(vals))
+        k = MARGIN_TOP
+        top = tuple((int(t), g) for t, g in zip(vals[1: 1 + k], vals[1 + k: 1 + 2 * k]))
+        margins.append((top[1][1], vals[0], top))
         return ids
 
     def _plain(self, ids, max_new, temperature, top_p, g, margins: Optional[list] = None) -> Iterator[list]:
         self.emit.clear()
         logits = self._prefill(ids, False)[0, -1]
         self.tok.copy_(self._pick(logits, temperature, top_p, g))
-        self.emit.push(self.tok, top2_margin(logits) if margins is not None else None)
+        self.emit.push(self.tok, step_margin(logits) if margins is not None else None)
         yield self._popped(margins), 0
         yield from self._decode_loop(len(ids), max_new - 1, temperature, top_p, g, margins)
 
@@ -550,7 +557,8 @@ class Engine:
                speculative: bool = True, seed: Optional[int] = None, stop_at_eos: bool = True,
                stats: Optional[list] = None, margins: Optional[list] = None) -> Iterator[list]:
         """Yield lists of new token ids; `stats` collects the accept length of each verification, `margins`
-        (plain greedy decoding only) each emitted token's (top-1 minus top-2 logit, max |logit|) at its step."""
+        (plain greedy decoding only) each emitted token's (top-1 minus top-2 logit, max |logit|, ((id, gap below
+        the top-1 logit) for the MARGIN_TOP largest logits)) at its step."""
         if not ids:
             raise EngineError("empty prompt")
         if len(ids) >= self.max_seq_len:

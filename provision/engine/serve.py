@@ -225,7 +225,7 @@ class Service:
                   "speculative": req.get("speculative", True), "seed": seed}
         if req.get("margins"):
             self._check_margins(req, chat, t)
-            params["margins"] = []          # filled by the engine: (top-2 gap, max |logit|) per token
+            params["margins"] = []          # filled by the engine, a margin per token (Engine.stream)
         return ids, params, req.get("stream", False), stop
 
     def _check_margins(self, req, chat: bool, temperature: float):
@@ -237,10 +237,11 @@ class Service:
                                   "speculative false)")
 
     def margins_report(self, margins: list, n: int) -> dict:
-        """The response's `margins`: the model's dtype and layers, each returned token's gap and logit scale."""
-        t = self.engine.target
+        """The response's `margins`: the model's dtype and layers; per returned token its top-2 gap, max |logit|,
+        and the largest logits' [id, gap below the top-1 logit]."""
+        t, m = self.engine.target, margins[:n]
         return {"dtype": str(t.output.weight.dtype).removeprefix("torch."), "layers": t.args.n_layer,
-                "gaps": [m[0] for m in margins[:n]], "scales": [m[1] for m in margins[:n]]}
+                "gaps": [x[0] for x in m], "scales": [x[1] for x in m], "top": [[list(c) for c in x[2]] for x in m]}
 
     def _prompt_ids(self, req) -> list:
         if "prompt" not in req:

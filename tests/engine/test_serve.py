@@ -68,8 +68,9 @@ def test_streaming(url):
 
 
 def test_margins_of_plain_greedy(url):
-    """`margins: true`: each returned token's top-1 minus top-2 logit and max |logit| at its step, as one
-    forward over the prompt and the output computes them; the output itself is the plain greedy one."""
+    """`margins: true`: each returned token's top-1 minus top-2 logit, max |logit| and largest logits (id, gap
+    below the top-1) at its step, as one forward over the prompt and the output computes them; the output itself
+    is the plain greedy one."""
     body = dict(prompt=PROMPT, max_tokens=24, temperature=0, speculative=False)
     r = complete(url, margins=True, **body).json()
     m, ids = r["margins"], r["choices"][0]["token_ids"]
@@ -81,10 +82,13 @@ def test_margins_of_plain_greedy(url):
     assert m["layers"] == e.target.args.n_layer
     with torch.inference_mode():
         logits = e._prefill(prompt + ids[:-1], False)[0, len(prompt) - 1:].float()     # [24, V]: token t's step
-    top = logits.topk(2).values
+    top = logits.topk(4)
     assert logits.argmax(-1).tolist() == ids
-    assert torch.allclose(torch.tensor(m["gaps"]), top[:, 0] - top[:, 1], atol=1e-3)
+    assert torch.allclose(torch.tensor(m["gaps"]), top.values[:, 0] - top.values[:, 1], atol=1e-3)
     assert torch.allclose(torch.tensor(m["scales"]), logits.abs().max(-1).values, atol=1e-3)
+    assert [[c[0] for c in t] for t in m["top"]] == top.indices.tolist()
+    below = torch.tensor([[c[1] for c in t] for t in m["top"]])
+    assert torch.allclose(below, top.values[:, :1] - top.values, atol=1e-3) and (below[:, 1] == torch.tensor(m["gaps"])).all()
 
 
 @pytest.mark.parametrize("body,status,words", [
