@@ -2,9 +2,10 @@
 
 Prints, measured in this one run: a cached apply of demo lock B (CPU torch; its wheels and uv's unpacked copies
 already on the host, under another lock name so that it builds), its build and install seconds, the seal, the
-cache entries hashed again before the build used them, the disk the new
-generation owns (bytes of files no other path links; and the filesystem's free space before and after), `verify` of it (bytes hashed, seconds, GB/s, and a plain
-parallel read of the same bytes: the ratio), and rollback with its check against rollback --force.
+cache entries hashed again before the build used them, the disk the new generation owns (bytes of files no
+other path links; and the filesystem's free space before and after), `verify --baseline` of it (bytes hashed,
+seconds, GB/s, and a plain parallel read of the same bytes: the ratio), and rollback with its check against
+rollback --force. The host root is made under TMPDIR (point it at an XFS or btrfs mount to measure reflinks).
 Runs on checkouts without verify too (then those figures are absent), so that before and after compare.
 Usage: python bench/verify_bench.py [--json] [--repeat N]
 """

@@ -228,7 +228,8 @@ def host_steps(transport: Transport, lock: Lock, label: str, facts: dict, say: P
 def healed_line(names: list[str], how: str = "fetched") -> str:
     """The one line that says the host's cache held changed copies, removed and replaced."""
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return (f"cache: {len(names)} entr{'y' if len(names) == 1 else 'ies'} no longer matched {'its' if len(names) == 1 else 'their'} "
+    one = len(names) == 1
+    return (f"cache: {len(names)} entr{'y' if one else 'ies'} no longer matched {'its' if one else 'their'} "
             f"sha256 ({shown}): removed and {how} again")
 
 

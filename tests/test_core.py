@@ -68,7 +68,7 @@ def test_plan_apply_noop_rollback_history(target, locks):
 
     rep = json.loads(cli("apply", *host_args(target), "--lock", b, "--json", check=0).stdout)
     assert rep["status"] == "applied" and rep["generation"] == "0002-stack-b" and rep["previous"] == "0001-stack-a"
-    assert [s["name"] for s in rep["steps"]] == ["recover", "facts", "plan", "build", "patch", "probe", "switch"]
+    assert [s["name"] for s in rep["steps"]] == ["recover", "facts", "plan", "build", "patch", "seal", "probe", "switch"]
 
     again = json.loads(cli("apply", *host_args(target), "--lock", b, "--json", check=0).stdout)
     assert again["status"] == "noop" and again["generation"] == "0002-stack-b"

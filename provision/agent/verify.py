@@ -12,7 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from . import record
 from .host import AgentError, inside, read_json
 
-STAMP = "stamp.json"     # beside the venv: {venv, files: {path under the venv: [size, mtime_ns, ctime_ns, ino, digest]}}
+# Beside the venv: {venv, files: {path under the venv: [size, mtime_ns, ctime_ns, ino, digest]}}.
+STAMP = "stamp.json"
 
 
 def paths(root, gen_id):
