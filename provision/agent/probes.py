@@ -1095,7 +1095,7 @@ def _why(d, prompts):
     where = "prompt %r" % prompts[d["prompt"]][:40]
     if "gap" in d and d.get("bound") is not None:
         return "%s at token %d (plain %s, speculative %s): their logit gap in the plain step %s%.3g > near-tie " \
-               "bound %.3g (%s, %d layers, max |logit| %.3g)" % (
+               "bound %.3g (%s, %s layers, max |logit| %.3g)" % (
                    where, d["position"], d["plain_token"], d["spec_token"], "≥ " if d["gap_at_least"] else "",
                    d["gap"], d["bound"], d["dtype"], d["layers"], d["scale"])
     return "%s: %s" % (where, d["why"])
