@@ -174,6 +174,8 @@ class _Checker:
                          f"{name} requires {text} but the lock pins {dep} {pinned} (unresolved)", self.at_pkg(name))
             return
         have = self.pkgs.get(dep)
+        if have is None and self._left_out(name, dep):
+            return
         if have is None:
             self.add("error", "requires-dist", name, text,
                      f"{name} requires {text}, which is not in the closure", self.at_pkg(name))
@@ -190,6 +192,17 @@ class _Checker:
             if o.package == name and canonicalize_name(Requirement(o.pins).name) == dep:
                 use = Requirement(o.use)
                 if canonicalize_name(use.name) == dep and use.specifier.contains(version, prereleases=True):
+                    self.used_overrides.add(i)
+                    return True
+        return False
+
+    def _left_out(self, name: str, dep: str) -> bool:
+        """An override of `name`'s pin on `dep` that leaves `dep` out: its `use` names `dep` under a marker false
+        for this platform (uv's idiom, `dep; sys_platform == 'never'`, which the resolver passes on as written)."""
+        for i, o in enumerate(self.lock.overrides):
+            if o.package == name and canonicalize_name(Requirement(o.pins).name) == dep:
+                use = Requirement(o.use)
+                if canonicalize_name(use.name) == dep and use.marker is not None and not marker_true(use.marker, self.lock):
                     self.used_overrides.add(i)
                     return True
         return False

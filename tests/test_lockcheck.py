@@ -80,6 +80,18 @@ def test_override_with_reason_covers_a_pin(tmp_path):
     assert rules(r) == [("requires-dist", "app")] and rules(r, "warning") == [("override", "app")]
 
 
+def test_override_leaves_a_dependency_out_only_under_a_false_marker(tmp_path):
+    wheels = [("app", "1.0", ["big>=4"])]
+    assert rules(run(build(tmp_path, wheels, requires=["app==1.0"]))) == [("requires-dist", "app")]
+    out = {"package": "app", "pins": "big>=4", "use": "big; sys_platform == 'never'",
+           "reason": "app's optional kernels from big are not used by this stack"}
+    passing = run(build(tmp_path, wheels, requires=["app==1.0"], overrides=[out]))
+    assert passing.ok and passing.overrides_used == ["app: big>=4 → big; sys_platform == 'never'"]
+    true_marker = dict(out, use="big; sys_platform == 'linux'")   # a marker true for the platform leaves nothing out
+    r = run(build(tmp_path, wheels, requires=["app==1.0"], overrides=[true_marker]))
+    assert rules(r) == [("requires-dist", "app")] and rules(r, "warning") == [("override", "app")]
+
+
 def test_top_level_requires_must_be_in_packages(tmp_path):
     r = run(build(tmp_path, [("lib", "1.0", [])], requires=["lib==2.0", "other"]))
     assert sorted(rules(r)) == [("requires", "lib"), ("requires", "other")]
