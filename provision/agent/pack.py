@@ -1,4 +1,5 @@
-"""Host agent (stdlib only): a generation back into stored wheels, each file first checked against its RECORD.
+"""Host agent (stdlib only): a generation back into stored wheels, each file first checked against its RECORD
+(`record.check`, as `verify` checks).
 Payload {op: pack, venv, out, root?, gen_dir?, allow_drift?, series?, jobs?, workers?} or {op: clean, root, dir};
 `arcname` says where each installed file goes; patched files go back as shipped (`shipped_from_cache`)."""
 import csv
@@ -10,7 +11,6 @@ import re
 import shutil
 import stat
 import struct
-import threading
 import time
 import zipfile
 import zlib
@@ -19,7 +19,6 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_compl
 from . import record
 from .host import AgentError, emit, inside, read_json
 
-CHUNK = 1 << 20
 # what installers write into a dist-info (and the signature of the RECORD written anew)
 DROPPED = ("INSTALLER", "REQUESTED", "direct_url.json", "uv_cache.json", "RECORD", "RECORD.jws", "RECORD.p7s")
 SHEBANG_SH = b"'''exec' "          # the /bin/sh trampoline installers write for an over-long interpreter path
@@ -202,15 +201,10 @@ class StoredZip:
         return self.h.hexdigest()
 
 
-_BUF = threading.local()
-
-
 def chunks_of(path, h=None):
     """A file's bytes in chunks of up to 1 MiB, each also fed to `h` when given. Each chunk is a view of one
-    buffer per thread, valid until the next is asked for."""
-    buf = getattr(_BUF, "buf", None)
-    if buf is None:
-        buf = _BUF.buf = bytearray(CHUNK)
+    buffer per thread (record's), valid until the next is asked for."""
+    buf = record.buffer()
     view = memoryview(buf)
     with open(path, "rb") as f:
         while True:
@@ -229,18 +223,8 @@ def crc_of(path):
     return crc
 
 
-def read_one(path):
-    for _ in chunks_of(path):
-        pass
-
-
 def crcs_of(paths):
     return [crc_of(p) for p in paths]
-
-
-def read_some(paths):
-    for p in paths:
-        read_one(p)
 
 
 def bins(paths, n):
@@ -251,41 +235,6 @@ def bins(paths, n):
         items.append(p)
         heapq.heappush(heap, (size + os.path.getsize(p), i, items))
     return [items for _, _, items in sorted(heap, key=lambda b: -b[0]) if items]
-
-
-def check_some(args):
-    """record.check over some distributions of a venv (one worker's share)."""
-    venv, names, threads = args
-    return record.check(venv, jobs=threads, only=set(names))
-
-
-def check(venv, site, jobs, workers):
-    """record.check over the whole venv, its distributions shared out over the workers (processes: the
-    per-file interpreter work of tens of thousands of files is spread too); `extra`: files under
-    site-packages that no RECORD lists."""
-    names = [n for n, _, _ in record.dist_infos(site)]
-    if workers != "processes" or jobs < 2:
-        return record.check(venv, jobs=min(32, jobs * 2))
-    shares = [names[i::jobs] for i in range(jobs)]
-    out = {"site": site, "dists": {}, "files": 0, "bytes": 0}
-    with pool(workers, jobs) as ex:
-        for part in ex.map(check_some, [(venv, share, 4) for share in shares if share]):
-            out["dists"].update(part["dists"])
-            out["files"] += part["files"]
-            out["bytes"] += part["bytes"]
-    listed = set()
-    for d in out["dists"].values():
-        try:
-            listed |= {full for _, full, _, _, _ in record.entries(site, d["info"], venv) if full}
-        except OSError:
-            pass
-    extra = []
-    for dirpath, dirnames, filenames in os.walk(site):
-        dirnames[:] = [x for x in dirnames if x != "__pycache__"]
-        extra += [os.path.relpath(os.path.join(dirpath, f), site) for f in filenames
-                  if os.path.join(dirpath, f) not in listed and not f.endswith(record.SKIP_SUFFIXES)]
-    out["extra"] = sorted(extra)
-    return out
 
 
 def write_wheel(path, info, items, crcs):
@@ -422,11 +371,12 @@ def op_pack(a):
     workers = a.get("workers") if a.get("workers") in ("threads", "processes") else "processes"
     cores = os.cpu_count() or 1
     jobs = int(a.get("jobs") or (cores if workers == "processes" else min(32, cores * 2)))
+    threads = int(a.get("jobs") or record.jobs_default())   # the check's and the read's, as `verify` runs them
     t0 = time.perf_counter()
     site = record.site_packages(venv)
     if site is None:
         raise AgentError("no site-packages under %s" % venv)
-    chk = check(venv, site, jobs, workers)
+    chk = record.check(venv, jobs=threads)
     restored = restore_patched(site, a.get("series") or [])
     if a.get("gen_dir") and a.get("root"):
         restored.update(shipped_from_cache(chk, site, inside(a["root"], a["gen_dir"]),
@@ -476,25 +426,15 @@ def op_pack(a):
     unpacked = sorted(n for n, r in results.items() if r is None)
     results = {n: r for n, r in results.items() if r is not None}
     sources = [p for r in results.values() for p in r.pop("sources")]
-    t_read = read_all(sources, jobs, workers)
+    t_read, read_bytes = record.read_all(sources, threads)
     return {"site": site, "python": py, "wheels": [results[n] for n in sorted(results)],
             "unpacked": unpacked,
             "drift": drift, "extra": len([e for e in chk["extra"] if not skipped(e)]),
             "files": chk["files"], "bytes": chk["bytes"],
-            "read_bytes": sum(os.path.getsize(p) for p in sources),
+            "read_bytes": read_bytes,
             "seconds": {"check": t_check, "pack": t_pack, "read": t_read, "pack_plan": t_plan - t1,
                         "pack_crc": t_crc - t_plan, "pack_write": t1 + t_pack - t_crc}, "jobs": jobs,
             "workers": workers}
-
-
-def read_all(paths, jobs, workers):
-    """Seconds to merely read these files (in 1 MiB chunks, on the same workers as the pack): what packing is
-    measured against."""
-    shares = bins(paths, jobs * 4 if workers == "processes" else jobs * 64)
-    t0 = time.perf_counter()
-    with pool(workers, jobs) as ex:
-        list(ex.map(read_some, shares))
-    return time.perf_counter() - t0
 
 
 def pool(workers, jobs):

@@ -64,7 +64,7 @@ def b64digest(raw):
 _BUF = threading.local()
 
 
-def _buffer():
+def buffer():
     """This thread's read buffer (one per thread, reused for every file it reads)."""
     buf = getattr(_BUF, "buf", None)
     if buf is None:
@@ -75,7 +75,7 @@ def _buffer():
 def hash_file(path):
     """(sha256 as RECORD writes it, size) of one file."""
     h, n = hashlib.sha256(), 0
-    buf = _buffer()
+    buf = buffer()
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         while True:
@@ -228,10 +228,10 @@ def batches(items, size_of, target=1 << 23):
 
 
 def read_all(paths, jobs=None):
-    """(seconds, bytes) to read every file of `paths` in parallel, without hashing: what hashing is measured
-    against."""
+    """(seconds, bytes) to read every file of `paths` in parallel, without hashing: what `verify`'s hashing and
+    `pack`'s check and pack are measured against."""
     def one(path):
-        n, buf = 0, _buffer()
+        n, buf = 0, buffer()
         try:
             with open(path, "rb", buffering=0) as f:
                 while True:

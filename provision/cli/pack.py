@@ -26,7 +26,8 @@ def register(app: typer.Typer) -> None:
                                                                  "packed distribution of the same name"),
              name: Optional[str] = typer.Option(None, "--name", help="the lock's name (default: the source's)"),
              jobs: Optional[int] = typer.Option(None, "--jobs", min=1, max=256,
-                                                help="workers on the host (default: one process per core)"),
+                                                help="workers on the host: the check's threads, the wheels' "
+                                                     "processes (default: two threads, one process per core)"),
              json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
              limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
              root: Optional[str] = RootOpt):
@@ -70,8 +71,9 @@ def render(rep: dict) -> None:
                   f"{rep['distributions']} distributions, {rep['files']} files, {human_size(rep['bytes'])} checked, "
                   f"{human_size(rep['wheel_bytes'])} of wheels.", markup=False, soft_wrap=True)
     ratio = f"{rep['ratio']:.2f}×" if rep["ratio"] is not None else "n/a"
-    console.print(f"  check {s['check']:.2f}s + pack {s['pack']:.2f}s on {rep['jobs']} {rep['workers']}; reading "
-                  f"the same {human_size(rep['read_bytes'])} alone {s['read']:.2f}s: (check + pack) ÷ read {ratio}"
+    console.print(f"  check {s['check']:.2f}s + pack {s['pack']:.2f}s (wheels on {rep['jobs']} {rep['workers']}); "
+                  f"reading the same {human_size(rep['read_bytes'])} alone {s['read']:.2f}s: "
+                  f"(check + pack) ÷ read {ratio}"
                   + (f"; fetched over the connection {s['fetch']:.2f}s" if s.get("fetch", 0) > 0.01 else "")
                   + f"; total {s['total']:.2f}s.", markup=False, soft_wrap=True)
     for n, paths in sorted(rep["drift"].items()):
