@@ -10,7 +10,6 @@ leaves: `current` renamed, the manifest `switching`, the event missing.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from contextlib import contextmanager

@@ -99,7 +99,8 @@ def highest_number(root):
     """The highest generation number this root ever used: its counter, the generations kept, `current`
     (whose directory may be gone) and every generation history names (gc removes directories, not history)."""
     try:
-        counter = int(open(os.path.join(root, LAST_NUMBER)).read().strip() or 0)
+        with open(os.path.join(root, LAST_NUMBER)) as f:
+            counter = int(f.read().strip() or 0)
     except (OSError, ValueError):
         counter = 0
     named = [n for n, _, _ in gens(root)] + [id_number(current(root))]
