@@ -232,8 +232,9 @@ def _apply(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps,
         reason = str(e) or type(e).__name__
         report.error = reason
         try:   # space first (the venv goes), then the record; the logs stay in the generation dir
-            generations.mark(transport, gen["id"], status="failed", reason=reason, remove_venv=True,
-                             event={"event": "apply-failed", "lock": lock.name, "reason": reason})
+            _marked_failed(report, gen["id"], generations.mark(
+                transport, gen["id"], status="failed", reason=reason, remove_venv=True,
+                event={"event": "apply-failed", "lock": lock.name, "reason": reason}))
         except ProvisionError as me:   # the host may be gone: the next run marks it abandoned
             report.warnings.append(f"could not mark {gen['id']} failed ({me}); the next apply settles it")
         raise
@@ -241,9 +242,14 @@ def _apply(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps,
     report.status = "applied"
 
 
+def _marked_failed(report: ApplyReport, gen_id: str, out: dict) -> None:
+    for what in out.get("bookkeeping_failed") or []:
+        report.warnings.append(f"marked {gen_id} failed; recording it failed ({what}); the next run repairs it")
+
+
 def _recover(transport: Transport) -> dict:
     out = generations.recover(transport)
-    parts = [f"{len(out[k])} {k}" for k in ("abandoned", "repaired", "freed", "removed_tmp") if out.get(k)]
+    parts = [f"{len(out[k])} {k}" for k in ("abandoned", "repaired", "settled", "freed", "removed_tmp") if out.get(k)]
     out["detail"] = ", ".join(parts) if parts else "nothing to settle"
     return out
 
@@ -266,8 +272,9 @@ def _switch(transport: Transport, report: ApplyReport, steps: _Steps, gen_id: st
             report.failed_step = "switch"
             if event.get("reuse") is None:
                 try:
-                    generations.mark(transport, gen_id, status="failed", reason=str(e), remove_venv=True,
-                                     event={"event": "apply-failed", "lock": report.lock_name, "reason": str(e)})
+                    _marked_failed(report, gen_id, generations.mark(
+                        transport, gen_id, status="failed", reason=str(e), remove_venv=True,
+                        event={"event": "apply-failed", "lock": report.lock_name, "reason": str(e)}))
                 except ProvisionError as me:
                     report.warnings.append(f"could not mark {gen_id} failed ({me})")
             raise
@@ -349,6 +356,26 @@ def load_plans(path: str | Path) -> list[Plan]:
     if len({p.lock_digest for p in plans}) > 1:
         raise InputError("the plans in this file are of different locks", where=str(path))
     return plans
+
+
+def plans_for(saved: list[Plan], targets: list, where: str) -> dict[str, Plan]:
+    """Each target's saved plan by host name, checked before any host is contacted: a plan applies only to
+    the host and root it was made for (InputError naming the plan file and whom it was made for)."""
+    from .errors import InputError
+
+    by_host = {p.host: p for p in saved}
+    for t in targets:
+        p = by_host.get(t.name)
+        root = t.vars.get("provision_root", layout.DEFAULT_ROOT)
+        if p is None and len(saved) == 1:
+            p = saved[0]
+        if p is None:
+            raise InputError(f"the saved plan has no entry for {t.name} (planned: {', '.join(by_host)}); "
+                             "plan that host first", where=where)
+        if p.host != t.name or (p.root is not None and p.root != root):
+            raise InputError(f"this plan was made for {p.host} (root {p.root or '?'}), not for {t.name} "
+                             f"(root {root}); plan {t.name} first", where=where)
+    return by_host
 
 
 def lock_of_plan(p: Plan) -> Lock:

@@ -60,10 +60,13 @@ def gc(t: Transport, keep: int = 3, dry_run: bool = False) -> dict:
 def rollback(t: Transport, to: str | None = None, dry_run: bool = False, force: bool = False) -> dict:
     """Switch back (or, with `to`, possibly forward: `forward` says so); `dry_run` only names the target. The
     target is checked first (every file's stat against its build's stamp, hashing what changed; `check` holds
-    the figures): one that drifted is refused, naming its files, unless `force`."""
+    the figures): one that drifted is refused, naming its files, unless `force`. The rename of `current` is the
+    commit: a failure after it is a warning (`warnings`), the switch stands and the next run records it."""
     t0 = time.perf_counter()
     out = call(t, "rollback", to=to, take_lock=not dry_run, dry_run=dry_run, force=force)
     out["seconds"] = time.perf_counter() - t0
+    out["warnings"] = [f"switched to {out['to']}; recording it failed ({what}); the next run repairs it"
+                       for what in out.get("bookkeeping_failed") or []]
     return out
 
 

@@ -130,6 +130,15 @@ class Lock:
     def where(self, *keys) -> str:
         return self.doc.where(*keys) if self.doc else self.path
 
+    def stale_overrides(self) -> list[tuple[int, Override]]:
+        """(index, override) of each override of a package the lock neither pins nor lists as unresolved."""
+        have = {p.name for p in self.packages} | {canonicalize_name(str(u["name"])) for u in self.unresolved}
+        return [(i, o) for i, o in enumerate(self.overrides) if canonicalize_name(o.package) not in have]
+
+    def stale_override_warnings(self) -> list[str]:
+        return [f"override for {o.package}, which is not in the closure ({self.where('overrides', i)})"
+                for i, o in self.stale_overrides()]
+
     def resolve_path(self, rel: str) -> Path:
         """A path named in the lock: absolute, relative to the lock's folder or its parents, else shipped with provision."""
         p = Path(rel)
@@ -223,9 +232,17 @@ def _kind(v) -> str:
         type(v), f"a {type(v).__name__}")
 
 
+URL_REFUSED = re.compile(r"[^A-Za-z0-9\-._~:/?#\[\]@!$&'()*+,;=%]|%(?![0-9A-Fa-f]{2})")
+
+
 def _url(v: _V, keys: tuple, url: str, base: Path | None, wheelhouses: list[Path]) -> str:
     """https://, http:// to this machine only, or file:// inside the lock's folder (`base`) or a configured
-    wheelhouse."""
+    wheelhouse. Only the characters RFC 3986 allows (a space, a backtick, quotes, braces, `\\`, `|`, `^`, `<`, `>`
+    or a control character is refused, as is a `%` not followed by two hex digits)."""
+    bad = URL_REFUSED.search(url)
+    if bad:
+        v.fail(keys, f"invalid URL: character {bad.group(0)!r} at position {bad.start() + 1} is not allowed in a "
+                     f"URL (RFC 3986): {url!r}")
     try:
         u = urlsplit(url)
         host = u.hostname

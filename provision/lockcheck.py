@@ -318,13 +318,13 @@ class _Checker:
                      f"unresolved: {u['reason']}{extra}", self.lock.where("unresolved", i))
 
     def report_overrides(self):
-        names = set(self.pkgs) | set(self.unresolved)
+        stale = {i for i, _ in self.lock.stale_overrides()}
         for i, o in enumerate(self.lock.overrides):
             if i in self.used_overrides:
                 continue
             if o.package in self.unresolved or canonicalize_name(Requirement(o.use).name) in self.unresolved:
                 continue
-            if o.package not in names:
+            if i in stale:
                 msg = f"override for {o.package}, which is not in the closure"
             else:
                 msg = f"override for {o.package} ({o.pins} → {o.use}) covers no failing requirement; remove it?"

@@ -17,7 +17,7 @@ from .lock import Lock, from_data
 from .toolkit import nvcc_missing
 from .units import human_size
 
-PLAN_FORMAT = 2
+PLAN_FORMAT = 3
 SYMBOL = {"add": "+", "change": "~", "remove": "-"}
 ORDER = ("lock", "python", "toolkit", "driver", "package", "hash", "index", "patch", "probe", "engine")
 HEADINGS = {"package": "  packages", "patch": "  patches", "hash": "  wheel hashes (same version)",
@@ -152,6 +152,7 @@ class Plan:
     warnings: list[str] = field(default_factory=list)   # every preflight finding
     errors: list[str] = field(default_factory=list)     # the fatal ones: apply refuses before acting
     download: dict = field(default_factory=dict)        # wheels, bytes, unknown, disk_needed, disk_free
+    root: str | None = None         # the host root planned for
     format: int = PLAN_FORMAT
 
     @property
@@ -172,7 +173,7 @@ class Plan:
         """A saved plan, checked field by field (InputError: malformed or edited; exit 2)."""
         check_plan_data(d, where)
         p = cls(**{k: d[k] for k in ("host", "lock", "lock_name", "lock_digest", "facts_digest", "base", "action",
-                                      "reuse", "current_error", "warnings", "errors", "download")},
+                                      "reuse", "current_error", "warnings", "errors", "download", "root")},
                 changes=[Change(**c) for c in d["changes"]])
         if from_data(p.lock, where).digest != p.lock_digest:
             raise InputError("the plan's lock was edited after planning", where=where)
@@ -182,7 +183,7 @@ class Plan:
 PLAN_FIELDS = {"host": str, "lock": dict, "lock_name": str, "lock_digest": str, "facts_digest": str,
                "base": (str, type(None)), "changes": list, "warnings": list, "noop": bool, "format": int,
                "action": str, "reuse": (str, type(None)), "current_error": (str, type(None)), "errors": list,
-               "download": dict}
+               "download": dict, "root": (str, type(None))}
 CHANGE_FIELDS = {"category": str, "name": str, "action": str, "old": (str, type(None)), "new": (str, type(None))}
 
 
@@ -219,10 +220,17 @@ def check_plan_data(d, where: str) -> None:
             bad(f"changes[{i}]", f"unknown category or action ({c['category']!r}, {c['action']!r})")
 
 
+def settled(g: dict) -> str | None:
+    """A generation's status once apply's first step (`recover`) settled it: one left `switching` returns to
+    runnable whether or not the switch committed (`recover` records the switch when `current` names it)."""
+    return "ready" if g.get("status") == "switching" else g.get("status")
+
+
 def facts_digest(facts: dict) -> str:
-    """What a saved plan depends on: generations, current, and the current environment."""
+    """What a saved plan depends on: generations (as apply's recovery settles them), current, and the
+    current environment."""
     keep = {"current": facts.get("current"), "current_error": facts.get("current_error"),
-            "generations": [(g.get("id"), g.get("status"), g.get("lock_digest"), g.get("venv_ok"))
+            "generations": [(g.get("id"), settled(g), g.get("lock_digest"), g.get("venv_ok"))
                             for g in facts.get("generations", [])],
             "dists": sorted((facts.get("current_dists") or {}).items())}
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
@@ -316,7 +324,7 @@ def current_stack(facts: dict) -> Stack | None:
 def _reusable(facts: dict, lock: Lock, target: Stack) -> dict | None:
     """The newest complete generation (probed, committed once, venv intact) built from exactly this lock."""
     for g in reversed(facts.get("generations", [])):
-        if (g["id"] != facts.get("current") and g.get("lock_digest") == lock.digest and g.get("status") == "ready"
+        if (g["id"] != facts.get("current") and g.get("lock_digest") == lock.digest and settled(g) == "ready"
                 and g.get("venv_ok") and ((g.get("stack") or {}).get("patches") or {}) == target.patches):
             return g
     return None
@@ -358,7 +366,7 @@ def make_plan(facts: dict, lock: Lock) -> Plan:
     gen = _generation(facts, cur)
     healthy = bool(cur) and not facts.get("current_error") and gen.get("venv_ok", True)
     same_build = gen.get("lock_digest") == lock.digest and not changes
-    if healthy and same_build and gen.get("status") == "ready":
+    if healthy and same_build and settled(gen) == "ready":
         action, reuse = "noop", None
     else:
         g = _reusable(facts, lock, target)
@@ -366,14 +374,14 @@ def make_plan(facts: dict, lock: Lock) -> Plan:
         if not changes and cur:   # nothing in the stack differs, yet apply acts: say why
             why = ("its interpreter does not run" if facts.get("current_error") else
                    "its venv is missing" if not gen.get("venv_ok", True) else
-                   f"it is {gen.get('status')}" if gen.get("status") != "ready" else "the lock's content changed")
+                   f"it is {gen.get('status')}" if settled(gen) != "ready" else "the lock's content changed")
             changes.append(Change("lock", lock.name, "change", f"{cur} ({why})", f"lock sha256 {lock.digest[:12]}…"))
     download = download_estimate(facts, lock) if action == "build" else {}
     findings = preflight_findings(facts, lock, action, download)
     return Plan(host=facts.get("host", "?"), lock=lock.raw, lock_name=lock.name, lock_digest=lock.digest,
                 facts_digest=facts_digest(facts), base=cur, changes=changes, action=action, reuse=reuse,
                 current_error=facts.get("current_error"), warnings=[m for _, m in findings],
-                errors=[m for fatal, m in findings if fatal], download=download)
+                errors=[m for fatal, m in findings if fatal], download=download, root=facts.get("root"))
 
 
 def _driver_tuple(v: str) -> tuple:
@@ -390,6 +398,7 @@ def preflight_findings(facts: dict, lock: Lock, action: str = "build",
         have = ", ".join(f"{v} ({p})" for v, p in sorted((facts.get("pythons") or {}).items())) or "none"
         broken = "; ".join(f"{p}: {why}" for p, why in sorted((facts.get("broken_pythons") or {}).items()))
         out.append((True, f"host has no working Python {py} (found: {have})" + (f"; broken: {broken}" if broken else "")))
+    out += [(False, w) for w in lock.stale_override_warnings()]
     gpus = facts.get("gpus") or []
     dmin = lock.platform.driver_min
     if gpus and dmin and facts.get("driver") and _driver_tuple(facts["driver"]) < _driver_tuple(dmin):

@@ -87,13 +87,44 @@ def update_manifest(root, gen_id, fields):
     return man
 
 
+LAST_NUMBER = "last-number"    # the highest generation number ever allocated under this root
+
+
+def id_number(gen_id):
+    m = re.match(r"^(\d{4,})-", gen_id or "")
+    return int(m.group(1)) if m else 0
+
+
+def highest_number(root):
+    """The highest generation number this root ever used: its counter, the generations kept, `current`
+    (whose directory may be gone) and every generation history names (gc removes directories, not history)."""
+    try:
+        with open(os.path.join(root, LAST_NUMBER)) as f:
+            counter = int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        counter = 0
+    named = [n for n, _, _ in gens(root)] + [id_number(current(root))]
+    try:
+        with open(os.path.join(root, "history.jsonl")) as f:
+            for line in f:
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                ids = [ev.get(k) for k in ("generation", "to", "from")] + list(ev.get("removed") or [])
+                named += [id_number(i) for i in ids if isinstance(i, str)]
+    except OSError:
+        pass
+    return max([counter] + named)
+
+
 def op_prepare(root, a):
     """Allocate the next generation directory and write its lock and a 'building' manifest."""
     ensure_root(root)
     for sub in ("generations", "cache/wheels", "runs"):
         os.makedirs(os.path.join(root, sub), exist_ok=True)
-    existing = gens(root)
-    number = max([n for n, _, _ in existing], default=0) + 1
+    number = highest_number(root) + 1
+    write_atomic(os.path.join(root, LAST_NUMBER), "%d\n" % number)   # before the dir: a number is never reused
     gen_id = "%04d-%s" % (number, a["lock_name"])
     gdir = os.path.join(root, "generations", gen_id)
     os.makedirs(gdir)
@@ -115,10 +146,24 @@ def op_mark(root, a):
         return {"error": "generation %s is current: it is never marked %s" % (a["id"], a["fields"]["status"])}
     if a.get("remove_venv"):
         remove_venv(root, a["id"])
-    man = update_manifest(root, a["id"], a.get("fields", {}))
-    if a.get("event"):
-        record(root, dict(a["event"], generation=a["id"]))
-    return {"id": a["id"], "status": man.get("status")}
+    event = dict(a["event"], generation=a["id"]) if a.get("event") else None
+    man, failed = mark_recorded(root, a["id"], a.get("fields", {}), event)
+    return {"id": a["id"], "status": man.get("status"), "bookkeeping_failed": failed}
+
+
+def mark_recorded(root, gen_id, fields, event=None):
+    """Update a generation's manifest, then record `event`. The manifest is the truth and is written first,
+    holding the event as `pending_event` until history has it: a failure to record is returned (not raised)
+    and `recover` records it on the next run. Returns (manifest, [what failed])."""
+    if not event:
+        return update_manifest(root, gen_id, fields), []
+    event = dict(event, event_id=event.get("event_id") or "%s@%s" % (gen_id, time.time()))
+    man = update_manifest(root, gen_id, dict(fields, pending_event=event))
+    try:
+        record(root, event)
+    except OSError as e:
+        return man, ["history: " + oserr(e)]
+    return update_manifest(root, gen_id, {"pending_event": None}), []
 
 
 def op_switch(root, a):
@@ -135,14 +180,26 @@ def op_switch(root, a):
         return {"error": "generation %s is %s: never switched to" % (gen_id, man.get("status"))}
     if not os.path.exists(os.path.join(gdir, "venv", "bin", "python")):
         return {"error": "generation %s has no venv/bin/python: not runnable" % gen_id}
-    event = dict(a.get("event", {}), event=a.get("kind", "switch"), switch_id="%s@%s" % (gen_id, time.time()),
-                 **{"from": before, "to": gen_id})
-    update_manifest(root, gen_id, {"status": "switching", "switch_event": event})
+    event = dict(a.get("event", {}), event=a.get("kind", "switch"), **{"from": before, "to": gen_id})
+    ev, failed, seconds = commit(root, gen_id, man, event)
+    return {"from": before, "to": gen_id, "switched": True, "switch_seconds": seconds, "event": ev,
+            "bookkeeping_failed": failed}
+
+
+def commit(root, gen_id, man, event):
+    """Switch `current` to `gen_id` and record `event`. Before the rename the manifest says `switching` and
+    holds the event (and the status it returns to); the rename is the commit; what follows (history, then
+    the manifest back to runnable) is bookkeeping: its failure is returned, never raised, and `recover`
+    settles it. Returns (event recorded or None, [what failed], seconds)."""
+    event = dict(event, switch_id="%s@%s" % (gen_id, time.time()))
+    runnable = "adopted" if man.get("status") == "adopted" else "ready"
+    update_manifest(root, gen_id, {"status": "switching", "switch_event": event, "runnable_as": runnable})
     t0 = time.perf_counter()
     try:
         switch_link(root, gen_id)                   # ---- the commit ----
     except OSError:
         if current(root) != gen_id:
+            update_manifest(root, gen_id, {"status": runnable, "switch_event": None})
             raise
     seconds = time.perf_counter() - t0
     failed, ev = [], None
@@ -152,11 +209,11 @@ def op_switch(root, a):
         failed.append("history: " + oserr(e))
     if not failed:
         try:
-            update_manifest(root, gen_id, {"status": "ready", "committed": now(), "switch_event": None})
+            update_manifest(root, gen_id, {"status": runnable, "committed": man.get("committed") or now(),
+                                           "switch_event": None})
         except OSError as e:
             failed.append("manifest: " + oserr(e))
-    return {"from": before, "to": gen_id, "switched": True, "switch_seconds": seconds, "event": ev,
-            "bookkeeping_failed": failed}
+    return ev, failed, seconds
 
 
 def recorded(root, switch_id):
@@ -191,23 +248,36 @@ def op_recover(root, a):
                     out["removed_partial"].append(os.path.join(d, f))
                 except OSError as e:
                     out["errors"].append(oserr(e))
+    out["settled"] = []
     for _, gen_id, man in gens(root):
         status = man.get("status")
         venv = os.path.join(root, "generations", gen_id, "venv")
         try:
-            if status == "switching" and gen_id == cur:
-                ev = man.get("switch_event") or {"event": "switch", "to": gen_id, "switch_id": gen_id}
-                if not recorded(root, ev.get("switch_id") or gen_id):
+            if man.get("pending_event"):   # a marking whose event history lacks
+                ev = man["pending_event"]
+                if not recorded(root, ev.get("event_id") or gen_id):
                     record(root, dict(ev, repaired=True))
-                update_manifest(root, gen_id, {"status": "ready", "committed": man.get("committed") or now(),
-                                               "switch_event": None})
+                man = update_manifest(root, gen_id, {"pending_event": None})
                 out["repaired"].append(gen_id)
-            elif status in (None, "building", "built", "verified", "switching") and gen_id != cur:
+            if status == "switching":   # settled by where `current` points: the rename is the commit
+                runnable = man.get("runnable_as") or "ready"
+                if gen_id == cur:
+                    ev = man.get("switch_event") or {"event": "switch", "to": gen_id, "switch_id": gen_id}
+                    if not recorded(root, ev.get("switch_id") or gen_id):
+                        record(root, dict(ev, repaired=True))
+                    update_manifest(root, gen_id, {"status": runnable, "committed": man.get("committed") or now(),
+                                                   "switch_event": None})
+                    out["repaired"].append(gen_id)
+                else:   # never committed: it stays the complete generation it was
+                    update_manifest(root, gen_id, {"status": runnable, "switch_event": None})
+                    out["settled"].append(gen_id)
+            elif status in (None, "building", "built", "verified") and gen_id != cur:
                 remove_venv(root, gen_id)
-                update_manifest(root, gen_id, {"status": "abandoned", "abandoned_from": status or "incomplete",
-                                               "reason": "left %s by an interrupted run" % (status or "incomplete")})
-                record(root, {"event": "abandoned", "generation": gen_id, "was": status or "incomplete"})
+                _, failed = mark_recorded(root, gen_id, {"status": "abandoned", "abandoned_from": status or "incomplete",
+                                             "reason": "left %s by an interrupted run" % (status or "incomplete")},
+                              {"event": "abandoned", "generation": gen_id, "was": status or "incomplete"})
                 out["abandoned"].append(gen_id)
+                out["errors"] += ["%s: %s" % (gen_id, f) for f in failed]
             elif status in ("failed", "abandoned") and os.path.lexists(venv) and gen_id != cur:
                 remove_venv(root, gen_id)
                 out["freed"].append(gen_id)
@@ -322,7 +392,9 @@ def op_logs(root, a):
 
 
 def op_rollback(root, a):
-    """Switch back to generation `to` (a number or id), or to the newest ready one below current."""
+    """Switch back to generation `to` (a number or id), or to the newest ready one below current. Settles
+    what an interrupted run left first (the caller holds the host lock, except for a dry run)."""
+    recovered = None if a.get("dry_run") else op_recover(root, a)
     before = current(root)
     all_gens = gens(root)
     if not all_gens or before is None:
@@ -349,12 +421,11 @@ def op_rollback(root, a):
                 % (target[1], check["named"]), "check": check}
     if a.get("dry_run"):
         return {"from": before, "to": target[1], "forward": forward, "dry_run": True, "check": check}
-    t0 = time.perf_counter()
-    switch_link(root, target[1])
-    ev = record(root, {"event": "rollback", "from": before, "to": target[1], "lock": target[2].get("lock_name"),
-                       "forward": forward, "forced": bool(a.get("force"))})
-    return {"from": before, "to": target[1], "forward": forward, "switch_seconds": time.perf_counter() - t0,
-            "event": ev, "check": check}
+    ev, failed, seconds = commit(root, target[1], target[2], {
+        "event": "rollback", "from": before, "to": target[1], "lock": target[2].get("lock_name"),
+        "forward": forward, "forced": bool(a.get("force"))})
+    return {"from": before, "to": target[1], "forward": forward, "switch_seconds": seconds, "switched": True,
+            "event": ev, "check": check, "bookkeeping_failed": failed, "recovered": recovered}
 
 
 def op_adopt(root, a):
@@ -467,8 +538,16 @@ def op_status(root, a):
                     probe = {"status": ev.get("status"), "time": ev.get("time"), "summary": ev.get("summary")}
     except OSError:
         pass
+    broken = None
+    if cur and not any(name == cur for _, name, _ in all_gens):
+        broken = "its directory generations/%s is missing" % cur
+    elif cur and not os.path.exists(os.path.join(root, "generations", cur, "venv", "bin", "python")):
+        broken = "its venv/bin/python is missing"
+    verify = man.get("verify")
+    if broken:   # the verdicts of what was there no longer hold
+        probe = verify = None
     return {"root": root, "current": cur, "lock": man.get("lock_name"), "since": since or man.get("created"),
-            "probe": probe, "verify": man.get("verify"), "generations": len(all_gens),
+            "broken": broken, "probe": probe, "verify": verify, "generations": len(all_gens),
             "ready": sum(1 for _, _, m in all_gens if m.get("status") in ("ready", "adopted")),
             "disk_bytes": disk_used(root) if os.path.isdir(root) else 0}
 

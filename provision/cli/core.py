@@ -157,7 +157,7 @@ def register(app: typer.Typer) -> None:
               root: Optional[str] = RootOpt):
         """One-command upgrade: build a new generation, patch, probe, switch `current`."""
         from .. import apply as applymod, lock as lockmod
-        from ..errors import PlanError, ProvisionError
+        from ..errors import ProvisionError
         from ..plan import render_plan
         from ..transport import connect
 
@@ -166,15 +166,7 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter("give --lock or --plan")
         lk = applymod.lock_of_plan(saved[0]) if saved else lockmod.load(lock)
         ts = targets(host, local, inventory, key, known_hosts, root, limit)
-        by_host = None
-        if saved:
-            by_host = {p.host: p for p in saved}
-            if len(ts) == 1 and len(saved) == 1:
-                by_host = {ts[0].name: saved[0]}
-            missing = [t.name for t in ts if t.name not in by_host]
-            if missing:
-                raise PlanError(f"the saved plan has no entry for {', '.join(missing)} (planned: "
-                                f"{', '.join(by_host)}); plan those hosts first", where=str(plan_file))
+        by_host = applymod.plans_for(saved, ts, str(plan_file)) if saved else None
         if len(ts) > 1:
             printer = FleetPrinter(json_out, [t.name for t in ts])
             if not json_out:
@@ -281,6 +273,8 @@ def register(app: typer.Typer) -> None:
             else:
                 console.print(f"{_switched(out)} {r.host}: current {out['from']} → {out['to']} "
                               f"in {out['seconds']:.2f}s{_checked(out.get('check'))}.", markup=False)
+                for w in out.get("warnings") or []:
+                    err_console.print(f"warning: {r.host}: {w}", markup=False)
         print_rows(rows, show, json_out)
         exit_for(rows)
 
@@ -447,10 +441,12 @@ def status_table(rows):
             continue
         s = r.value
         p = s.get("probe")
-        probe = f"{p['status']} ({p['time']})" if p else "-"
+        probe = f"{p['status']} ({p['time']})" if p else "broken" if s.get("broken") else "-"
         v = s.get("verify")
-        verified = f"{v['verdict']} ({ago(v['time'])}{', at build' if v.get('how') == 'build' else ''})" if v else "-"
-        table.add_row(*(plain(c) for c in (r.host, s.get("current") or "(none)", s.get("lock") or "-",
+        verified = f"{v['verdict']} ({ago(v['time'])}{', at build' if v.get('how') == 'build' else ''})" if v else \
+            "broken" if s.get("broken") else "-"
+        cur = (s.get("current") or "(none)") + (f" (broken: {s['broken']})" if s.get("broken") else "")
+        table.add_row(*(plain(c) for c in (r.host, cur, s.get("lock") or "-",
                                            s.get("since") or "-", probe, verified,
                                            f"{s['generations']} ({s['ready']} runnable)", human_size(s["disk_bytes"]))))
     return table
