@@ -62,9 +62,13 @@ class Inventory:
 
     def _matching(self, pattern: str) -> list:
         """The hosts `pattern` matches, read as `--limit` reads it (`a:b`, `g:&h`, `g:!x`, `@file`)."""
-        self.inv.subset(pattern)
+        from ansible.errors import AnsibleError
+
         try:
+            self.inv.subset(pattern)
             return self.inv.get_hosts("all")
+        except AnsibleError as e:
+            raise InventoryError(f"host pattern {pattern!r}: {' '.join(str(e).split())}", where=self.where) from None
         finally:
             self.inv.subset(None)
 
