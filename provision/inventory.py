@@ -19,7 +19,6 @@ class Inventory:
 
     def __init__(self, path: Path):
         from ansible import constants
-        from ansible.errors import AnsibleError
         from ansible.inventory.manager import InventoryManager
         from ansible.parsing.dataloader import DataLoader
 
@@ -35,8 +34,7 @@ class Inventory:
 
     def matches(self, pattern: str) -> bool:
         """Whether `pattern` (a host, a group or an Ansible pattern) names a host of the inventory."""
-        with self._errors():
-            return bool(self._matching(pattern))
+        return bool(self._matching(pattern))
 
     def targets(self, known_hosts: Path, limit: str | None = None, host: str | None = None) -> list[Target]:
         """The hosts in inventory order, narrowed by the pattern `limit` and by `host` (a host, group or pattern
