@@ -15,6 +15,7 @@ from typing import Callable
 from . import build as buildmod, generations, layout, lock as lockmod, verify as verifymod
 from .errors import HostError, PlanError, ProvisionError
 from .facts import capture_lock, env_paths, gather
+from .fleet import FORKS
 from .lock import Lock
 from .plan import Plan, facts_digest, make_plan, stack_of_lock
 from .transport import Transport
@@ -285,7 +286,7 @@ def _switch(transport: Transport, report: ApplyReport, steps: _Steps, gen_id: st
         report.warnings.append(f"switched to {gen_id}; recording it failed ({what}); the next run repairs it")
 
 
-def apply_fleet(targets: list, lock: Lock, *, serial: int = 0, forks: int = 5,
+def apply_fleet(targets: list, lock: Lock, *, serial: int = 0, forks: int = FORKS,
                 progress_for: Callable[[str], Progress | None] | None = None,
                 saved_plans: dict | None = None, **kw) -> list[ApplyReport]:
     """Apply to many hosts in batches of `serial` (0: one batch), up to `forks` at a time within a

@@ -9,6 +9,10 @@ from typing import Any, Callable
 from .errors import ProvisionError
 from .transport import Target, Transport
 
+# Hosts contacted at once, whatever the verb: each host does its own work (facts, builds, switches) while the
+# controller waits on one SSH session per host, so the controller's cores are not what bounds it.
+FORKS = 16
+
 
 @dataclass
 class Row:
@@ -28,7 +32,7 @@ class Row:
         return {"host": self.host, "result": value_json(self.value)}
 
 
-def each(targets: list[Target], fn: Callable[[Transport], Any], *, forks: int = 16,
+def each(targets: list[Target], fn: Callable[[Transport], Any], *, forks: int = FORKS,
          on_row: Callable[[Row], None] | None = None) -> list[Row]:
     """fn(transport) on every target, `forks` at a time; `on_row` sees each row as it finishes."""
     from .transport import connect
@@ -61,7 +65,7 @@ def batches(targets: list, serial: int) -> list[list]:
     return [targets[i:i + size] for i in range(0, len(targets), size)]
 
 
-def rollout(targets: list[Target], fn: Callable[[Transport], Any], *, serial: int = 0, forks: int = 16,
+def rollout(targets: list[Target], fn: Callable[[Transport], Any], *, serial: int = 0, forks: int = FORKS,
             on_row: Callable[[Row], None] | None = None) -> list[Row]:
     """`each` batch by batch (`serial` hosts per batch); after a batch with a failure the remaining
     hosts are rows with stage "skipped", untouched."""

@@ -75,6 +75,7 @@ class Target:
     known_hosts: Path = DEFAULT_KNOWN_HOSTS
     vars: dict = field(default_factory=dict)   # inventory host vars (root, python, ...)
     alias: str | None = None                   # the host's inventory name, when it comes from one
+    inventory: str | None = None               # the inventory it comes from
 
     @property
     def local(self) -> bool:
@@ -118,6 +119,15 @@ class Result:
     rc: int
     stdout: str
     stderr: str
+
+
+def trust_command(target: Target) -> str:
+    """The command that shows and records `target`'s key, naming the host the way the operator did (shell-quoted)."""
+    q = shlex.quote
+    how = (f"-i {q(target.inventory)} --limit {q(target.alias)}" if target.inventory and target.alias
+           else q(target.address))
+    kh = "" if Path(target.known_hosts) == Path(DEFAULT_KNOWN_HOSTS) else f" --known-hosts {q(str(target.known_hosts))}"
+    return f"provision hosts trust {how}{kh}"
 
 
 class Transport:
@@ -408,7 +418,7 @@ class SSH(Transport):
             if "not found in known_hosts" in str(e):
                 key = scan_host_key(target)
                 raise HostKeyError(f"unknown host key {key.get_name()} {fingerprint(key)}; verify it, then "
-                                   f"`provision hosts trust {target.address}`", where=target.name) from None
+                                   f"`{trust_command(target)}`", where=target.name) from None
             raise HostError(f"ssh: {e}", where=target.name) from None
         except OSError as e:
             raise HostError(f"cannot connect: {e.strerror or e}", where=target.name) from None

@@ -8,6 +8,7 @@ import typer
 
 from .. import __version__
 from . import params
+from .common import Group
 
 params.install()     # plain str/int/Path values skip typer's per-parameter pydantic validators
 
@@ -19,7 +20,7 @@ def _version(value: bool) -> None:
 
 
 # Help text is plain text: `[user@]host` is printed as written, never read as markup.
-app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, pretty_exceptions_enable=False,
+app = typer.Typer(cls=Group, no_args_is_help=True, rich_markup_mode=None, pretty_exceptions_enable=False,
                   help="Lockfile-driven upgrades of GPU inference hosts.")
 
 

@@ -4,6 +4,7 @@ Output is text, never markup: values (hosts, packages, errors) print literally; 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
@@ -11,10 +12,16 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from typer.core import TyperGroup
 from rich.console import Console
 from rich.text import Text
 
+try:                 # newer typer carries its own copy of click
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover
+    from click import exceptions as click_errors
 from ..errors import InputError, InventoryError, ProvisionError
+from ..fleet import FORKS
 from ..transport import DEFAULT_KNOWN_HOSTS, Target, check_root
 
 # markup and emoji off: `[six==1.17.0]`, `[/x]` and `host:abc:` are printed as they are; a message is
@@ -84,16 +91,53 @@ def edge(fn):
     return wrapper
 
 
+class Group(TyperGroup):
+    """The root command: a usage error (an unknown option, a missing or bad value) is one line on stderr and exit 2,
+    and with --json one JSON object `{"error", "where", "exit_code"}` on stdout, like every other error."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        argv = list(args)
+        with _usage_errors(argv):
+            ctx = super().make_context(info_name, args, parent=parent, **extra)
+        ctx.meta["provision.argv"] = argv
+        return ctx
+
+    def invoke(self, ctx):
+        with _usage_errors(ctx.meta.get("provision.argv", [])):
+            return super().invoke(ctx)
+
+
+@contextlib.contextmanager
+def _usage_errors(argv: list):
+    try:
+        yield
+    except getattr(click_errors, "NoArgsIsHelpError", ()):     # a group named alone: its help
+        raise
+    except click_errors.UsageError as e:
+        param = getattr(e, "param", None)
+        where = (max(param.opts, key=len) if param.opts else param.human_readable_name) if param is not None \
+            else getattr(e, "option_name", None)
+        if "--json" in (argv[:argv.index("--")] if "--" in argv else argv):
+            print_json({"error": e.format_message(), "where": where, "exit_code": 2})
+        hint = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
+        err_console.print(styled(("error:", "red"), f" {e.format_message()}{hint}"), soft_wrap=True)
+        raise typer.Exit(2) from None
+
+
 def print_json(data) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 
 
 # Host options shared by every command that talks to a host.
-HostArg = typer.Argument(None, help="[user@]host[:port], or omit with --local / -i", show_default=False)
+HostArg = typer.Argument(None, help="[user@]host[:port]; with -i, an inventory host, group or pattern (narrows like "
+                                    "--limit); omit with --local", show_default=False)
 LocalOpt = typer.Option(False, "--local", help="act on this machine (no SSH)")
 InventoryOpt = typer.Option(None, "-i", "--inventory", help="Ansible inventory (file or directory, YAML or INI)")
 LimitOpt = typer.Option(None, "--limit", help="Ansible host pattern: only the matching inventory hosts")
-ForksOpt = typer.Option(16, "--forks", help="hosts contacted at once")
+ForksOpt = typer.Option(FORKS, "--forks", min=1,
+                        help="hosts contacted at once, the same for every verb: the hosts do the work while the "
+                             "controller waits on one SSH session each (--serial bounds how many hosts an apply "
+                             "changes before it stops)")
 KeyOpt = typer.Option(None, "--key", help="SSH private key file")
 KnownHostsOpt = typer.Option(DEFAULT_KNOWN_HOSTS, "--known-hosts", help="managed known_hosts file")
 RootOpt = typer.Option(None, "--root", help="host root (default /opt/provision, or the inventory's provision_root)")
@@ -102,15 +146,35 @@ JsonOpt = typer.Option(False, "--json", help="machine-readable output (errors to
 
 def targets(host: Optional[str], local: bool, inventory: Optional[Path], key: Optional[Path],
             known_hosts: Path, root: Optional[str] = None, limit: Optional[str] = None) -> list[Target]:
-    """The hosts a command acts on, from HOST, --local or -i (narrowed by --limit)."""
+    """The hosts a command acts on, from HOST, --local or -i (narrowed by --limit, and by HOST)."""
+    return targets_and_args((), host, local, inventory, key, known_hosts, root, limit)[0]
+
+
+def targets_and_args(args: tuple, host: Optional[str], local: bool, inventory: Optional[Path], key: Optional[Path],
+                     known_hosts: Path, root: Optional[str] = None, limit: Optional[str] = None) -> tuple:
+    """(hosts, args): the hosts a command acts on and its positionals after HOST (`args`, in order), as meant.
+
+    The first positional is HOST. With --local there is no HOST: the first positional is the verb's first
+    argument after HOST. With -i, HOST narrows like --limit and may be left out: the first positional is HOST
+    when it names hosts of the inventory or every positional is given, else the verb's first argument after it.
+    """
     if limit and not inventory:
         raise InventoryError("--limit narrows an inventory: give -i INVENTORY", where="--limit")
-    if local:
-        ts = [Target(host="local", known_hosts=known_hosts)]
-    elif inventory:
-        from ..inventory import load_inventory
+    if local and inventory:
+        raise InputError("give --local (this machine) or -i (an inventory's hosts), not both", where="--local")
+    inv = None
+    if inventory:
+        from ..inventory import Inventory
 
-        ts = load_inventory(inventory, known_hosts=known_hosts, limit=limit)
+        inv = Inventory(inventory)
+    if host is not None and args and args[-1] is None and (local or (inv is not None and not inv.matches(host))):
+        host, args = None, (host, *args[:-1])
+    if local:
+        if host is not None:
+            raise InputError(f"acts on this machine: {host!r} is one argument too many", where="--local")
+        ts = [Target(host="local", known_hosts=known_hosts)]
+    elif inv is not None:
+        ts = inv.targets(known_hosts, limit=limit, host=host)
     elif host:
         ts = [Target.parse(host, known_hosts=known_hosts)]
     else:
@@ -122,7 +186,7 @@ def targets(host: Optional[str], local: bool, inventory: Optional[Path], key: Op
             t.vars["provision_root"] = root
         if "provision_root" in t.vars:
             check_root(t.vars["provision_root"], "--root" if root else f"{inventory}: host {t.name}: provision_root")
-    return ts
+    return ts, args
 
 
 def writable(path: Path, option: str) -> None:
@@ -138,13 +202,17 @@ def writable(path: Path, option: str) -> None:
 
 
 def one_target(*a, **kw) -> Target:
-    ts = targets(*a, **kw)
+    return only(targets(*a, **kw))
+
+
+def only(ts: list[Target]) -> Target:
+    """The one host of a command that acts on one host."""
     if len(ts) != 1:
         raise InputError(f"this command acts on one host; {len(ts)} match (narrow with --limit)", where="-i")
     return ts[0]
 
 
-def over_hosts(ts: list[Target], fn, forks: int = 16, on_row=None) -> list:
+def over_hosts(ts: list[Target], fn, forks: int = FORKS, on_row=None) -> list:
     """fn(transport) on each host in parallel: one fleet.Row per host. With one host, its error is
     the command's error (one line, its exit code); with several, an error is that host's row."""
     from ..fleet import each

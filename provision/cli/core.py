@@ -15,12 +15,14 @@ from enum import Enum
 
 import typer
 
+from ..errors import InputError
 from .common import (ForksOpt, HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHostsOpt, LimitOpt, LocalOpt, RootOpt,
-                     console, edge, err_console, exit_for, one_target, over_hosts, plain, print_json, print_rows,
-                     row_error, styled, targets, writable)
+                     console, edge, err_console, exit_for, only, over_hosts, plain, print_json, print_rows, row_error,
+                     styled, targets, targets_and_args, writable)
 
 LockOpt = typer.Option(None, "--lock", "-l", help="lockfile (YAML)")
-SerialOpt = typer.Option(0, "--serial", help="fleet: hosts per batch; a failed batch stops the rollout")
+SerialOpt = typer.Option(0, "--serial", min=0, help="fleet: hosts per batch, in inventory order; a failed batch stops "
+                                                     "the rollout (0, the default: all hosts in one batch)")
 
 
 class Installer(str, Enum):
@@ -112,7 +114,7 @@ def register(app: typer.Typer) -> None:
         from ..plan import render_plan
 
         if lock is None:
-            raise typer.BadParameter("--lock is required")
+            raise InputError("required: the lockfile to plan for (--lock FILE)", where="--lock")
         try:
             lk = lockmod.load(lock)
             if out:
@@ -150,8 +152,7 @@ def register(app: typer.Typer) -> None:
                                                      help="host: each host fetches what its store lacks; controller: "
                                                           "fetched once here (sha256-verified) and pushed to each "
                                                           "host by hash, so hosts build offline"),
-              serial: int = SerialOpt,
-              forks: int = typer.Option(5, "--forks", help="fleet: hosts applied at once within a batch"),
+              serial: int = SerialOpt, forks: int = ForksOpt,
               json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
               limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
               root: Optional[str] = RootOpt):
@@ -163,7 +164,8 @@ def register(app: typer.Typer) -> None:
 
         saved = applymod.load_plans(plan_file) if plan_file else None
         if saved is None and lock is None:
-            raise typer.BadParameter("give --lock or --plan")
+            raise InputError("required: the lockfile to apply (--lock FILE), or a saved plan (--plan FILE)",
+                             where="--lock")
         lk = applymod.lock_of_plan(saved[0]) if saved else lockmod.load(lock)
         ts = targets(host, local, inventory, key, known_hosts, root, limit)
         by_host = applymod.plans_for(saved, ts, str(plan_file)) if saved else None
@@ -227,12 +229,10 @@ def register(app: typer.Typer) -> None:
         """Capture an existing, unmanaged environment (the same PATH on each host) as generation 0."""
         from .. import apply as applymod
 
-        if path is None and local and host:   # `provision adopt --local PATH`
-            host, path = None, host
+        ts, (path,) = targets_and_args((path,), host, local, inventory, key, known_hosts, root, limit)
         if path is None:
-            raise typer.BadParameter("name the environment to adopt (PATH)")
-        rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit),
-                          lambda tr: applymod.adopt_host(tr, path), forks)
+            raise InputError("required: the environment to adopt (its prefix or bin/python)", where="PATH")
+        rows = over_hosts(ts, lambda tr: applymod.adopt_host(tr, path), forks)
 
         def show(r):
             v = r.value
@@ -316,7 +316,7 @@ def register(app: typer.Typer) -> None:
     @app.command()
     @edge
     def diff(host: Optional[str] = HostArg,
-             a: str = typer.Argument(..., help="from this generation (number or id)"),
+             a: Optional[str] = typer.Argument(None, help="from this generation (number or id)", show_default=False),
              b: Optional[str] = typer.Argument(None, help="to this generation (default: current)"),
              json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
              limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
@@ -325,11 +325,10 @@ def register(app: typer.Typer) -> None:
         from .. import generations
         from ..plan import render
 
-        if (local or inventory) and host is not None:   # `provision diff --local A [B]`: no HOST positional
-            if b is not None:
-                raise typer.BadParameter("with --local or -i, give only the generations A [B]")
-            host, a, b = None, host, a
-        t = one_target(host, local, inventory, key, known_hosts, root, limit)
+        ts, (a, b) = targets_and_args((a, b), host, local, inventory, key, known_hosts, root, limit)
+        if a is None:
+            raise InputError("required: the generation to diff from (number or id)", where="A")
+        t = only(ts)
         d = over_hosts([t], lambda tr: generations.diff(tr, a, b))[0].value
         if json_out:
             print_json(dict(d, changes=[asdict(c) for c in d["changes"]]))
@@ -339,7 +338,9 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     @edge
-    def gc(host: Optional[str] = HostArg, keep: int = typer.Option(3, "--keep", help="runnable generations to keep"),
+    def gc(host: Optional[str] = HostArg,
+           keep: int = typer.Option(3, "--keep", min=1, help="runnable generations to keep (at least 1; current and "
+                                                             "the rollback target are always kept)"),
            dry_run: bool = typer.Option(False, "--dry-run", help="list what would be removed"),
            json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
            limit: Optional[str] = LimitOpt, forks: int = ForksOpt, key: Optional[Path] = KeyOpt,
@@ -371,9 +372,8 @@ def register(app: typer.Typer) -> None:
         """A generation's build and probe logs (default: the newest generation)."""
         from .. import apply as applymod
 
-        if (local or inventory) and host is not None and generation is None:   # `provision logs --local GEN`
-            host, generation = None, host
-        t = one_target(host, local, inventory, key, known_hosts, root, limit)
+        ts, (generation,) = targets_and_args((generation,), host, local, inventory, key, known_hosts, root, limit)
+        t = only(ts)
         out = over_hosts([t], lambda tr: applymod.logs(tr, generation))[0].value
         if json_out:
             print_json(out)

@@ -17,8 +17,8 @@ def register(app: typer.Typer) -> None:
 
     @hosts.command()
     @edge
-    def trust(host: Optional[str] = typer.Argument(None, help="[user@]host[:port], or omit with -i",
-                                                   show_default=False),
+    def trust(host: Optional[str] = typer.Argument(None, help="[user@]host[:port]; with -i, an inventory host, group "
+                                                                "or pattern (narrows like --limit)", show_default=False),
               yes: bool = typer.Option(False, "--yes", "-y", help="record without asking"),
               inventory: Optional[Path] = InventoryOpt, limit: Optional[str] = LimitOpt,
               known_hosts: Path = KnownHostsOpt, json_out: bool = JsonOpt):

@@ -7,7 +7,7 @@ from typing import List, Optional
 import typer
 
 from .common import (HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHostsOpt, LimitOpt, LocalOpt, RootOpt, console,
-                     edge, err_console, one_target, print_json)
+                     edge, err_console, only, print_json, targets_and_args)
 
 
 def register(app: typer.Typer) -> None:
@@ -36,9 +36,8 @@ def register(app: typer.Typer) -> None:
         from .. import pack as packmod
         from ..transport import connect
 
-        if (local or inventory) and host is not None and generation is None:   # `provision pack --local GEN`
-            host, generation = None, host
-        t = one_target(host, local, inventory, key, known_hosts, root, limit)
+        ts, (generation,) = targets_and_args((generation,), host, local, inventory, key, known_hosts, root, limit)
+        t = only(ts)
         tr = connect(t)
         status = None if json_out or not err_console.is_terminal else err_console.status(f"packing {t.name} …")
 

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from .common import (ForksOpt, HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHostsOpt, LimitOpt, LocalOpt, RootOpt,
-                     console, edge, exit_for, over_hosts, print_rows, styled, targets)
+                     console, edge, exit_for, over_hosts, print_rows, styled, targets_and_args)
 
 
 def figures(v: dict) -> str:
@@ -42,9 +42,8 @@ def register(app: typer.Typer) -> None:
         distributions against its lock; exit 1 on drift, one line per distribution."""
         from .. import verify as verifymod
 
-        if (local or inventory) and host is not None and generation is None:   # `provision verify --local GEN`
-            host, generation = None, host
-        rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit),
+        ts, (generation,) = targets_and_args((generation,), host, local, inventory, key, known_hosts, root, limit)
+        rows = over_hosts(ts,
                           lambda tr: verifymod.verify(tr, generation, baseline=baseline, jobs=jobs), forks)
 
         def show(r):
