@@ -87,6 +87,13 @@ class FleetPrinter:
         return progress
 
 
+def _reprobed(rep) -> str:
+    """How long a reused generation's probes took (they ran again before the switch, or refused it)."""
+    if not rep.plan or rep.plan.get("reuse") is None or rep.generation != rep.plan["reuse"] or not rep.probes:
+        return ""
+    return f" (reuse probed in {rep.probes.get('seconds', 0):.1f}s)"
+
+
 def _switched(out: dict) -> str:
     return "Switched forward" if out.get("forward") else "Rolled back"
 
@@ -183,7 +190,7 @@ def register(app: typer.Typer) -> None:
                 width = max(len(r.host) for r in reports)
                 for r in reports:
                     err = (r.error or "").removeprefix(f"{r.host}: ")
-                    console.print(f"  {r.host:<{width}}  {r.status:<14} {r.generation or ''} {err}")
+                    console.print(f"  {r.host:<{width}}  {r.status:<14} {r.generation or ''} {err}{_reprobed(r)}")
                 counts = {s: sum(r.status == s for r in reports) for s in ("applied", "noop", "failed", "not-attempted")}
                 counts.update({s: n for s in ("reused", "unknown") if (n := sum(r.status == s for r in reports))})
                 console.print("Fleet: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + ".")
@@ -217,7 +224,7 @@ def register(app: typer.Typer) -> None:
                 err_console.print(f"warning: {w}")
             verb = "Switched to the existing" if rep.status == "reused" else "Applied"
             console.print(f"{verb} {lk.name} on {t.name}: current {rep.previous or '(none)'} → {rep.generation} "
-                          f"in {rep.seconds:.1f}s.")
+                          f"in {rep.seconds:.1f}s{_reprobed(rep)}.")
 
     @app.command()
     @edge
