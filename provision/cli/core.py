@@ -90,9 +90,10 @@ class FleetPrinter:
 
 def _reprobed(rep) -> str:
     """How long a reused generation's probes took (they ran again before the switch, or refused it)."""
-    if not rep.plan or rep.plan.get("reuse") is None or rep.generation != rep.plan["reuse"] or not rep.probes:
+    step = next((s for s in rep.steps if s.name == "probe"), None)
+    if not rep.plan or rep.plan.get("reuse") is None or rep.generation != rep.plan["reuse"] or step is None:
         return ""
-    return f" (reuse probed in {rep.probes.get('seconds', 0):.1f}s)"
+    return f" (reuse probed in {step.seconds:.1f}s)"
 
 
 def _switched(out: dict) -> str:
