@@ -1,4 +1,4 @@
-"""Apply a lock to a host: recover → facts → plan → (reuse | build → patch → probe) → switch.
+"""Apply a lock to a host: recover → facts → plan → (check → probe | build → patch → seal → probe) → switch.
 
 The rename of `current` is the one commit point: a failure before it leaves `current` untouched and the
 new generation failed (venv removed at once); after it, apply reports the switch and names the failed
@@ -80,7 +80,10 @@ def patch_hook(transport: Transport, lock: Lock, gen: dict) -> dict:
     return {"status": "applied", "detail": detail, **report}
 
 
-def probe_hook(transport: Transport, lock: Lock, gen: dict, skip: list[str], facts: dict, manifest: dict) -> dict:
+def probe_hook(transport: Transport, lock: Lock, gen: dict, skip: list[str], facts: dict,
+               manifest: dict | None) -> dict:
+    """The probes inside generation `gen` (a new build's manifest in hand, or None: the generation's own, read
+    from the host, for a reused one)."""
     from .probes import run_probes
 
     report = run_probes(transport, lock, generation=gen["id"], skip=skip, during_apply=True, facts=facts,
@@ -193,7 +196,12 @@ def _apply(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps,
         check = steps.run("check", verifymod.check, transport, plan.reuse)
         if check["verdict"] == "clean":
             report.generation = plan.reuse
-            _switch(transport, report, steps, plan.reuse, {"lock": lock.name, "reuse": True})
+            report.probes = steps.run("probe", probe_hook, transport, lock, {"id": plan.reuse}, skip, facts, None)
+            if report.probes.get("status") == "fail":     # the host changed since it was proven: stay
+                report.failed_step = "probe"
+                raise ProbesFailed(probe_failure(plan.reuse, report.probes, facts.get("current")),
+                                   where=facts["host"])
+            _switch(transport, report, steps, plan.reuse, {"lock": lock.name, "reuse": True, "skipped_probes": skip})
             report.status = "reused"
             return
         report.warnings.append(f"{plan.reuse} holds this lock but fails verification ({check['named']}): "

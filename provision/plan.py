@@ -275,8 +275,8 @@ def render_plan(plan: Plan) -> str:
         text = "\n".join([header, *lines])
     else:
         if plan.action == "reuse":
-            lines.append(f"  reuse: generation {plan.reuse} already holds this lock (built and probed): "
-                         "apply switches to it, nothing is built")
+            lines.append(f"  reuse (probe): generation {plan.reuse} already holds this lock: apply probes it "
+                         "again inside it, then switches to it; nothing is built")
         else:
             dl = plan.download
             if dl:

@@ -25,6 +25,8 @@ DEFAULT_KNOWN_HOSTS = CONTROLLER_HOME / "known_hosts"
 HOST_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9._-]{0,252})\Z")
 IPV6_RE = re.compile(r"^[0-9A-Fa-f:.]{2,45}\Z")
 USER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}\Z")
+TIMEOUT = 10.0      # seconds for the TCP connection, the SSH banner, the handshake and authentication; keepalive period
+KEEPALIVE_COUNT = 3  # keepalives a host may leave unanswered in a row before it is disconnected (ServerAliveCountMax)
 
 
 def parse_port(text, where: str) -> int:
@@ -76,6 +78,7 @@ class Target:
     vars: dict = field(default_factory=dict)   # inventory host vars (root, python, ...)
     alias: str | None = None                   # the host's inventory name, when it comes from one
     inventory: str | None = None               # the inventory it comes from
+    timeout: float = TIMEOUT                   # connect, banner, handshake and authentication; keepalive period
 
     @property
     def local(self) -> bool:
@@ -383,27 +386,34 @@ NOT_AEAD = {"ciphers": ["aes128-ctr", "aes192-ctr", "aes256-ctr", "aes128-cbc", 
 
 
 class SSH(Transport):
-    """A remote host through paramiko; unknown or changed host keys are refused."""
+    """A remote host through paramiko; unknown or changed host keys are refused. Connecting waits at most
+    `target.timeout` for each of TCP, the SSH banner, the handshake and authentication; once connected, a host
+    that leaves KEEPALIVE_COUNT keepalives in a row unanswered is disconnected, so no read waits on it forever."""
 
-    def __init__(self, target: Target, connect_timeout: float = 10.0):
-        import logging
-
-        import paramiko
-
-        log = logging.getLogger("paramiko")    # its failures reach us as exceptions, said in one line
-        if not log.handlers:
-            log.addHandler(logging.NullHandler())
-        self.target = target
+    def __init__(self, target: Target):
+        paramiko = _paramiko()
+        self.target, self.lost = target, None
         self.client = paramiko.SSHClient()
         kh = Path(target.known_hosts)
         if kh.exists():
             self.client.load_host_keys(str(kh))
         self.client.set_missing_host_key_policy(paramiko.RejectPolicy())
         try:
+            self._connect(paramiko, kh)
+        except BaseException:
+            self.client.close()     # a handshake still waiting on the host stops now
+            raise
+        self._closed = threading.Event()
+        threading.Thread(target=self._watch, name=f"keepalive {target.name}", daemon=True).start()
+
+    def _connect(self, paramiko, kh: Path) -> None:
+        target = self.target
+        try:
             for disabled in (NOT_AEAD, None):
                 try:
                     self.client.connect(target.host, port=target.port, username=target.user or _whoami(),
-                                        key_filename=target.key_file, timeout=connect_timeout,
+                                        key_filename=target.key_file, timeout=target.timeout,
+                                        banner_timeout=target.timeout, auth_timeout=target.timeout,
                                         allow_agent=target.key_file is None, look_for_keys=target.key_file is None,
                                         disabled_algorithms=disabled)
                     break
@@ -414,14 +424,40 @@ class SSH(Transport):
             raise HostKeyError(f"host key CHANGED: offered {e.key.get_name()} {fingerprint(e.key)}, "
                                f"known_hosts {kh} expects {fingerprint(e.expected_key)}; refusing",
                                where=target.name) from None
+        except paramiko.AuthenticationException as e:
+            if "timeout" in str(e).lower():
+                raise HostError(f"no answer to SSH authentication within {target.timeout:g}s",
+                                where=target.name) from None
+            raise HostError(f"ssh: {e}", where=target.name) from None
         except paramiko.SSHException as e:
             if "not found in known_hosts" in str(e):
                 key = scan_host_key(target)
                 raise HostKeyError(f"unknown host key {key.get_name()} {fingerprint(key)}; verify it, then "
                                    f"`{trust_command(target)}`", where=target.name) from None
-            raise HostError(f"ssh: {e}", where=target.name) from None
+            raise _handshake_error(e, self.client.get_transport(), target) from None
         except OSError as e:
-            raise HostError(f"cannot connect: {e.strerror or e}", where=target.name) from None
+            raise _connect_error(e, target) from None
+
+    def _watch(self) -> None:
+        """Keepalives that want an answer (paramiko's own `set_keepalive` asks for none, so it cannot tell a
+        silent host from a quiet one): every `timeout` seconds one, in a thread of its own; when none is answered
+        for KEEPALIVE_COUNT periods, the connection is closed and every read on it ends."""
+        tr = self.client.get_transport()
+        period = self.target.timeout
+        while not self._closed.wait(period) and tr.is_active():
+            answered = threading.Event()
+
+            def ask():
+                tr.global_request("keepalive@openssh.com", wait=True)   # any answer, even "unknown request"
+                answered.set()
+            threading.Thread(target=ask, daemon=True).start()
+            if not answered.wait(period * KEEPALIVE_COUNT) and not self._closed.is_set():
+                self.lost = f"the host answered no keepalive for {period * KEEPALIVE_COUNT:g}s"
+                tr.close()
+                return
+
+    def _gone(self, e: BaseException | None = None) -> HostError:
+        return HostError(f"connection lost: {self.lost or e or type(e).__name__}", where=self.target.name)
 
     def run(self, argv, *, stdin=None, timeout=None, on_line=None) -> Result:
         try:
@@ -439,12 +475,17 @@ class SSH(Transport):
             err = err_box[0] if err_box else b""
             chan.close()
         except Exception as e:  # noqa: BLE001 - paramiko raises many kinds when a host vanishes
-            raise HostError(f"connection lost: {e or type(e).__name__}", where=self.target.name) from None
+            raise self._gone(e) from None
+        if self.lost:            # the keepalives closed it: what came back is not the command's whole answer
+            raise self._gone()
         return Result(rc, out.decode(errors="replace"), err.decode(errors="replace"))
 
     def spawn(self, argv):
-        chan = self.client.get_transport().open_session()
-        chan.exec_command(quote(argv))
+        try:
+            chan = self.client.get_transport().open_session()
+            chan.exec_command(quote(argv))
+        except Exception as e:  # noqa: BLE001 - paramiko raises many kinds when a host vanishes
+            raise self._gone(e) from None
         return _SSHProc(chan)
 
     def read(self, path):
@@ -461,12 +502,44 @@ class SSH(Transport):
             err = chan.makefile_stderr("rb").read().decode(errors="replace").strip()
             chan.close()
         except Exception as e:  # noqa: BLE001 - paramiko raises many kinds when a host vanishes
-            raise HostError(f"connection lost: {e or type(e).__name__}", where=self.target.name) from None
+            raise self._gone(e) from None
+        if self.lost:
+            raise self._gone()
         if rc != 0:
             raise HostError(f"cannot read {path}: {(err.splitlines() or [f'exit {rc}'])[-1]}", where=self.target.name)
 
     def close(self):
+        self._closed.set()
         self.client.close()
+
+
+def _connect_error(e: OSError, target: Target) -> HostError:
+    if isinstance(e, TimeoutError) or "timed out" in str(e):
+        return HostError(f"no TCP connection within {target.timeout:g}s", where=target.name)
+    return HostError(f"cannot connect: {e.strerror or e}", where=target.name)
+
+
+def _handshake_error(e: Exception, transport, target: Target) -> HostError:
+    """One line for an SSH handshake that failed: which stage the host never answered, else paramiko's words."""
+    if transport is not None and not transport.remote_version:
+        if isinstance(e.__context__, EOFError):
+            return HostError("the host closed the connection before its SSH banner", where=target.name)
+        return HostError(f"no SSH banner within {target.timeout:g}s", where=target.name)
+    if transport is not None and not transport.initial_kex_done:
+        return HostError(f"SSH key exchange not done within {target.timeout:g}s", where=target.name)
+    return HostError(f"ssh: {e}", where=target.name)
+
+
+def _paramiko():
+    """paramiko, its log silenced: its failures reach us as exceptions, said in one line."""
+    import logging
+
+    import paramiko
+
+    log = logging.getLogger("paramiko")
+    if not log.handlers:
+        log.addHandler(logging.NullHandler())
+    return paramiko
 
 
 def _whoami() -> str:
@@ -476,19 +549,20 @@ def _whoami() -> str:
 
 def scan_host_key(target: Target):
     """The key a host offers (for showing its fingerprint), without trusting it."""
-    import paramiko
     import socket
 
+    paramiko = _paramiko()
     try:
-        sock = socket.create_connection((target.host, target.port), timeout=10)
+        sock = socket.create_connection((target.host, target.port), timeout=target.timeout)
     except OSError as e:
-        raise HostError(f"cannot connect: {e.strerror or e}", where=target.name) from None
+        raise _connect_error(e, target) from None
     t = paramiko.Transport(sock)
+    t.banner_timeout = t.handshake_timeout = target.timeout
     try:
-        t.start_client(timeout=10)
+        t.start_client(timeout=target.timeout)
         return t.get_remote_server_key()
     except paramiko.SSHException as e:
-        raise HostError(f"ssh handshake failed: {e}", where=target.name) from None
+        raise _handshake_error(e, t, target) from None
     finally:
         t.close()
 

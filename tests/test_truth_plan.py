@@ -103,7 +103,7 @@ def test_broken_current_and_reuse_are_plan_lines(base):
     facts["current"] = "0002-other"
     plan = make_plan(facts, lk)
     assert plan.action == "reuse" and plan.reuse == "0001-base"
-    assert "reuse: generation 0001-base already holds this lock" in render_plan(plan)
+    assert "reuse (probe): generation 0001-base already holds this lock: apply probes it" in render_plan(plan)
     facts["generations"][0]["venv_ok"] = False          # collected venv: not reusable
     assert make_plan(facts, lk).action == "build"
 

@@ -22,7 +22,7 @@ except ImportError:  # pragma: no cover
     from click import exceptions as click_errors
 from ..errors import InputError, InventoryError, ProvisionError
 from ..fleet import FORKS
-from ..transport import DEFAULT_KNOWN_HOSTS, Target, check_root
+from ..transport import DEFAULT_KNOWN_HOSTS, TIMEOUT, Target, check_root
 
 # markup and emoji off: `[six==1.17.0]`, `[/x]` and `host:abc:` are printed as they are; a message is
 # one line however long (soft wrap), so a fingerprint or a path is never split. Piped output is never
@@ -140,18 +140,23 @@ ForksOpt = typer.Option(FORKS, "--forks", min=1,
                              "changes before it stops)")
 KeyOpt = typer.Option(None, "--key", help="SSH private key file")
 KnownHostsOpt = typer.Option(DEFAULT_KNOWN_HOSTS, "--known-hosts", help="managed known_hosts file")
+TimeoutOpt = typer.Option(TIMEOUT, "--timeout", min=0.1, metavar="SECONDS",
+                          help="SSH: the most each of connect, banner, handshake and authentication may take; also "
+                               "the keepalive period (a host that answers none of 3 in a row is disconnected)")
 RootOpt = typer.Option(None, "--root", help="host root (default /opt/provision, or the inventory's provision_root)")
 JsonOpt = typer.Option(False, "--json", help="machine-readable output (errors too)")
 
 
 def targets(host: Optional[str], local: bool, inventory: Optional[Path], key: Optional[Path],
-            known_hosts: Path, root: Optional[str] = None, limit: Optional[str] = None) -> list[Target]:
+            known_hosts: Path, root: Optional[str] = None, limit: Optional[str] = None,
+            timeout: float = TIMEOUT) -> list[Target]:
     """The hosts a command acts on, from HOST, --local or -i (narrowed by --limit, and by HOST)."""
-    return targets_and_args((), host, local, inventory, key, known_hosts, root, limit)[0]
+    return targets_and_args((), host, local, inventory, key, known_hosts, root, limit, timeout)[0]
 
 
 def targets_and_args(args: tuple, host: Optional[str], local: bool, inventory: Optional[Path], key: Optional[Path],
-                     known_hosts: Path, root: Optional[str] = None, limit: Optional[str] = None) -> tuple:
+                     known_hosts: Path, root: Optional[str] = None, limit: Optional[str] = None,
+                     timeout: float = TIMEOUT) -> tuple:
     """(hosts, args): the hosts a command acts on and its positionals after HOST (`args`, in order), as meant.
 
     The first positional is HOST. With --local there is no HOST: the first positional is the verb's first
@@ -180,6 +185,7 @@ def targets_and_args(args: tuple, host: Optional[str], local: bool, inventory: O
     else:
         raise InputError("name a host, or use --local or -i INVENTORY", where="HOST")
     for t in ts:
+        t.timeout = timeout
         if key:
             t.key_file = str(key)
         if root:

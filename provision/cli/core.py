@@ -16,7 +16,8 @@ from enum import Enum
 import typer
 
 from ..errors import InputError
-from .common import (ForksOpt, HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHostsOpt, LimitOpt, LocalOpt, RootOpt,
+from .common import (ForksOpt, HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHostsOpt,
+                     TimeoutOpt, LimitOpt, LocalOpt, RootOpt,
                      console, edge, err_console, exit_for, only, over_hosts, plain, print_json, print_rows, row_error,
                      styled, targets, targets_and_args, writable)
 
@@ -87,6 +88,14 @@ class FleetPrinter:
         return progress
 
 
+def _reprobed(rep) -> str:
+    """How long a reused generation's probes took (they ran again before the switch, or refused it)."""
+    step = next((s for s in rep.steps if s.name == "probe"), None)
+    if not rep.plan or rep.plan.get("reuse") is None or rep.generation != rep.plan["reuse"] or step is None:
+        return ""
+    return f" (reuse probed in {step.seconds:.1f}s)"
+
+
 def _switched(out: dict) -> str:
     return "Switched forward" if out.get("forward") else "Rolled back"
 
@@ -107,6 +116,7 @@ def register(app: typer.Typer) -> None:
                                                     help="exit 0 no changes, 2 changes, 1 error"),
              local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt, limit: Optional[str] = LimitOpt,
              forks: int = ForksOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
+             timeout: float = TimeoutOpt,
              root: Optional[str] = RootOpt):
         """Dry-run diff of host vs lock (read-only); facts of a fleet are gathered in parallel."""
         from .. import apply as applymod, lock as lockmod
@@ -119,7 +129,7 @@ def register(app: typer.Typer) -> None:
             lk = lockmod.load(lock)
             if out:
                 writable(out, "--out")
-            rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit),
+            rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit, timeout),
                               lambda tr: applymod.plan(tr, lk), forks)
         except ProvisionError as e:
             if detailed_exitcode:   # 2 means "changes" there; every error is 1
@@ -155,6 +165,7 @@ def register(app: typer.Typer) -> None:
               serial: int = SerialOpt, forks: int = ForksOpt,
               json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
               limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
+              timeout: float = TimeoutOpt,
               root: Optional[str] = RootOpt):
         """One-command upgrade: build a new generation, patch, probe, switch `current`."""
         from .. import apply as applymod, lock as lockmod
@@ -167,7 +178,7 @@ def register(app: typer.Typer) -> None:
             raise InputError("required: the lockfile to apply (--lock FILE), or a saved plan (--plan FILE)",
                              where="--lock")
         lk = applymod.lock_of_plan(saved[0]) if saved else lockmod.load(lock)
-        ts = targets(host, local, inventory, key, known_hosts, root, limit)
+        ts = targets(host, local, inventory, key, known_hosts, root, limit, timeout)
         by_host = applymod.plans_for(saved, ts, str(plan_file)) if saved else None
         if len(ts) > 1:
             printer = FleetPrinter(json_out, [t.name for t in ts])
@@ -183,7 +194,7 @@ def register(app: typer.Typer) -> None:
                 width = max(len(r.host) for r in reports)
                 for r in reports:
                     err = (r.error or "").removeprefix(f"{r.host}: ")
-                    console.print(f"  {r.host:<{width}}  {r.status:<14} {r.generation or ''} {err}")
+                    console.print(f"  {r.host:<{width}}  {r.status:<14} {r.generation or ''} {err}{_reprobed(r)}")
                 counts = {s: sum(r.status == s for r in reports) for s in ("applied", "noop", "failed", "not-attempted")}
                 counts.update({s: n for s in ("reused", "unknown") if (n := sum(r.status == s for r in reports))})
                 console.print("Fleet: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + ".")
@@ -217,7 +228,7 @@ def register(app: typer.Typer) -> None:
                 err_console.print(f"warning: {w}")
             verb = "Switched to the existing" if rep.status == "reused" else "Applied"
             console.print(f"{verb} {lk.name} on {t.name}: current {rep.previous or '(none)'} → {rep.generation} "
-                          f"in {rep.seconds:.1f}s.")
+                          f"in {rep.seconds:.1f}s{_reprobed(rep)}.")
 
     @app.command()
     @edge
@@ -225,11 +236,11 @@ def register(app: typer.Typer) -> None:
               path: Optional[str] = typer.Argument(None, help="prefix (or bin/python) of the existing environment"),
               json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
               limit: Optional[str] = LimitOpt, forks: int = ForksOpt, key: Optional[Path] = KeyOpt,
-              known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
+              known_hosts: Path = KnownHostsOpt, timeout: float = TimeoutOpt, root: Optional[str] = RootOpt):
         """Capture an existing, unmanaged environment (the same PATH on each host) as generation 0."""
         from .. import apply as applymod
 
-        ts, (path,) = targets_and_args((path,), host, local, inventory, key, known_hosts, root, limit)
+        ts, (path,) = targets_and_args((path,), host, local, inventory, key, known_hosts, root, limit, timeout)
         if path is None:
             raise InputError("required: the environment to adopt (its prefix or bin/python)", where="PATH")
         rows = over_hosts(ts, lambda tr: applymod.adopt_host(tr, path), forks)
@@ -251,12 +262,13 @@ def register(app: typer.Typer) -> None:
                  serial: int = SerialOpt, forks: int = ForksOpt,
                  json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
                  limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
+                 timeout: float = TimeoutOpt,
                  root: Optional[str] = RootOpt):
         """Switch `current` back to the prior generation (atomic, offline, nothing reinstalled); fleets in batches."""
         from .. import generations
         from ..fleet import rollout
 
-        ts = targets(host, local, inventory, key, known_hosts, root, limit)
+        ts = targets(host, local, inventory, key, known_hosts, root, limit, timeout)
         rows = rollout(ts, lambda tr: generations.rollback(tr, to, dry_run=dry_run, force=force), serial=serial,
                        forks=forks)
         if len(rows) == 1 and not rows[0].ok:
@@ -282,12 +294,14 @@ def register(app: typer.Typer) -> None:
     @edge
     def history(host: Optional[str] = HostArg, json_out: bool = JsonOpt, local: bool = LocalOpt,
                 inventory: Optional[Path] = InventoryOpt, limit: Optional[str] = LimitOpt, forks: int = ForksOpt,
-                key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt,
+                key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
+                timeout: float = TimeoutOpt, root: Optional[str] = RootOpt,
                 events: bool = typer.Option(False, "--events", help="also list history.jsonl events")):
         """Generations with lock, time, status and probe summary."""
         from .. import generations
 
-        rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit), generations.history, forks)
+        rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit, timeout),
+                          generations.history, forks)
 
         def show(r):
             console.print(history_table(r.value, r.host))
@@ -301,12 +315,14 @@ def register(app: typer.Typer) -> None:
     @edge
     def status(host: Optional[str] = HostArg, json_out: bool = JsonOpt, local: bool = LocalOpt,
                inventory: Optional[Path] = InventoryOpt, limit: Optional[str] = LimitOpt, forks: int = ForksOpt,
-               key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
+               key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
+               timeout: float = TimeoutOpt, root: Optional[str] = RootOpt):
         """One table for the fleet: current generation, lock, since when, last probe, generations, disk."""
         from .. import generations
         from ..fleet import each
 
-        rows = each(targets(host, local, inventory, key, known_hosts, root, limit), generations.status, forks=forks)
+        rows = each(targets(host, local, inventory, key, known_hosts, root, limit, timeout),
+                    generations.status, forks=forks)
         if json_out:
             print_json([r.to_json() for r in rows])
         else:
@@ -320,12 +336,13 @@ def register(app: typer.Typer) -> None:
              b: Optional[str] = typer.Argument(None, help="to this generation (default: current)"),
              json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
              limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
+             timeout: float = TimeoutOpt,
              root: Optional[str] = RootOpt):
         """Stack changes between two generations of HOST, rendered like plan."""
         from .. import generations
         from ..plan import render
 
-        ts, (a, b) = targets_and_args((a, b), host, local, inventory, key, known_hosts, root, limit)
+        ts, (a, b) = targets_and_args((a, b), host, local, inventory, key, known_hosts, root, limit, timeout)
         if a is None:
             raise InputError("required: the generation to diff from (number or id)", where="A")
         t = only(ts)
@@ -344,11 +361,11 @@ def register(app: typer.Typer) -> None:
            dry_run: bool = typer.Option(False, "--dry-run", help="list what would be removed"),
            json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
            limit: Optional[str] = LimitOpt, forks: int = ForksOpt, key: Optional[Path] = KeyOpt,
-           known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
+           known_hosts: Path = KnownHostsOpt, timeout: float = TimeoutOpt, root: Optional[str] = RootOpt):
         """Remove old/failed generations, unused cache entries, their run dirs (never current or rollback's)."""
         from .. import apply as applymod
 
-        rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit),
+        rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit, timeout),
                           lambda tr: applymod.gc(tr, keep=keep, dry_run=dry_run), forks)
         verb = "would remove" if dry_run else "removed"
 
@@ -368,11 +385,13 @@ def register(app: typer.Typer) -> None:
     def logs(host: Optional[str] = HostArg, generation: Optional[str] = typer.Argument(None, help="number or id"),
              json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
              limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
+             timeout: float = TimeoutOpt,
              root: Optional[str] = RootOpt):
         """A generation's build and probe logs (default: the newest generation)."""
         from .. import apply as applymod
 
-        ts, (generation,) = targets_and_args((generation,), host, local, inventory, key, known_hosts, root, limit)
+        ts, (generation,) = targets_and_args((generation,), host, local, inventory, key, known_hosts, root, limit,
+                                             timeout)
         t = only(ts)
         out = over_hosts([t], lambda tr: applymod.logs(tr, generation))[0].value
         if json_out:

@@ -7,7 +7,8 @@ from typing import Optional
 import typer
 
 from ..transport import Target, fingerprint, known_host_keys, record_host_key, scan_host_key
-from .common import (ForksOpt, HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHostsOpt, LimitOpt, LocalOpt, RootOpt,
+from .common import (ForksOpt, HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHostsOpt,
+                     TimeoutOpt, LimitOpt, LocalOpt, RootOpt,
                      console, edge, exit_for, over_hosts, print_json, print_rows, targets)
 
 
@@ -21,13 +22,13 @@ def register(app: typer.Typer) -> None:
                                                                 "or pattern (narrows like --limit)", show_default=False),
               yes: bool = typer.Option(False, "--yes", "-y", help="record without asking"),
               inventory: Optional[Path] = InventoryOpt, limit: Optional[str] = LimitOpt,
-              known_hosts: Path = KnownHostsOpt, json_out: bool = JsonOpt):
+              known_hosts: Path = KnownHostsOpt, timeout: float = TimeoutOpt, json_out: bool = JsonOpt):
         """Show each host's SSH key fingerprint and record exactly that key in the managed known_hosts."""
         from ..errors import InputError
 
         if json_out and not yes:
             raise InputError("--json cannot ask: add --yes to record the key shown", where="--json")
-        ts = targets(host, False, inventory, None, known_hosts, None, limit)
+        ts = targets(host, False, inventory, None, known_hosts, None, limit, timeout)
         out = [_trust(t, yes, (lambda text: None) if json_out else console.print) for t in ts]
         if json_out:
             print_json(out[0] if len(out) == 1 else out)
@@ -39,11 +40,12 @@ def register(app: typer.Typer) -> None:
     def facts(host: Optional[str] = HostArg, json_out: bool = JsonOpt,
               local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt, limit: Optional[str] = LimitOpt,
               forks: int = ForksOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
+              timeout: float = TimeoutOpt,
               root: Optional[str] = RootOpt):
         """The facts a plan is made from (one round trip per host, hosts in parallel)."""
         from ..facts import gather
 
-        rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit), gather, forks)
+        rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit, timeout), gather, forks)
 
         def show(r):
             f = r.value

@@ -6,7 +6,8 @@ from typing import List, Optional
 
 import typer
 
-from .common import (HostArg, InventoryOpt, KeyOpt, KnownHostsOpt, LimitOpt, LocalOpt, console, edge, err_console,
+from .common import (HostArg, InventoryOpt, KeyOpt, KnownHostsOpt,
+                     TimeoutOpt, LimitOpt, LocalOpt, console, edge, err_console,
                      one_target, print_json)
 
 JsonOpt = typer.Option(False, "--json", help="machine-readable output")
@@ -89,12 +90,13 @@ def register(app: typer.Typer) -> None:
                 python: str = typer.Option("python3", "--python", help="interpreter or environment prefix to capture"),
                 name: str = typer.Option("adopted", "--name", help="name of the captured lock"),
                 local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt, limit: Optional[str] = LimitOpt,
-                key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt, json_out: bool = JsonOpt):
+                key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
+                timeout: float = TimeoutOpt, json_out: bool = JsonOpt):
         """A lock from a live host's environment (what `apply` adopts as generation 0)."""
         from .. import facts, lock as lockmod
         from ..transport import connect
 
-        t = one_target(host, local, inventory, key, known_hosts, limit=limit)
+        t = one_target(host, local, inventory, key, known_hosts, limit=limit, timeout=timeout)
         tr = connect(t)
         try:
             data = facts.capture_lock(tr, python, name=name)

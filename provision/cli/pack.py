@@ -6,7 +6,8 @@ from typing import List, Optional
 
 import typer
 
-from .common import (HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHostsOpt, LimitOpt, LocalOpt, RootOpt, console,
+from .common import (HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHostsOpt,
+                     TimeoutOpt, LimitOpt, LocalOpt, RootOpt, console,
                      edge, err_console, only, print_json, targets_and_args)
 
 
@@ -30,13 +31,15 @@ def register(app: typer.Typer) -> None:
                                                      "processes (default: two threads, one process per core)"),
              json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
              limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
+             timeout: float = TimeoutOpt,
              root: Optional[str] = RootOpt):
         """Pack a generation (managed or adopted) into DIR: one stored wheel per distribution, rebuilt from its
         installed files after each was checked against its RECORD, and DIR/lock.yaml naming each by sha256."""
         from .. import pack as packmod
         from ..transport import connect
 
-        ts, (generation,) = targets_and_args((generation,), host, local, inventory, key, known_hosts, root, limit)
+        ts, (generation,) = targets_and_args((generation,), host, local, inventory, key, known_hosts, root, limit,
+                                             timeout)
         t = only(ts)
         tr = connect(t)
         status = None if json_out or not err_console.is_terminal else err_console.status(f"packing {t.name} …")

@@ -6,7 +6,9 @@ from typing import List, Optional
 
 import typer
 
-from .common import (HostArg, each_host, InventoryOpt, KeyOpt, KnownHostsOpt, LimitOpt, LocalOpt, RootOpt, console,
+from ..transport import TIMEOUT
+from .common import (HostArg, each_host, InventoryOpt, KeyOpt, KnownHostsOpt,
+                     TimeoutOpt, LimitOpt, LocalOpt, RootOpt, console,
                      edge, print_json, targets)
 
 SeriesOpt = typer.Option(None, "--series", "-s",
@@ -71,24 +73,25 @@ def _render_contract(r: dict) -> None:
                   f"({len(r['methods']) - missing} of {len(r['methods'])} methods present)")
 
 
-def _targets(host, local, inventory, key, known_hosts, root, site_packages, limit=None):
+def _targets(host, local, inventory, key, known_hosts, root, site_packages, limit=None, timeout=TIMEOUT):
     if site_packages and not (host or inventory):
         local = True
-    return targets(host, local, inventory, key, known_hosts, root, limit)
+    return targets(host, local, inventory, key, known_hosts, root, limit, timeout)
 
 
 def register(app: typer.Typer) -> None:
     sub = typer.Typer(no_args_is_help=True, help="SGLang source patch series: check, apply, revert.")
     app.add_typer(sub, name="patches")
 
-    def _run(mode, host, series, python, site_packages, json_out, local, inventory, key, known_hosts, root, limit):
+    def _run(mode, host, series, python, site_packages, json_out, local, inventory, key, known_hosts, root, limit,
+             timeout):
         from .. import patches as patchmod
         from ..bundled import PATCHES
 
         dirs = series or patchmod.discover_series(PATCHES)
         loaded = [patchmod.load_series(d) for d in dirs]
         sp = str(site_packages) if site_packages else None
-        reports = each_host(_targets(host, local, inventory, key, known_hosts, root, site_packages, limit),
+        reports = each_host(_targets(host, local, inventory, key, known_hosts, root, site_packages, limit, timeout),
                             lambda tr: patchmod.apply_series(tr, loaded, python=patchmod.env_python(tr, python, site_packages),
                                                              check_only=mode == "check", revert=mode == "revert",
                                                              site_packages=sp))
@@ -105,8 +108,9 @@ def register(app: typer.Typer) -> None:
                     python: Optional[str] = PythonOpt, site_packages: Optional[Path] = SitePackagesOpt,
                     json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
                     limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
-                    root: Optional[str] = RootOpt):
-            _run(mode, host, series, python, site_packages, json_out, local, inventory, key, known_hosts, root, limit)
+                    timeout: float = TimeoutOpt, root: Optional[str] = RootOpt):
+            _run(mode, host, series, python, site_packages, json_out, local, inventory, key, known_hosts, root, limit,
+                 timeout)
 
         command.__doc__ = doc
         sub.command(name=mode)(edge(command))
@@ -121,12 +125,13 @@ def register(app: typer.Typer) -> None:
                  host: Optional[str] = HostArg, python: Optional[str] = PythonOpt,
                  site_packages: Optional[Path] = SitePackagesOpt, json_out: bool = JsonOpt,
                  local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt, limit: Optional[str] = LimitOpt,
-                 key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
+                 key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt, timeout: float = TimeoutOpt,
+                 root: Optional[str] = RootOpt):
         """EAGLE-3 interface contract of ARCH in the installed SGLang (static; never imports it)."""
         from .. import patches as patchmod
 
         sp = str(site_packages) if site_packages else None
-        reports = each_host(_targets(host, local, inventory, key, known_hosts, root, site_packages, limit),
+        reports = each_host(_targets(host, local, inventory, key, known_hosts, root, site_packages, limit, timeout),
                             lambda tr: patchmod.check_contract(tr, arch, patchmod.env_python(tr, python, site_packages),
                                                                site_packages=sp))
         if json_out:

@@ -6,7 +6,8 @@ from typing import List, Optional
 
 import typer
 
-from .common import (ForksOpt, HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHostsOpt, LimitOpt, LocalOpt, RootOpt,
+from .common import (ForksOpt, HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHostsOpt,
+                     TimeoutOpt, LimitOpt, LocalOpt, RootOpt,
                      console, edge, exit_for, over_hosts, plain, print_rows, styled, targets)
 
 STYLE = {"pass": "green", "fail": "red", "skip": "dim", "warn": "yellow"}
@@ -44,13 +45,13 @@ def register(app: typer.Typer) -> None:
                                                   help="expectations (default: the generation's own lock)"),
               json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
               limit: Optional[str] = LimitOpt, forks: int = ForksOpt, key: Optional[Path] = KeyOpt,
-              known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
+              known_hosts: Path = KnownHostsOpt, timeout: float = TimeoutOpt, root: Optional[str] = RootOpt):
         """Run the verification probes inside a generation; exit 1 if a required probe fails."""
         from .. import lock as lockmod
         from ..probes import run_probes
 
         lk = lockmod.load(lock) if lock else None
-        rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit),
+        rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit, timeout),
                           lambda tr: run_probes(tr, lk, generation=generation, only=only or None), forks)
 
         def show(r):

@@ -7,7 +7,8 @@ from typing import Optional
 
 import typer
 
-from .common import (ForksOpt, HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHostsOpt, LimitOpt, LocalOpt, RootOpt,
+from .common import (ForksOpt, HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHostsOpt,
+                     TimeoutOpt, LimitOpt, LocalOpt, RootOpt,
                      console, edge, exit_for, over_hosts, print_rows, styled, targets_and_args)
 
 
@@ -37,12 +38,13 @@ def register(app: typer.Typer) -> None:
                                                   help="hashing threads on the host (default: 2 per core, at most 32)"),
                json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
                limit: Optional[str] = LimitOpt, forks: int = ForksOpt, key: Optional[Path] = KeyOpt,
-               known_hosts: Path = KnownHostsOpt, root: Optional[str] = RootOpt):
+               known_hosts: Path = KnownHostsOpt, timeout: float = TimeoutOpt, root: Optional[str] = RootOpt):
         """Every file of a generation against its RECORD hash (patched files against their series' hashes) and its
         distributions against its lock; exit 1 on drift, one line per distribution."""
         from .. import verify as verifymod
 
-        ts, (generation,) = targets_and_args((generation,), host, local, inventory, key, known_hosts, root, limit)
+        ts, (generation,) = targets_and_args((generation,), host, local, inventory, key, known_hosts, root, limit,
+                                             timeout)
         rows = over_hosts(ts,
                           lambda tr: verifymod.verify(tr, generation, baseline=baseline, jobs=jobs), forks)
 
