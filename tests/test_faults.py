@@ -422,3 +422,110 @@ def test_spoofed_engine_port_and_failing_probe(target, stacks, tmp_path):
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
     check(json.loads(p.stdout), "nvcc", "--version failed")   # `apply --json` prints the report of a failure
     converge(target, stacks[1])
+
+
+# ---------------------------------------------------------------- host work dies with its controller
+
+class StalledWheel:
+    """A loopback HTTP server for one wheel: until `release` is set it sends half of the file and then
+    stalls, so a host fetching it waits mid-download; after, it sends the whole file."""
+
+    def __init__(self, wheel: Path):
+        import http.server
+
+        data, self.requested, self.release = wheel.read_bytes(), threading.Event(), threading.Event()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                try:
+                    if not outer.release.is_set():
+                        self.wfile.write(data[:len(data) // 2])
+                        self.wfile.flush()
+                        outer.requested.set()
+                        outer.release.wait(300)
+                        self.wfile.write(data[len(data) // 2:])
+                    else:
+                        self.wfile.write(data)
+                except OSError:
+                    pass   # the fetching agent is gone
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_port}/{wheel.name}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def root_processes(root: str) -> list[str]:
+    """Processes (other than this one) with `root` in their command line or a file under it open."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) == os.getpid():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        if root in cmd or any(link.startswith(root + "/") for link in links):
+            out.append(f"{pid}: {cmd[:120]}")
+    return out
+
+
+def lock_free(root: str) -> None:
+    """Wait until the host lock can be taken (the killed run's holder let it go), then let it go."""
+    import fcntl
+
+    deadline = time.time() + 120     # a guard against a hang, not a figure under test
+    with open(Path(root) / ".lock", "a+") as f:
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(f, fcntl.LOCK_UN)
+                return
+            except OSError:
+                assert time.time() < deadline, root_processes(root)
+                time.sleep(0.05)
+
+
+def test_controller_killed_mid_fetch_ends_the_host_work(target, wheels, tmp_path):
+    """SIGKILL of `provision apply` while the host's build agent is stalled in a download: by the time the
+    host lock is free again, nothing the run started is left on the host; the next apply recovers."""
+    wheel = make_wheel(tmp_path / "slow", "slowpkg", "1.0", body="x = %r\n" % ("y" * 50000))
+    slow = StalledWheel(wheel)
+    try:
+        lk = write_lock(tmp_path / "slow.yaml", "stack-slow", [wheels["alpha-1.0"], wheel])
+        lk.write_text(lk.read_text().replace(wheel.resolve().as_uri(), slow.url))
+        root = target.vars["provision_root"]
+        host = [f"{target.user}@{target.host}:{target.port}", "--key", target.key_file, "--known-hosts",
+                str(target.known_hosts), "--root", root]
+        env = {**os.environ, "PYTHONPATH": "", "COLUMNS": "200"}
+        p = subprocess.Popen([sys.executable, "-m", "provision.cli", "apply", *host, "--lock", str(lk)], cwd=ROOT,
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        assert slow.requested.wait(120), "the host never asked for the slow wheel"
+        assert root_processes(root), "the host shows no work of the run to end"
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        lock_free(root)
+        assert not root_processes(root)
+        slow.release.set()
+        r = subprocess.run([sys.executable, "-m", "provision.cli", "apply", *host, "--lock", str(lk), "--json"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, (r.stdout[-800:], r.stderr[-800:])
+        rep = json.loads(r.stdout)
+        assert rep["status"] == "applied", rep
+        assert_settled(target, rep["generation"])
+    finally:
+        slow.close()
+
