@@ -250,7 +250,7 @@ def fill(root: str) -> Path:
     return filler
 
 
-@pytest.mark.parametrize("moment", ["build", "switch"])
+@pytest.mark.parametrize("moment", ["build", "probe", "switch"])
 def test_disk_full(small_root, stacks, moment):
     t = small_root
     root = t.vars["provision_root"]
@@ -269,6 +269,7 @@ def test_disk_full(small_root, stacks, moment):
         tr.close()
     rep = e.value.report
     assert rep.status == "failed" and rep.failed_step == moment, (rep.failed_step, rep.error)
+    assert "\n" not in rep.error and "Traceback" not in rep.error, rep.error   # the reason is one line
     st = host_state(t)
     gid = rep.generation
     if moment == "switch":   # the venv's space is freed first, so the failure can be recorded
@@ -529,3 +530,33 @@ def test_controller_killed_mid_fetch_ends_the_host_work(target, wheels, tmp_path
     finally:
         slow.close()
 
+
+def test_session_dropped_mid_fetch_is_said_so(tmp_path, wheels):
+    """The ssh session drops while the host's build agent waits on a download: the error says the session to
+    the host dropped and in which step, in one line (never a raw progress event); the host settles."""
+    wheel = make_wheel(tmp_path / "slow", "slowpkg", "1.0", body="x = %r\n" % ("y" * 50000))
+    slow = StalledWheel(wheel)
+    try:
+        with LoopbackHost(base=tmp_path) as h:
+            trust_host(h.target)
+            lk = write_lock(tmp_path / "slow.yaml", "stack-slow", [wheels["alpha-1.0"], wheel])
+            lk.write_text(lk.read_text().replace(wheel.resolve().as_uri(), slow.url))
+            dropper = threading.Thread(target=lambda: slow.requested.wait(120) and h.drop_sessions(), daemon=True)
+            dropper.start()
+            tr = connect(h.target)
+            try:
+                with pytest.raises(ProvisionError) as e:
+                    applymod.apply(tr, lockmod.load(lk))
+            finally:
+                tr.close()
+            msg = str(e.value)
+            assert slow.requested.is_set()
+            assert msg.startswith(f"{h.target.name}: the session to the host dropped during "), msg
+            assert "_event" not in msg and "\n" not in msg, msg
+            assert e.value.report.failed_step == "build", e.value.report
+            slow.release.set()
+            lock_free(h.root)
+            assert not root_processes(h.root)
+            converge(h.target, lockmod.load(lk))
+    finally:
+        slow.close()
