@@ -1,5 +1,5 @@
 """The fault matrix on real sshd hosts: ssh drops, a full disk, unwritable history, the controller killed at
-seven moments, concurrent applies, rollback during apply, a spoofed engine port, a failing probe.
+seven moments and mid-download, concurrent applies, rollback during apply, a spoofed engine port, a failing probe.
 
 After each fault: the host is on exactly one complete, runnable generation; what apply's report and
 `history` say matches the host; a re-run converges (and then is a no-op); nothing is left half-done in
@@ -169,7 +169,8 @@ def test_controller_killed_at_seven_moments(target, stacks, tmp_path):
                            capture_output=True, text=True, timeout=300, start_new_session=True,
                            env={**os.environ, "PYTHONPATH": ""})
         assert p.returncode == -signal.SIGKILL and f"at {step} {state}" in p.stdout, (step, p.stdout, p.stderr[-800:])
-        wait_quiet(root)
+        lock_free(root)                       # the host lock outlives the run's host work, never the reverse
+        assert not root_processes(root), (step, state)
         st = host_state(target)
         committed = (step, state) == ("switch", "done")
         new = [g for g in st["generations"] if g.endswith(lk.name)]
