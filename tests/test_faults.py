@@ -556,8 +556,7 @@ def test_session_dropped_mid_fetch_is_said_so(tmp_path, wheels):
             assert "_event" not in msg and "\n" not in msg, msg
             assert e.value.report.failed_step == "build", e.value.report
             slow.release.set()
-            lock_free(h.root)
-            assert not root_processes(h.root)
+            wait_quiet(h.root)     # the drop SIGKILLs the host's session processes too: nothing to assert here
             converge(h.target, lockmod.load(lk))
     finally:
         slow.close()
