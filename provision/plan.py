@@ -22,7 +22,7 @@ SYMBOL = {"add": "+", "change": "~", "remove": "-"}
 ORDER = ("lock", "python", "toolkit", "driver", "package", "hash", "index", "patch", "probe", "engine")
 HEADINGS = {"package": "  packages", "patch": "  patches", "hash": "  wheel hashes (same version)",
             "index": "  indexes", "probe": "  probe expectations"}
-MIN_FREE_BYTES = 1 << 30
+MIN_FREE_BYTES = 1 << 30   # what a build should leave free under the root (less is a warning, not a refusal)
 UNPACK_FACTOR = 2   # disk estimate: an installed wheel takes about twice its download (uv links, no copy)
 
 
@@ -411,10 +411,13 @@ def preflight_findings(facts: dict, lock: Lock, action: str = "build",
             out.append((False, f"GPU {g['index']} ({g['name']}) has compute capability {g['compute_cap']}, "
                                f"the lock targets {', '.join(sorted(want))}"))
     free = facts.get("disk_free_bytes")
-    need = MIN_FREE_BYTES + (download or {}).get("disk_needed", 0)
+    need = (download or {}).get("disk_needed", 0)
     if action == "build" and free is not None and free < need:
-        out.append((True, f"only {human_size(free)} free under {facts.get('root')}; this build needs about {human_size(need)} "
-                          f"(download, install and {human_size(MIN_FREE_BYTES)} to spare)"))
+        out.append((True, f"only {human_size(free)} free under {facts.get('root')}; this build needs about "
+                          f"{human_size(need)} (the wheels to fetch and the install)"))
+    elif action == "build" and free is not None and free < need + MIN_FREE_BYTES:
+        out.append((False, f"this build leaves about {human_size(free - need)} free under {facts.get('root')} "
+                           f"(less than {human_size(MIN_FREE_BYTES)} to spare)"))
     if action == "build":
         cached = set(facts.get("cached_wheels") or [])
         for p in lock.packages:

@@ -185,8 +185,7 @@ class Transport:
         except (json.JSONDecodeError, IndexError):
             data = None
         if not isinstance(data, dict) or "_event" in data:
-            detail = (r.stderr.strip() or r.stdout.strip() or f"exit {r.rc}").splitlines()[-1]
-            raise HostError(f"host agent {name} failed: {detail}", where=self.target.name)
+            raise HostError(_no_answer(name, payload, r, data), where=self.target.name)
         if data.get("error"):
             raise HostError(str(data["error"]), where=self.target.name)
         return data
@@ -198,7 +197,8 @@ class Transport:
                   "os.write(f,sys.stdin.buffer.read())\nos.close(f)\nos.replace(t,p)\n")
         r = self.run([self.python, "-I", "-c", script, path, oct(mode)[2:]], stdin=data)
         if r.rc != 0:
-            raise HostError(f"cannot write {path}: {r.stderr.strip()}", where=self.target.name)
+            why = (r.stderr.strip().splitlines() or [f"exit {r.rc}"])[-1]    # a traceback's last line says it
+            raise HostError(f"cannot write {path}: {why}", where=self.target.name)
 
     def read(self, path: str) -> Iterator[bytes]:
         """The bytes of one file on the host, in chunks as they arrive (the path is the only argument);
@@ -215,6 +215,19 @@ class Transport:
 
     def close(self) -> None:
         pass
+
+
+def _no_answer(name: str, payload: dict, r: Result, last) -> str:
+    """Why agent `name` gave no result, in one line naming the step it was in (its last progress event's,
+    else its op); never the raw event. rc -1: the ssh session closed without an exit status."""
+    ev = last.get("_event") if isinstance(last, dict) else None
+    step = ev.get("step") if isinstance(ev, dict) else None
+    if not (isinstance(step, str) and re.match(r"^[a-z][a-z0-9_-]{0,31}\Z", step)):   # a host's word, checked
+        step = payload.get("op") or name
+    if r.rc == -1:
+        return f"the session to the host dropped during {step} (agent {name}), before it answered"
+    err = r.stderr.strip().splitlines()
+    return f"agent {name} ended during {step} without answering: {err[-1][:300] if err else f'exit {r.rc}'}"
 
 
 # Copies one file (argv[1]) to stdout: what `SSH.read` runs on the host.

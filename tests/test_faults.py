@@ -1,5 +1,5 @@
 """The fault matrix on real sshd hosts: ssh drops, a full disk, unwritable history, the controller killed at
-seven moments, concurrent applies, rollback during apply, a spoofed engine port, a failing probe.
+seven moments and mid-download, concurrent applies, rollback during apply, a spoofed engine port, a failing probe.
 
 After each fault: the host is on exactly one complete, runnable generation; what apply's report and
 `history` say matches the host; a re-run converges (and then is a no-op); nothing is left half-done in
@@ -169,7 +169,8 @@ def test_controller_killed_at_seven_moments(target, stacks, tmp_path):
                            capture_output=True, text=True, timeout=300, start_new_session=True,
                            env={**os.environ, "PYTHONPATH": ""})
         assert p.returncode == -signal.SIGKILL and f"at {step} {state}" in p.stdout, (step, p.stdout, p.stderr[-800:])
-        wait_quiet(root)
+        lock_free(root)                       # the host lock outlives the run's host work, never the reverse
+        assert not root_processes(root), (step, state)
         st = host_state(target)
         committed = (step, state) == ("switch", "done")
         new = [g for g in st["generations"] if g.endswith(lk.name)]
@@ -250,7 +251,7 @@ def fill(root: str) -> Path:
     return filler
 
 
-@pytest.mark.parametrize("moment", ["build", "switch"])
+@pytest.mark.parametrize("moment", ["build", "probe", "switch"])
 def test_disk_full(small_root, stacks, moment):
     t = small_root
     root = t.vars["provision_root"]
@@ -269,6 +270,7 @@ def test_disk_full(small_root, stacks, moment):
         tr.close()
     rep = e.value.report
     assert rep.status == "failed" and rep.failed_step == moment, (rep.failed_step, rep.error)
+    assert "\n" not in rep.error and "Traceback" not in rep.error, rep.error   # the reason is one line
     st = host_state(t)
     gid = rep.generation
     if moment == "switch":   # the venv's space is freed first, so the failure can be recorded
@@ -422,3 +424,139 @@ def test_spoofed_engine_port_and_failing_probe(target, stacks, tmp_path):
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
     check(json.loads(p.stdout), "nvcc", "--version failed")   # `apply --json` prints the report of a failure
     converge(target, stacks[1])
+
+
+# ---------------------------------------------------------------- host work dies with its controller
+
+class StalledWheel:
+    """A loopback HTTP server for one wheel: until `release` is set it sends half of the file and then
+    stalls, so a host fetching it waits mid-download; after, it sends the whole file."""
+
+    def __init__(self, wheel: Path):
+        import http.server
+
+        data, self.requested, self.release = wheel.read_bytes(), threading.Event(), threading.Event()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                try:
+                    if not outer.release.is_set():
+                        self.wfile.write(data[:len(data) // 2])
+                        self.wfile.flush()
+                        outer.requested.set()
+                        outer.release.wait(300)
+                        self.wfile.write(data[len(data) // 2:])
+                    else:
+                        self.wfile.write(data)
+                except OSError:
+                    pass   # the fetching agent is gone
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_port}/{wheel.name}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def root_processes(root: str) -> list[str]:
+    """Processes (other than this one) with `root` in their command line or a file under it open."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) == os.getpid():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        if root in cmd or any(link.startswith(root + "/") for link in links):
+            out.append(f"{pid}: {cmd[:120]}")
+    return out
+
+
+def lock_free(root: str) -> None:
+    """Wait until the host lock can be taken (the killed run's holder let it go), then let it go."""
+    import fcntl
+
+    deadline = time.time() + 120     # a guard against a hang, not a figure under test
+    with open(Path(root) / ".lock", "a+") as f:
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(f, fcntl.LOCK_UN)
+                return
+            except OSError:
+                assert time.time() < deadline, root_processes(root)
+                time.sleep(0.05)
+
+
+def test_controller_killed_mid_fetch_ends_the_host_work(target, wheels, tmp_path):
+    """SIGKILL of `provision apply` while the host's build agent is stalled in a download: by the time the
+    host lock is free again, nothing the run started is left on the host; the next apply recovers."""
+    wheel = make_wheel(tmp_path / "slow", "slowpkg", "1.0", body="x = %r\n" % ("y" * 50000))
+    slow = StalledWheel(wheel)
+    try:
+        lk = write_lock(tmp_path / "slow.yaml", "stack-slow", [wheels["alpha-1.0"], wheel])
+        lk.write_text(lk.read_text().replace(wheel.resolve().as_uri(), slow.url))
+        root = target.vars["provision_root"]
+        host = [f"{target.user}@{target.host}:{target.port}", "--key", target.key_file, "--known-hosts",
+                str(target.known_hosts), "--root", root]
+        env = {**os.environ, "PYTHONPATH": "", "COLUMNS": "200"}
+        p = subprocess.Popen([sys.executable, "-m", "provision.cli", "apply", *host, "--lock", str(lk)], cwd=ROOT,
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        assert slow.requested.wait(120), "the host never asked for the slow wheel"
+        assert root_processes(root), "the host shows no work of the run to end"
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        lock_free(root)
+        assert not root_processes(root)
+        slow.release.set()
+        r = subprocess.run([sys.executable, "-m", "provision.cli", "apply", *host, "--lock", str(lk), "--json"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, (r.stdout[-800:], r.stderr[-800:])
+        rep = json.loads(r.stdout)
+        assert rep["status"] == "applied", rep
+        assert_settled(target, rep["generation"])
+    finally:
+        slow.close()
+
+
+def test_session_dropped_mid_fetch_is_said_so(tmp_path, wheels):
+    """The ssh session drops while the host's build agent waits on a download: the error says the session to
+    the host dropped and in which step, in one line (never a raw progress event); the host settles."""
+    wheel = make_wheel(tmp_path / "slow", "slowpkg", "1.0", body="x = %r\n" % ("y" * 50000))
+    slow = StalledWheel(wheel)
+    try:
+        with LoopbackHost(base=tmp_path) as h:
+            trust_host(h.target)
+            lk = write_lock(tmp_path / "slow.yaml", "stack-slow", [wheels["alpha-1.0"], wheel])
+            lk.write_text(lk.read_text().replace(wheel.resolve().as_uri(), slow.url))
+            dropper = threading.Thread(target=lambda: slow.requested.wait(120) and h.drop_sessions(), daemon=True)
+            dropper.start()
+            tr = connect(h.target)
+            try:
+                with pytest.raises(ProvisionError) as e:
+                    applymod.apply(tr, lockmod.load(lk))
+            finally:
+                tr.close()
+            msg = str(e.value)
+            assert slow.requested.is_set()
+            assert msg.startswith(f"{h.target.name}: the session to the host dropped during "), msg
+            assert "_event" not in msg and "\n" not in msg, msg
+            assert e.value.report.failed_step == "build", e.value.report
+            slow.release.set()
+            wait_quiet(h.root)     # the drop SIGKILLs the host's session processes too: nothing to assert here
+            converge(h.target, lockmod.load(lk))
+    finally:
+        slow.close()

@@ -17,6 +17,7 @@ from provision import lock as lockmod
 from provision.errors import ProvisionError
 from provision.plan import make_plan, render_plan, stack_of_lock
 from provision.transport import Local, Target
+from provision.units import human_size
 from wheelhouse import make_wheel, write_lock
 
 PY = "%d.%d" % sys.version_info[:2]
@@ -177,3 +178,24 @@ def test_a_package_without_url_builds_from_the_hosts_cache_and_plan_says_so(tmp_
     with pytest.raises(ProvisionError):
         applymod.apply(tr, missing)
     assert tr.target.host and (tmp_path / "root" / "current").resolve().name.endswith("-b")
+
+
+def test_disk_check_of_a_build_from_cached_wheels_counts_only_the_install(tmp_path, wheels):
+    """Every wheel already in the host's cache: the disk a build needs is the install alone (nothing to
+    fetch); free space that holds it is enough, one byte less is refused; the reserve is only a warning."""
+    from provision.facts import gather
+    from provision.plan import MIN_FREE_BYTES, UNPACK_FACTOR, download_estimate
+
+    tr = Local(Target(host="local", vars={"provision_root": str(tmp_path / "root")}))
+    ws = [wheels["alpha-1.0"], wheels["beta-1.0"]]
+    assert applymod.apply(tr, lockmod.load(write_lock(tmp_path / "a.yaml", "a", ws))).status == "applied"
+    cached = lockmod.load(write_lock(tmp_path / "b.yaml", "b", ws))     # the same wheels, another build
+    facts = gather(tr, python=cached.platform.python)
+    dl = download_estimate(facts, cached)
+    install = UNPACK_FACTOR * sum(w.stat().st_size for w in ws)
+    assert (dl["wheels"], dl["bytes"], dl["disk_needed"]) == (0, 0, install), dl
+    for free, refused in ((install, False), (install - 1, True)):
+        plan = make_plan(dict(facts, disk_free_bytes=free), cached)
+        assert plan.action == "build"
+        assert bool([e for e in plan.errors if "free under" in e]) == refused, (free, plan.errors)
+        assert any(f"less than {human_size(MIN_FREE_BYTES)} to spare" in w for w in plan.warnings) != refused

@@ -8,9 +8,12 @@ import importlib
 import json
 import os
 import re
+import select
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 CLEAN_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
@@ -40,6 +43,7 @@ import provision.agent.host
 provision.agent.host.serve(m)
 """.strip()
 MESSAGE = {}            # the message this process was started with (to start sibling agents)
+AT_END = []             # what `end` does once this agent's process tree is gone (the host lock waits for work)
 
 
 class AgentError(Exception):
@@ -53,16 +57,127 @@ def serve(message):
     MESSAGE.update(message)
     os.umask(UMASK)
     os.environ.update({str(k): str(v) for k, v in (message.get("env") or {}).items()})
+    payload = message.get("input") if isinstance(message.get("input"), dict) else {}
+    guard(working=not (message.get("agent") == "host" and payload.get("op") == "hold"), root=payload.get("root"))
     try:
-        mod = importlib.import_module("provision.agent." + message["agent"])
-        result = mod.main(message.get("input") or {})
-    except AgentError as e:
-        result = {"error": str(e)}
-    except SystemExit:
-        raise
-    except Exception as e:  # noqa: BLE001 - the controller wants one JSON line, never a traceback
-        result = {"error": "%s: %s" % (type(e).__name__, (str(e).splitlines() or [""])[0][:300])}
-    emit(result)
+        try:
+            mod = importlib.import_module("provision.agent." + message["agent"])
+            result = mod.main(message.get("input") or {})
+        except AgentError as e:
+            result = {"error": str(e)}
+        except Exception as e:  # noqa: BLE001 - the controller wants one JSON line, never a traceback
+            result = {"error": "%s: %s" % (type(e).__name__, (str(e).splitlines() or [""])[0][:300])}
+        emit(result)
+    finally:
+        end_tree()              # nothing this agent started outlives it
+
+
+# ------------------------------------------------------------------ an agent's work dies with its controller
+
+def guard(working, root):
+    """Tie this agent's work to its controller. Every process it starts, at any depth, stays its descendant
+    (it is their subreaper), and when the controller goes (its end of our stdout closes: the ssh channel or
+    the local pipe is gone) or SIGHUP/SIGTERM comes, `end` kills them all, waits until they are gone, then
+    exits. A `working` agent holds <root>/.work shared while it lives; the host lock's holder takes it
+    exclusive before letting the lock go, so the next run never races what this one started."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)     # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+    if working and isinstance(root, str) and os.path.isabs(root) and os.path.isdir(root):
+        try:
+            f = open(layout(root)["work"], "a+")
+            fcntl.flock(f, fcntl.LOCK_SH)
+            AT_END.append(f.close)
+        except OSError:
+            pass
+    for s in (signal.SIGHUP, signal.SIGTERM):
+        signal.signal(s, lambda signum, frame: end(128 + signum))
+    threading.Thread(target=_watch_controller, daemon=True).start()
+
+
+def _watch_controller():
+    """Wait until nobody reads our stdout any more (POLLERR on a pipe, POLLHUP on a socket), then `end`."""
+    p = select.poll()
+    p.register(sys.stdout.fileno(), 0)       # no events asked: only the error and hang-up conditions report
+    while True:
+        try:
+            if any(ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL) for _, ev in p.poll()):
+                break
+        except InterruptedError:
+            continue
+    end(1)
+
+
+_ENDING = threading.Lock()
+
+
+def end(code):
+    """Kill every descendant of this agent, wait until they are gone, run AT_END, exit."""
+    if not _ENDING.acquire(blocking=False):
+        return                      # another thread is ending this agent
+    end_tree()
+    for f in AT_END:
+        f()
+    os._exit(code)
+
+
+def descendants(pid):
+    """The pids of every live process below `pid` (from /proc)."""
+    kids = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open("/proc/%s/stat" % name) as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            kids.setdefault(ppid, []).append(int(name))
+    out, todo = [], [pid]
+    while todo:
+        for c in kids.get(todo.pop(), ()):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def has_children():
+    """Whether this process has a child (live or not yet reaped); True when the kernel cannot say."""
+    try:
+        for t in os.listdir("/proc/self/task"):
+            with open("/proc/self/task/%s/children" % t) as f:
+                if f.read().strip():
+                    return True
+        return False
+    except OSError:
+        return True
+
+
+def end_tree():
+    """SIGKILL every descendant until none is left (orphans come back to us: we are their subreaper)."""
+    while True:
+        pids = descendants(os.getpid()) if has_children() else []
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        while True:
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+        time.sleep(0.02)
+
+
+def wait_for_work(root):
+    """Block until no agent works under `root` any more (each holds <root>/.work shared while it lives)."""
+    with open(layout(root)["work"], "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
 
 
 def emit(obj):
@@ -85,6 +200,7 @@ def layout(root):
         "current": os.path.join(root, "current"),
         "history": os.path.join(root, "history.jsonl"),
         "lock": os.path.join(root, ".lock"),
+        "work": os.path.join(root, ".work"),    # held shared by every agent working under the root while it lives
         "wheels": os.path.join(root, "cache", "wheels"),
         "uv_cache": os.path.join(root, "cache", "uv"),
         "tool": os.path.join(root, "tool"),
@@ -252,8 +368,10 @@ def main(a):
         f, holder = try_lock(a["root"])
         if f is None:
             return {"held": False, "by": holder}
+        AT_END.append(lambda: wait_for_work(a["root"]))
         emit({"held": True})
-        sys.stdin.buffer.read()   # held until the controller closes stdin or its connection dies
+        sys.stdin.buffer.read()   # held until the controller closes stdin or its connection dies,
+        wait_for_work(a["root"])  # and then until the work it started under the root is gone
         return {"released": True}
     if a.get("op") == "dists":
         return {"dists": installed_dists(), "python": "%d.%d.%d" % sys.version_info[:3], "prefix": sys.prefix,
