@@ -40,6 +40,22 @@ def write_atomic(path, text):
     fsync_dir(os.path.dirname(path))
 
 
+def events(root):
+    """The events of the host's history, oldest first (a line that is not JSON is skipped; no history: none)."""
+    try:
+        with open(os.path.join(root, "history.jsonl")) as f:
+            lines = f.readlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
 def record(root, event):
     event = dict(event, time=now())
     with open(os.path.join(root, "history.jsonl"), "a") as f:
@@ -104,17 +120,9 @@ def highest_number(root):
     except (OSError, ValueError):
         counter = 0
     named = [n for n, _, _ in gens(root)] + [id_number(current(root))]
-    try:
-        with open(os.path.join(root, "history.jsonl")) as f:
-            for line in f:
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    continue
-                ids = [ev.get(k) for k in ("generation", "to", "from")] + list(ev.get("removed") or [])
-                named += [id_number(i) for i in ids if isinstance(i, str)]
-    except OSError:
-        pass
+    for ev in events(root):
+        ids = [ev.get(k) for k in ("generation", "to", "from")] + list(ev.get("removed") or [])
+        named += [id_number(i) for i in ids if isinstance(i, str)]
     return max([counter] + named)
 
 
@@ -452,17 +460,7 @@ def op_adopt(root, a):
 
 
 def op_history(root, a):
-    events = []
-    try:
-        with open(os.path.join(root, "history.jsonl")) as f:
-            for line in f:
-                try:
-                    events.append(json.loads(line))
-                except ValueError:
-                    continue
-    except OSError:
-        pass
-    return {"current": current(root), "events": events[-int(a.get("limit", 200)):],
+    return {"current": current(root), "events": events(root)[-int(a.get("limit", 200)):],
             "generations": [dict(m, id=name, number=n) for n, name, m in gens(root)]}
 
 
@@ -525,19 +523,11 @@ def op_status(root, a):
     cur, all_gens = current(root), gens(root)
     man = next((m for _, name, m in all_gens if name == cur), {})
     since, probe = None, None
-    try:
-        with open(os.path.join(root, "history.jsonl")) as f:
-            for line in f:
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    continue
-                if ev.get("to") == cur and "from" in ev or (ev.get("event") == "adopt" and ev.get("generation") == cur):
-                    since = ev.get("time")
-                if ev.get("event") == "probe" and ev.get("generation") == cur:
-                    probe = {"status": ev.get("status"), "time": ev.get("time"), "summary": ev.get("summary")}
-    except OSError:
-        pass
+    for ev in events(root):
+        if ev.get("to") == cur and "from" in ev or (ev.get("event") == "adopt" and ev.get("generation") == cur):
+            since = ev.get("time")
+        if ev.get("event") == "probe" and ev.get("generation") == cur:
+            probe = {"status": ev.get("status"), "time": ev.get("time"), "summary": ev.get("summary")}
     broken = None
     if cur and not any(name == cur for _, name, _ in all_gens):
         broken = "its directory generations/%s is missing" % cur
