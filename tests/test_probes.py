@@ -512,7 +512,8 @@ def test_h200_sequence_on_cpu(tmp_path, pairs):
     assert p.returncode == 0 and "as generation 0000-adopted" in p.stdout
     data = yaml.safe_load((ROOT / "lockfiles" / "h200-cuda13.yaml").read_text())
     data["engine"]["model"] = str(pairs["agreeing"])
-    data["probes"].update(min_speedup=0.5, max_tokens=32, prompts=PROMPTS)
+    # the sequence, not a speed: a loaded machine decides no ratio here (the gate itself: the engine probe tests)
+    data["probes"].update(min_speedup=0.01, max_tokens=32, prompts=PROMPTS)
     (tmp_path / "h200.yaml").write_text(yaml.safe_dump(data))
     only = [a for n in ("driver", "packages", "arch", "matmul", "nccl", "symm-mem", "engine") for a in ("--only", n)]
     p = cli("probe", "--local", "--root", root, "--lock", tmp_path / "h200.yaml", "--json", *only)

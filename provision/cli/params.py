@@ -1,6 +1,6 @@
 """Plain parameter values without pydantic: typer builds a pydantic validator for every parameter it reads,
-which costs a fast verb a fifth of a second; a str, False, a plain decimal int within its bounds or a Path is taken as
-typer would take it, and anything else (enums, out of bounds, odd input and its error line) still goes through typer's
+which costs a fast verb a fifth of a second; a str, False, a plain decimal int or float within its bounds or a Path is
+taken as typer would take it, and anything else (enums, out of bounds, odd input and its error line) still goes through typer's
 own validator.
 """
 from __future__ import annotations
@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 _INT = re.compile(r"(?:0|[1-9][0-9]{0,17})\Z")
+_FLOAT = re.compile(r"(?:0|[1-9][0-9]{0,8})(?:\.[0-9]{1,9})?\Z")
 
 
 def install() -> None:
@@ -31,6 +32,11 @@ def install() -> None:
             if self.annotation is int and (type(value) is int or (isinstance(value, str) and _INT.match(value))) \
                     and (info.min is None or int(value) >= info.min) and (info.max is None or int(value) <= info.max):
                 return int(value)
+            if self.annotation is float \
+                    and (type(value) in (int, float) or (isinstance(value, str) and _FLOAT.match(value))) \
+                    and (info.min is None or float(value) >= info.min) \
+                    and (info.max is None or float(value) <= info.max):
+                return float(value)
             if self.annotation is Path and isinstance(value, (str, Path)):
                 return coerce_cli_path(Path(value), info, path_type=Path, param=param, ctx=ctx)
             return build_runtime_param(param.type_descriptor)._coerce_value(value, param, ctx)
@@ -41,7 +47,7 @@ def install() -> None:
             return False
         if d.annotation is str or d.annotation is bool:
             return True
-        if d.annotation is int:
+        if d.annotation is int or d.annotation is float:
             return not info.clamp
         return (d.annotation is Path and info.path_type is None and routes_to_path(d.annotation, info))
 
