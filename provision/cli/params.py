@@ -1,7 +1,7 @@
 """Plain parameter values without pydantic: typer builds a pydantic validator for every parameter it reads,
 which costs a fast verb a fifth of a second; a str, False, a plain decimal int or float within its bounds or a Path is
-taken as typer would take it, and anything else (enums, out of bounds, odd input and its error line) still goes through typer's
-own validator.
+taken as typer would take it, and anything else (enums, out of bounds, odd input and its error line) still goes
+through typer's own validator.
 """
 from __future__ import annotations
 
