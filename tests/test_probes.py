@@ -311,14 +311,11 @@ def engine_procs(*markers: str) -> list[int]:
     return out
 
 
-def make_pair(d: Path, agreeing: bool, dim: int = 128, n_layer: int = 8) -> Path:
-    """Engine checkpoints written with the engine's own savers. `agreeing`: target and draft both
-    always predict byte 0, so every drafted token is accepted; otherwise a random draft, which
-    accepts next to nothing."""
+def random_pair(dim: int, n_layer: int):
+    """A target and an EAGLE-3 draft over a 260-token byte vocabulary, seeded random weights."""
     import torch
 
     from provision.engine.draft import DraftArgs, Eagle3Draft
-    from provision.engine.loading import save_draft, save_target
     from provision.engine.model import ModelArgs, Transformer
 
     torch.manual_seed(0)
@@ -331,16 +328,34 @@ def make_pair(d: Path, agreeing: bool, dim: int = 128, n_layer: int = 8) -> Path
             torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1)
             if p.dim() == 1:
                 p.data += 1.0
-    if agreeing:
-        with torch.no_grad():
-            target.output.weight.zero_()      # all logits equal: greedy picks id 0
-            draft.lm_head.weight.zero_()      # so does the draft (d2t maps draft 0 → target 0)
+    return target, draft
+
+
+def save_pair(d: Path, target, draft) -> Path:
+    """The pair written with the engine's own savers (the draft maps every draft id to target id 0)."""
+    from provision.engine.loading import save_draft, save_target
+
+    n_layer = target.args.n_layer
     draft.d2t.zero_()
     d.mkdir(parents=True, exist_ok=True)
     save_target(target, d, eos_token_id=257, bos_token_id=256)
     save_draft(draft, d / "draft", aux_layer_ids=[2, n_layer // 2, n_layer - 3])
     (d / "byte_tokenizer.json").write_text(json.dumps({"bos_id": 256, "eos_id": 257}))
     return d
+
+
+def make_pair(d: Path, agreeing: bool, dim: int = 128, n_layer: int = 8) -> Path:
+    """Engine checkpoints written with the engine's own savers. `agreeing`: target and draft both
+    always predict byte 0, so every drafted token is accepted; otherwise a random draft, which
+    accepts next to nothing."""
+    import torch
+
+    target, draft = random_pair(dim, n_layer)
+    if agreeing:
+        with torch.no_grad():
+            target.output.weight.zero_()      # all logits equal: greedy picks id 0
+            draft.lm_head.weight.zero_()      # so does the draft (d2t maps draft 0 → target 0)
+    return save_pair(d, target, draft)
 
 
 @pytest.fixture(scope="module")
@@ -419,20 +434,7 @@ def make_near_tie_pair(d: Path, dim: int = 256, n_layer: int = 4, delta: float =
     so it is accepted wherever 0 wins."""
     import torch
 
-    from provision.engine.draft import DraftArgs, Eagle3Draft
-    from provision.engine.loading import save_draft, save_target
-    from provision.engine.model import ModelArgs, Transformer
-
-    torch.manual_seed(0)
-    kw = dict(vocab_size=260, dim=dim, n_head=4, n_local_heads=2, intermediate_size=3 * dim,
-              max_position_embeddings=1024)
-    target = Transformer(ModelArgs(n_layer=n_layer, **kw))
-    draft = Eagle3Draft(DraftArgs(n_layer=1, draft_vocab_size=260, **kw))
-    for m in (target, draft):
-        for p in m.parameters():
-            torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1)
-            if p.dim() == 1:
-                p.data += 1.0
+    target, draft = random_pair(dim, n_layer)
     with torch.no_grad():
         target.tok_embeddings.weight[:, 0] = 10.0
         row = 0.05 * torch.randn(dim)
@@ -442,12 +444,7 @@ def make_near_tie_pair(d: Path, dim: int = 256, n_layer: int = 4, delta: float =
         out[0] = out[1] = row
         out[1, 1] += delta
         draft.lm_head.weight.zero_()
-    draft.d2t.zero_()
-    d.mkdir(parents=True, exist_ok=True)
-    save_target(target, d, eos_token_id=257, bos_token_id=256)
-    save_draft(draft, d / "draft", aux_layer_ids=[2, n_layer // 2, n_layer - 3])
-    (d / "byte_tokenizer.json").write_text(json.dumps({"bos_id": 256, "eos_id": 257}))
-    return d
+    return save_pair(d, target, draft)
 
 
 def test_engine_probe_passes_divergences_at_near_ties(tmp_path):
