@@ -43,7 +43,8 @@ class Step:
 class ApplyReport:
     host: str
     lock_name: str
-    status: str = "pending"            # applied | reused | noop | failed | unknown
+    status: str = "pending"            # applied | reused | noop | failed | unknown | stopped; in a fleet also
+    #                                    rolled-back | not-attempted | unreachable
     generation: str | None = None
     previous: str | None = None
     current: str | None = None         # what `current` names on the host when apply returned
@@ -59,6 +60,8 @@ class ApplyReport:
     verify: dict | None = None         # the seal's full check of the new generation (manifest `verify`)
     error: str | None = None
     seconds: float = 0.0
+    batch: int = 0                     # a fleet rollout's batch (1-based; 0 outside one)
+    rollback: dict | None = None       # a fleet rollout's rollback of this host (its batch failed)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -116,10 +119,11 @@ class _Steps:
             step.status, step.seconds, step.detail = "failed", time.perf_counter() - t0, str(e)
             self.progress(name, "fail", str(e))
             raise
-        step.status, step.seconds = "done", time.perf_counter() - t0
+        failed = isinstance(out, dict) and out.get("status") == "fail"    # a verdict, such as the probes'
+        step.status, step.seconds = "failed" if failed else "done", time.perf_counter() - t0
         if isinstance(out, dict) and out.get("detail"):
             step.detail = out["detail"]
-        self.progress(name, "done", step.detail)
+        self.progress(name, "fail" if failed else "done", step.detail)
         return out
 
 
@@ -144,18 +148,21 @@ def adopt_host(transport: Transport, prefix: str) -> dict:
 
 def apply(transport: Transport, lock: Lock, *, saved_plan: Plan | None = None, adopt_path: str | None = None,
           skip_probes: list[str] | None = None, installer: str | None = None, wheels_from: str | None = None,
-          progress: Progress | None = None, on_plan: Callable[[Plan], None] | None = None) -> ApplyReport:
+          progress: Progress | None = None, on_plan: Callable[[Plan], None] | None = None,
+          gate: Callable[[], None] | None = None) -> ApplyReport:
     """One-command upgrade: exactly what `make_plan` says (noop, reuse or build). `on_plan` receives the plan
-    before anything is changed. Raises ProvisionError on failure, with the full report as `.report`."""
+    before anything is changed; `gate` is called under the host lock just before `current` moves, and a
+    fleet.Halted it raises stops the apply there (status "stopped"; a new generation is kept, probed and
+    runnable, for a later apply to reuse). Raises ProvisionError on failure, with the full report as `.report`."""
     t_start = time.perf_counter()
     report = ApplyReport(host=transport.target.name, lock_name=lock.name)
     try:
         with transport.hold(layout.of(transport).lock_file):
             _apply(transport, lock, report, _Steps(report, progress), saved_plan=saved_plan, adopt_path=adopt_path,
                    skip=list(skip_probes or []), installer=installer, wheels_from=wheels_from, on_plan=on_plan,
-                   progress=progress)
+                   progress=progress, gate=gate)
     except ProvisionError as e:
-        if report.status not in ("unknown",):
+        if report.status not in ("unknown", "stopped"):
             report.status = "failed"
         report.error = report.error or str(e)
         report.failed_step = report.failed_step or next((s.name for s in report.steps if s.status == "failed"), None)
@@ -167,7 +174,7 @@ def apply(transport: Transport, lock: Lock, *, saved_plan: Plan | None = None, a
 
 
 def _apply(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps, *, saved_plan, adopt_path,
-           skip: list[str], installer, wheels_from, on_plan, progress) -> None:
+           skip: list[str], installer, wheels_from, on_plan, progress, gate) -> None:
     report.recovered = steps.run("recover", _recover, transport)
     facts = steps.run("facts", gather, transport, python=lock.platform.python)
     if adopt_path and not facts.get("generations"):
@@ -201,6 +208,7 @@ def _apply(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps,
                 report.failed_step = "probe"
                 raise ProbesFailed(probe_failure(plan.reuse, report.probes, facts.get("current")),
                                    where=facts["host"])
+            _halt_at(gate, transport, report, None)
             _switch(transport, report, steps, plan.reuse, {"lock": lock.name, "reuse": True, "skipped_probes": skip})
             report.status = "reused"
             return
@@ -247,8 +255,33 @@ def _apply(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps,
         except ProvisionError as me:   # the host may be gone: the next run marks it abandoned
             report.warnings.append(f"could not mark {gen['id']} failed ({me}); the next apply settles it")
         raise
+    _halt_at(gate, transport, report, gen["id"])
     _switch(transport, report, steps, gen["id"], {"lock": lock.name, "skipped_probes": skip})
     report.status = "applied"
+
+
+def _halt_at(gate: Callable[[], None] | None, transport: Transport, report: ApplyReport, built: str | None) -> None:
+    """The fleet's gate before the commit point. A halted apply leaves `current` as it was; the generation it
+    built is complete and probed, so it is kept runnable (never current yet) for a later apply to reuse."""
+    from .fleet import Halted
+
+    if gate is None:
+        return
+    try:
+        gate()
+    except Halted as e:
+        report.status, report.current = "stopped", report.previous
+        kept = ""
+        if built is not None:
+            try:
+                generations.mark(transport, built, status="ready", stopped=e.message,
+                                 event={"event": "apply-stopped", "generation": built, "lock": report.lock_name,
+                                        "reason": e.message})
+                kept = f"; {built} kept (probed, a later apply reuses it)"
+            except ProvisionError as me:
+                report.warnings.append(f"could not record {built} as kept ({me}); the next apply settles it")
+        raise Halted(f"{e.message}; current left at {report.previous or '(none)'}{kept}",
+                     where=transport.target.name) from None
 
 
 def _marked_failed(report: ApplyReport, gen_id: str, out: dict) -> None:
@@ -294,41 +327,102 @@ def _switch(transport: Transport, report: ApplyReport, steps: _Steps, gen_id: st
         report.warnings.append(f"switched to {gen_id}; recording it failed ({what}); the next run repairs it")
 
 
-def apply_fleet(targets: list, lock: Lock, *, serial: int = 0, forks: int = FORKS,
+# A host's state in a fleet rollout's summary, by its report's status.
+STATES = {"applied": "switched", "reused": "switched", "noop": "unchanged", "rolled-back": "rolled back",
+          "failed": "failed", "unknown": "unknown", "stopped": "stopped before its switch",
+          "not-attempted": "not attempted", "unreachable": "unreachable"}
+
+
+@dataclass
+class FleetReport:
+    """A fleet apply: each host's report (inventory order, `batch` set) and how the rollout went."""
+    reports: list[ApplyReport]
+    batches: list                      # fleet.Batch, in order
+    max_fail: str = "0"
+    failed_batch: int | None = None    # the batch that failed beyond --max-fail (the rollout stopped there)
+    failed_hosts: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.status in ("applied", "reused", "noop") for r in self.reports)
+
+    def by_state(self) -> dict[str, list[str]]:
+        """Hosts by their state (switched, rolled back, failed, ...), states in the order of STATES."""
+        out: dict[str, list[str]] = {}
+        for state in dict.fromkeys(STATES.values()):
+            hosts = [r.host for r in self.reports if STATES.get(r.status) == state]
+            if hosts:
+                out[state] = hosts
+        return out
+
+    @property
+    def resume(self) -> list[str]:
+        """The hosts a resumed rollout acts on: those not attempted."""
+        return [r.host for r in self.reports if r.status == "not-attempted"]
+
+    @property
+    def switched_before(self) -> list[str]:
+        """Hosts of the batches before the failed one that switched (what "roll the earlier batches back" acts on)."""
+        if self.failed_batch is None:
+            return []
+        return [r.host for r in self.reports if r.batch < self.failed_batch and r.status in ("applied", "reused")]
+
+    def to_json(self) -> dict:
+        return {"reports": [r.to_json() for r in self.reports],
+                "batches": [{"number": b.number, "hosts": b.hosts, "serial": b.entry} for b in self.batches],
+                "max_fail": self.max_fail, "failed_batch": self.failed_batch, "failed_hosts": self.failed_hosts,
+                "states": self.by_state(), "resume": self.resume, "roll_back": self.switched_before}
+
+
+def apply_fleet(targets: list, lock: Lock, *, serial: str | list[str] = "0", max_fail: str = "0",
+                rollback_on_fail: bool = False, forks: int = FORKS,
                 progress_for: Callable[[str], Progress | None] | None = None,
-                saved_plans: dict | None = None, **kw) -> list[ApplyReport]:
-    """Apply to many hosts in batches of `serial` (0: one batch), up to `forks` at a time within a
-    batch; a batch with a failure stops the rollout (later hosts are reported as not attempted).
-    `saved_plans` maps host name → its saved Plan, each applied exactly."""
-    from concurrent.futures import ThreadPoolExecutor
+                on_row: Callable | None = None, on_batch: Callable | None = None,
+                saved_plans: dict | None = None, **kw) -> FleetReport:
+    """Apply to many hosts in batches (fleet.rollout: `serial` as Ansible's, `max_fail` failures allowed per
+    batch), up to `forks` at a time within a batch. A batch with more failures than allowed stops the rollout:
+    its hosts not yet switched stop before their switch, later batches are not attempted, and with
+    `rollback_on_fail` each host of that batch that switched goes back to the generation it was on.
+    `saved_plans` maps host name → its saved Plan, each applied exactly. `on_row` and `on_batch` are
+    fleet.rollout's; `progress_for(host)` also sees a rollback as the step "rollback"."""
+    from .fleet import rollout
 
-    from .transport import connect
+    def one(tr: Transport, gate) -> ApplyReport:
+        name = tr.target.name
+        args = dict(kw, saved_plan=saved_plans[name]) if saved_plans is not None else kw
+        return apply(tr, lock, progress=progress_for(name) if progress_for else None, gate=gate, **args)
 
-    def one(t) -> ApplyReport:
+    def back(tr: Transport, row) -> dict:
+        say = (progress_for(row.host) if progress_for else None) or (lambda *a: None)
+        rep = row.value
+        say("rollback", "start", "")
         try:
-            tr = connect(t)
+            if not rep.previous:
+                raise HostError(f"no generation was current before {rep.generation}: nothing to go back to",
+                                where=row.host)
+            out = generations.rollback(tr, to=rep.previous)
         except ProvisionError as e:
-            return ApplyReport(host=t.name, lock_name=lock.name, status="failed", error=str(e))
-        try:
-            args = dict(kw, saved_plan=saved_plans[t.name]) if saved_plans is not None else kw
-            return apply(tr, lock, progress=progress_for(t.name) if progress_for else None, **args)
-        except ProvisionError as e:
-            return getattr(e, "report", None) or ApplyReport(host=t.name, lock_name=lock.name, status="failed",
-                                                             error=str(e))
-        finally:
-            tr.close()
+            say("rollback", "fail", e.message)
+            raise
+        say("rollback", "done", f"{out['from']} → {out['to']} in {out['seconds']:.2f}s")
+        return out
 
-    size = serial if serial > 0 else len(targets)
-    reports: list[ApplyReport] = []
-    for i in range(0, len(targets), size):
-        batch = targets[i:i + size]
-        with ThreadPoolExecutor(max_workers=max(1, min(forks, len(batch)))) as pool:
-            reports += list(pool.map(one, batch))
-        if any(r.status in ("failed", "unknown") for r in reports):
-            reports += [ApplyReport(host=t.name, lock_name=lock.name, status="not-attempted",
-                                    error="an earlier batch failed") for t in targets[i + size:]]
-            break
-    return reports
+    run = rollout(targets, one, serial=serial, max_fail=max_fail, forks=forks, on_row=on_row, on_batch=on_batch,
+                  changed=lambda r: r.ok and r.value.status in ("applied", "reused"),
+                  undo=back if rollback_on_fail else None)
+    reports = []
+    for row in run.rows:
+        rep = row.value if isinstance(row.value, ApplyReport) else ApplyReport(
+            host=row.host, lock_name=lock.name, status={"connect": "unreachable", "skipped": "not-attempted"}.get(
+                row.stage, "failed"), error=str(row.error) if row.error else None)
+        rep.batch = row.batch
+        if row.undo is not None:
+            rep.status, rep.current, rep.rollback = "rolled-back", row.undo["to"], row.undo
+            rep.warnings += row.undo.get("warnings") or []
+        elif row.undo_error is not None:
+            rep.warnings.append(f"rolling back failed: {row.undo_error.message}")
+        reports.append(rep)
+    return FleetReport(reports, run.batches, run.max_fail, run.failed_batch, run.failed_hosts)
 
 
 def plan(transport: Transport, lock: Lock) -> Plan:

@@ -36,7 +36,7 @@ def fleet(sshd, wheels, tmp_path_factory):
     b = write_lock(d / "b.yaml", "stack-b", [wheels["alpha-2.0"], wheels["beta-1.0"]])
     ts = load_inventory(inv, t.known_hosts, limit=f"{NAMED}:{OTHER}")
     for lk in (a, b):
-        assert {r.status for r in applymod.apply_fleet(ts, lockmod.load(lk))} == {"applied"}
+        assert {r.status for r in applymod.apply_fleet(ts, lockmod.load(lk)).reports} == {"applied"}
     return inv, roots, ["-i", str(inv), "--known-hosts", str(t.known_hosts)], (a, b), d
 
 

@@ -73,7 +73,7 @@ def test_fleet_rollout_probes_each_reused_generation(sshd, tmp_path, wheels):
     b = write_lock(tmp_path / "b.yaml", "stack-b", [wheels["beta-1.0"]])
     ts = load_inventory(inv, t.known_hosts)
     for lk in (a, b):
-        assert {r.status for r in applymod.apply_fleet(ts, lockmod.load(lk))} == {"applied"}
+        assert {r.status for r in applymod.apply_fleet(ts, lockmod.load(lk)).reports} == {"applied"}
     break_toolkit(home)
 
     args = ["-i", inv, "--known-hosts", t.known_hosts, "--lock", a, "--serial", "2"]

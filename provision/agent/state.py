@@ -518,16 +518,19 @@ def unused_uv_archives(root, dists):
 
 
 def op_status(root, a):
-    """One row for a fleet table: current generation, its lock, since when, last probe and verify verdicts, disk
-    used."""
+    """One row for a fleet table: current generation, its lock, since when, last probe and verify verdicts, the
+    last probe of another generation when it came after (an attempt that did not become current), disk used."""
     cur, all_gens = current(root), gens(root)
     man = next((m for _, name, m in all_gens if name == cur), {})
-    since, probe = None, None
+    since, probe, attempt = None, None, None
     for ev in events(root):
         if ev.get("to") == cur and "from" in ev or (ev.get("event") == "adopt" and ev.get("generation") == cur):
             since = ev.get("time")
-        if ev.get("event") == "probe" and ev.get("generation") == cur:
-            probe = {"status": ev.get("status"), "time": ev.get("time"), "summary": ev.get("summary")}
+        if ev.get("event") == "probe":   # the current generation's last, and the last of any (the last attempt)
+            attempt = {"generation": ev.get("generation"), "status": ev.get("status"), "time": ev.get("time"),
+                       "summary": ev.get("summary")}
+            if ev.get("generation") == cur:
+                probe = {k: v for k, v in attempt.items() if k != "generation"}
     broken = None
     if cur and not any(name == cur for _, name, _ in all_gens):
         broken = "its directory generations/%s is missing" % cur
@@ -538,6 +541,7 @@ def op_status(root, a):
         probe = verify = None
     return {"root": root, "current": cur, "lock": man.get("lock_name"), "since": since or man.get("created"),
             "broken": broken, "probe": probe, "verify": verify, "generations": len(all_gens),
+            "last_attempt": attempt if attempt and attempt["generation"] != cur else None,
             "ready": sum(1 for _, _, m in all_gens if m.get("status") in ("ready", "adopted")),
             "disk_bytes": disk_used(root) if os.path.isdir(root) else 0}
 

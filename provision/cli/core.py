@@ -22,8 +22,17 @@ from .common import (ForksOpt, HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHost
                      styled, targets, targets_and_args, writable)
 
 LockOpt = typer.Option(None, "--lock", "-l", help="lockfile (YAML)")
-SerialOpt = typer.Option(0, "--serial", min=0, help="fleet: hosts per batch, in inventory order; a failed batch stops "
-                                                     "the rollout (0, the default: all hosts in one batch)")
+SerialOpt = typer.Option("0", "--serial", metavar="N|N%[,...]",
+                         help="fleet: hosts per batch, in inventory order, as Ansible's serial: a count or a percentage "
+                              "of the fleet, or a list of them (1,25%,100%: one host, then a quarter of the fleet, "
+                              "then the rest), the last entry repeating; a batch with more failures than --max-fail "
+                              "stops the rollout (0, the default: all hosts in one batch)")
+MaxFailOpt = typer.Option("0", "--max-fail", metavar="N|N%",
+                          help="fleet: hosts of a batch (or percentage of it) that may fail; the batch fails when "
+                               "more fail, as Ansible's max_fail_percentage (unreachable hosts count)")
+RollbackOnFailOpt = typer.Option(False, "--rollback-on-fail",
+                                 help="fleet: when a batch fails, its hosts that switched go back to the generation "
+                                      "they were on (earlier batches stay; the summary prints how to roll them back)")
 
 
 class Installer(str, Enum):
@@ -72,20 +81,72 @@ class StepPrinter:
 
 
 class FleetPrinter:
-    """Live progress of a fleet run: one line per host and step as it starts and finishes."""
+    """Live progress of a fleet run: each batch as it starts; a line per host and step as it finishes; an
+    unreachable host as it is found. While steps run: on a terminal, one live line per host with its latest
+    progress (fetch, install); in logs, a host's progress lines at most every few seconds."""
+
+    EVERY = 5.0
 
     def __init__(self, quiet: bool, hosts: list[str]):
         self.quiet, self.width, self.lock = quiet, max(map(len, hosts), default=4), threading.Lock()
+        self.tty, self.live, self.running, self.last = err_console.is_terminal, None, {}, {}
+
+    def _print(self, text: str) -> None:
+        err_console.print(text, markup=False, soft_wrap=True, highlight=False)
+
+    def _show(self) -> None:   # the live lines: one per host with a step running (the lock is held)
+        from rich.console import Group
+
+        lines = [plain(f"  {h:<{self.width}}  … {line}") for h, line in self.running.items()]
+        if self.live is None and lines:
+            from rich.live import Live
+
+            self.live = Live(Group(*lines), console=err_console, transient=True, refresh_per_second=4)
+            self.live.start()
+        elif self.live is not None:
+            self.live.update(Group(*lines))
 
     def for_host(self, host: str):
         def progress(step: str, state: str, detail: str) -> None:
-            if self.quiet or state not in ("start", "done", "fail"):
+            if self.quiet:
                 return
-            mark = {"start": "…", "done": "✓", "fail": "✗"}[state]
+            now = time.monotonic()
             with self.lock:
-                err_console.print(f"  {host:<{self.width}}  {mark} {step:<10} {detail if state != 'start' else ''}",
-                                  markup=False, soft_wrap=True)
+                if state == "start":
+                    self.running[host] = step
+                elif state == "info":
+                    if self.tty:
+                        self.running[host] = f"{step}: {detail[:100]}"
+                    elif now - self.last.get(host, -self.EVERY) >= self.EVERY:
+                        self.last[host] = now
+                        self._print(f"  {host:<{self.width}}  · {step:<10} {detail}")
+                else:
+                    self.running.pop(host, None)
+                    self._print(f"  {host:<{self.width}}  {'✓' if state == 'done' else '✗'} {step:<10} {detail}")
+                if self.tty:
+                    self._show()
         return progress
+
+    def batch(self, b) -> None:
+        if not self.quiet and b.of > 1:
+            size = f"{b.entry} of the fleet" if b.entry.endswith("%") else "the rest" if b.entry == "0" else b.entry
+            with self.lock:
+                self._print(f"batch {b.number}/{b.of}: {' '.join(b.hosts)} ({size})")
+
+    def row(self, r) -> None:
+        """A host's row as it is known: said here when no step line says it (unreachable, stopped)."""
+        if self.quiet or r.stage not in ("connect", "halted"):
+            return
+        with self.lock:
+            self.running.pop(r.host, None)
+            what = "unreachable" if r.unreachable else "stopped"
+            self._print(f"  {r.host:<{self.width}}  ✗ {what:<10} {r.error.message}")
+
+    def close(self) -> None:
+        with self.lock:
+            if self.live is not None:
+                self.live.stop()
+                self.live = None
 
 
 def _reprobed(rep) -> str:
@@ -94,6 +155,50 @@ def _reprobed(rep) -> str:
     if not rep.plan or rep.plan.get("reuse") is None or rep.generation != rep.plan["reuse"] or step is None:
         return ""
     return f" (reuse probed in {step.seconds:.1f}s)"
+
+
+def _command(verb: str, inventory, key, known_hosts, root, timeout, forks, *more) -> list[str]:
+    """This command's fleet options as the operator gave them (those left at their defaults left out), for the
+    commands the summary prints."""
+    from ..transport import DEFAULT_KNOWN_HOSTS, TIMEOUT
+    from ..fleet import FORKS
+
+    return ["provision", verb, "-i", str(inventory),
+            *(["--known-hosts", str(known_hosts)] if Path(known_hosts) != Path(DEFAULT_KNOWN_HOSTS) else []),
+            *(["--key", str(key)] if key else []), *(["--root", root] if root else []),
+            *(["--timeout", f"{timeout:g}"] if timeout != TIMEOUT else []),
+            *(["--forks", str(forks)] if forks != FORKS else []), *map(str, more)]
+
+
+def _print_fleet(fleet, apply_cmd: list[str], rollback_cmd: list[str]) -> None:
+    """Each host's row, the counts, and when the rollout stopped: where each host is and the commands to go on."""
+    import shlex
+
+    reports = fleet.reports
+    width = max(len(r.host) for r in reports)
+    for r in reports:
+        err = (r.error or "").removeprefix(f"{r.host}: ")
+        back = f"back on {r.rollback['to']} in {r.rollback['seconds']:.2f}s; " if r.rollback else ""
+        console.print(f"  {r.host:<{width}}  {r.status:<14} {r.generation or ''} {back}{err}{_reprobed(r)}".rstrip())
+        for w in r.warnings:
+            err_console.print(f"warning: {r.host}: {w}", markup=False)
+    counts = {s: sum(r.status == s for r in reports) for s in ("applied", "noop", "failed", "not-attempted")}
+    counts.update({s: n for s in ("reused", "rolled-back", "stopped", "unreachable", "unknown")
+                   if (n := sum(r.status == s for r in reports))})
+    console.print("Fleet: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + ".")
+    if fleet.failed_batch is None:
+        return
+    b = fleet.batches[fleet.failed_batch - 1]
+    console.print(f"Stopped at batch {b.number}/{b.of}: {len(fleet.failed_hosts)} of {len(b.hosts)} hosts failed "
+                  f"({' '.join(fleet.failed_hosts)}), more than --max-fail {fleet.max_fail} allows.")
+    for state, hosts in fleet.by_state().items():
+        console.print(f"  {state}: {' '.join(hosts)}")
+    if fleet.resume:
+        console.print("Resume with the hosts not attempted:")
+        console.print("  " + shlex.join([*apply_cmd, "--limit", ",".join(fleet.resume)]))
+    if fleet.switched_before:
+        console.print("Roll back the earlier batches:")
+        console.print("  " + shlex.join([*rollback_cmd, "--limit", ",".join(fleet.switched_before)]))
 
 
 def _switched(out: dict) -> str:
@@ -162,16 +267,20 @@ def register(app: typer.Typer) -> None:
                                                      help="host: each host fetches what its store lacks; controller: "
                                                           "fetched once here (sha256-verified) and pushed to each "
                                                           "host by hash, so hosts build offline"),
-              serial: int = SerialOpt, forks: int = ForksOpt,
+              serial: str = SerialOpt, max_fail: str = MaxFailOpt, rollback_on_fail: bool = RollbackOnFailOpt,
+              forks: int = ForksOpt,
               json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
               limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
               timeout: float = TimeoutOpt,
               root: Optional[str] = RootOpt):
-        """One-command upgrade: build a new generation, patch, probe, switch `current`."""
+        """One-command upgrade: build a new generation, patch, probe, switch `current`; a fleet in batches."""
         from .. import apply as applymod, lock as lockmod
         from ..errors import ProvisionError
+        from ..fleet import parse_max_fail, parse_serial
         from ..plan import render_plan
         from ..transport import connect
+
+        batches, tolerance = parse_serial(serial), parse_max_fail(max_fail)
 
         saved = applymod.load_plans(plan_file) if plan_file else None
         if saved is None and lock is None:
@@ -184,21 +293,26 @@ def register(app: typer.Typer) -> None:
             printer = FleetPrinter(json_out, [t.name for t in ts])
             if not json_out:
                 err_console.print(f"apply {lk.name} → {len(ts)} hosts", markup=False)
-            reports = applymod.apply_fleet(ts, lk, serial=serial, forks=forks, adopt_path=adopt,
-                                           skip_probes=skip_probe, installer=installer.value if installer else None,
-                                           wheels_from=wheels_from.value, progress_for=printer.for_host,
-                                           saved_plans=by_host)
+            try:
+                fleet = applymod.apply_fleet(ts, lk, serial=batches, max_fail=tolerance,
+                                             rollback_on_fail=rollback_on_fail, forks=forks, adopt_path=adopt,
+                                             skip_probes=skip_probe, installer=installer.value if installer else None,
+                                             wheels_from=wheels_from.value, progress_for=printer.for_host,
+                                             on_row=printer.row, on_batch=printer.batch, saved_plans=by_host)
+            finally:
+                printer.close()
             if json_out:
-                print_json([r.to_json() for r in reports])
+                print_json(fleet.to_json())
             else:
-                width = max(len(r.host) for r in reports)
-                for r in reports:
-                    err = (r.error or "").removeprefix(f"{r.host}: ")
-                    console.print(f"  {r.host:<{width}}  {r.status:<14} {r.generation or ''} {err}{_reprobed(r)}")
-                counts = {s: sum(r.status == s for r in reports) for s in ("applied", "noop", "failed", "not-attempted")}
-                counts.update({s: n for s in ("reused", "unknown") if (n := sum(r.status == s for r in reports))})
-                console.print("Fleet: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + ".")
-            if any(r.status in ("failed", "unknown", "not-attempted") for r in reports):
+                again = [*(["--plan", plan_file] if plan_file else ["--lock", lock]),
+                         *(["--adopt", adopt] if adopt else []), *(a for p in skip_probe for a in ("--skip-probe", p)),
+                         *(["--installer", installer.value] if installer else []),
+                         *(["--wheels-from", wheels_from.value] if wheels_from != WheelsFrom.host else []),
+                         "--serial", serial, "--max-fail", max_fail,
+                         *(["--rollback-on-fail"] if rollback_on_fail else [])]
+                _print_fleet(fleet, _command("apply", inventory, key, known_hosts, root, timeout, forks, *again),
+                             _command("rollback", inventory, key, known_hosts, root, timeout, forks))
+            if not fleet.ok:
                 raise typer.Exit(1)
             return
         t = ts[0]
@@ -259,18 +373,22 @@ def register(app: typer.Typer) -> None:
                  dry_run: bool = typer.Option(False, "--dry-run", help="say where each host would switch; change nothing"),
                  force: bool = typer.Option(False, "--force",
                                             help="switch even to a generation that fails verification"),
-                 serial: int = SerialOpt, forks: int = ForksOpt,
+                 serial: str = SerialOpt, forks: int = ForksOpt,
                  json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
                  limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
                  timeout: float = TimeoutOpt,
                  root: Optional[str] = RootOpt):
         """Switch `current` back to the prior generation (atomic, offline, nothing reinstalled); fleets in batches."""
         from .. import generations
-        from ..fleet import rollout
+        from ..fleet import parse_serial, rollout
 
+        batches = parse_serial(serial)
         ts = targets(host, local, inventory, key, known_hosts, root, limit, timeout)
-        rows = rollout(ts, lambda tr: generations.rollback(tr, to, dry_run=dry_run, force=force), serial=serial,
-                       forks=forks)
+
+        def back(tr, gate):
+            gate()
+            return generations.rollback(tr, to, dry_run=dry_run, force=force)
+        rows = rollout(ts, back, serial=batches, forks=forks).rows
         if len(rows) == 1 and not rows[0].ok:
             raise rows[0].error
 
@@ -317,7 +435,8 @@ def register(app: typer.Typer) -> None:
                inventory: Optional[Path] = InventoryOpt, limit: Optional[str] = LimitOpt, forks: int = ForksOpt,
                key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
                timeout: float = TimeoutOpt, root: Optional[str] = RootOpt):
-        """One table for the fleet: current generation, lock, since when, last probe, generations, disk."""
+        """One table for the fleet: current generation, lock, since when, its last probe, the last probe of a generation
+        that did not become current (a failed or stopped attempt), generations, disk."""
         from .. import generations
         from ..fleet import each
 
@@ -451,22 +570,23 @@ def status_table(rows):
     from ..units import ago, human_size
 
     table = Table(title_justify="left")
-    for col in ("host", "current", "lock", "since", "last probe", "verified", "generations", "disk"):
+    for col in ("host", "current", "lock", "since", "last probe", "last attempt", "verified", "generations", "disk"):
         table.add_column(col, no_wrap=True)
     for r in rows:
         if not r.ok:
-            table.add_row(*(plain(c) for c in (r.host, "unreachable" if r.stage == "connect" else "error",
-                                               row_error(r).split(": ", 1)[1], "", "", "", "", "")))
+            table.add_row(*(plain(c) for c in (r.host, "unreachable" if r.unreachable else "error",
+                                               row_error(r).split(": ", 1)[1], "", "", "", "", "", "")))
             continue
         s = r.value
-        p = s.get("probe")
+        p, a = s.get("probe"), s.get("last_attempt")
         probe = f"{p['status']} ({p['time']})" if p else "broken" if s.get("broken") else "-"
+        attempt = f"{a['generation']}: probe {a['status']} ({a['time']})" if a else "-"
         v = s.get("verify")
         verified = f"{v['verdict']} ({ago(v['time'])}{', at build' if v.get('how') == 'build' else ''})" if v else \
             "broken" if s.get("broken") else "-"
         cur = (s.get("current") or "(none)") + (f" (broken: {s['broken']})" if s.get("broken") else "")
         table.add_row(*(plain(c) for c in (r.host, cur, s.get("lock") or "-",
-                                           s.get("since") or "-", probe, verified,
+                                           s.get("since") or "-", probe, attempt, verified,
                                            f"{s['generations']} ({s['ready']} runnable)", human_size(s["disk_bytes"]))))
     return table
 
