@@ -25,8 +25,8 @@ LockOpt = typer.Option(None, "--lock", "-l", help="lockfile (YAML)")
 SerialOpt = typer.Option("0", "--serial", metavar="N|N%[,...]",
                          help="fleet: hosts per batch, in inventory order, as Ansible's serial: a count or a percentage "
                               "of the fleet, or a list of them (1,25%,100%: one host, then a quarter of the fleet, "
-                              "then the rest), the last entry repeating; a batch with more failures than --max-fail "
-                              "stops the rollout (0, the default: all hosts in one batch)")
+                              "then the rest), the last entry repeating; a failed batch stops the rollout (0, the "
+                              "default: all hosts in one batch)")
 MaxFailOpt = typer.Option("0", "--max-fail", metavar="N|N%",
                           help="fleet: hosts of a batch (or percentage of it) that may fail; the batch fails when "
                                "more fail, as Ansible's max_fail_percentage (unreachable hosts count)")
@@ -88,7 +88,7 @@ class FleetPrinter:
     EVERY = 5.0
 
     def __init__(self, quiet: bool, hosts: list[str]):
-        self.quiet, self.width, self.lock = quiet, max(map(len, hosts), default=4), threading.Lock()
+        self.quiet, self.hosts, self.width, self.lock = quiet, hosts, max(map(len, hosts), default=4), threading.Lock()
         self.tty, self.live, self.running, self.last = err_console.is_terminal, None, {}, {}
 
     def _print(self, text: str) -> None:
@@ -97,20 +97,20 @@ class FleetPrinter:
     def _show(self) -> None:   # the live lines: one per host with a step running (the lock is held)
         from rich.console import Group
 
-        lines = [plain(f"  {h:<{self.width}}  … {line}") for h, line in self.running.items()]
+        lines = [plain(f"  {h:<{self.width}}  … {self.running[h]}") for h in self.hosts if h in self.running]
         if self.live is None and lines:
             from rich.live import Live
 
             self.live = Live(Group(*lines), console=err_console, transient=True, refresh_per_second=4)
             self.live.start()
         elif self.live is not None:
-            self.live.update(Group(*lines))
+            self.live.update(Group(*lines), refresh=True)
 
     def for_host(self, host: str):
         def progress(step: str, state: str, detail: str) -> None:
             if self.quiet:
                 return
-            now = time.monotonic()
+            now, line = time.monotonic(), None
             with self.lock:
                 if state == "start":
                     self.running[host] = step
@@ -119,12 +119,14 @@ class FleetPrinter:
                         self.running[host] = f"{step}: {detail[:100]}"
                     elif now - self.last.get(host, -self.EVERY) >= self.EVERY:
                         self.last[host] = now
-                        self._print(f"  {host:<{self.width}}  · {step:<10} {detail}")
+                        line = f"  {host:<{self.width}}  · {step:<10} {detail}"
                 else:
                     self.running.pop(host, None)
-                    self._print(f"  {host:<{self.width}}  {'✓' if state == 'done' else '✗'} {step:<10} {detail}")
-                if self.tty:
+                    line = f"  {host:<{self.width}}  {'✓' if state == 'done' else '✗'} {step:<10} {detail}"
+                if self.tty:       # the live lines first: a line printed under them redraws them
                     self._show()
+                if line:
+                    self._print(line)
         return progress
 
     def batch(self, b) -> None:
@@ -139,6 +141,8 @@ class FleetPrinter:
             return
         with self.lock:
             self.running.pop(r.host, None)
+            if self.tty:
+                self._show()
             what = "unreachable" if r.unreachable else "stopped"
             self._print(f"  {r.host:<{self.width}}  ✗ {what:<10} {r.error.message}")
 
