@@ -2,9 +2,10 @@
 
 Prints, measured in this one run (with the load average at its start and end): first apply, no-op apply, plan, rollback (host-side switch, library
 call and the operator's whole `provision rollback` command), re-applying the prior lock from scratch
-(fresh root, empty wheel cache), pushing a file by hash (MiB/s, controller CPU-s per GiB), and `plan`,
+(fresh root, empty wheel cache), pushing a file by hash (MiB/s, controller CPU-s per GiB), `plan`,
 `apply` and `apply --wheels-from controller` over 1 and N inventory hosts (fresh roots and caches), with
-the controller's CPU-seconds per added host; with their ratios.
+the controller's CPU-seconds per added host, and a canary rollout over N hosts whose second batch fails (the
+time from its first switch to the failing batch rolled back); with their ratios.
 Usage: python bench/core_bench.py [--json] [--repeat N] [--fleet N]
 """
 from __future__ import annotations
@@ -76,6 +77,7 @@ def main() -> None:
         tr2.close()
         if args.fleet:
             fig.update(fleet_figures(host, a, b, args.fleet))
+            fig.update(canary_figures(host, args.fleet))
     with LoopbackHost(login_rc=False) as clean:   # sessions whose login shell reads no rc file
         trust_host(clean.target)
         tr = connect(clean.target)
@@ -116,6 +118,14 @@ def main() -> None:
             cpu = (f"; controller CPU {c1:.2f} s / {cn:.2f} s = {(cn - c1) / max(1, n - 1):.3f} s per added host")
             print(f"`provision {name} -i` 1 host / {n} hosts  {one:6.2f} s / {many:6.2f} s   = {many / one:.2f}× one host"
                   + ("  (target ≤ 2×)" if verb == "plan" else "") + cpu)
+        sizes = "+".join(str(len(b)) for b in fig["canary_batches"])
+        print(f"canary rollout of {n} hosts ({sizes}), a probe failing in batch 2: first switch → failing batch "
+              f"rolled back {fig['canary_first_switch_to_rollback_s']:6.2f} s  (batch 2 "
+              f"{fig['canary_batch2_s']:.2f} s; from the failure known to the batch rolled back "
+              f"{fig['canary_failure_to_rollback_s']:.2f} s, the slowest host's rollback {fig['canary_rollback_s']:.2f} s; "
+              "rolled back "
+              f"{' '.join(fig['canary_rolled_back']) or '-'}; stopped before "
+              f"the switch: {' '.join(fig['canary_stopped']) or '-'}; {fig['canary_untouched']} hosts untouched)")
 
 
 def push_figures(tr, root: str, tmp: Path, mib: int) -> tuple[float, float]:
@@ -201,6 +211,69 @@ def fleet_figures(host, a, b, n: int) -> dict:
                                                             *extra, *(["--forks", str(n)] if verb == "apply" else []),
                                                             env=env)
     return fig
+
+def canary_figures(host, n: int) -> dict:
+    """`apply --serial 1,25%,100% --max-fail 0 --rollback-on-fail` over n inventory hosts (fresh roots on bench-b)
+    to a renamed bench-b, where the second batch holds a host with a GPU that wedges once queried: its
+    nvidia-smi (the recorded output of an H200) hangs for a few seconds, then fails the driver probe. Measures
+    the time from the rollout's first switch to the end of the failing batch's rollback (the call's return)."""
+    from provision.fleet import batches, parse_serial
+    from provision.inventory import load_inventory
+
+    t, d = host.target, Path(host.dir)
+    recorded = Path(__file__).resolve().parent.parent / "tests" / "data" / "h200" / "nvidia-smi-query.csv"
+    smi = d / "wedged" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\nd=$(dirname \"$0\")\n"
+                   "if [ -e \"$d/queried\" ]; then sleep 3; echo 'Unable to determine the device handle for GPU "
+                   "0000:00:06.0: Unknown Error'; exit 255; fi\n"
+                   f"[ -e \"$d/armed\" ] && touch \"$d/queried\"\ncat {recorded}\n")
+    smi.chmod(0o755)
+    names = [f"canary{i}" for i in range(n)]
+    groups = batches(names, parse_serial("1,25%,100%"))
+    bad = groups[1][-1] if len(groups) > 1 else names[-1]
+    inv = d / "canary.yml"
+    inv.write_text(f"all:\n  vars: {{ansible_host: {t.host}, ansible_port: {t.port}, ansible_user: {t.user}, "
+                   f"ansible_ssh_private_key_file: {t.key_file}}}\n  hosts:\n"
+                   + "".join(f"    {h}: {{provision_root: {host.root}-{h}"
+                             + (f", provision_nvidia_smi: {smi}" if h == bad else "") + "}\n" for h in names))
+    ts = load_inventory(inv, t.known_hosts)
+    before = lockmod.load(BENCH_B)
+    run = applymod.apply_fleet(ts, before, wheels_from="controller")
+    if not run.ok:
+        raise SystemExit(f"canary: the first apply failed: {[r.error for r in run.reports if r.error]}")
+    renamed = d / "bench-b-next.yaml"
+    renamed.write_text(BENCH_B.read_text().replace(f"name: {before.name}", "name: bench-b-next", 1))
+    (smi.parent / "armed").touch()
+    marks: dict[str, float] = {}
+
+    def progress_for(h):
+        def mark(step, state, detail):
+            if (step, state) == ("switch", "done"):
+                marks.setdefault("first_switch", time.perf_counter())
+        return mark
+
+    def on_batch(b):
+        marks[f"batch{b.number}"] = time.perf_counter()
+
+    def on_row(r):
+        if r.host == bad:
+            marks["failed"] = time.perf_counter()
+
+    run = applymod.apply_fleet(ts, lockmod.load(renamed), serial="1,25%,100%", max_fail="0", rollback_on_fail=True,
+                               wheels_from="controller", progress_for=progress_for, on_batch=on_batch, on_row=on_row)
+    end = time.perf_counter()
+    if run.failed_batch != 2:
+        raise SystemExit(f"canary: expected batch 2 to fail, got {run.failed_batch}")
+    rolled = [r for r in run.reports if r.status == "rolled-back"]
+    return {"canary_first_switch_to_rollback_s": end - marks["first_switch"], "canary_batch2_s": end - marks["batch2"],
+            "canary_failure_to_rollback_s": end - marks["failed"],
+            "canary_rollback_s": max((r.rollback["seconds"] for r in rolled), default=0.0),
+            "canary_rolled_back": [r.host for r in rolled],
+            "canary_stopped": [r.host for r in run.reports if r.status == "stopped"],
+            "canary_untouched": sum(r.status == "not-attempted" for r in run.reports),
+            "canary_batches": [b.hosts for b in run.batches]}
+
 
 if __name__ == "__main__":
     main()
