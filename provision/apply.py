@@ -361,17 +361,18 @@ class FleetReport:
         return [r.host for r in self.reports if r.status == "not-attempted"]
 
     @property
-    def switched_before(self) -> list[str]:
-        """Hosts of the batches before the failed one that switched (what "roll the earlier batches back" acts on)."""
+    def still_switched(self) -> list[str]:
+        """When the rollout stopped: the hosts that switched and stay so (the earlier batches', and the failed
+        batch's when it was not rolled back), which the summary's rollback command acts on."""
         if self.failed_batch is None:
             return []
-        return [r.host for r in self.reports if r.batch < self.failed_batch and r.status in ("applied", "reused")]
+        return [r.host for r in self.reports if r.status in ("applied", "reused")]
 
     def to_json(self) -> dict:
         return {"reports": [r.to_json() for r in self.reports],
                 "batches": [{"number": b.number, "hosts": b.hosts, "serial": b.entry} for b in self.batches],
                 "max_fail": self.max_fail, "failed_batch": self.failed_batch, "failed_hosts": self.failed_hosts,
-                "states": self.by_state(), "resume": self.resume, "roll_back": self.switched_before}
+                "states": self.by_state(), "resume": self.resume, "roll_back": self.still_switched}
 
 
 def apply_fleet(targets: list, lock: Lock, *, serial: str | list[str] = "0", max_fail: str = "0",

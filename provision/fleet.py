@@ -23,11 +23,12 @@ class Halted(ProvisionError):
 
 @dataclass
 class Row:
+    """One host's outcome. `stage`: "connect" (unreachable), "run" (the host's error), "halted" (stopped before
+    its commit point), "skipped" (not attempted) or "done"."""
     host: str
     value: Any = None
     error: ProvisionError | None = None
-    stage: str = "done"            # "connect" (unreachable), "run" (the host's error), "halted" (stopped before its
-    #                                commit point), "skipped" (not attempted), "done"
+    stage: str = "done"
     batch: int = 0                 # 1-based batch of a rollout (0 outside one)
     undo: Any = None               # what undoing this host's change returned (its batch failed)
     undo_error: ProvisionError | None = None

@@ -112,7 +112,7 @@ def test_failing_batch_goes_back_and_the_rollout_stops(fleet):
     lines = out.splitlines()
     resume = shlex.split(lines[lines.index("Resume with the hosts not attempted:") + 1])
     assert resume == ["provision", "apply", *common, *opts, "--limit", "h4,h5,h6,h7,h8"]
-    back = shlex.split(lines[lines.index("Roll back the earlier batches:") + 1])
+    back = shlex.split(lines[lines.index("Roll back the hosts that switched:") + 1])
     assert back == ["provision", "rollback", *common, "--limit", "h1"]
     p = cli(*back[1:], check=0)                                       # the printed command does what it says
     assert "Rolled back h1: current 0002-stack-b → 0001-stack-a" in p.stdout
@@ -126,11 +126,13 @@ def test_failing_batch_goes_back_and_the_rollout_stops(fleet):
     assert "last attempt" in table and "0002-stack-b: probe fail (" in table
 
 
-@pytest.mark.parametrize("partner,first", [("h7", "failure"), ("h6", "switch")])
-def test_in_flight_partner_of_a_failed_host(fleet, partner, first):
+@pytest.mark.parametrize("partner,first,back", [("h7", "failure", True), ("h6", "switch", True),
+                                                ("h5", "switch", False)])
+def test_in_flight_partner_of_a_failed_host(fleet, partner, first, back):
     """A host of the failing batch that has not switched when the batch fails stops before its switch (its
-    generation, probed, is kept for a later apply to reuse); one that switched first goes back. Each waits for
-    the other's event, so the order is certain."""
+    generation, probed, is kept for a later apply to reuse); one that switched first goes back, or without
+    --rollback-on-fail stays switched and is named for the rollback command. Each waits for the other's event,
+    so the order is certain."""
     inv, roots, common, b, smi = fleet
     arm(smi)
     failed, switched = threading.Event(), threading.Event()
@@ -146,12 +148,16 @@ def test_in_flight_partner_of_a_failed_host(fleet, partner, first):
                 switched.set()
         return wait
 
-    run = applymod.apply_fleet(ts, lockmod.load(b), rollback_on_fail=True, progress_for=progress_for,
+    run = applymod.apply_fleet(ts, lockmod.load(b), rollback_on_fail=back, progress_for=progress_for,
                                on_row=lambda r: r.host == BAD and failed.set())
     rep = {r.host: r for r in run.reports}
     assert rep[BAD].status == "failed" and run.failed_batch == 1 and run.failed_hosts == [BAD]
-    assert current(roots, partner) == "0001-stack-a" and rep[partner].current == "0001-stack-a"
     assert rep[partner].generation == "0002-stack-b"
+    if not back:
+        assert rep[partner].status == "applied" and current(roots, partner) == "0002-stack-b"
+        assert run.still_switched == [partner]
+        return
+    assert current(roots, partner) == "0001-stack-a" and rep[partner].current == "0001-stack-a"
     if first == "failure":
         assert rep[partner].status == "stopped" and not any(s.name == "switch" for s in rep[partner].steps)
         assert rep[partner].error == (f"{partner}: batch 1/1 had failed ({BAD}): stopped before its switch; current "
@@ -161,7 +167,7 @@ def test_in_flight_partner_of_a_failed_host(fleet, partner, first):
     else:
         assert rep[partner].status == "rolled-back" and rep[partner].error is None
         assert (rep[partner].rollback["from"], rep[partner].rollback["to"]) == ("0002-stack-b", "0001-stack-a")
-    assert run.resume == [] and run.switched_before == []
+    assert run.resume == [] and run.still_switched == []
 
 
 def test_tolerance_allows_a_failure(fleet):

@@ -181,9 +181,9 @@ def _print_fleet(fleet, apply_cmd: list[str], rollback_cmd: list[str]) -> None:
     reports = fleet.reports
     width = max(len(r.host) for r in reports)
     for r in reports:
-        err = (r.error or "").removeprefix(f"{r.host}: ")
-        back = f"back on {r.rollback['to']} in {r.rollback['seconds']:.2f}s; " if r.rollback else ""
-        console.print(f"  {r.host:<{width}}  {r.status:<14} {r.generation or ''} {back}{err}{_reprobed(r)}".rstrip())
+        said = [r.generation, f"back on {r.rollback['to']} in {r.rollback['seconds']:.2f}s" if r.rollback else None,
+                (r.error or "").removeprefix(f"{r.host}: ")]
+        console.print(f"  {r.host:<{width}}  {r.status:<14} {' '.join(x for x in said if x)}{_reprobed(r)}")
         for w in r.warnings:
             err_console.print(f"warning: {r.host}: {w}", markup=False)
     counts = {s: sum(r.status == s for r in reports) for s in ("applied", "noop", "failed", "not-attempted")}
@@ -200,9 +200,9 @@ def _print_fleet(fleet, apply_cmd: list[str], rollback_cmd: list[str]) -> None:
     if fleet.resume:
         console.print("Resume with the hosts not attempted:")
         console.print("  " + shlex.join([*apply_cmd, "--limit", ",".join(fleet.resume)]))
-    if fleet.switched_before:
-        console.print("Roll back the earlier batches:")
-        console.print("  " + shlex.join([*rollback_cmd, "--limit", ",".join(fleet.switched_before)]))
+    if fleet.still_switched:
+        console.print("Roll back the hosts that switched:")
+        console.print("  " + shlex.join([*rollback_cmd, "--limit", ",".join(fleet.still_switched)]))
 
 
 def _switched(out: dict) -> str:
