@@ -222,3 +222,38 @@ def test_unreachable_host_is_named_as_found(sshd, wheels, tmp_path):
         assert "unreachable" in next(line for line in table.splitlines() if "gone" in line), table
     finally:
         gone.cleanup()
+
+
+def test_terminal_view_is_one_live_line_per_host(monkeypatch):
+    """On a terminal, each host with a step running has one live line holding its latest progress (the lines in
+    inventory order); a finished step is printed above them; in logs the same progress is a line per host."""
+    import io
+
+    from rich.console import Console
+
+    from provision.cli import core
+
+    screen = io.StringIO()
+    monkeypatch.setattr(core, "err_console", Console(file=screen, force_terminal=True, width=120))
+    printer = core.FleetPrinter(False, ["h1", "h2"])
+    h1, h2 = printer.for_host("h1"), printer.for_host("h2")
+    h2("build", "start", "")
+    h1("build", "start", "")
+    h2("build", "info", "fetch 1/3 · 1.0 MB of ~3.0 MB · 2.0 MB/s, 1s left")
+    h1("build", "info", "install: Installed 3 packages")
+    frame = screen.getvalue().rsplit("\x1b[2K", 1)[1]                   # the last frame drawn
+    assert frame.splitlines() == ["  h1  … build: install: Installed 3 packages",
+                                  "  h2  … build: fetch 1/3 · 1.0 MB of ~3.0 MB · 2.0 MB/s, 1s left"], frame
+    h1("build", "done", "3 packages with uv")
+    frame = screen.getvalue().rsplit("\x1b[2K", 1)[1]                   # printed above the one line left
+    assert frame.splitlines() == ["  h1  ✓ build      3 packages with uv",
+                                  "  h2  … build: fetch 1/3 · 1.0 MB of ~3.0 MB · 2.0 MB/s, 1s left"], frame
+    printer.close()
+
+    screen = io.StringIO()
+    monkeypatch.setattr(core, "err_console", Console(file=screen, force_terminal=False, width=120))
+    printer = core.FleetPrinter(False, ["h1", "h2"])
+    for host in ("h1", "h2"):
+        printer.for_host(host)("build", "info", "fetch 1/3")
+        printer.for_host(host)("build", "info", "fetch 2/3")            # within a few seconds: not repeated
+    assert screen.getvalue().splitlines() == ["  h1  · build      fetch 1/3", "  h2  · build      fetch 1/3"]
