@@ -122,8 +122,8 @@ def main() -> None:
         print(f"canary rollout of {n} hosts ({sizes}), a probe failing in batch 2: first switch → failing batch "
               f"rolled back {fig['canary_first_switch_to_rollback_s']:6.2f} s  (batch 2 "
               f"{fig['canary_batch2_s']:.2f} s; from the failure known to the batch rolled back "
-              f"{fig['canary_failure_to_rollback_s']:.2f} s, the slowest host's rollback {fig['canary_rollback_s']:.2f} s; "
-              "rolled back "
+              f"{fig['canary_failure_to_rollback_s']:.2f} s, the slowest host's rollback "
+              f"{fig['canary_rollback_s']:.2f} s; rolled back "
               f"{' '.join(fig['canary_rolled_back']) or '-'}; stopped before "
               f"the switch: {' '.join(fig['canary_stopped']) or '-'}; {fig['canary_untouched']} hosts untouched)")
 

@@ -23,10 +23,10 @@ from .common import (ForksOpt, HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHost
 
 LockOpt = typer.Option(None, "--lock", "-l", help="lockfile (YAML)")
 SerialOpt = typer.Option("0", "--serial", metavar="N|N%[,...]",
-                         help="fleet: hosts per batch, in inventory order, as Ansible's serial: a count or a percentage "
-                              "of the fleet, or a list of them (1,25%,100%: one host, then a quarter of the fleet, "
-                              "then the rest), the last entry repeating; a failed batch stops the rollout (0, the "
-                              "default: all hosts in one batch)")
+                         help="fleet: hosts per batch, in inventory order, as Ansible's serial: a count or a "
+                              "percentage of the fleet, or a list of them (1,25%,100%: one host, then a quarter of the "
+                              "fleet, then the rest), the last entry repeating; a failed batch stops the rollout (0, "
+                              "the default: all hosts in one batch)")
 MaxFailOpt = typer.Option("0", "--max-fail", metavar="N|N%",
                           help="fleet: hosts of a batch (or percentage of it) that may fail; the batch fails when "
                                "more fail, as Ansible's max_fail_percentage (unreachable hosts count)")
