@@ -1,7 +1,7 @@
 """Canary rollouts: batches as Ansible's serial (1,25%,100%), a tolerance per batch (--max-fail), a failing batch
 rolled back by itself (--rollback-on-fail), hosts of a failed batch stopped before their switch, and a fleet
 view that tells the truth (a failed probe is ✗, per-host progress, unreachable hosts as found, status's last
-attempt). Eight inventory hosts share the session's sshd, each with its own root; the one whose probe fails
+attempt). Eight inventory hosts share one loopback sshd, each with its own root; the one whose probe fails
 has a GPU whose driver stops answering (nvidia-smi's recorded real output, then its error)."""
 from __future__ import annotations
 
