@@ -40,7 +40,8 @@ def logs(t: Transport, gen_id: str, tail: int = 65536) -> dict:
 
 def gc(t: Transport, keep: int = 3, dry_run: bool = False) -> dict:
     """Collect old and failed generations and unreferenced cache entries on the host (under its lock),
-    then the controller's run directories of the generations removed."""
+    then the controller's run directories of the generations removed. `bytes` is what the host freed (each
+    inode once, and only when no link to it is left); `shared_bytes` what stays linked from elsewhere."""
     import shutil
     from pathlib import Path
 
@@ -50,7 +51,7 @@ def gc(t: Transport, keep: int = 3, dry_run: bool = False) -> dict:
     out["run_dirs"] = []
     for g in out["generations"]:
         rd = g.get("run_dir")
-        if rd and Path(rd).resolve().parent == RUNS.resolve() and Path(rd).is_dir():
+        if rd and (dry_run or g.get("removed")) and Path(rd).resolve().parent == RUNS.resolve() and Path(rd).is_dir():
             out["run_dirs"].append(rd)
             if not dry_run:
                 shutil.rmtree(rd, ignore_errors=True)

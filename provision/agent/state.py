@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import time
 
 from .host import AgentError, current, ensure_root, generations as gens, read_json, try_lock
@@ -184,7 +185,7 @@ def op_switch(root, a):
     man = read_json(os.path.join(gdir, "manifest.json"), None)
     if man is None:
         return {"error": "no generation %s under %s" % (gen_id, root)}
-    if man.get("status") in ("failed", "abandoned", "building", "built"):
+    if man.get("status") in ("failed", "abandoned", "building", "built", "removing"):
         return {"error": "generation %s is %s: never switched to" % (gen_id, man.get("status"))}
     if not os.path.exists(os.path.join(gdir, "venv", "bin", "python")):
         return {"error": "generation %s has no venv/bin/python: not runnable" % gen_id}
@@ -237,7 +238,7 @@ def op_recover(root, a):
     """Settle what an interrupted run left (the caller holds the host lock): a generation `switching` that
     `current` names is committed (manifest and history repaired); one left building/built/verified, or
     switching but not current, is abandoned and its venv removed; failed ones lose their venv; temp
-    files and partial downloads in the cache (`.part-`) go."""
+    files, partial downloads in the cache (`.part-`) and what an interrupted gc set aside (.trash) go."""
     cur = current(root)
     out = {"abandoned": [], "repaired": [], "freed": [], "removed_tmp": [], "removed_partial": [], "errors": []}
     for d in [root] + [os.path.join(root, "generations", g) for _, g, _ in gens(root)]:
@@ -256,6 +257,8 @@ def op_recover(root, a):
                     out["removed_partial"].append(os.path.join(d, f))
                 except OSError as e:
                     out["errors"].append(oserr(e))
+    out["trash_bytes"], errs = empty_trash(root)    # what an interrupted gc set aside
+    out["errors"] += errs
     out["settled"] = []
     for _, gen_id, man in gens(root):
         status = man.get("status")
@@ -286,6 +289,9 @@ def op_recover(root, a):
                               {"event": "abandoned", "generation": gen_id, "was": status or "incomplete"})
                 out["abandoned"].append(gen_id)
                 out["errors"] += ["%s: %s" % (gen_id, f) for f in failed]
+            elif status == "removing" and gen_id != cur:   # a gc that could not set it aside, interrupted
+                shutil.rmtree(os.path.join(root, "generations", gen_id))
+                out["freed"].append(gen_id)
             elif status in ("failed", "abandoned") and os.path.lexists(venv) and gen_id != cur:
                 remove_venv(root, gen_id)
                 out["freed"].append(gen_id)
@@ -307,25 +313,58 @@ def partial_dirs(root):
 
 
 RUNNABLE = ("ready", "adopted")
+SWITCHES = ("apply", "switch", "rollback")     # the events of a rename of `current` (op_switch's kinds, rollback)
 
 
-def rollback_target(all_gens, cur):
-    """What a plain `rollback` returns to: the newest runnable generation below `current`."""
+def switches(root):
+    """(from, to) of every recorded switch of `current`, oldest first (history read through `events`)."""
+    return [(ev.get("from"), ev["to"]) for ev in events(root)
+            if ev.get("event") in SWITCHES and isinstance(ev.get("to"), str) and "from" in ev]
+
+
+def rollback_target(root, all_gens, cur):
+    """What a plain `rollback` returns to: (generation or None, [(id, why) skipped]). The generation that was
+    current before the last switch to `current` (an apply that reused an older generation included); when that
+    one is no longer runnable, the one current before it, and so on back through history. A host whose
+    history records no switch to `current` falls back to the newest runnable generation below it."""
     if cur is None:
-        return None
-    cur_n = int(cur.split("-", 1)[0])
-    older = [g for g in all_gens if g[0] < cur_n and g[2].get("status") in RUNNABLE]
-    return older[-1] if older else None
+        return None, []
+    by_id = {g[1]: g for g in all_gens}
+    sw = switches(root)
+    last = max((i for i, (_, to) in enumerate(sw) if to == cur), default=None)
+    if last is None:
+        cur_n = id_number(cur)
+        older = [g for g in all_gens if g[0] < cur_n and runnable(root, g)]
+        return (older[-1] if older else None), []
+    skipped, seen = [], {cur}
+    for frm, _ in reversed(sw[:last + 1]):
+        if not isinstance(frm, str) or frm in seen:
+            continue
+        seen.add(frm)
+        g = by_id.get(frm)
+        if g is not None and runnable(root, g):
+            return g, skipped
+        skipped.append((frm, "removed" if g is None else "no venv/bin/python" if g[2].get("status") in RUNNABLE
+                        else g[2].get("status") or "incomplete"))
+    return None, skipped
+
+
+def runnable(root, g):
+    """Whether generation (number, id, manifest) can be switched to: ready or adopted, its interpreter there."""
+    return g[2].get("status") in RUNNABLE and os.path.exists(os.path.join(root, "generations", g[1], "venv", "bin",
+                                                                           "python"))
 
 
 def op_gc(root, a):
     """Remove failed/abandoned generations, runnable ones beyond the newest `keep`, and cache entries (wheels,
     uv's unpacked wheels) no remaining generation needs; never `current` nor what `rollback` returns to.
-    Takes the host lock."""
+    Each is first renamed aside into <root>/.trash (atomic: never a half-deleted generation under
+    generations/), then its files are deleted in parallel. `bytes` is what the removal frees: each inode once,
+    and only when every link it has is among the files removed. Takes the host lock."""
     recovered = op_recover(root, a) if not a.get("dry_run") else None
     cur = current(root)
     all_gens = gens(root)
-    back = rollback_target(all_gens, cur)
+    back, _ = rollback_target(root, all_gens, cur)
     protected = {cur, back[1] if back else None}
     runnable = [g for g in all_gens if g[2].get("status") in RUNNABLE and g[1] not in protected]
     keep = max(0, int(a.get("keep", 3)) - len([p for p in protected if p]))
@@ -341,41 +380,202 @@ def op_gc(root, a):
         needed |= set(re.findall(r"--hash=sha256:([0-9a-f]{64})", text))
         dists |= {wheel_dist(f) for f in re.findall(r"/([^/\s]+\.whl) --hash=", text)}
     out = {"dry_run": bool(a.get("dry_run")), "current": cur, "rollback_target": back[1] if back else None,
-           "generations": [], "cache": [], "bytes": 0, "errors": [], "recovered": recovered}
+           "generations": [], "cache": [], "uv_cache": [], "bytes": 0, "shared_bytes": 0, "errors": [],
+           "recovered": recovered}
+    items = []    # (the list in `out` it is reported in, its entry, its path, its name in the trash)
     for _, gen_id, man in doomed:
-        path = os.path.join(root, "generations", gen_id)
-        size = disk_used(path)
-        out["generations"].append({"id": gen_id, "status": man.get("status"), "bytes": size,
-                                   "run_dir": man.get("run_dir")})
-        out["bytes"] += size
+        entry = {"id": gen_id, "status": man.get("status"), "run_dir": man.get("run_dir")}
+        items.append(("generations", entry, os.path.join(root, "generations", gen_id), "gen-" + gen_id))
     cache = os.path.join(root, "cache", "wheels")
     for sha in sorted(os.listdir(cache)) if os.path.isdir(cache) else []:
         if sha not in needed:
-            size = disk_used(os.path.join(cache, sha))
-            out["cache"].append({"sha256": sha, "bytes": size})
-            out["bytes"] += size
-    out["uv_cache"] = unused_uv_archives(root, dists)
-    out["bytes"] += sum(u["bytes"] for u in out["uv_cache"])
+            items.append(("cache", {"sha256": sha}, os.path.join(cache, sha), "wheel-" + sha))
+    for name in unused_uv_archives(root, dists):
+        items.append(("uv_cache", {"archive": name}, os.path.join(root, "cache", "uv", "archive-v0", name),
+                      "uv-" + name))
+    for kind, entry, _, _ in items:
+        out[kind].append(entry)
     if a.get("dry_run"):
+        account(out, items, survey([path for _, _, path, _ in items]))
         return out
-    for g in out["generations"]:
-        path = os.path.join(root, "generations", g["id"])
+    t0 = time.monotonic()
+    free0 = fs_free(root)
+    trash, paths = set_aside(root, items, out["errors"])
+    sv = survey(paths)
+    removed = remove_surveyed(sv, int(a.get("jobs") or 16), out["errors"])
+    account(out, items, sv, removed)
+    for d in (trash, os.path.dirname(trash)):    # this run's trash, then .trash itself when nothing else is there
         try:
-            remove_venv(root, g["id"])
-            shutil.rmtree(path)
-        except OSError as e:
-            out["errors"].append(oserr(e))
-    for c in out["cache"]:
-        shutil.rmtree(os.path.join(cache, c["sha256"]), ignore_errors=True)
-    for u in out["uv_cache"]:
-        shutil.rmtree(os.path.join(root, "cache", "uv", "archive-v0", u["archive"]), ignore_errors=True)
+            os.rmdir(d)
+        except OSError:
+            break
+    out["seconds"] = round(time.monotonic() - t0, 3)
+    out["fs_freed"] = fs_free(root) - free0       # the filesystem's own figure (others may write meanwhile)
     try:
-        record(root, {"event": "gc", "removed": [g["id"] for g in out["generations"]],
+        record(root, {"event": "gc", "removed": [g["id"] for g in out["generations"] if g.get("removed")],
                       "cache_entries": len(out["cache"]), "uv_cache_entries": len(out["uv_cache"]),
-                      "bytes": out["bytes"]})
+                      "bytes": out["bytes"], "shared_bytes": out["shared_bytes"]})
     except OSError as e:
         out["errors"].append("history: " + oserr(e))
     return out
+
+
+TRASH = ".trash"     # <root>/.trash: what gc set aside and is deleting; `recover` finishes what is left
+
+
+def fs_free(root):
+    st = os.statvfs(root)
+    return st.f_bavail * st.f_frsize
+
+
+def set_aside(root, items, errors):
+    """Rename each item into a fresh directory under <root>/.trash (one rename each, atomic). A generation
+    that cannot be renamed there is first marked `removing` (never runnable again), then deleted in place.
+    Returns (the trash directory of this run, the paths to delete in the order of `items`)."""
+    trash = os.path.join(root, TRASH, "gc-%d-%d" % (os.getpid(), time.time() * 1e6))
+    os.makedirs(trash)
+    paths = []
+    for kind, entry, path, name in items:
+        dest = os.path.join(trash, name)
+        try:
+            os.rename(path, dest)
+        except OSError as e:
+            if kind == "generations":
+                try:
+                    update_manifest(root, entry["id"], {"status": "removing", "reason": "gc: " + oserr(e)})
+                except OSError as e2:
+                    errors.append("%s: %s" % (entry["id"], oserr(e2)))
+                    paths.append(None)
+                    continue
+            dest = path
+        paths.append(dest)
+    if os.path.isdir(os.path.join(root, "generations")):
+        fsync_dir(os.path.join(root, "generations"))
+    return trash, paths
+
+
+def survey(paths):
+    """One walk of each path (symlinks not followed): {paths, dirs: [[dir] per path], files: [[(dir, [(name,
+    inode key)])] per path], keys: [[inode key of every entry] per path], inodes: {(st_dev, st_ino): (st_nlink,
+    bytes on disk, links seen)}}. A directory's own blocks count as an inode of one link."""
+    inodes, out = {}, {"paths": paths, "dirs": [], "files": [], "keys": [], "inodes": None}
+
+    def note(st):
+        key = (st.st_dev, st.st_ino)
+        n, b, seen = inodes.get(key, (1 if stat.S_ISDIR(st.st_mode) else st.st_nlink, st.st_blocks * 512, 0))
+        inodes[key] = (n, b, seen + 1)
+        keys.append(key)
+        return key
+
+    for path in paths:
+        dirs, files_by_dir, keys = [], [], []
+        try:
+            top = os.lstat(path) if path else None
+        except OSError:
+            top = None
+        if top is not None and not stat.S_ISDIR(top.st_mode):
+            files_by_dir.append((os.path.dirname(path), [(os.path.basename(path), note(top))]))
+        stack = [path] if top is not None and stat.S_ISDIR(top.st_mode) else []
+        while stack:
+            d = stack.pop()
+            try:
+                note(os.lstat(d))
+                entries = list(os.scandir(d))
+            except OSError:
+                continue
+            dirs.append(d)
+            here = []
+            for e in entries:
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append(e.path)
+                else:
+                    here.append((e.name, note(st)))
+            if here:
+                files_by_dir.append((d, here))
+        out["dirs"].append(dirs)
+        out["files"].append(files_by_dir)
+        out["keys"].append(keys)
+    out["inodes"] = inodes
+    return out
+
+
+def remove_surveyed(sv, jobs, errors):
+    """Delete what `survey` walked: every directory's files in parallel (`jobs` threads), then the
+    directories, deepest first. Returns {inode key: links removed}."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def unlink_all(item):
+        d, names = item
+        done, errs = [], []
+        for name, key in names:
+            try:
+                os.unlink(os.path.join(d, name))
+                done.append(key)
+            except FileNotFoundError:
+                done.append(key)
+            except OSError as e:
+                errs.append(oserr(e))
+        return done, errs
+
+    work = [item for per_path in sv["files"] for item in per_path]
+    removed = {}
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(work) or 1))) as pool:
+        for done, errs in pool.map(unlink_all, work):
+            for key in done:
+                removed[key] = removed.get(key, 0) + 1
+            errors += errs[:3]
+    for dirs in sv["dirs"]:
+        for d in sorted(dirs, key=lambda p: p.count(os.sep), reverse=True):
+            try:
+                st = os.lstat(d)
+                os.rmdir(d)
+                removed[(st.st_dev, st.st_ino)] = 1
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                if len(errors) < 10:
+                    errors.append(oserr(e))
+    return removed
+
+
+def empty_trash(root, jobs=16):
+    """Delete what an earlier gc set aside under <root>/.trash and did not finish (nothing there is a
+    generation any more), .trash included. Returns (bytes freed, [errors])."""
+    base = os.path.join(root, TRASH)
+    if not os.path.isdir(base) or os.path.islink(base):
+        return 0, []
+    errors = []
+    sv = survey([base])
+    removed = remove_surveyed(sv, jobs, errors)
+    return sum(size for k, (n, size, _) in sv["inodes"].items() if removed.get(k, 0) >= n), errors
+
+
+def account(out, items, sv, removed=None):
+    """Each item's `bytes`: what removing it frees (an inode counted once, in the first item that holds it,
+    and only when every one of its links is removed); `shared_bytes`: what stays because a link lives on
+    outside. With `removed` (links actually deleted, per inode) the figures are those of what was done;
+    without, of what would be (a dry run)."""
+    inodes, counted = sv["inodes"], set()
+    for (kind, entry, _, _), path, keys in zip(items, sv["paths"], sv["keys"]):
+        freed = shared = 0
+        for k in keys:
+            if k in counted:
+                continue
+            counted.add(k)
+            nlink, size, seen = inodes[k]
+            if (removed.get(k, 0) if removed is not None else seen) >= nlink:
+                freed += size
+            else:
+                shared += size
+        entry["bytes"], entry["shared_bytes"] = freed, shared
+        if removed is not None:
+            entry["removed"] = path is not None and not os.path.lexists(path)
+        out["bytes"] += freed
+        out["shared_bytes"] += shared
 
 
 def op_logs(root, a):
@@ -417,9 +617,10 @@ def op_rollback(root, a):
         if target[2].get("status") not in ("ready", "adopted"):
             return {"error": "generation %s is %s, not runnable" % (target[1], target[2].get("status"))}
     else:
-        target = rollback_target(all_gens, before)
+        target, skipped = rollback_target(root, all_gens, before)
         if target is None:
-            return {"error": "no earlier runnable generation before %s" % before}
+            why = "; history names %s" % ", ".join("%s (%s)" % s for s in skipped) if skipped else ""
+            return {"error": "no earlier runnable generation to roll back to from %s%s" % (before, why)}
     if target[1] == before:
         return {"from": before, "to": before, "noop": True}
     forward = target[0] > int(before.split("-", 1)[0])
@@ -500,9 +701,9 @@ def wheel_dist(filename):
 
 
 def unused_uv_archives(root, dists):
-    """[{archive, bytes}] of uv's unpacked wheels (cache/uv/archive-v0/*) whose distribution (its dist-info's
-    name and version) no kept generation's requirements name. Generations own copies of their files, so an
-    archive is only what makes the next install of the same wheel fast."""
+    """The names of uv's unpacked wheels (cache/uv/archive-v0/*) whose distribution (its dist-info's name and
+    version) no kept generation's requirements name. Generations own copies of their files, so an archive is
+    only what makes the next install of the same wheel fast."""
     base = os.path.join(root, "cache", "uv", "archive-v0")
     if not os.path.isdir(base):
         return []
@@ -513,7 +714,7 @@ def unused_uv_archives(root, dists):
             continue
         infos = [e[:-len(".dist-info")] for e in os.listdir(path) if e.endswith(".dist-info")]
         if infos and all(wheel_dist(i) not in dists for i in infos):
-            out.append({"archive": name, "bytes": disk_used(path)})
+            out.append(name)
     return out
 
 

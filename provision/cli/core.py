@@ -490,17 +490,7 @@ def register(app: typer.Typer) -> None:
 
         rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit, timeout),
                           lambda tr: applymod.gc(tr, keep=keep, dry_run=dry_run), forks)
-        verb = "would remove" if dry_run else "removed"
-
-        def show(r):
-            out = r.value
-            for g in out["generations"]:
-                console.print(f"  - {g['id']:<32} {g['status']:<10} {g['bytes'] / 2**20:9.1f} MiB")
-            console.print(f"{r.host}: {verb} {len(out['generations'])} generations, {len(out['cache'])} cache entries, "
-                          f"{len(out.get('uv_cache', []))} unpacked wheels of uv's cache, "
-                          f"{len(out['run_dirs'])} run dirs, {out['bytes'] / 2**20:.1f} MiB; kept current "
-                          f"{out['current'] or '(none)'} and rollback target {out['rollback_target'] or '(none)'}.")
-        print_rows(rows, show, json_out)
+        print_rows(rows, lambda r: console.print(gc_text(r.host, r.value), markup=False), json_out)
         exit_for(rows)
 
     @app.command()
@@ -547,6 +537,29 @@ def register(app: typer.Typer) -> None:
         run_demo(say=lambda text: console.print(text), progress=StepPrinter(False),
                  show_history=lambda h, name: console.print(history_table(h, name)),
                  show_probes=_print_probes, keep=keep, torch_wheel=torch_wheel)
+
+
+def gc_text(host: str, out: dict) -> str:
+    """gc's report: each generation with what removing it frees (and what stays, linked from elsewhere), then
+    one line of totals and what was kept."""
+    from ..units import human_size
+
+    verb = "would free" if out["dry_run"] else "freed"
+    lines = []
+    for g in out["generations"]:
+        shared = f" (+{human_size(g['shared_bytes'])} still linked elsewhere)" if g.get("shared_bytes") else ""
+        left = "" if out["dry_run"] or g.get("removed", True) else "  NOT REMOVED"
+        lines.append(f"  - {g['id']:<32} {g['status'] or '?':<10} {human_size(g['bytes']):>10}{shared}{left}")
+    took = f" in {out['seconds']:.1f}s" if out.get("seconds") is not None else ""
+    lines.append(f"{host}: {verb} {human_size(out['bytes'])}{took}: {len(out['generations'])} generations, "
+                 f"{len(out['cache'])} cached wheels, {len(out.get('uv_cache', []))} unpacked wheels of uv's cache, "
+                 f"{len(out['run_dirs'])} run dirs"
+                 + (f" ({human_size(out['shared_bytes'])} stays: its files have links outside)"
+                    if out.get("shared_bytes") else "")
+                 + f"; kept current {out['current'] or '(none)'} and rollback target "
+                   f"{out['rollback_target'] or '(none)'}.")
+    lines += [f"error: {host}: {e}" for e in out.get("errors") or []]
+    return "\n".join(lines)
 
 
 def history_table(h: dict, host: str):
