@@ -149,18 +149,19 @@ def adopt_host(transport: Transport, prefix: str) -> dict:
 def apply(transport: Transport, lock: Lock, *, saved_plan: Plan | None = None, adopt_path: str | None = None,
           skip_probes: list[str] | None = None, installer: str | None = None, wheels_from: str | None = None,
           progress: Progress | None = None, on_plan: Callable[[Plan], None] | None = None,
-          gate: Callable[[], None] | None = None) -> ApplyReport:
+          gate: Callable[[], None] | None = None, interpreter: str | None = None) -> ApplyReport:
     """One-command upgrade: exactly what `make_plan` says (noop, reuse or build). `on_plan` receives the plan
     before anything is changed; `gate` is called under the host lock just before `current` moves, and a
     fleet.Halted it raises stops the apply there (status "stopped"; a new generation is kept, probed and
-    runnable, for a later apply to reuse). Raises ProvisionError on failure, with the full report as `.report`."""
+    runnable, for a later apply to reuse); `interpreter` (--python PATH) is the host's Python a build uses.
+    Raises ProvisionError on failure, with the full report as `.report`."""
     t_start = time.perf_counter()
     report = ApplyReport(host=transport.target.name, lock_name=lock.name)
     try:
         with transport.hold(layout.of(transport).lock_file):
             _apply(transport, lock, report, _Steps(report, progress), saved_plan=saved_plan, adopt_path=adopt_path,
                    skip=list(skip_probes or []), installer=installer, wheels_from=wheels_from, on_plan=on_plan,
-                   progress=progress, gate=gate)
+                   progress=progress, gate=gate, interpreter=interpreter)
     except ProvisionError as e:
         if report.status not in ("unknown", "stopped"):
             report.status = "failed"
@@ -174,12 +175,12 @@ def apply(transport: Transport, lock: Lock, *, saved_plan: Plan | None = None, a
 
 
 def _apply(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps, *, saved_plan, adopt_path,
-           skip: list[str], installer, wheels_from, on_plan, progress, gate) -> None:
+           skip: list[str], installer, wheels_from, on_plan, progress, gate, interpreter) -> None:
     report.recovered = steps.run("recover", _recover, transport)
-    facts = steps.run("facts", gather, transport, python=lock.platform.python)
+    facts = steps.run("facts", gather, transport, python=lock.platform.python, interpreter=interpreter)
     if adopt_path and not facts.get("generations"):
         steps.run("adopt", adopt, transport, adopt_path, facts)
-        facts = gather(transport, python=lock.platform.python)
+        facts = gather(transport, python=lock.platform.python, interpreter=interpreter)
     if saved_plan is not None:
         if saved_plan.host != facts["host"] or saved_plan.facts_digest != facts_digest(facts):
             raise PlanError("the host changed since this plan was made; plan again", where=facts["host"])
@@ -426,8 +427,8 @@ def apply_fleet(targets: list, lock: Lock, *, serial: str | list[str] = "0", max
     return FleetReport(reports, run.batches, run.max_fail, run.failed_batch, run.failed_hosts)
 
 
-def plan(transport: Transport, lock: Lock) -> Plan:
-    return make_plan(gather(transport, python=lock.platform.python), lock)
+def plan(transport: Transport, lock: Lock, interpreter: str | None = None) -> Plan:
+    return make_plan(gather(transport, python=lock.platform.python, interpreter=interpreter), lock)
 
 
 def rollback(transport: Transport, to: str | None = None, dry_run: bool = False, force: bool = False) -> dict:

@@ -9,13 +9,38 @@ from .layout import DEFAULT_ROOT, root_of  # noqa: F401  (re-exported: the root 
 from .transport import Transport
 
 
-def gather(transport: Transport, *, python: str | None = None, adopt: str | None = None) -> dict:
-    """The host's facts; `python` ("3.12", a lock's) narrows the interpreters looked for to that version."""
+def gather(transport: Transport, *, python: str | None = None, adopt: str | None = None,
+           interpreter: str | None = None) -> dict:
+    """The host's facts; `python` ("3.12", a lock's) narrows the interpreters looked for to that version, and
+    `interpreter` (the operator's --python PATH) is then the only one tried."""
     payload = {"root": root_of(transport), "python": python, "adopt": adopt,
                "nvidia_smi": transport.target.vars.get("provision_nvidia_smi")}
+    if interpreter is not None:
+        payload["interpreter"] = interpreter_arg(interpreter)
     facts = transport.run_agent("facts", payload)
     facts["host"] = transport.target.name
     return facts
+
+
+def interpreter_arg(path: str | None) -> str | None:
+    """The operator's --python PATH: an absolute path, nothing a shell or a path join could read otherwise
+    (InputError naming --python); it is only ever one argv element on the host."""
+    from .errors import InputError
+
+    if path is None:
+        return None
+    if not (path.startswith("/") and "\0" not in path and "\n" not in path and ".." not in path.split("/")):
+        raise InputError(f"must be an absolute path to an interpreter on the host, not {path!r}", where="--python")
+    return path
+
+
+def interpreter_of(facts: dict, version: str) -> str | None:
+    """The host's interpreter for Python `version` as facts report it (a fact from the host): an absolute
+    path without NUL, newline or `..`, else None."""
+    path = (facts.get("pythons") or {}).get(version)
+    if isinstance(path, str) and path.startswith("/") and not {"\0", "\n"} & set(path) and ".." not in path.split("/"):
+        return path
+    return None
 
 
 def env_paths(path: str) -> tuple[str, str]:

@@ -1,7 +1,8 @@
 """Host agent (stdlib only): every fact a plan needs, gathered in one run, printed as one JSON line.
 
-Payload: {root, python?: X.Y, adopt?: PYTHON, nvidia_smi?: CMD}. Facts: OS, pythons (python X.Y only when
-given, else every python3.X), uv, disk, GPUs and driver (nvidia-smi), CUDA toolkits, generations, `current`.
+Payload: {root, python?: X.Y, interpreter?: PATH, adopt?: PYTHON, nvidia_smi?: CMD}. Facts: OS, pythons (X.Y only
+when given, PATH only when given, else every python3.X in the usual places), uv, disk, GPUs and driver
+(nvidia-smi), CUDA toolkits, generations, `current`.
 """
 import glob
 import os
@@ -34,25 +35,80 @@ def run_isolated(python, script, timeout=60):
     return sh([python, "-I", "-c", script], timeout=timeout, env=CLEAN_ENV, cwd="/")
 
 
-def pythons(want=None):
-    """Interpreters that run, by minor version: this one, then python3.X on PATH, executed (a broken shim
-    is listed under `broken_pythons` with why, not offered to a lock). With `want` ("3.12") only that
-    version is looked for, and nothing is started when this interpreter is it."""
+def uv_python_dirs():
+    """Where uv keeps the Pythons it manages: $UV_PYTHON_INSTALL_DIR, $XDG_DATA_HOME/uv/python,
+    ~/.local/share/uv/python (the ones that are set, once each)."""
+    home = os.path.expanduser("~")
+    dirs = [os.environ.get("UV_PYTHON_INSTALL_DIR"),
+            os.path.join(os.environ["XDG_DATA_HOME"], "uv", "python") if os.environ.get("XDG_DATA_HOME") else None,
+            os.path.join(home, ".local", "share", "uv", "python") if home.startswith("/") else None]
+    out = []
+    for d in dirs:
+        if d and os.path.isabs(d) and d not in out:
+            out.append(d)
+    return out
+
+
+def _patch_level(path):
+    m = re.search(r"cpython-3\.\d+\.(\d+)", path)
+    return int(m.group(1)) if m else -1
+
+
+def candidates(minor):
+    """python3.X in the usual places, in order: on PATH, /usr/bin, /usr/local/bin, then uv-managed Pythons
+    (newest patch release first). Returns (existing paths, [where it looked])."""
+    name = "python3.%d" % minor
+    looked = ["PATH (%s)" % os.environ.get("PATH", ""), "/usr/bin", "/usr/local/bin"] + uv_python_dirs()
+    found = [shutil.which(name), "/usr/bin/" + name, "/usr/local/bin/" + name]
+    for d in uv_python_dirs():
+        found += sorted(glob.glob(os.path.join(glob.escape(d), "cpython-3.%d.*" % minor, "bin", name)),
+                        key=_patch_level, reverse=True)
+    out = []
+    for p in found:
+        if p and os.path.isabs(p) and os.path.exists(p) and os.path.realpath(p) not in map(os.path.realpath, out):
+            out.append(p)
+    return out, looked
+
+
+def _version_of(path):
+    """(X.Y.Z, None) of an interpreter that runs, else (None, why)."""
+    rc, out, err = run_isolated(path, VERSION_SCRIPT, timeout=20)
+    version = out.strip()
+    if rc == 0 and re.match(r"^3\.\d+\.\d+$", version):
+        return version, None
+    return None, ((err or out).strip().splitlines() or ["exit %d" % rc])[-1][:200]
+
+
+def pythons(want=None, given=None):
+    """Interpreters that run, by minor version: this one, then python3.X in the usual places (`candidates`),
+    each executed (a broken one is listed under `broken_pythons` with why, not offered to a lock). With
+    `want` ("3.12") only that version is looked for, and nothing is started when this interpreter is it.
+    With `given` (an absolute path, the operator's --python) only that interpreter is tried, for `want`.
+    Returns (found, exact versions, broken, [where it looked])."""
+    if given is not None:
+        if not os.path.exists(given):
+            return {}, {}, {given: "does not exist"}, [given]
+        version, why = _version_of(given)
+        if version is None:
+            return {}, {}, {given: why}, [given]
+        if want and ".".join(version.split(".")[:2]) != want:
+            return {}, {}, {given: "is Python %s, not %s" % (version, want)}, [given]
+        return {want or ".".join(version.split(".")[:2]): given}, {want: version}, {}, [given]
     found = {"%d.%d" % sys.version_info[:2]: sys.executable}
     exact = {"%d.%d" % sys.version_info[:2]: "%d.%d.%d" % sys.version_info[:3]}
-    broken = {}
+    broken, looked = {}, []
     minors = [int(want.split(".")[1])] if want else range(8, 16)
     for m in minors:
-        path = shutil.which("python3.%d" % m)
-        if not path or "3.%d" % m in found:
+        if "3.%d" % m in found:
             continue
-        rc, out, err = run_isolated(path, VERSION_SCRIPT, timeout=20)
-        version = out.strip()
-        if rc == 0 and ".".join(version.split(".")[:2]) == "3.%d" % m:
-            found["3.%d" % m], exact["3.%d" % m] = path, version
-        else:
-            broken[path] = ((err or out).strip().splitlines() or ["exit %d" % rc])[-1][:200]
-    return found, exact, broken
+        paths, looked = candidates(m)
+        for path in paths:
+            version, why = _version_of(path)
+            if version is not None and ".".join(version.split(".")[:2]) == "3.%d" % m:
+                found["3.%d" % m], exact["3.%d" % m] = path, version
+                break
+            broken[path] = why or "is Python %s" % version
+    return found, exact, broken, looked or candidates(minors[0])[1]
 
 
 def gpus(nvidia_smi):
@@ -123,12 +179,16 @@ def main(a):
     root = a.get("root") or "/opt/provision"
     adopt = a.get("adopt")
     smi = a.get("nvidia_smi") or "nvidia-smi"
-    want = a.get("python")
+    want, given = a.get("python"), a.get("interpreter")
     if want is not None and not re.match(r"^3\.\d{1,2}\Z", str(want)):
         return {"error": "python must be 3.X, not %r" % (want,)}
-    found, exact, broken = pythons(want)
+    if given is not None and not (isinstance(given, str) and os.path.isabs(given) and "\0" not in given
+                                  and "\n" not in given):
+        return {"error": "interpreter must be an absolute path, not %r" % (given,)}
+    found, exact, broken, looked = pythons(want, given)
     facts = {"root": root, "os": os_release(), "pythons": found, "python_versions": exact,
-             "broken_pythons": broken, "pythons_looked_for": want or "all", "uv": shutil.which("uv"), "cached_wheels": cached_wheels(root),
+             "broken_pythons": broken, "pythons_looked_for": want or "all", "pythons_looked_in": looked,
+             "python_given": given, "uv": shutil.which("uv"), "cached_wheels": cached_wheels(root),
              "python_executable": sys.executable,
              "user": os.environ.get("USER") or str(os.getuid())}
     probe = root
