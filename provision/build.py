@@ -118,7 +118,7 @@ def _size(n: float) -> str:
 
 
 def describe(ev: dict) -> str | None:
-    """One readable line for a build agent event (None: nothing worth showing)."""
+    """One readable line for a build agent event (None: nothing worth showing); `level` says how loud."""
     step = ev.get("step")
     if step == "cache" and ev.get("healed"):
         return healed_line(ev["healed"])
@@ -136,6 +136,15 @@ def describe(ev: dict) -> str | None:
         secs = f" ({ev['seconds']:.0f}s)" if ev.get("seconds") else ""
         return f"{step}: {ev['line']}{secs}"
     return None
+
+
+def level(ev: dict) -> str:
+    """"info" for a phase's line (fetch done, install started, cache healed), "detail" for a per-package one
+    (fetch counters, each line uv or pip prints)."""
+    if ev.get("step") == "fetch" and not ev.get("summary") or ev.get("step") in ("venv", "install") \
+            and not ev.get("phase"):
+        return "detail"
+    return "info"
 
 
 def build(transport: Transport, lock: Lock, facts: dict, gen: dict, installer: str | None,
@@ -160,10 +169,12 @@ def build(transport: Transport, lock: Lock, facts: dict, gen: dict, installer: s
 
 def _build(transport: Transport, lock: Lock, facts: dict, gen: dict, installer: str, say: Progress,
            from_controller: bool) -> dict:
-    python = (facts.get("pythons") or {}).get(lock.platform.python)
-    if not (isinstance(python, str) and python.startswith("/") and "\0" not in python):
-        raise HostError(f"host has no usable Python {lock.platform.python} (reported {python!r})",
-                        where=transport.target.name)
+    from .facts import interpreter_of
+
+    python = interpreter_of(facts, lock.platform.python)
+    if python is None:
+        raise HostError(f"host has no usable Python {lock.platform.python} (reported "
+                        f"{(facts.get('pythons') or {}).get(lock.platform.python)!r})", where=transport.target.name)
     pkgs, local = packages_of(lock)
     root = root_of(transport)
     for what in ("dir", "venv"):      # the state agent's reply: untrusted until checked
@@ -194,7 +205,7 @@ def _build(transport: Transport, lock: Lock, facts: dict, gen: dict, installer: 
     def on_event(ev: dict) -> None:
         line = describe(ev)
         if line:
-            say("build", "info", line)
+            say("build", level(ev), line)
 
     figs = transport.run_agent("build", payload, on_event=on_event)
     figs.update(pushed=pushed, wheels_from="controller" if from_controller else "host")

@@ -395,7 +395,7 @@ class LockDiff:
                 "changes": [dict(asdict(c), direction=c.direction) for c in self.changes]}
 
     def render(self) -> str:
-        return planmod.render(self.changes, f"Lock diff: {self.old} → {self.new}", self.summary)
+        return planmod.render(self.changes, f"Lock diff: {self.old} → {self.new}", self.summary, verb="Diff")
 
 
 def diff(old: Lock, new: Lock) -> LockDiff:

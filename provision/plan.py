@@ -244,26 +244,91 @@ def _value(c: Change) -> str:
     return f"{c.old} → {c.new}" + (f"  ({c.direction})" if c.direction else "")
 
 
-def render(changes: list[Change], header: str = "", summary: dict | None = None) -> str:
+def _lines(group: list[Change], width: int) -> list[str]:
+    return [f"  {SYMBOL[c.action]} {c.name:<{width}}  {_value(c)}" for c in group]
+
+
+def total_line(summary: dict | None, verb: str = "Plan") -> str:
+    """The last line: Terraform's "Plan: 1 to add, …" for a plan, "Diff: 1 added, …" for a diff."""
+    s = summary or {"add": 0, "change": 0, "remove": 0}
+    if verb == "Plan":
+        return f"Plan: {s['add']} to add, {s['change']} to change, {s['remove']} to remove."
+    return f"{verb}: {s['add']} added, {s['change']} changed, {s['remove']} removed."
+
+
+def render(changes: list[Change], header: str = "", summary: dict | None = None, verb: str = "Plan") -> str:
     """Terraform-like text: one line per change with + ~ -, grouped, and a summary line."""
     lines = [header] if header else []
     width = max((len(c.name) for c in changes), default=10)
     for cat in ORDER:
         group = [c for c in changes if c.category == cat]
-        if not group:
-            continue
-        lines.append(HEADINGS.get(cat, f"  {cat}"))
-        lines += [f"  {SYMBOL[c.action]} {c.name:<{width}}  {_value(c)}" for c in group]
-    s = summary or {"add": 0, "change": 0, "remove": 0}
-    if not changes:
-        lines.append("No changes.")
-    else:
-        lines.append(f"Plan: {s['add']} to add, {s['change']} to change, {s['remove']} to remove.")
+        if group:
+            lines += [HEADINGS.get(cat, f"  {cat}")] + _lines(group, width)
+    lines.append(total_line(summary, verb) if changes else "No changes.")
     return "\n".join(lines)
 
 
+SUMMED = ("package", "hash")      # categories a summary counts; the rest (toolkit, driver, patches, probes…) it lists
 
-def render_plan(plan: Plan) -> str:
+
+def _counts(group: list[Change], kind: str) -> str:
+    """"3 to add, 150 to change (148 upgrades, 2 downgrades), 1 to remove" for one category."""
+    parts = []
+    for action, words in (("add", "to add"), ("change", "to change"), ("remove", "to remove")):
+        of = [c for c in group if c.action == action]
+        if not of:
+            continue
+        dirs = {d: sum(c.direction == d for c in of) for d in ("upgrade", "downgrade")}
+        how = ", ".join(f"{n} {d}{'s' if n != 1 else ''}" for d, n in dirs.items() if n)
+        parts.append(f"{len(of)} {words}" + (f" ({how})" if how and action == "change" else ""))
+    return f"  {kind}: " + ", ".join(parts)
+
+
+def headline_names(*requires) -> set[str]:
+    """The packages a lock's `requires` names (what people pin: torch, sglang, flashinfer…), normalized."""
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
+
+    out = set()
+    for reqs in requires:
+        for r in reqs or []:
+            try:
+                out.add(canonicalize_name(Requirement(str(r)).name))
+            except InvalidRequirement:
+                continue
+    return out
+
+
+def render_summary(changes: list[Change], header: str, summary: dict | None, headline: set[str]) -> str:
+    """The short form: every change outside packages and wheel hashes (toolkit, driver, python, patches, probes,
+    engine, indexes), counts per kind for packages and hashes with the headline packages (`headline`: the
+    lock's requires) listed, and how many lines `--full` adds."""
+    from packaging.utils import canonicalize_name
+
+    if not changes:
+        return render(changes, header, summary)
+    lines = [header] if header else []
+    width = max((len(c.name) for c in changes), default=10)
+    hidden = 0
+    for cat in ORDER:
+        group = [c for c in changes if c.category == cat]
+        if not group:
+            continue
+        if cat not in SUMMED:
+            lines += [HEADINGS.get(cat, f"  {cat}")] + _lines(group, width)
+            continue
+        shown = [c for c in group if canonicalize_name(c.name) in headline]
+        lines.append(_counts(group, HEADINGS[cat].strip()))
+        lines += _lines(shown, width)
+        hidden += len(group) - len(shown)
+    if hidden:
+        lines.append(f"  … {hidden} more package line{'s' if hidden != 1 else ''} (--full lists every change)")
+    lines.append(total_line(summary))
+    return "\n".join(lines)
+
+
+def render_plan(plan: Plan, full: bool = False) -> str:
+    """A plan as text: header, what apply will do, the changes (a summary unless `full`), findings."""
     base = plan.base or "no managed generation"
     header = f"Plan for {plan.host}: {base} → {plan.lock_name}"
     lines = []
@@ -285,7 +350,9 @@ def render_plan(plan: Plan) -> str:
                              f"{dl['wheels']} wheels, {human_size(dl['bytes'])}{unknown}; disk needed "
                              f"{'≥ ' if dl.get('unknown') else ''}{human_size(dl['disk_needed'])}"
                              + (f" of {human_size(dl['disk_free'])} free" if dl.get("disk_free") is not None else ""))
-        text = render(plan.changes, "\n".join([header, *lines]), plan.summary)
+        head = "\n".join([header, *lines])
+        text = render(plan.changes, head, plan.summary) if full else \
+            render_summary(plan.changes, head, plan.summary, headline_names(plan.lock.get("requires")))
     text += "".join(f"\nerror: {w}" for w in plan.errors)
     text += "".join(f"\nwarning: {w}" for w in plan.warnings if w not in plan.errors)
     return text
@@ -388,6 +455,21 @@ def _driver_tuple(v: str) -> tuple:
     return tuple(int(x) for x in v.split(".") if x.isdigit())
 
 
+def no_python(facts: dict, py: str) -> str:
+    """One line: the lock's Python is not on the host; what was found, what is broken, where it looked."""
+    broken = facts.get("broken_pythons") or {}
+    given = facts.get("python_given")
+    if given:
+        return f"--python {given} cannot run the lock's Python {py}: {broken.get(given, 'not usable')}"
+    have = ", ".join(f"{v} ({p})" for v, p in sorted((facts.get("pythons") or {}).items())) or "none"
+    text = f"host has no working Python {py} (found: {have})"
+    if broken:
+        text += "; broken: " + "; ".join(f"{p}: {why}" for p, why in sorted(broken.items()))
+    if facts.get("pythons_looked_in"):
+        text += f"; looked for python{py} in {', '.join(facts['pythons_looked_in'])}; name one with --python PATH"
+    return text
+
+
 def preflight_findings(facts: dict, lock: Lock, action: str = "build",
                        download: dict | None = None) -> list[tuple[bool, str]]:
     """(fatal, message) for everything that would stop or weaken applying `lock` here; what only a build
@@ -395,9 +477,7 @@ def preflight_findings(facts: dict, lock: Lock, action: str = "build",
     out: list[tuple[bool, str]] = []
     py = lock.platform.python
     if action == "build" and py not in (facts.get("pythons") or {}):
-        have = ", ".join(f"{v} ({p})" for v, p in sorted((facts.get("pythons") or {}).items())) or "none"
-        broken = "; ".join(f"{p}: {why}" for p, why in sorted((facts.get("broken_pythons") or {}).items()))
-        out.append((True, f"host has no working Python {py} (found: {have})" + (f"; broken: {broken}" if broken else "")))
+        out.append((True, no_python(facts, py)))
     out += [(False, w) for w in lock.stale_override_warnings()]
     gpus = facts.get("gpus") or []
     dmin = lock.platform.driver_min

@@ -51,7 +51,7 @@ def test_diff_text_like_plan(tmp_path):
     assert any(l.startswith("  ~ torch") and l.endswith("2.9.1 → 2.9.1+cu130 (unresolved)") for l in lines)
     assert any(l.startswith("  + extra") for l in lines)
     assert any(l.startswith("  + speculative.algorithm") and l.endswith("EAGLE3") for l in lines)
-    assert lines[-1] == "Plan: 4 to add, 4 to change, 1 to remove."
+    assert lines[-1] == "Diff: 4 added, 4 changed, 1 removed."
 
 
 def test_diff_json_and_no_changes(tmp_path):

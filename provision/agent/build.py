@@ -214,9 +214,26 @@ def fetch(lay, packages, jobs, timeout):
     return len(todo), meter.bytes, time.monotonic() - meter.t0
 
 
-def _run(argv, env, what):
-    """Run one build command with a clean environment; its output goes to the controller as events."""
+class BuildLog:
+    """<generation>/build.log: every line of the build (the commands, their whole output, the figures), kept
+    in the generation for `provision logs`, healthy or failed."""
+
+    def __init__(self, gen_dir):
+        self.f = open(os.path.join(gen_dir, "build.log"), "a", encoding="utf-8", errors="replace")
+
+    def __call__(self, line):
+        self.f.write("%s %s\n" % (time.strftime("%H:%M:%S"), line))
+        self.f.flush()
+
+    def close(self):
+        self.f.close()
+
+
+def _run(argv, env, what, log):
+    """Run one build command with a clean environment; its output goes to the controller as events and,
+    whole, to the build log."""
     t0 = time.monotonic()
+    log("$ " + " ".join(argv))
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
                          stdin=subprocess.DEVNULL)
     tail = []
@@ -224,9 +241,12 @@ def _run(argv, env, what):
         line = line.rstrip()
         if line:
             tail = (tail + [line])[-20:]
+            log(line)
             event(step=what, line=line[:300], seconds=time.monotonic() - t0)
     if p.wait() != 0:
+        log("%s failed (exit %d)" % (what, p.returncode))
         raise AgentError("%s failed (exit %d): %s" % (what, p.returncode, " | ".join(tail[-3:])[-600:]))
+    log("%s: %.1fs" % (what, time.monotonic() - t0))
     return time.monotonic() - t0
 
 
@@ -244,17 +264,35 @@ def op_build(a):
     python, installer = a["python"], a.get("installer") or "uv"
     if not os.path.isabs(python):
         raise AgentError("interpreter %r is not an absolute path" % python)
+    log = BuildLog(gen_dir)
+    try:
+        return _build(a, lay, gen_dir, venv, python, installer, log)
+    except Exception as e:
+        log("build failed: %s" % e)
+        raise
+    finally:
+        log.close()
+
+
+def _build(a, lay, gen_dir, venv, python, installer, log):
     figs = {"installer": installer}
     t0 = time.monotonic()
+    log("build %s with %s from %s (%d packages)" % (os.path.basename(gen_dir), installer, python,
+                                                    len(a.get("packages") or [])))
     skip = set(a.get("rechecked") or [])      # what `have` hashed again in this apply already
     rc = recheck([(entry(lay, p["sha256"], p["filename"]), p["sha256"]) for p in a.get("packages") or []
                   if p["sha256"] not in skip], int(a.get("jobs") or 8))
     if rc["healed"]:
         event(step="cache", healed=[os.path.basename(p) for p in rc["healed"]])
     figs["recheck"] = dict(rc, healed=[os.path.basename(p) for p in rc["healed"]])
+    log("cache: %d entries hashed again (%d bytes, %.1fs)%s" % (rc["checked"], rc["bytes"], rc["seconds"], "".join(
+        "; healed " + os.path.basename(p) for p in rc["healed"])))
     n, nbytes, secs = fetch(lay, a.get("packages") or [], int(a.get("jobs") or 8), float(a.get("timeout") or 300))
     figs.update(fetched=n, fetched_bytes=nbytes, fetch_seconds=round(secs, 2), cached=len(a.get("packages") or []) - n)
     event(step="fetch", summary=True, fetched=n, cached=figs["cached"], bytes=nbytes, seconds=time.monotonic() - t0)
+    log("fetch: %d wheels, %d bytes in %.1fs; %d cached" % (n, nbytes, secs, figs["cached"]))
+    for p in a.get("packages") or []:
+        log("  %s==%s %s" % (p["name"], p["version"], entry(lay, p["sha256"], p["filename"])))
     reqs = os.path.join(gen_dir, "requirements.txt")
     if installer == "uv":
         uv = a.get("uv")
@@ -266,24 +304,24 @@ def op_build(a):
         env = clean_env({"UV_NO_CONFIG": "1", "UV_PYTHON_DOWNLOADS": "never", "UV_CACHE_DIR": lay["uv_cache"],
                          "UV_LINK_MODE": mode, "UV_NO_PROGRESS": "1"})
         if not os.path.exists(os.path.join(venv, "bin", "python")):
-            figs["venv_seconds"] = round(_run([uv, "venv", "--quiet", "--python", python, venv], env, "venv"), 2)
+            figs["venv_seconds"] = round(_run([uv, "venv", "--quiet", "--python", python, venv], env, "venv", log), 2)
         if a.get("packages"):
-            event(step="install", line="installing %d packages with uv (%s from %s)"
+            event(step="install", phase=True, line="installing %d packages with uv (%s from %s)"
                   % (len(a["packages"]), "reflinked" if mode == "clone" else "copied", lay["uv_cache"]))
             figs["install_seconds"] = round(_run(
                 [uv, "pip", "install", "--python", os.path.join(venv, "bin", "python"), "--no-deps",
                  "--require-hashes", "--offline", "--no-index", "--link-mode", mode, "-r", reqs],
-                env, "install"), 2)
+                env, "install", log), 2)
     elif installer == "pip":
         env = clean_env({"PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
         if not os.path.exists(os.path.join(venv, "bin", "python")):
-            figs["venv_seconds"] = round(_run([python, "-I", "-m", "venv", venv], env, "venv"), 2)
+            figs["venv_seconds"] = round(_run([python, "-I", "-m", "venv", venv], env, "venv", log), 2)
         if a.get("packages"):
-            event(step="install", line="installing %d packages with pip" % len(a["packages"]))
+            event(step="install", phase=True, line="installing %d packages with pip" % len(a["packages"]))
             figs["install_seconds"] = round(_run(
                 [os.path.join(venv, "bin", "python"), "-I", "-m", "pip", "install", "--isolated", "--no-deps",
                  "--require-hashes", "--no-index", "--no-cache-dir", "--progress-bar", "off", "-r", reqs],
-                env, "install"), 2)
+                env, "install", log), 2)
         figs["isolation"] = "copy"
     else:
         raise AgentError("unknown installer %r" % installer)
@@ -294,6 +332,10 @@ def op_build(a):
         raise AgentError("%d installed files share their inode with another path (the uv cache or another "
                          "generation); a generation must own its files" % ro["shared"])
     figs["seconds"] = round(time.monotonic() - t0, 2)
+    if figs.get("install_seconds") is not None:
+        event(step="install", phase=True, line="installed %d packages in %.1fs" % (len(a["packages"]),
+                                                                                  figs["install_seconds"]))
+    log("read-only: %d files (%.1fs); build done in %.1fs" % (ro["files"], figs["read_only_seconds"], figs["seconds"]))
     return figs
 
 

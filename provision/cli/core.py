@@ -22,6 +22,10 @@ from .common import (ForksOpt, HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHost
                      styled, targets, targets_and_args, writable)
 
 LockOpt = typer.Option(None, "--lock", "-l", help="lockfile (YAML)")
+FullOpt = typer.Option(False, "--full", help="list every change (default: a summary with the headline changes)")
+PythonOpt = typer.Option(None, "--python", help="the host's interpreter for the lock's Python (an absolute path; "
+                                                "default: looked for on PATH, in /usr/bin, /usr/local/bin and "
+                                                "uv's managed Pythons)")
 SerialOpt = typer.Option("0", "--serial", metavar="N|N%[,...]",
                          help="fleet: hosts per batch, in inventory order, as Ansible's serial: a count or a "
                               "percentage of the fleet, or a list of them (1,25%,100%: one host, then a quarter of the "
@@ -46,13 +50,14 @@ class WheelsFrom(str, Enum):
 
 
 class StepPrinter:
-    """Renders apply progress: one line per finished step with its time; while a step runs, a spinner with
-    its latest progress on a terminal, or plain progress lines (fetch at most every few seconds) in logs."""
+    """Renders apply progress: one line per finished step with its time, and one per phase inside it (fetch,
+    install); while a step runs, a spinner with its latest progress on a terminal. `verbose`: also every
+    per-package line (`detail` events: uv's output, fetch counters at most every few seconds)."""
 
     EVERY = 5.0   # seconds between repeated progress lines of one kind when not on a terminal
 
-    def __init__(self, quiet: bool):
-        self.quiet, self.status, self.t0, self.last = quiet, None, 0.0, {}
+    def __init__(self, quiet: bool, verbose: bool = False):
+        self.quiet, self.verbose, self.status, self.t0, self.last = quiet, verbose, None, 0.0, {}
         self.tty = err_console.is_terminal
 
     def __call__(self, step: str, state: str, detail: str) -> None:
@@ -64,9 +69,11 @@ class StepPrinter:
             if self.tty:
                 self.status = err_console.status(plain(f"{step} …"))
                 self.status.start()
-        elif state == "info" and self.tty and self.status:
+        elif state in ("info", "detail") and self.tty and self.status:
             self.status.update(plain(f"{step}: {detail[:110]}"))
-        elif state == "info" and not self.tty:
+            if state == "info" or (self.verbose and not detail.startswith("fetch ")):
+                err_console.print(plain(f"    {step}: {detail}"))
+        elif state == "info" or (state == "detail" and self.verbose and not self.tty):
             counter = detail.split(" ", 1)[0] if detail.startswith("fetch ") else None   # "fetch 37/118 · …"
             if counter is None or now - self.last.get(step, -self.EVERY) >= self.EVERY:
                 if counter:
@@ -226,20 +233,22 @@ def register(app: typer.Typer) -> None:
              local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt, limit: Optional[str] = LimitOpt,
              forks: int = ForksOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
              timeout: float = TimeoutOpt,
-             root: Optional[str] = RootOpt):
+             root: Optional[str] = RootOpt, full: bool = FullOpt, python: Optional[str] = PythonOpt):
         """Dry-run diff of host vs lock (read-only); facts of a fleet are gathered in parallel."""
         from .. import apply as applymod, lock as lockmod
         from ..errors import ProvisionError
+        from ..facts import interpreter_arg
         from ..plan import render_plan
 
         if lock is None:
             raise InputError("required: the lockfile to plan for (--lock FILE)", where="--lock")
         try:
             lk = lockmod.load(lock)
+            python = interpreter_arg(python)
             if out:
                 writable(out, "--out")
             rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit, timeout),
-                              lambda tr: applymod.plan(tr, lk), forks)
+                              lambda tr: applymod.plan(tr, lk, interpreter=python), forks)
         except ProvisionError as e:
             if detailed_exitcode:   # 2 means "changes" there; every error is 1
                 e.exit_code = 1
@@ -248,7 +257,7 @@ def register(app: typer.Typer) -> None:
         if out and plans:
             data = plans[0].to_json() if len(rows) == 1 else [p.to_json() for p in plans]
             out.write_text(json.dumps(data, indent=2))
-        print_rows(rows, lambda r: console.print(render_plan(r.value), markup=False), json_out,
+        print_rows(rows, lambda r: console.print(render_plan(r.value, full=full), markup=False), json_out,
                    to_json=lambda p: p.to_json())
         if out and plans and not json_out:
             what = "the plan" if len(plans) == 1 else f"the plans of {len(plans)} hosts"
@@ -276,10 +285,12 @@ def register(app: typer.Typer) -> None:
               json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
               limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
               timeout: float = TimeoutOpt,
-              root: Optional[str] = RootOpt):
+              root: Optional[str] = RootOpt, full: bool = FullOpt, python: Optional[str] = PythonOpt,
+              verbose: bool = typer.Option(False, "--verbose", "-v", help="every per-package progress line")):
         """One-command upgrade: build a new generation, patch, probe, switch `current`; a fleet in batches."""
         from .. import apply as applymod, lock as lockmod
         from ..errors import ProvisionError
+        from ..facts import interpreter_arg
         from ..fleet import parse_max_fail, parse_serial
         from ..plan import render_plan
         from ..transport import connect
@@ -291,6 +302,7 @@ def register(app: typer.Typer) -> None:
             raise InputError("required: the lockfile to apply (--lock FILE), or a saved plan (--plan FILE)",
                              where="--lock")
         lk = applymod.lock_of_plan(saved[0]) if saved else lockmod.load(lock)
+        python = interpreter_arg(python)
         ts = targets(host, local, inventory, key, known_hosts, root, limit, timeout)
         by_host = applymod.plans_for(saved, ts, str(plan_file)) if saved else None
         if len(ts) > 1:
@@ -302,7 +314,8 @@ def register(app: typer.Typer) -> None:
                                              rollback_on_fail=rollback_on_fail, forks=forks, adopt_path=adopt,
                                              skip_probes=skip_probe, installer=installer.value if installer else None,
                                              wheels_from=wheels_from.value, progress_for=printer.for_host,
-                                             on_row=printer.row, on_batch=printer.batch, saved_plans=by_host)
+                                             on_row=printer.row, on_batch=printer.batch, saved_plans=by_host,
+                                             interpreter=python)
             finally:
                 printer.close()
             if json_out:
@@ -326,8 +339,10 @@ def register(app: typer.Typer) -> None:
                 err_console.print(f"apply {lk.name} → {t.name}", markup=False)
             rep = applymod.apply(tr, lk, saved_plan=by_host[t.name] if by_host else None, adopt_path=adopt,
                                  skip_probes=skip_probe, installer=installer.value if installer else None,
-                                 wheels_from=wheels_from.value, progress=StepPrinter(json_out),
-                                 on_plan=None if json_out else lambda p: err_console.print(render_plan(p)))
+                                 wheels_from=wheels_from.value, progress=StepPrinter(json_out, verbose),
+                                 on_plan=None if json_out else lambda p: err_console.print(render_plan(p, full=full),
+                                                                                         markup=False),
+                                 interpreter=python)
         except ProvisionError as e:   # the report survives a failure (with --json, the edge prints it)
             if not json_out and getattr(e, "report", None) is not None:
                 _print_probes(e.report.probes)
@@ -450,6 +465,9 @@ def register(app: typer.Typer) -> None:
             print_json([r.to_json() for r in rows])
         else:
             console.print(status_table(rows))
+            for r in rows:
+                if not r.ok:
+                    err_console.print(row_error(r), markup=False, soft_wrap=True)
         exit_for(rows)
 
     @app.command()
@@ -474,7 +492,7 @@ def register(app: typer.Typer) -> None:
             print_json(dict(d, changes=[asdict(c) for c in d["changes"]]))
         else:
             console.print(render(d["changes"], header=f"Diff on {d['host']}: {d['from']} → {d['to']}",
-                                 summary=d["summary"]), markup=False)
+                                 summary=d["summary"], verb="Diff"), markup=False)
 
     @app.command()
     @edge
@@ -544,17 +562,17 @@ def gc_text(host: str, out: dict) -> str:
     one line of totals and what was kept."""
     from ..units import human_size
 
-    verb = "would free" if out["dry_run"] else "freed"
+    verb, freed = ("would remove", "would free") if out["dry_run"] else ("removed", "freed")
     lines = []
     for g in out["generations"]:
         shared = f" (+{human_size(g['shared_bytes'])} still linked elsewhere)" if g.get("shared_bytes") else ""
         left = "" if out["dry_run"] or g.get("removed", True) else "  NOT REMOVED"
         lines.append(f"  - {g['id']:<32} {g['status'] or '?':<10} {human_size(g['bytes']):>10}{shared}{left}")
     took = f" in {out['seconds']:.1f}s" if out.get("seconds") is not None else ""
-    lines.append(f"{host}: {verb} {human_size(out['bytes'])}{took}: {len(out['generations'])} generations, "
-                 f"{len(out['cache'])} cached wheels, {len(out.get('uv_cache', []))} unpacked wheels of uv's cache, "
-                 f"{len(out['run_dirs'])} run dirs"
-                 + (f" ({human_size(out['shared_bytes'])} stays: its files have links outside)"
+    lines.append(f"{host}: {verb} {len(out['generations'])} generations, {len(out['cache'])} cached wheels, "
+                 f"{len(out.get('uv_cache', []))} unpacked wheels of uv's cache, {len(out['run_dirs'])} run dirs; "
+                 f"{freed} {human_size(out['bytes'])}{took}"
+                 + (f" ({human_size(out['shared_bytes'])} stays: linked from what is kept)"
                     if out.get("shared_bytes") else "")
                  + f"; kept current {out['current'] or '(none)'} and rollback target "
                    f"{out['rollback_target'] or '(none)'}.")
@@ -590,9 +608,9 @@ def status_table(rows):
     for col in ("host", "current", "lock", "since", "last probe", "last attempt", "verified", "generations", "disk"):
         table.add_column(col, no_wrap=True)
     for r in rows:
-        if not r.ok:
+        if not r.ok:      # why is printed under the table, one line per host
             table.add_row(*(plain(c) for c in (r.host, "unreachable" if r.unreachable else "error",
-                                               row_error(r).split(": ", 1)[1], "", "", "", "", "", "")))
+                                               "-", "-", "-", "-", "-", "-", "-")))
             continue
         s = r.value
         p, a = s.get("probe"), s.get("last_attempt")
