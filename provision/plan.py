@@ -268,7 +268,7 @@ def render(changes: list[Change], header: str = "", summary: dict | None = None,
     return "\n".join(lines)
 
 
-SUMMED = ("package", "hash")      # categories a summary counts; the rest (toolkit, driver, patches, probes…) it lists
+SUMMED = {"package": "package", "hash": "wheel hash"}   # counted by a summary; the rest (toolkit, patches…) listed
 
 
 def _counts(group: list[Change], kind: str) -> str:
@@ -309,7 +309,6 @@ def render_summary(changes: list[Change], header: str, summary: dict | None, hea
         return render(changes, header, summary)
     lines = [header] if header else []
     width = max((len(c.name) for c in changes), default=10)
-    hidden = 0
     for cat in ORDER:
         group = [c for c in changes if c.category == cat]
         if not group:
@@ -320,9 +319,9 @@ def render_summary(changes: list[Change], header: str, summary: dict | None, hea
         shown = [c for c in group if canonicalize_name(c.name) in headline]
         lines.append(_counts(group, HEADINGS[cat].strip()))
         lines += _lines(shown, width)
-        hidden += len(group) - len(shown)
-    if hidden:
-        lines.append(f"  … {hidden} more package line{'s' if hidden != 1 else ''} (--full lists every change)")
+        hidden = len(group) - len(shown)
+        if hidden:
+            lines.append(f"  … {hidden} more {SUMMED[cat]} line{'s' if hidden != 1 else ''} (--full lists every one)")
     lines.append(total_line(summary))
     return "\n".join(lines)
 

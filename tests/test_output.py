@@ -58,7 +58,7 @@ def test_plan_summary_full_and_apply_progress(target, stacks):
     assert "~ app    1.0 → 2.0  (upgrade)" in short                            # the lock's requires: a headline
     assert not any(line in short for line in every[1:])
     assert "packages: 1 to add, 5 to change (5 upgrades), 1 to remove" in short
-    assert "… 6 more package lines (--full lists every change)" in short
+    assert "  … 6 more package lines (--full lists every one)" in short
     assert short.splitlines()[-1] == full.splitlines()[-1] == "Plan: 1 to add, 5 to change, 1 to remove."
 
     p = cli("apply", *host_args(target), "--lock", b)

@@ -366,9 +366,9 @@ def op_gc(root, a):
     all_gens = gens(root)
     back, _ = rollback_target(root, all_gens, cur)
     protected = {cur, back[1] if back else None}
-    runnable = [g for g in all_gens if g[2].get("status") in RUNNABLE and g[1] not in protected]
+    spare = [g for g in all_gens if g[2].get("status") in RUNNABLE and g[1] not in protected]
     keep = max(0, int(a.get("keep", 3)) - len([p for p in protected if p]))
-    kept_runnable = {g[1] for g in runnable[len(runnable) - keep:]} if keep else set()
+    kept_runnable = {g[1] for g in spare[len(spare) - keep:]} if keep else set()
     doomed = [g for g in all_gens if g[1] not in protected and g[1] not in kept_runnable]
     kept = [g for g in all_gens if g not in doomed]
     needed, dists = set(), set()

@@ -510,6 +510,8 @@ def register(app: typer.Typer) -> None:
                           lambda tr: applymod.gc(tr, keep=keep, dry_run=dry_run), forks)
         print_rows(rows, lambda r: console.print(gc_text(r.host, r.value), markup=False), json_out)
         exit_for(rows)
+        if any(r.value.get("errors") for r in rows):    # a removal that failed (what was done is reported)
+            raise typer.Exit(1)
 
     @app.command()
     @edge
