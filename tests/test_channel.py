@@ -223,8 +223,8 @@ def test_parallel_fetch_into_the_cache_with_readable_progress(target, tmp_path):
     info = [d for s, state, d in lines if s == "build" and state == "info"]
     assert any(re.match(r"fetch: 24 wheels, [\d.]+ MB in [\d.]+s \([\d.]+ [kMG]?B/s\)", d) for d in info), info
     assert any(d.startswith("install: ") for d in info), info
-    running = [d for d in info if re.match(r"fetch \d+/24 · ", d)]
-    assert all("/s" in d for d in running)                   # count, bytes of about total, rate (and time left)
+    running = [d for s, state, d in lines if s == "build" and state == "detail" and re.match(r"fetch \d+/24 · ", d)]
+    assert running and all("/s" in d for d in running)      # count, bytes of about total, rate (and time left)
     done = [(s, d) for s, state, d in lines if state == "done"]
     assert [s for s, _ in done][:2] == ["recover", "facts"] and ("build" in [s for s, _ in done])
 
