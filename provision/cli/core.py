@@ -397,7 +397,8 @@ def register(app: typer.Typer) -> None:
                  limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
                  timeout: float = TimeoutOpt,
                  root: Optional[str] = RootOpt):
-        """Switch `current` back to the prior generation (atomic, offline, nothing reinstalled); fleets in batches."""
+        """Switch `current` back to the generation current before the last switch, as history records it (atomic,
+        offline, nothing reinstalled); fleets in batches."""
         from .. import generations
         from ..fleet import parse_serial, rollout
 
@@ -503,7 +504,8 @@ def register(app: typer.Typer) -> None:
            json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
            limit: Optional[str] = LimitOpt, forks: int = ForksOpt, key: Optional[Path] = KeyOpt,
            known_hosts: Path = KnownHostsOpt, timeout: float = TimeoutOpt, root: Optional[str] = RootOpt):
-        """Remove old/failed generations, unused cache entries, their run dirs (never current or rollback's)."""
+        """Remove old/failed generations, unused cache entries, their run dirs (never current or rollback's); report
+        the bytes freed."""
         from .. import apply as applymod
 
         rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit, timeout),
