@@ -101,3 +101,19 @@ def test_status_keeps_an_unreachable_hosts_error_under_the_table(target, tmp_pat
     row = next(line for line in p.stdout.splitlines() if "gone" in line)
     assert "unreachable" in row and "connect" not in row.replace("unreachable", "")
     assert p.stderr.count("\n") == 1 and p.stderr.startswith("gone: ") and "cannot connect" in p.stderr
+
+
+def test_fleet_view_keeps_per_package_lines_out_of_logs(capsys):
+    """A fleet's progress in logs: a phase line per host, never a per-package (detail) one, and a detail line
+    neither ends nor fails the step it belongs to."""
+    from provision.cli import core
+
+    printer = core.FleetPrinter(False, ["h1"])
+    printer.tty = False
+    say = printer.for_host("h1")
+    say("build", "start", "")
+    say("build", "detail", "install: + alpha==1.0 (from file:///cache/alpha.whl)")
+    say("build", "info", "fetch: all 3 wheels cached")
+    say("build", "done", "3 packages with uv")
+    lines = [line.split() for line in capsys.readouterr().err.splitlines()]
+    assert [line[:3] for line in lines] == [["h1", "·", "build"], ["h1", "✓", "build"]], lines

@@ -121,10 +121,10 @@ class FleetPrinter:
             with self.lock:
                 if state == "start":
                     self.running[host] = step
-                elif state == "info":
+                elif state in ("info", "detail"):       # detail: a per-package line, live on a terminal only
                     if self.tty:
                         self.running[host] = f"{step}: {detail[:100]}"
-                    elif now - self.last.get(host, -self.EVERY) >= self.EVERY:
+                    elif state == "info" and now - self.last.get(host, -self.EVERY) >= self.EVERY:
                         self.last[host] = now
                         line = f"  {host:<{self.width}}  · {step:<10} {detail}"
                 else:
