@@ -55,7 +55,7 @@ def test_rollback_after_a_reuse_returns_to_the_generation_left(target, locks):
     assert "rollback target 0003-stack-c" in text
 
     said = cli("rollback", *host_args(target), "--dry-run").stdout
-    assert "0001-stack-a → 0003-stack-c" in said and current(target) == "0001-stack-a"
+    assert "Would roll back" in said and "0001-stack-a → 0003-stack-c" in said and current(target) == "0001-stack-a"
     rb = json.loads(cli("rollback", *host_args(target), "--json").stdout)
     assert (rb["from"], rb["to"], rb["forward"]) == ("0001-stack-a", "0003-stack-c", True)
     assert current(target) == "0003-stack-c"

@@ -212,8 +212,10 @@ def _print_fleet(fleet, apply_cmd: list[str], rollback_cmd: list[str]) -> None:
         console.print("  " + shlex.join([*rollback_cmd, "--limit", ",".join(fleet.still_switched)]))
 
 
-def _switched(out: dict) -> str:
-    return "Switched forward" if out.get("forward") else "Rolled back"
+def _switched(out: dict, to: str | None) -> str:
+    """A plain rollback rolls back, even to a newer generation (the one left by an apply that reused an older
+    one); `--to` a newer generation switches forward."""
+    return "Switched forward" if out.get("forward") and to is not None else "Rolled back"
 
 
 def _checked(check: dict | None) -> str:
@@ -417,11 +419,11 @@ def register(app: typer.Typer) -> None:
             if out.get("noop"):
                 console.print(f"{r.host} is already on {out['to']}.", markup=False)
             elif out.get("dry_run"):
-                verb = "switch forward" if out.get("forward") else "roll back"
+                verb = "switch forward" if out.get("forward") and to is not None else "roll back"
                 console.print(f"Would {verb} {r.host}: current {out['from']} → {out['to']} (dry run: nothing changed).",
                               markup=False)
             else:
-                console.print(f"{_switched(out)} {r.host}: current {out['from']} → {out['to']} "
+                console.print(f"{_switched(out, to)} {r.host}: current {out['from']} → {out['to']} "
                               f"in {out['seconds']:.2f}s{_checked(out.get('check'))}.", markup=False)
                 for w in out.get("warnings") or []:
                     err_console.print(f"warning: {r.host}: {w}", markup=False)
