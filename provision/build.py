@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 from urllib.parse import unquote, urlparse
 
-from .errors import HostError, ProvisionError
+from .errors import HostError, InputError, ProvisionError
 from .layout import root_of
 from .lock import Lock
 from .transport import Transport
@@ -33,6 +33,8 @@ def packages_of(lock: Lock) -> tuple[list[dict], list[tuple[dict, Path]]]:
     pkgs, local = [], []
     for p in lock.packages:
         item = {"name": p.name, "version": p.version, "sha256": p.sha256, "filename": p.filename, "label": p.pin}
+        if p.size is not None:
+            item["size"] = p.size
         path = local_wheel(lock, p.url) if p.url else None
         if path is None:
             item["url"] = p.url           # None: the host's cache must hold it (plan says when it does not)
@@ -109,6 +111,20 @@ def ensure_uv(transport: Transport, facts: dict) -> tuple[str, dict | None]:
     return f"{root}/cache/uv-bin/{f['sha256']}/uv", push(transport, root, [(f, path)])
 
 
+def setting(name: str, default: float, lo: float, hi: float) -> float:
+    """A number from the environment (PROVISION_FETCH_JOBS, PROVISION_FETCH_STALL), within its bounds."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not lo <= v <= hi:
+        raise InputError(f"{name}={text[:40]!r}: expected a number from {lo:g} to {hi:g}", where=name)
+    return v
+
+
 def _size(n: float) -> str:
     for unit in ("B", "kB", "MB", "GB"):
         if n < 1000 or unit == "GB":
@@ -128,6 +144,8 @@ def describe(ev: dict) -> str | None:
         rate = ev["bytes"] / ev["seconds"] if ev.get("seconds") else 0
         return (f"fetch: {ev['fetched']} wheels, {_size(ev['bytes'])} in {ev['seconds']:.1f}s "
                 f"({_size(rate)}/s); {ev.get('cached', 0)} cached")
+    if step == "fetch" and ev.get("retry"):
+        return f"fetch: {ev['retry']}: {ev.get('why')}; again in {ev.get('wait', 0):.1f}s"
     if step == "fetch":
         eta = f", {ev['eta']:.0f}s left" if ev.get("eta") is not None else ""
         return (f"fetch {ev['done']}/{ev['total']} · {_size(ev['bytes'])} of ~{_size(ev['total_bytes'])} · "
@@ -193,7 +211,8 @@ def _build(transport: Transport, lock: Lock, facts: dict, gen: dict, installer: 
     if pushed:
         say("build", "info", f"pushed {pushed} wheel(s) held by the controller")
     payload = {"op": "build", "root": root, "gen_dir": gen["dir"], "venv": gen["venv"], "python": python,
-               "installer": installer, "packages": pkgs, "jobs": int(os.environ.get("PROVISION_FETCH_JOBS", "8")),
+               "installer": installer, "packages": pkgs, "jobs": int(setting("PROVISION_FETCH_JOBS", 8, 1, 64)),
+               "stall": setting("PROVISION_FETCH_STALL", 30, 0.1, 3600),
                "rechecked": pushes[0]["rechecked"]}
     if installer == "uv":
         payload["uv"], uv_push = ensure_uv(transport, facts)

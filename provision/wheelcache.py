@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .errors import ProvisionError
@@ -14,14 +12,13 @@ from .lock import Lock
 from .transport import CONTROLLER_HOME
 
 CACHE = CONTROLLER_HOME / "cache" / "wheels"
-CHUNK = 1 << 20
 
 
 class WheelCache:
     """Wheels by sha256 in `root`; concurrent `fetch` calls (one per host of a fleet) share each download."""
 
-    def __init__(self, root: Path = CACHE, jobs: int = 8, timeout: float = 300):
-        self.root, self.jobs, self.timeout = Path(root), jobs, timeout
+    def __init__(self, root: Path = CACHE, jobs: int = 8, stall: float = 30.0):
+        self.root, self.jobs, self.stall = Path(root), jobs, stall
         self._guard = threading.Lock()
         self._locks: dict[str, threading.Lock] = {}
 
@@ -35,47 +32,40 @@ class WheelCache:
             raise ProvisionError(str(e)) from None
 
     def fetch(self, lock: Lock, packages: list[dict]) -> list[Path]:
-        """The local file of every package (those with a `url`), downloading what the cache lacks;
-        a download whose sha256 differs from the lock is refused (one line naming the lock's line)."""
+        """The local file of every package (those with a `url`), downloading what the cache lacks with the
+        host's fetcher (parallel, retried, resumed); a download whose sha256 differs from the lock is refused
+        (one line naming the lock's line)."""
+        from .agent.build import AgentError, Download, Fetcher, fetchable
+
         lines = {p.pin: p.line for p in lock.packages}
         todo = [p for p in packages if p.get("url")]
-        with ThreadPoolExecutor(max_workers=max(1, min(self.jobs, len(todo) or 1))) as pool:
-            futures = [pool.submit(self._one, p) for p in todo]
-            errors = []
-            for p, fut in zip(todo, futures):
-                try:
-                    fut.result()
-                except ProvisionError as e:
-                    errors.append((p, e.message))
-                except OSError as e:    # urllib's URLError and HTTPError are OSErrors
-                    why = getattr(e, "reason", None) or e
-                    errors.append((p, f"{p['label']}: cannot fetch {p['url'][:120]}: {why}"))
-        if errors:
-            p, msg = errors[0]
-            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-            raise ProvisionError(msg + more, where=f"{lock.path}:{lines.get(p['label'], 0)}")
-        return [self.path(p["sha256"], p["filename"]) for p in todo]
-
-    def _one(self, p: dict) -> None:
-        from .agent.build import AgentError, fetchable, store    # the host's rule and its verified store
-
         with self._guard:
-            one = self._locks.setdefault(p["sha256"], threading.Lock())
-        with one:                     # a second host waits for the first host's download of this wheel
-            dest = self.path(p["sha256"], p["filename"])
-            if dest.is_file():
-                return
+            held = [self._locks.setdefault(sha, threading.Lock()) for sha in sorted({p["sha256"] for p in todo})]
+        with contextlib.ExitStack() as stack:
+            for one in held:             # in sha256 order: a second host waits for the first host's downloads
+                stack.enter_context(one)
+            missing, seen = [], set()
+            for p in todo:
+                dest = self.path(p["sha256"], p["filename"])
+                if not dest.is_file() and p["sha256"] not in seen:
+                    seen.add(p["sha256"])
+                    missing.append(Download(p["url"], str(dest), p["sha256"], p["label"], p.get("size")))
+            fetcher = Fetcher(self.jobs, self.stall)
             try:
-                fetchable(p["url"], p["label"])
-                req = urllib.request.Request(p["url"], headers={"User-Agent": "provision"})
-                with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                    store(str(dest), p["sha256"], iter(lambda: r.read(CHUNK), b""), p["label"])
+                for d in missing:
+                    fetchable(d.url, d.label)
+                fetcher.run(missing)
             except AgentError as e:
-                raise ProvisionError(f"{e} (fetched by the controller)") from None
+                label = fetcher.failed[0][0].label if fetcher.failed else str(e).split(":", 1)[0]
+                raise ProvisionError(f"{e} (fetched by the controller)",
+                                     where=f"{lock.path}:{lines.get(label, 0)}") from None
             finally:
-                if not dest.exists():
-                    with contextlib.suppress(OSError):     # the entry's dir goes too when nothing landed in it
-                        dest.parent.rmdir()
+                for d in missing:
+                    dest = Path(d.path)
+                    if not dest.exists():
+                        with contextlib.suppress(OSError):     # the entry's dir goes too when nothing landed
+                            dest.parent.rmdir()
+        return [self.path(p["sha256"], p["filename"]) for p in todo]
 
 
 _SHARED: dict[Path, WheelCache] = {}

@@ -6,10 +6,15 @@
 """
 import base64
 import hashlib
+import http.client
 import io
 import os
+import queue
+import random
 import re
 import shutil
+import socket
+import ssl
 import subprocess
 import sys
 import tarfile
@@ -134,7 +139,7 @@ class Meter:
 
     def __init__(self, total, every=0.5):
         self.total, self.every = total, every
-        self.done = self.bytes = self.expected = self.started = 0
+        self.done = self.bytes = self.expected = self.started = self.retries = 0
         self.t0 = self.last = time.monotonic()
         self.lock = threading.Lock()
 
@@ -151,6 +156,11 @@ class Meter:
             if now - self.last >= self.every or (finished and self.done == self.total):
                 self.last = now
                 self.report(now)
+
+    def retry(self, label, why, wait):
+        with self.lock:
+            self.retries += 1
+        event(step="fetch", retry=label, why=why[:200], wait=round(wait, 1))
 
     def report(self, now):
         secs = max(now - self.t0, 1e-6)
@@ -171,47 +181,449 @@ def fetchable(url, label):
                          % (label, url[:80]))
 
 
-def _fetch(url, path, sha256, meter, timeout, label):
-    fetchable(url, label)
-    req = urllib.request.Request(url, headers={"User-Agent": "provision"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        meter.start(int(r.headers.get("Content-Length") or 0))
+# ------------------------------------------------------------------ fetch: parallel, resumable, retried
 
-        def chunks():
-            for b in iter(lambda: r.read(CHUNK), b""):
-                meter.add(len(b))
-                yield b
-
-        store(path, sha256, chunks(), label)
-    meter.add(finished=True)
+SPLIT = 64 << 20        # a file larger than this is fetched as byte ranges in parallel (where the server serves ranges)
+SEGMENT = 32 << 20      # the size of those ranges
+STALL = 30.0            # seconds one read may wait for bytes before the stream counts as stalled
+RETRIES = 6             # attempts of one piece in a row that bring no byte, before giving up
+BACKOFF = (0.5, 20.0)   # first delay and cap, seconds; each delay is drawn from [d/2, d] (jitter)
+RETRY_AFTER_CAP = 60.0  # the most a server's Retry-After is honoured
+REDIRECTS = 5
 
 
-def fetch(lay, packages, jobs, timeout):
-    """Every package not in the cache, `jobs` at a time; returns (count, bytes, seconds)."""
+class Transient(Exception):
+    """A failure worth another attempt (DNS, refused/reset connection, stall, cut body, HTTP 5xx/429/408)."""
+
+    def __init__(self, why, wait=None):
+        Exception.__init__(self, why)
+        self.wait = wait
+
+
+class Aborted(Exception):
+    """Another file's failure ended the fetch."""
+
+
+def _why(e):
+    """One short reason for a network error."""
+    if isinstance(e, socket.timeout) or isinstance(e, TimeoutError):
+        return "stalled (no byte for the stall timeout)"
+    if isinstance(e, socket.gaierror):
+        return "name resolution failed: %s" % (e.strerror or e)
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror.lower()
+    return _printable("%s%s" % (type(e).__name__, (": %s" % e) if str(e) else ""), 200)
+
+
+def _proxy(u):
+    """(host, port) of the proxy the environment names for an https URL (urllib's rules: https_proxy,
+    no_proxy), tunnelled with CONNECT; None for none. Plain http goes only to this machine, never proxied."""
+    if u.scheme != "https" or urllib.request.proxy_bypass(u.hostname or ""):
+        return None
+    proxy = urllib.request.getproxies().get("https")
+    if not proxy:
+        return None
+    p = urllib.parse.urlsplit(proxy if "://" in proxy else "http://" + proxy)
+    return p.hostname, p.port or 80
+
+
+_TLS = []
+
+
+def _tls():
+    """One TLS context (the system's CA store) for every connection of this process."""
+    if not _TLS:
+        _TLS.append(ssl.create_default_context())
+    return _TLS[0]
+
+
+def _printable(text, n=120):
+    """Text from the network, fit for one line: control characters replaced, at most `n` characters."""
+    return re.sub(r"[\x00-\x1f\x7f]", "?", str(text))[:n]
+
+
+class Stream:
+    """One worker's keep-alive HTTP connection (reused across files and ranges of one host), and its requests."""
+
+    def __init__(self, stall):
+        self.stall, self.key, self.conn = stall, None, None
+
+    def close(self):
+        if self.conn is not None:
+            self.conn.close()
+        self.key = self.conn = None
+
+    def _conn(self, u):
+        key = (u.scheme, u.hostname, u.port)
+        if self.key != key:
+            self.close()
+            port = u.port or (443 if u.scheme == "https" else 80)
+            proxy = _proxy(u)
+            if u.scheme == "https":
+                host, cport = proxy or (u.hostname, port)
+                self.conn = http.client.HTTPSConnection(host, cport, timeout=self.stall, context=_tls())
+                if proxy:
+                    self.conn.set_tunnel(u.hostname, port)
+            else:
+                self.conn = http.client.HTTPConnection(u.hostname, port, timeout=self.stall)
+            self.key = key
+            return self.conn, False
+        return self.conn, True
+
+    def get(self, url, start, end, label):
+        """The response to GET url (bytes [start, end) when either is set), redirects followed by the fetch rule.
+        HTTP errors are raised: Transient for 5xx, 429 and 408, AgentError for the rest."""
+        headers = {"User-Agent": "provision", "Accept-Encoding": "identity"}
+        if start or end is not None:
+            headers["Range"] = "bytes=%d-%s" % (start, "" if end is None else end - 1)
+        for _ in range(REDIRECTS + 1):
+            fetchable(url, label)
+            u = urllib.parse.urlsplit(url)
+            for fresh in (False, True):          # a kept-alive connection the server closed meanwhile: once more
+                conn, reused = self._conn(u)
+                try:
+                    conn.request("GET", (u.path or "/") + ("?" + u.query if u.query else ""), headers=headers)
+                    r = conn.getresponse()
+                    break
+                except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                    self.close()
+                    if not reused or fresh:
+                        raise
+            if r.status in (301, 302, 303, 307, 308) and r.getheader("Location"):
+                r.read()
+                url = urllib.parse.urljoin(url, r.getheader("Location"))
+                continue
+            if r.status in (200, 206):
+                return r, url
+            r.read(1 << 16)
+            self.close()
+            why = "HTTP %d %s" % (r.status, _printable(r.reason, 60))
+            if r.status >= 500 or r.status in (408, 429):
+                wait = r.getheader("Retry-After") or ""
+                raise Transient(why, float(wait) if wait.isdigit() else None)
+            raise AgentError("%s: %s: %s (not retried)" % (label, _printable(url, 300), why))
+        raise AgentError("%s: %s: more than %d redirects" % (label, _printable(url, 300), REDIRECTS))
+
+
+class Piece:
+    """Bytes [start, end) of a file (end None: to the end of the body), written up to `pos`."""
+
+    def __init__(self, start, end):
+        self.start, self.end, self.pos = start, end, start
+
+
+class Download:
+    """One file: pieces fetched by any worker into a temp file at their offsets, hashed in order as the written
+    prefix grows; the file appears under its cache name only when every piece is in and the sha256 matches."""
+
+    def __init__(self, url, path, sha256, label, size=None):
+        self.url, self.path, self.sha256, self.label, self.expect = url, path, sha256, label, size
+        self.tmp = "%s.part-%d-%d" % (path, os.getpid(), id(self))
+        self.size, self.fd, self.error = None, None, None
+        self.pieces = [Piece(0, None)]
+        self.left = 1                       # pieces not yet finished
+        self.lock, self.hash_lock = threading.Lock(), threading.Lock()
+        self.hash, self.hashed = hashlib.sha256(), 0
+        self.ranged = self.ignored = 0      # ranged requests made, answered with the whole file instead
+
+    def open(self):
+        with self.lock:
+            if self.fd is None:
+                try:
+                    os.makedirs(os.path.dirname(self.path), exist_ok=True)
+                    self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o640)
+                except OSError as e:
+                    raise AgentError("%s: cannot create %s: %s" % (self.label, self.tmp, e.strerror or e)) from None
+        return self.fd
+
+    def write(self, data, offset):
+        view = memoryview(data)
+        try:
+            while view:
+                n = os.pwrite(self.fd, view, offset)
+                view, offset = view[n:], offset + n
+        except OSError as e:
+            raise AgentError("%s: cannot write %s: %s" % (self.label, self.tmp, e.strerror or e)) from None
+
+    def prefix(self):
+        """How many bytes from the start are written without a gap."""
+        done = 0
+        for p in self.pieces:
+            if p.start > done:
+                break
+            done = max(done, p.pos)
+            if p.end is None or p.pos < p.end:
+                break
+        return done
+
+    def advance(self, wait=False):
+        """Hash the written prefix beyond what is hashed (read back from the page cache); one thread at a time."""
+        if not self.hash_lock.acquire(wait):
+            return
+        try:
+            while True:
+                with self.lock:
+                    hi = self.prefix()
+                if hi <= self.hashed:
+                    return
+                while self.hashed < hi:
+                    b = os.pread(self.fd, min(CHUNK, hi - self.hashed), self.hashed)
+                    if not b:
+                        raise AgentError("%s: %s is shorter than what was written" % (self.label, self.tmp))
+                    self.hash.update(b)
+                    self.hashed += len(b)
+        finally:
+            self.hash_lock.release()
+
+    def split(self, piece, jobs):
+        """Once the size is known and the server serves ranges: the rest of a big file as ranges, queued for
+        other workers; `piece` keeps the first. Returns the new pieces."""
+        if self.size is None or self.size <= SPLIT or jobs < 2:
+            return []
+        with self.lock:
+            piece.end = SEGMENT
+            new = [Piece(lo, min(lo + SEGMENT, self.size)) for lo in range(SEGMENT, self.size, SEGMENT)]
+            self.pieces += new
+            self.left += len(new)
+        return new
+
+    def finish(self):
+        """The last piece is in: verify and move into place. Returns True when the file landed."""
+        ok = False
+        try:
+            with self.lock:
+                whole = self.error is None and self.size is not None and self.prefix() == self.size
+            if whole:         # else it failed, or the fetch ended before it was complete: nothing lands
+                self.advance(wait=True)
+                if self.size is not None and self.hashed != self.size:
+                    raise AgentError("%s: %d of %d bytes arrived" % (self.label, self.hashed, self.size))
+                if self.hash.hexdigest() != self.sha256:
+                    raise AgentError("%s: sha256 mismatch for %s: file is %s…, the lock says %s…; refusing"
+                                     % (self.label, os.path.basename(self.path), self.hash.hexdigest()[:16],
+                                        self.sha256[:16]))
+                os.replace(self.tmp, self.path)
+                ok = True
+        finally:
+            if self.fd is not None:
+                os.close(self.fd)
+            if not ok and os.path.exists(self.tmp):
+                os.unlink(self.tmp)
+        return ok
+
+
+class Fetcher:
+    """Fetches files with `jobs` workers over kept-alive connections: big files as parallel byte ranges, each
+    piece retried with backoff and resumed where it stopped (Range; a server that ignores it sends the whole
+    file again, whose known prefix is read past); the first file that cannot be had ends the fetch."""
+
+    def __init__(self, jobs=8, stall=STALL, retries=RETRIES, meter=None):
+        self.jobs, self.stall, self.retries, self.meter = max(1, jobs), stall, max(1, retries), meter
+        self.queue = queue.PriorityQueue()
+        self.seq = 0
+        self.cv = threading.Condition()
+        self.pending = 0
+        self.abort = threading.Event()
+        self.failed = []                        # (download, message), in the order they failed
+
+    def put(self, dl, piece, first):
+        with self.cv:
+            self.pending += 1
+            self.seq += 1
+            # Ranges of a started file first (the file lands sooner), then files largest first (no long tail).
+            self.queue.put(((0, self.seq) if not first else (1, -(dl.expect or 0), self.seq), dl, piece))
+
+    def run(self, downloads):
+        """Fetch every Download; returns the bytes written. Raises AgentError naming the first failure."""
+        for dl in downloads:
+            self.put(dl, dl.pieces[0], True)
+        workers = [threading.Thread(target=self.work, daemon=True) for _ in range(self.jobs)]
+        for w in workers:
+            w.start()
+        with self.cv:
+            while self.pending:
+                self.cv.wait()
+        for i, _ in enumerate(workers):
+            self.queue.put(((9, i), None, None))
+        for w in workers:
+            w.join()
+        if self.failed:
+            first = self.failed[0][1]
+            more = len(self.failed) - 1
+            raise AgentError(first + (" (and %d more)" % more if more else ""))
+
+    def work(self):
+        stream = Stream(self.stall)
+        try:
+            while True:
+                _, dl, piece = self.queue.get()
+                if dl is None:
+                    return
+                try:
+                    if not (self.abort.is_set() or dl.error):
+                        self.piece(stream, dl, piece)
+                except Aborted:
+                    stream.close()
+                except AgentError as e:
+                    stream.close()
+                    self.fail(dl, str(e))
+                except Exception as e:  # noqa: BLE001 - named per package, never a traceback
+                    stream.close()
+                    self.fail(dl, "%s: %s: %s" % (dl.label, dl.url, _why(e)))
+                with dl.lock:
+                    dl.left -= 1
+                    last = dl.left == 0
+                if last:
+                    try:
+                        if dl.finish() and self.meter:
+                            self.meter.add(finished=True)
+                    except AgentError as e:
+                        self.fail(dl, str(e))
+                with self.cv:
+                    self.pending -= 1
+                    self.cv.notify_all()
+        finally:
+            stream.close()
+
+    def fail(self, dl, message):
+        with self.cv:
+            if dl.error is None:
+                dl.error = message
+                self.failed.append((dl, message))
+            self.abort.set()
+
+    def piece(self, stream, dl, piece):
+        """One piece, attempted until it is in: a failure that brought bytes starts the count again."""
+        tries = 0
+        while True:
+            before = piece.pos
+            try:
+                return self.attempt(stream, dl, piece)
+            except Transient as e:
+                stream.close()
+                tries = 0 if piece.pos > before else tries + 1
+                if tries >= self.retries:
+                    raise AgentError("%s: %s: %s (gave up after %d attempts in a row without a byte)"
+                                     % (dl.label, dl.url, e, tries)) from None
+                d = min(BACKOFF[1], BACKOFF[0] * 2 ** max(0, tries - 1))
+                d = d / 2 + random.uniform(0, d / 2)
+                if e.wait is not None:
+                    d = max(d, min(e.wait, RETRY_AFTER_CAP))
+                if self.meter:
+                    self.meter.retry(dl.label, str(e), d)
+                if self.abort.wait(d):
+                    raise Aborted() from None
+
+    def attempt(self, stream, dl, piece):
+        ranged = piece.pos > 0 or piece.end is not None
+        try:
+            r, url = stream.get(dl.url, piece.pos, piece.end, dl.label)
+            skip = 0
+            if ranged:
+                dl.ranged += 1
+            if r.status == 206:
+                lo, hi, total = _content_range(r.getheader("Content-Range"))
+                if lo != piece.pos or (piece.end is not None and hi != piece.end - 1) or \
+                        (dl.size is not None and total not in (None, dl.size)):
+                    raise AgentError("%s: %s: asked for bytes %d-%s, the server sent %r"
+                                     % (dl.label, url, piece.pos, "" if piece.end is None else piece.end - 1,
+                                        r.getheader("Content-Range")))
+                length = total
+            else:                                   # the whole file: a first request, or a Range ignored
+                skip = piece.pos
+                if ranged:
+                    dl.ignored += 1
+                length = r.length
+            new = self.sized(dl, length)
+            if piece.end is None and dl.size is not None:
+                piece.end = dl.size
+            if new and not ranged and (r.getheader("Accept-Ranges") or "").lower() == "bytes":
+                for p in dl.split(piece, self.jobs):
+                    self.put(dl, p, False)
+            dl.open()
+            self.body(r, dl, piece, skip)
+            if r.isclosed() or r.length == 0:
+                r.read()
+            else:                                   # the reply goes on past this piece: the connection is spent
+                stream.close()
+        except (OSError, http.client.HTTPException) as e:
+            if isinstance(e, ssl.SSLCertVerificationError):
+                raise AgentError("%s: %s: %s" % (dl.label, dl.url, _why(e))) from None
+            raise Transient(_why(e)) from None
+
+    def sized(self, dl, length):
+        """Take the size the server states (once); True the first time. A size other than the lock's is refused."""
+        if length is None or dl.size is not None:
+            return False
+        if dl.expect is not None and length != dl.expect:
+            raise AgentError("%s: %s: the server sends %d bytes, the lock says %d; refusing"
+                             % (dl.label, dl.url, length, dl.expect))
+        with dl.lock:
+            if dl.size is not None:
+                return False
+            dl.size = length
+        if self.meter:
+            self.meter.start(length)
+        return True
+
+    def body(self, r, dl, piece, skip):
+        """Read the reply into the file at the piece's offsets (after `skip` bytes already there)."""
+        buf = bytearray(CHUNK)
+        view = memoryview(buf)
+        while piece.end is None or piece.pos < piece.end:
+            if self.abort.is_set() or dl.error:
+                raise Aborted()
+            want = CHUNK if piece.end is None else min(CHUNK, piece.end - piece.pos + skip)
+            n = r.readinto(view[:want])
+            if not n:
+                if piece.end is None:           # no stated length: the end of the body is the end of the file
+                    with dl.lock:
+                        dl.size = piece.end = piece.pos
+                    return
+                raise Transient("the connection closed after %d of %d bytes" % (piece.pos, piece.end))
+            data = view[:n]
+            if skip:
+                cut = min(skip, n)
+                data, skip = data[cut:], skip - cut
+                if not data:
+                    continue
+            dl.write(data, piece.pos)
+            with dl.lock:
+                piece.pos += len(data)
+            if self.meter:
+                self.meter.add(len(data))
+            dl.advance()
+
+
+def _content_range(value):
+    """(first, last, total or None) of a Content-Range `bytes a-b/n`; AgentError if malformed."""
+    m = re.match(r"^bytes (\d+)-(\d+)/(\d+|\*)$", (value or "").strip())
+    if not m:
+        raise Transient("a 206 reply without a usable Content-Range (%r)" % (value,))
+    return int(m.group(1)), int(m.group(2)), None if m.group(3) == "*" else int(m.group(3))
+
+
+def fetch(lay, packages, jobs, stall=STALL, retries=RETRIES):
+    """Every package not in the cache, with `jobs` streams; returns (count, bytes, seconds, figures)."""
     todo = [(p, entry(lay, p["sha256"], p["filename"])) for p in packages]
     todo = [(p, path) for p, path in todo if not os.path.isfile(path)]
     if not todo:
-        return 0, 0, 0.0
+        return 0, 0, 0.0, {}
     for p, _ in todo:
         if not p.get("url"):
             raise AgentError("%s==%s is not in the host's cache and has no URL to fetch" % (p["name"], p["version"]))
+    for p, _ in todo:
+        fetchable(p["url"], "%s==%s" % (p["name"], p["version"]))
     meter = Meter(len(todo))
-    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(todo)))) as pool:
-        futures = [pool.submit(_fetch, p["url"], path, p["sha256"], meter, timeout, "%s==%s" % (p["name"], p["version"]))
-                   for p, path in todo]
-        errors = []
-        for (p, _), fut in zip(todo, futures):
-            try:
-                fut.result()
-            except AgentError as e:
-                errors.append(str(e))
-            except Exception as e:  # noqa: BLE001 - named per package
-                errors.append("%s==%s: %s" % (p["name"], p["version"], e))
-    if errors:
-        more = " (and %d more)" % (len(errors) - 1) if len(errors) > 1 else ""
-        raise AgentError("fetch failed: %s%s" % (errors[0], more))
+    downloads = [Download(p["url"], path, p["sha256"], "%s==%s" % (p["name"], p["version"]),
+                          p.get("size") if isinstance(p.get("size"), int) else None) for p, path in todo]
+    try:
+        Fetcher(jobs, stall, retries, meter).run(downloads)
+    except AgentError as e:
+        raise AgentError("fetch failed: %s" % e) from None
     meter.report(time.monotonic())
-    return len(todo), meter.bytes, time.monotonic() - meter.t0
+    figs = {"retries": meter.retries, "ranges": sum(d.ranged for d in downloads),
+            "ranges_ignored": sum(d.ignored for d in downloads)}
+    return len(todo), meter.bytes, time.monotonic() - meter.t0, figs
 
 
 class BuildLog:
@@ -287,8 +699,10 @@ def _build(a, lay, gen_dir, venv, python, installer, log):
     figs["recheck"] = dict(rc, healed=[os.path.basename(p) for p in rc["healed"]])
     log("cache: %d entries hashed again (%d bytes, %.1fs)%s" % (rc["checked"], rc["bytes"], rc["seconds"], "".join(
         "; healed " + os.path.basename(p) for p in rc["healed"])))
-    n, nbytes, secs = fetch(lay, a.get("packages") or [], int(a.get("jobs") or 8), float(a.get("timeout") or 300))
-    figs.update(fetched=n, fetched_bytes=nbytes, fetch_seconds=round(secs, 2), cached=len(a.get("packages") or []) - n)
+    n, nbytes, secs, ffigs = fetch(lay, a.get("packages") or [], int(a.get("jobs") or 8),
+                                   float(a.get("stall") or STALL), int(a.get("retries") or RETRIES))
+    figs.update(fetched=n, fetched_bytes=nbytes, fetch_seconds=round(secs, 2), cached=len(a.get("packages") or []) - n,
+                **ffigs)
     event(step="fetch", summary=True, fetched=n, cached=figs["cached"], bytes=nbytes, seconds=time.monotonic() - t0)
     log("fetch: %d wheels, %d bytes in %.1fs; %d cached" % (n, nbytes, secs, figs["cached"]))
     for p in a.get("packages") or []:
