@@ -514,19 +514,26 @@ class Fetcher:
                     raise Aborted() from None
 
     def attempt(self, stream, dl, piece):
-        ranged = piece.pos > 0 or piece.end is not None
+        # A file the lock says is big is asked for as its first range: a 206 says the server serves ranges (the
+        # rest is split among the workers) and leaves the connection fit for the next piece; a 200 is the file.
+        head = piece.start == piece.pos == 0 and piece.end is None
+        end = SEGMENT if head and self.jobs > 1 and (dl.expect or 0) > SPLIT else piece.end
+        ranged = piece.pos > 0 or end is not None
         try:
-            r, url = stream.get(dl.url, piece.pos, piece.end, dl.label)
+            r, url = stream.get(dl.url, piece.pos, end, dl.label)
             skip = 0
             if ranged:
                 dl.ranged += 1
             if r.status == 206:
                 lo, hi, total = _content_range(r.getheader("Content-Range"))
-                if lo != piece.pos or (piece.end is not None and hi != piece.end - 1) or \
-                        (dl.size is not None and total not in (None, dl.size)):
-                    raise AgentError("%s: %s: asked for bytes %d-%s, the server sent %r"
-                                     % (dl.label, url, piece.pos, "" if piece.end is None else piece.end - 1,
-                                        r.getheader("Content-Range")))
+                last = end - 1 if end is not None else None if total is None else total - 1
+                if total is not None and last is not None:
+                    last = min(last, total - 1)
+                if lo != piece.pos or hi != (hi if last is None else last) or total is None and piece.end is None \
+                        or (dl.size is not None and total not in (None, dl.size)):
+                    raise AgentError("%s: %s: asked for bytes %d-%s, the server sent %s"
+                                     % (dl.label, url, piece.pos, "" if end is None else end - 1,
+                                        _printable(repr(r.getheader("Content-Range")), 80)))
                 length = total
             else:                                   # the whole file: a first request, or a Range ignored
                 skip = piece.pos
@@ -536,7 +543,7 @@ class Fetcher:
             new = self.sized(dl, length)
             if piece.end is None and dl.size is not None:
                 piece.end = dl.size
-            if new and not ranged and (r.getheader("Accept-Ranges") or "").lower() == "bytes":
+            if new and head and (r.status == 206 or (r.getheader("Accept-Ranges") or "").lower() == "bytes"):
                 for p in dl.split(piece, self.jobs):
                     self.put(dl, p, False)
             dl.open()
