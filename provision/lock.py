@@ -22,6 +22,7 @@ from . import yamlio
 from .errors import LockError
 
 SCHEMA = 1
+MAX_SIZE = (1 << 63) - 1       # a wheel's size: a non-negative integer (bytes)
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}\Z")
 PROJECT_RE = re.compile(r"^([A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9._-]{0,198}[A-Za-z0-9])\Z")    # PEP 508 name
 SHA_RE = re.compile(r"^[0-9a-f]{64}\Z")
@@ -48,7 +49,7 @@ TOP_KEYS = {"lock", "name", "description", "platform", "indexes", "requires", "o
             "unresolved", "patches", "engine", "probes"}
 PLATFORM_KEYS = {"python", "os", "arch", "gpus", "driver", "cuda"}
 OVERRIDE_KEYS = {"package", "pins", "use", "reason"}
-PACKAGE_KEYS = {"name", "version", "filename", "url", "sha256", "index", "drift"}
+PACKAGE_KEYS = {"name", "version", "filename", "url", "sha256", "size", "index", "drift"}
 ENGINE_KEYS = {"kind", "model", "architecture", "draft", "tp", "port", "speculative", "launch", "device", "dtype",
                "steps", "topk", "num_draft_tokens", "max_seq_len", "threads"}
 SPECULATIVE_KEYS = {"algorithm", "steps", "topk", "num_draft_tokens"}
@@ -63,6 +64,7 @@ class Package:
     filename: str | None = None
     url: str | None = None       # https://... or file:///...; None: only from the host's wheel cache
     index: str | None = None     # key into `indexes`, for information
+    size: int | None = None      # bytes of the wheel file, where the index said (PEP 700)
     drift: list[str] | None = None   # `pack --allow-drift`: files packed as found, not as their RECORD says
     line: int = 0
 
@@ -365,8 +367,9 @@ def _parse(doc: yamlio.Doc) -> Lock:
             if filename is not None and last != filename:
                 v.fail(pk + ("url",), f"{pname}: the URL's file {last!r} is not the lock's filename {filename!r}")
         drift = v.strings(p, pk, "drift") if p.get("drift") is not None else None
+        size = v.number(p, pk, "size", 0, MAX_SIZE, integer=True)
         packages.append(Package(name=pname, version=ver, sha256=sha, filename=filename, url=url, index=idx,
-                                drift=drift, line=doc.line(*pk)))
+                                size=size, drift=drift, line=doc.line(*pk)))
 
     unresolved = []
     for uk, u in v.items(d, (), "unresolved", {"name", "requirement", "reason"}, "a mapping with name, reason"):

@@ -415,7 +415,7 @@ def download_estimate(facts: dict, lock: Lock) -> dict:
     """Wheels the host's cache lacks, their bytes (where known), and the disk a build needs."""
     cached = set(facts.get("cached_wheels") or [])
     need = [p for p in lock.packages if p.sha256 not in cached]
-    sizes = {p.name: getattr(p, "size", None) or _local_size(lock, p.url) for p in lock.packages}
+    sizes = {p.name: p.size if p.size is not None else _local_size(lock, p.url) for p in lock.packages}
     known = sum(sizes[p.name] or 0 for p in need)
     total = sum(v or 0 for v in sizes.values())
     return {"wheels": len(need), "bytes": known, "unknown": sum(sizes[p.name] is None for p in need),

@@ -472,8 +472,10 @@ def resolve(lock: Lock, *, timeout: int = 900) -> Resolution:
             continue
         best = min(wheels, key=lambda w: wheel_rank(_wheel_name(w), tags))
         url = best.get("url") or best.get("path")
+        size = best.get("size")         # the index's (PEP 700), carried by pylock.toml
         pkg = {"name": name, "version": str(entry["version"]), "filename": _wheel_name(best), "url": url,
-               "sha256": (best.get("hashes") or {}).get("sha256")}
+               "sha256": (best.get("hashes") or {}).get("sha256"),
+               "size": size if type(size) is int and size >= 0 else None}
         key = _index_key(url, lock.indexes)
         if key:
             pkg["index"] = key
