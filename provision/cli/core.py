@@ -266,6 +266,8 @@ def register(app: typer.Typer) -> None:
             console.print(f"Saved {what} to {out}; apply exactly with `provision apply --plan {out}`"
                           + (" -i INVENTORY" if len(rows) > 1 else " HOST") + ".", markup=False)
         exit_for(rows)
+        if any(p.errors for p in plans):      # apply would refuse: an error in a plan is exit 1, always
+            raise typer.Exit(1)
         if detailed_exitcode and any(not p.noop for p in plans):
             raise typer.Exit(2)
 
