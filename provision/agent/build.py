@@ -356,6 +356,16 @@ class Download:
                 break
         return done
 
+    def take(self, data, offset):
+        """Hash bytes just written at `offset` from memory when they are next in line (the usual case)."""
+        if self.hashed == offset and self.hash_lock.acquire(False):
+            try:
+                if self.hashed == offset:
+                    self.hash.update(data)
+                    self.hashed += len(data)
+            finally:
+                self.hash_lock.release()
+
     def advance(self, wait=False):
         """Hash the written prefix beyond what is hashed (read back from the page cache); one thread at a time."""
         if not self.hash_lock.acquire(wait):
@@ -594,6 +604,7 @@ class Fetcher:
                 if not data:
                     continue
             dl.write(data, piece.pos)
+            dl.take(data, piece.pos)
             with dl.lock:
                 piece.pos += len(data)
             if self.meter:
