@@ -145,7 +145,8 @@ def describe(ev: dict) -> str | None:
         return (f"fetch: {ev['fetched']} wheels, {_size(ev['bytes'])} in {ev['seconds']:.1f}s "
                 f"({_size(rate)}/s); {ev.get('cached', 0)} cached")
     if step == "fetch" and ev.get("retry"):
-        return f"fetch: {ev['retry']}: {ev.get('why')}; again in {ev.get('wait', 0):.1f}s"
+        wait = ev.get("wait") if isinstance(ev.get("wait"), (int, float)) else 0
+        return f"fetch: {str(ev['retry'])[:120]}: {str(ev.get('why'))[:200]}; again in {wait:.1f}s"
     if step == "fetch":
         eta = f", {ev['eta']:.0f}s left" if ev.get("eta") is not None else ""
         return (f"fetch {ev['done']}/{ev['total']} · {_size(ev['bytes'])} of ~{_size(ev['total_bytes'])} · "
@@ -268,7 +269,8 @@ def summary(figs: dict, count: int) -> str:
     generation's files are its own (isolation), and cache entries healed."""
     parts = [f"{count} packages with {figs['installer']}"]
     if figs.get("fetched"):
-        parts.append(f"fetched {figs['fetched']} ({_size(figs['fetched_bytes'])} in {figs['fetch_seconds']:.1f}s)")
+        again = f", {figs['retries']} retr{'y' if figs['retries'] == 1 else 'ies'}" if figs.get("retries") else ""
+        parts.append(f"fetched {figs['fetched']} ({_size(figs['fetched_bytes'])} in {figs['fetch_seconds']:.1f}s{again})")
     pushed = figs.get("pushed") or 0          # the host's store held these because they were just pushed
     if figs.get("cached", 0) - pushed > 0:
         parts.append(f"{figs['cached'] - pushed} cached")

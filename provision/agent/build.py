@@ -469,30 +469,38 @@ class Fetcher:
                 if dl is None:
                     return
                 try:
-                    if not (self.abort.is_set() or dl.error):
-                        self.piece(stream, dl, piece)
-                except Aborted:
-                    stream.close()
-                except AgentError as e:
-                    stream.close()
-                    self.fail(dl, str(e))
-                except Exception as e:  # noqa: BLE001 - named per package, never a traceback
-                    stream.close()
-                    self.fail(dl, "%s: %s: %s" % (dl.label, dl.url, _why(e)))
-                with dl.lock:
-                    dl.left -= 1
-                    last = dl.left == 0
-                if last:
-                    try:
-                        if dl.finish() and self.meter:
-                            self.meter.add(finished=True)
-                    except AgentError as e:
-                        self.fail(dl, str(e))
-                with self.cv:
-                    self.pending -= 1
-                    self.cv.notify_all()
+                    self.one(stream, dl, piece)
+                finally:                    # whatever happened, the piece is accounted for: `run` never hangs
+                    with self.cv:
+                        self.pending -= 1
+                        self.cv.notify_all()
         finally:
             stream.close()
+
+    def one(self, stream, dl, piece):
+        """Fetch one piece; the worker that finishes a file's last piece verifies it and puts it in place."""
+        try:
+            if not (self.abort.is_set() or dl.error):
+                self.piece(stream, dl, piece)
+        except Aborted:
+            stream.close()
+        except AgentError as e:
+            stream.close()
+            self.fail(dl, str(e))
+        except Exception as e:  # noqa: BLE001 - named per package, never a traceback
+            stream.close()
+            self.fail(dl, "%s: %s: %s" % (dl.label, dl.url, _why(e)))
+        with dl.lock:
+            dl.left -= 1
+            last = dl.left == 0
+        if last:
+            try:
+                if dl.finish() and self.meter:
+                    self.meter.add(finished=True)
+            except AgentError as e:
+                self.fail(dl, str(e))
+            except Exception as e:  # noqa: BLE001 - e.g. the cache's disk refused the rename
+                self.fail(dl, "%s: cannot store %s: %s" % (dl.label, os.path.basename(dl.path), _why(e)))
 
     def fail(self, dl, message):
         with self.cv:
