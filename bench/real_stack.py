@@ -1,8 +1,10 @@
 """Benchmark of real stacks on a throwaway loopback host (real sshd, uv, wheels from PyPI): the CUDA 12.8
 baseline, then a PyPI-only CUDA 13 lock, then back. Prints cold apply, cached apply, reuse, rollback and gc
 beside the line rate measured in the same run (a plain download of the biggest wheel), with ratios.
-Usage: python bench/real_stack.py [--python /path/to/python3.12] [--json] [--workdir DIR]
+Usage: python bench/real_stack.py [--python /path/to/python3.12] [--json] [--workdir DIR] [--fetch-only]
 It downloads the wheels of both locks (about 8 GB) into a fresh host root and removes it afterwards.
+--fetch-only: the host's parallel fetch alone (the baseline's 172 wheels into an empty cache) between two plain
+downloads of the biggest wheel (the line rate before and after), with the ratio.
 """
 from __future__ import annotations
 
@@ -50,6 +52,50 @@ def line_rate(url: str) -> tuple[float, int]:
     return n / (time.perf_counter() - t0), n
 
 
+def cpu_seconds() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def fetch_alone(lk: lockmod.Lock, biggest, work: Path, jobs: int) -> dict:
+    """The host agent's fetch of every wheel of `lk` into an empty cache, between two line-rate measurements;
+    with the CPU seconds per GB of each (this process's, all threads) and when half and 90 % of the bytes were in."""
+    import contextlib
+    import io
+
+    from provision.agent import build as agentbuild
+
+    pkgs = [{"name": p.name, "version": p.version, "sha256": p.sha256, "filename": p.filename, "url": p.url,
+             **({"size": p.size} if p.size is not None else {})} for p in lk.packages]
+    c0 = cpu_seconds()
+    before, size = line_rate(biggest.url)
+    c1 = cpu_seconds()
+    events = io.StringIO()
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(events):         # the agent's progress events
+        res = agentbuild.fetch({"wheels": str(work / "cache")}, pkgs, jobs)
+    secs = time.perf_counter() - t0
+    c2 = cpu_seconds()
+    after, _ = line_rate(biggest.url)
+    c3 = cpu_seconds()
+    n, nbytes = res[0], res[1]
+    rate = nbytes / secs
+    progress = [e["_event"] for e in map(json.loads, events.getvalue().splitlines()) if "bytes" in e.get("_event", {})]
+
+    def when(share: float) -> float | None:
+        return next((round(e["seconds"], 1) for e in progress if e["bytes"] >= share * nbytes), None)
+
+    return {"line_rate_Bps": [round(before), round(after)], "line_rate_wheel": biggest.filename,
+            "line_rate_wheel_bytes": size, "jobs": jobs, "wheels": n, "bytes": nbytes, "fetch_s": round(secs, 2),
+            "fetch_Bps": round(rate), "fetch_of_line_rate": round(rate / ((before + after) / 2), 3),
+            "half_in_s": when(0.5), "ninety_in_s": when(0.9),
+            "cpu_s_per_GB": {"fetch": round((c2 - c1) / nbytes * 1e9, 2),
+                             "plain_download": round((c1 - c0 + c3 - c2) / (2 * size) * 1e9, 2)},
+            "load_average": os.getloadavg()[0], **res[3]}
+
+
 def du(path: Path) -> int:
     """Bytes on disk under `path`, each hard-linked file counted once."""
     out = subprocess.run(["du", "-s", "-B1", str(path)], capture_output=True, text=True)
@@ -93,7 +139,22 @@ def main() -> None:
     ap.add_argument("--python", help="the hosts' Python 3.12 (default: one found that runs)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--workdir", help="where the host root goes (default: a temp dir; needs ~25 GB)")
+    ap.add_argument("--fetch-only", action="store_true", help="the parallel fetch alone against the line rate")
+    ap.add_argument("--jobs", type=int, default=int(os.environ.get("PROVISION_FETCH_JOBS", "8")))
     args = ap.parse_args()
+    if args.fetch_only:
+        base = lockmod.load(BASELINE)
+        work = Path(tempfile.mkdtemp(prefix="real-stack-fetch-", dir=args.workdir))
+        try:
+            fig = fetch_alone(base, max(base.packages, key=lambda p: p.name == "torch"), work, args.jobs)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        print(json.dumps(fig, indent=2) if args.json else
+              f"fetch of {fig['wheels']} wheels ({fig['bytes'] / 1e9:.2f} GB) with {fig['jobs']} streams: "
+              f"{fig['fetch_s']:.1f} s, {fig['fetch_Bps'] / 1e6:.0f} MB/s = {fig['fetch_of_line_rate']:.2f} x the line "
+              f"rate ({fig['line_rate_Bps'][0] / 1e6:.0f} MB/s before, {fig['line_rate_Bps'][1] / 1e6:.0f} MB/s after: "
+              f"a plain download of {fig['line_rate_wheel']})")
+        return
     python = args.python or find_python("3.12")
     if not python:
         sys.exit("no Python 3.12 that runs; pass --python")
@@ -132,6 +193,9 @@ def main() -> None:
                 tr.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    for r in rows:     # the fetch alone, as a share of the line rate measured in this run
+        if r["fetch_s"]:
+            r["fetch_of_line_rate"] = round(r["bytes"] / r["fetch_s"] / fig["line_rate_Bps"], 3)
     fig["rows"] = rows
     if args.json:
         print(json.dumps(fig, indent=2, default=str))
@@ -148,7 +212,8 @@ def render(fig: dict) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for r in fig["rows"]:
         bound = r["bytes"] / rate + r["install_s"]
-        mbps = f"{r['bytes'] / r['fetch_s'] / 1e6:.0f}" if r["fetch_s"] else "–"
+        mbps = (f"{r['bytes'] / r['fetch_s'] / 1e6:.0f}, {r['fetch_of_line_rate']:.0%} of the line rate"
+                if r["fetch_s"] else "–")
         ratio = f"{r['wall_s'] / bound:.2f}" if bound > 0 else "–"
         lines.append(f"| {r['phase']} ({r['status']}) | {r['fetched']} / {r['cached']} | {r['bytes'] / 1e9:.2f} | "
                      f"{r['fetch_s']:.1f} ({mbps}) | {r['install_s']:.1f} | {r['wall_s']:.1f} | {bound:.1f} | {ratio} |")
