@@ -137,8 +137,8 @@ def op_push(a):
 class Meter:
     """Counts bytes and files fetched; sends a progress event at most every `every` seconds."""
 
-    def __init__(self, total, every=0.5):
-        self.total, self.every = total, every
+    def __init__(self, total, every=0.5, known=None):
+        self.total, self.every, self.known = total, every, known      # known: every file's size, from the lock
         self.done = self.bytes = self.expected = self.started = self.retries = 0
         self.t0 = self.last = time.monotonic()
         self.lock = threading.Lock()
@@ -165,9 +165,9 @@ class Meter:
     def report(self, now):
         secs = max(now - self.t0, 1e-6)
         rate = self.bytes / secs
-        # Bytes still to come: what started downloads announced, plus their average for the rest.
+        # Bytes to come: the lock's sizes, else what started downloads announced plus their average for the rest.
         avg = self.expected / self.started if self.started else 0
-        est = self.expected + avg * (self.total - self.started)
+        est = self.known if self.known is not None else self.expected + avg * (self.total - self.started)
         eta = (est - self.bytes) / rate if rate > 0 and est >= self.bytes else None
         event(step="fetch", done=self.done, total=self.total, bytes=self.bytes, total_bytes=int(est),
               rate=rate, eta=eta, seconds=secs)
@@ -639,9 +639,10 @@ def fetch(lay, packages, jobs, stall=STALL, retries=RETRIES):
             raise AgentError("%s==%s is not in the host's cache and has no URL to fetch" % (p["name"], p["version"]))
     for p, _ in todo:
         fetchable(p["url"], "%s==%s" % (p["name"], p["version"]))
-    meter = Meter(len(todo))
     downloads = [Download(p["url"], path, p["sha256"], "%s==%s" % (p["name"], p["version"]),
                           p.get("size") if isinstance(p.get("size"), int) else None) for p, path in todo]
+    sizes = [d.expect for d in downloads]
+    meter = Meter(len(todo), known=None if None in sizes else sum(sizes))
     try:
         Fetcher(jobs, stall, retries, meter).run(downloads)
     except AgentError as e:
