@@ -140,9 +140,13 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--workdir", help="where the host root goes (default: a temp dir; needs ~25 GB)")
     ap.add_argument("--fetch-only", action="store_true", help="the parallel fetch alone against the line rate")
-    ap.add_argument("--jobs", type=int, default=int(os.environ.get("PROVISION_FETCH_JOBS", "8")))
+    ap.add_argument("--jobs", type=int, help="streams (default: PROVISION_FETCH_JOBS, else the agent's choice for "
+                                             "this machine's cores)")
     args = ap.parse_args()
     if args.fetch_only:
+        from provision.agent.build import streams
+
+        args.jobs = args.jobs or int(os.environ.get("PROVISION_FETCH_JOBS") or streams())
         base = lockmod.load(BASELINE)
         work = Path(tempfile.mkdtemp(prefix="real-stack-fetch-", dir=args.workdir))
         try:

@@ -212,9 +212,10 @@ def _build(transport: Transport, lock: Lock, facts: dict, gen: dict, installer: 
     if pushed:
         say("build", "info", f"pushed {pushed} wheel(s) held by the controller")
     payload = {"op": "build", "root": root, "gen_dir": gen["dir"], "venv": gen["venv"], "python": python,
-               "installer": installer, "packages": pkgs, "jobs": int(setting("PROVISION_FETCH_JOBS", 8, 1, 64)),
-               "stall": setting("PROVISION_FETCH_STALL", 30, 0.1, 3600),
+               "installer": installer, "packages": pkgs, "stall": setting("PROVISION_FETCH_STALL", 30, 0.1, 3600),
                "rechecked": pushes[0]["rechecked"]}
+    if os.environ.get("PROVISION_FETCH_JOBS"):      # else the host's agent picks by its cores
+        payload["jobs"] = int(setting("PROVISION_FETCH_JOBS", 8, 1, 64))
     if installer == "uv":
         payload["uv"], uv_push = ensure_uv(transport, facts)
         if uv_push:
