@@ -138,8 +138,10 @@ def cached(tmp_path: Path, p: dict) -> bytes:
     return Path(build.entry({"wheels": str(tmp_path / "cache")}, p["sha256"], p["filename"])).read_bytes()
 
 
-def no_partials(tmp_path: Path) -> list[str]:
-    return [str(p) for p in (tmp_path / "cache").rglob("*.part-*")]
+def no_partials(tmp_path: Path, p: dict | None = None) -> list[str]:
+    """Partial files (and notes) left in the cache: of package `p`, or of any."""
+    where = tmp_path / "cache" / p["sha256"] if p else tmp_path / "cache"
+    return [str(f) for f in where.rglob("*.part*")] if where.exists() else []
 
 
 # ---------------------------------------------------------------- the agent's fetch
@@ -208,7 +210,7 @@ def test_404_is_not_retried_and_named_in_one_line(tmp_path, mirror):
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("fetch failed: alpha==1.0: " + a["url"] + ": HTTP 404"), msg
     assert "not retried" in msg and len(mirror.requests(a["filename"])) == 1
-    assert not no_partials(tmp_path)
+    assert not no_partials(tmp_path, a)        # refused: nothing of it is kept (beta's part may be, to resume)
 
 
 def test_gives_up_after_the_retries_naming_package_and_url(tmp_path, mirror):
@@ -267,6 +269,41 @@ def test_lock_size_other_than_the_servers_is_refused(tmp_path, mirror):
     a = dict(package(mirror, "alpha"), size=123)
     with pytest.raises(AgentError, match=r"alpha==1.0: .*: the server sends \d+ bytes, the lock says 123"):
         fetch(tmp_path, [a])
+
+
+def test_a_fetch_that_gave_up_is_resumed_by_the_next_run(tmp_path, mirror):
+    """Half the file arrived, then the server failed until the fetch gave up: the partial file and its note
+    stay; the next fetch hashes that prefix again and asks only for the rest."""
+    a = package(mirror, "alpha")
+    size = mirror.wheels["alpha"].stat().st_size
+    mirror.script[a["filename"]] = ["cut", "503", "503"]
+    with pytest.raises(AgentError, match="gave up after 2 attempts"):
+        fetch(tmp_path, [a], retries=2)
+    sent = mirror.requests(a["filename"])[0][2]
+    assert sorted(Path(f).name for f in no_partials(tmp_path, a)) == [a["filename"] + ".partial",
+                                                                       a["filename"] + ".partial.json"]
+    n, nbytes, _, figs = fetch(tmp_path, [a])
+    last = mirror.requests(a["filename"])[-1]
+    assert last[:2] == (f"bytes={sent}-", 206) and last[2] == size - sent
+    assert (n, nbytes, figs["resumed_bytes"]) == (1, size - sent, sent)
+    assert cached(tmp_path, a) == mirror.wheels["alpha"].read_bytes() and not no_partials(tmp_path)
+
+
+def test_a_partial_file_of_other_bytes_is_refused_and_removed(tmp_path, mirror):
+    """A partial file whose noted prefix is not the wheel's (the disk changed it): the sha256 check refuses
+    the result, names where the bytes came from, and removes the partial so the next run starts afresh."""
+    a = package(mirror, "alpha")
+    mirror.script[a["filename"]] = ["cut", "503"]
+    with pytest.raises(AgentError):
+        fetch(tmp_path, [a], retries=1)
+    part = Path(build.entry({"wheels": str(tmp_path / "cache")}, a["sha256"], a["filename"]) + ".partial")
+    with open(part, "r+b") as f:
+        f.write(b"X")
+    with pytest.raises(AgentError, match="sha256 mismatch .* came from an earlier run's partial file, now removed"):
+        fetch(tmp_path, [a])
+    assert not no_partials(tmp_path)
+    fetch(tmp_path, [a])
+    assert mirror.requests(a["filename"])[-1][0] is None and cached(tmp_path, a) == mirror.wheels["alpha"].read_bytes()
 
 
 # ---------------------------------------------------------------- the controller's cache, and a real apply

@@ -5,9 +5,11 @@
 `unpack` the tool's own code. Progress goes to the controller as events while it happens.
 """
 import base64
+import fcntl
 import hashlib
 import http.client
 import io
+import json
 import os
 import queue
 import random
@@ -313,28 +315,80 @@ class Piece:
 
 
 class Download:
-    """One file: pieces fetched by any worker into a temp file at their offsets, hashed in order as the written
-    prefix grows; the file appears under its cache name only when every piece is in and the sha256 matches."""
+    """One file: pieces fetched by any worker into a partial file at their offsets, hashed in order as the written
+    prefix grows; the file appears under its cache name only when every piece is in and the sha256 matches.
+    The partial file (`<entry>.partial`, flocked while in use) keeps its hashed prefix across runs, noted in
+    `<entry>.partial.json`: a fetch that gave up or was killed resumes there next time (hashed again first)."""
 
     def __init__(self, url, path, sha256, label, size=None):
         self.url, self.path, self.sha256, self.label, self.expect = url, path, sha256, label, size
-        self.tmp = "%s.part-%d-%d" % (path, os.getpid(), id(self))
-        self.size, self.fd, self.error = None, None, None
+        self.tmp, self.note = path + ".partial", path + ".partial.json"
+        self.size, self.fd, self.error, self.keep = None, None, None, False
         self.pieces = [Piece(0, None)]
         self.left = 1                       # pieces not yet finished
         self.lock, self.hash_lock = threading.Lock(), threading.Lock()
-        self.hash, self.hashed = hashlib.sha256(), 0
+        self.hash, self.hashed, self.noted = hashlib.sha256(), 0, 0
+        self.base = 0                       # bytes an earlier run left, verified in order
         self.ranged = self.ignored = 0      # ranged requests made, answered with the whole file instead
 
     def open(self):
+        """The partial file, once: an earlier run's verified prefix is taken up (the first piece starts after
+        it); where another process holds it, a private temp file instead."""
         with self.lock:
-            if self.fd is None:
+            if self.fd is not None:
+                return
+            try:
+                os.makedirs(os.path.dirname(self.path), exist_ok=True)
+                fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT, 0o640)
                 try:
-                    os.makedirs(os.path.dirname(self.path), exist_ok=True)
-                    self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o640)
-                except OSError as e:
-                    raise AgentError("%s: cannot create %s: %s" % (self.label, self.tmp, e.strerror or e)) from None
-        return self.fd
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:             # another process fetches this wheel into the same cache now
+                    os.close(fd)
+                    self.tmp, self.note = "%s.part-%d-%d" % (self.path, os.getpid(), id(self)), None
+                    fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o640)
+                self.fd = fd
+                upto = self.noted_prefix()
+                if upto:
+                    self.hashed = self.rehash(upto)
+                    self.base = self.noted = self.pieces[0].start = self.pieces[0].pos = upto
+                else:
+                    os.ftruncate(fd, 0)
+            except OSError as e:
+                raise AgentError("%s: cannot create %s: %s" % (self.label, self.tmp, e.strerror or e)) from None
+
+    def noted_prefix(self):
+        """The bytes of the partial file an earlier run verified in order (its note), or 0."""
+        if self.note is None:
+            return 0
+        try:
+            with open(self.note) as f:
+                n = json.load(f)
+            upto, size = (n.get("upto"), n.get("size")) if n.get("sha256") == self.sha256 else (None, None)
+        except (OSError, ValueError, AttributeError):
+            return 0
+        size = self.expect if self.expect is not None else size       # the rest must be something to fetch
+        if type(upto) is not int or type(size) is not int or not 0 < upto < size or \
+                upto > os.fstat(self.fd).st_size:
+            return 0
+        return upto
+
+    def rehash(self, upto):
+        for off in range(0, upto, CHUNK):
+            b = os.pread(self.fd, min(CHUNK, upto - off), off)
+            if not b:
+                return 0
+            self.hash.update(b)
+        return upto
+
+    def write_note(self):
+        """Record the hashed prefix (a temp file renamed over the note: a note is whole or absent)."""
+        if self.note is None or self.hashed == self.noted:
+            return
+        tmp = self.note + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"sha256": self.sha256, "upto": self.hashed, "size": self.size}, f)
+        os.replace(tmp, self.note)
+        self.noted = self.hashed
 
     def write(self, data, offset):
         view = memoryview(data)
@@ -347,7 +401,7 @@ class Download:
 
     def prefix(self):
         """How many bytes from the start are written without a gap."""
-        done = 0
+        done = self.base
         for p in self.pieces:
             if p.start > done:
                 break
@@ -356,6 +410,14 @@ class Download:
                 break
         return done
 
+    def hashed_more(self):
+        """After the hashed prefix grew (hash_lock held): note it every SEGMENT bytes."""
+        if self.hashed - self.noted >= SEGMENT:
+            try:
+                self.write_note()
+            except OSError:
+                pass            # a note is an optimisation: without one, the next run starts afresh
+
     def take(self, data, offset):
         """Hash bytes just written at `offset` from memory when they are next in line (the usual case)."""
         if self.hashed == offset and self.hash_lock.acquire(False):
@@ -363,6 +425,7 @@ class Download:
                 if self.hashed == offset:
                     self.hash.update(data)
                     self.hashed += len(data)
+                    self.hashed_more()
             finally:
                 self.hash_lock.release()
 
@@ -382,24 +445,27 @@ class Download:
                         raise AgentError("%s: %s is shorter than what was written" % (self.label, self.tmp))
                     self.hash.update(b)
                     self.hashed += len(b)
+                self.hashed_more()
         finally:
             self.hash_lock.release()
 
     def split(self, piece, jobs):
         """Once the size is known and the server serves ranges: the rest of a big file as ranges, queued for
         other workers; `piece` keeps the first. Returns the new pieces."""
-        if self.size is None or self.size <= SPLIT or jobs < 2:
+        if self.size is None or self.size - piece.start <= SPLIT or jobs < 2:
             return []
         with self.lock:
-            piece.end = SEGMENT
-            new = [Piece(lo, min(lo + SEGMENT, self.size)) for lo in range(SEGMENT, self.size, SEGMENT)]
+            piece.end = piece.start + SEGMENT
+            new = [Piece(lo, min(lo + SEGMENT, self.size)) for lo in range(piece.end, self.size, SEGMENT)]
             self.pieces += new
             self.left += len(new)
         return new
 
     def finish(self):
-        """The last piece is in: verify and move into place. Returns True when the file landed."""
-        ok = False
+        """The last piece is in: verify and move into place. Returns True when the file landed. A file that
+        did not land keeps its partial file (and its note) only where it may be resumed: the fetch ended
+        or gave up on a transient error, never a refusal (404, size, sha256)."""
+        ok = whole = False
         try:
             with self.lock:
                 whole = self.error is None and self.size is not None and self.prefix() == self.size
@@ -408,16 +474,27 @@ class Download:
                 if self.size is not None and self.hashed != self.size:
                     raise AgentError("%s: %d of %d bytes arrived" % (self.label, self.hashed, self.size))
                 if self.hash.hexdigest() != self.sha256:
-                    raise AgentError("%s: sha256 mismatch for %s: file is %s…, the lock says %s…; refusing"
+                    raise AgentError("%s: sha256 mismatch for %s: file is %s…, the lock says %s…; refusing%s"
                                      % (self.label, os.path.basename(self.path), self.hash.hexdigest()[:16],
-                                        self.sha256[:16]))
+                                        self.sha256[:16], " (the first %d bytes came from an earlier run's "
+                                        "partial file, now removed)" % self.base if self.base else ""))
                 os.replace(self.tmp, self.path)
                 ok = True
         finally:
+            kept = False
+            if not (ok or whole) and self.fd is not None and (self.error is None or self.keep) and self.hashed:
+                try:
+                    self.write_note()
+                    kept = self.note is not None
+                except OSError:
+                    pass
             if self.fd is not None:
-                os.close(self.fd)
-            if not ok and os.path.exists(self.tmp):
-                os.unlink(self.tmp)
+                os.close(self.fd)           # and with it the flock
+            for f in ([] if kept else [self.tmp]) + ([self.note] if self.note and not kept else []):
+                try:
+                    os.unlink(f)
+                except OSError:
+                    pass
         return ok
 
 
@@ -520,6 +597,7 @@ class Fetcher:
                 stream.close()
                 tries = 0 if piece.pos > before else tries + 1
                 if tries >= self.retries:
+                    dl.keep = True          # what arrived stays, to be resumed by the next run
                     raise AgentError("%s: %s: %s (gave up after %d attempts in a row without a byte)"
                                      % (dl.label, dl.url, e, tries)) from None
                 d = min(BACKOFF[1], BACKOFF[0] * 2 ** max(0, tries - 1))
@@ -534,8 +612,9 @@ class Fetcher:
     def attempt(self, stream, dl, piece):
         # A file the lock says is big is asked for as its first range: a 206 says the server serves ranges (the
         # rest is split among the workers) and leaves the connection fit for the next piece; a 200 is the file.
-        head = piece.start == piece.pos == 0 and piece.end is None
-        end = SEGMENT if head and self.jobs > 1 and (dl.expect or 0) > SPLIT else piece.end
+        dl.open()
+        head = piece.start == piece.pos == dl.base and piece.end is None
+        end = piece.start + SEGMENT if head and self.jobs > 1 and (dl.expect or 0) - piece.start > SPLIT else piece.end
         ranged = piece.pos > 0 or end is not None
         try:
             r, url = stream.get(dl.url, piece.pos, end, dl.label)
@@ -564,7 +643,6 @@ class Fetcher:
             if new and head and (r.status == 206 or (r.getheader("Accept-Ranges") or "").lower() == "bytes"):
                 for p in dl.split(piece, self.jobs):
                     self.put(dl, p, False)
-            dl.open()
             self.body(r, dl, piece, skip)
             if r.isclosed() or r.length == 0:
                 r.read()
@@ -659,7 +737,8 @@ def fetch(lay, packages, jobs, stall=STALL, retries=RETRIES):
     except AgentError as e:
         raise AgentError("fetch failed: %s" % e) from None
     meter.report(time.monotonic())
-    figs = {"retries": meter.retries, "ranges": sum(d.ranged for d in downloads),
+    figs = {"retries": meter.retries, "resumed_bytes": sum(d.base for d in downloads),
+            "ranges": sum(d.ranged for d in downloads),
             "ranges_ignored": sum(d.ignored for d in downloads)}
     return len(todo), meter.bytes, time.monotonic() - meter.t0, figs
 
