@@ -158,9 +158,9 @@ def describe(ev: dict) -> str | None:
 
 
 def level(ev: dict) -> str:
-    """"info" for a phase's line (fetch done, install started, cache healed), "detail" for a per-package one
-    (fetch counters, each line uv or pip prints)."""
-    if ev.get("step") == "fetch" and not ev.get("summary") or ev.get("step") in ("venv", "install") \
+    """"info" for a phase's line (fetch done, a fetch retried, install started, cache healed), "detail" for a
+    per-package one (fetch counters, each line uv or pip prints)."""
+    if ev.get("step") == "fetch" and not (ev.get("summary") or ev.get("retry")) or ev.get("step") in ("venv", "install") \
             and not ev.get("phase"):
         return "detail"
     return "info"

@@ -139,8 +139,9 @@ def op_push(a):
 class Meter:
     """Counts bytes and files fetched; sends a progress event at most every `every` seconds."""
 
-    def __init__(self, total, every=0.5, known=None):
+    def __init__(self, total, every=0.5, known=None, log=None):
         self.total, self.every, self.known = total, every, known      # known: every file's size, from the lock
+        self.log = log                                                 # the build log, for retries
         self.done = self.bytes = self.expected = self.started = self.retries = 0
         self.t0 = self.last = time.monotonic()
         self.lock = threading.Lock()
@@ -163,6 +164,8 @@ class Meter:
         with self.lock:
             self.retries += 1
         event(step="fetch", retry=label, why=why[:200], wait=round(wait, 1))
+        if self.log:
+            self.log("fetch: %s: %s; again in %.1fs" % (label, why[:200], wait))
 
     def report(self, now):
         secs = max(now - self.t0, 1e-6)
@@ -717,7 +720,7 @@ def streams():
     return max(2, min(8, 2 * cores))
 
 
-def fetch(lay, packages, jobs, stall=STALL, retries=RETRIES):
+def fetch(lay, packages, jobs, stall=STALL, retries=RETRIES, log=None):
     """Every package not in the cache, with `jobs` streams; returns (count, bytes, seconds, figures)."""
     todo = [(p, entry(lay, p["sha256"], p["filename"])) for p in packages]
     todo = [(p, path) for p, path in todo if not os.path.isfile(path)]
@@ -731,7 +734,7 @@ def fetch(lay, packages, jobs, stall=STALL, retries=RETRIES):
     downloads = [Download(p["url"], path, p["sha256"], "%s==%s" % (p["name"], p["version"]),
                           p.get("size") if isinstance(p.get("size"), int) else None) for p, path in todo]
     sizes = [d.expect for d in downloads]
-    meter = Meter(len(todo), known=None if None in sizes else sum(sizes))
+    meter = Meter(len(todo), known=None if None in sizes else sum(sizes), log=log)
     try:
         Fetcher(jobs, stall, retries, meter).run(downloads)
     except AgentError as e:
@@ -817,11 +820,12 @@ def _build(a, lay, gen_dir, venv, python, installer, log):
     log("cache: %d entries hashed again (%d bytes, %.1fs)%s" % (rc["checked"], rc["bytes"], rc["seconds"], "".join(
         "; healed " + os.path.basename(p) for p in rc["healed"])))
     n, nbytes, secs, ffigs = fetch(lay, a.get("packages") or [], int(a.get("jobs") or streams()),
-                                   float(a.get("stall") or STALL), int(a.get("retries") or RETRIES))
+                                   float(a.get("stall") or STALL), int(a.get("retries") or RETRIES), log)
     figs.update(fetched=n, fetched_bytes=nbytes, fetch_seconds=round(secs, 2), cached=len(a.get("packages") or []) - n,
                 **ffigs)
     event(step="fetch", summary=True, fetched=n, cached=figs["cached"], bytes=nbytes, seconds=time.monotonic() - t0)
-    log("fetch: %d wheels, %d bytes in %.1fs; %d cached" % (n, nbytes, secs, figs["cached"]))
+    log("fetch: %d wheels, %d bytes in %.1fs; %d cached; %d retries, %d bytes resumed from an earlier run"
+        % (n, nbytes, secs, figs["cached"], figs.get("retries", 0), figs.get("resumed_bytes", 0)))
     for p in a.get("packages") or []:
         log("  %s==%s %s" % (p["name"], p["version"], entry(lay, p["sha256"], p["filename"])))
     reqs = os.path.join(gen_dir, "requirements.txt")
