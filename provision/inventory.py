@@ -1,9 +1,12 @@
 """Ansible inventories read by Ansible itself (InventoryManager + VariableManager): group and host vars,
 group_vars/ and host_vars/, `--limit` patterns; each host becomes a Target named by its inventory name.
+What Ansible would read ambiguously (a host given twice, an undefined child group) is refused first, in one line.
 """
 from __future__ import annotations
 
 import contextlib
+import os
+import shlex
 from pathlib import Path
 
 from .errors import InventoryError
@@ -26,11 +29,14 @@ class Inventory:
         if not Path(path).exists():
             raise InventoryError("inventory not found", where=self.where)
         constants.HOST_PATTERN_MISMATCH = "ignore"   # a pattern that matches nothing is our one line, not a warning
-        with self._errors():
+        refuse_ambiguity(Path(path))
+        with self._errors(), _ansible_warnings() as warned:
             self.loader = DataLoader()
             self.inv = InventoryManager(loader=self.loader, sources=[self.where])
             if not self.inv.list_hosts("all"):
-                raise InventoryError("inventory names no hosts (or Ansible cannot parse it)", where=self.where)
+                failed = [w for w in warned if w.startswith("Failed to parse")] or warned
+                raise InventoryError(f"Ansible cannot read it: {failed[0]}" if failed else "inventory names no hosts",
+                                     where=self.where)
 
     def matches(self, pattern: str) -> bool:
         """Whether `pattern` (a host, a group or an Ansible pattern) names a host of the inventory."""
@@ -115,3 +121,169 @@ def _refuse_duplicates(targets: list[Target], where: str) -> None:
             raise InventoryError(f"hosts {seen[k]} and {t.name} are the same host ({t.address}, root "
                             f"{t.vars.get('provision_root') or 'default'}); name it once", where=where)
         seen[k] = t.name
+
+
+@contextlib.contextmanager
+def _ansible_warnings():
+    """Ansible's warnings while it reads an inventory, collected (one line each) instead of printed: a failed
+    parse is then our one line, naming the first reason."""
+    from ansible.utils.display import Display
+
+    display, seen = Display(), []
+
+    def keep(msg="", *a, exception=None, **kw):
+        why = " ".join(str(exception or msg).split())
+        seen.append(why.split(" <<< caused by >>> ")[0][:300])
+    saved = display.__dict__.get("warning"), display.__dict__.get("error_as_warning")
+    display.warning = display.error_as_warning = keep
+    try:
+        yield seen
+    finally:
+        for name, fn in zip(("warning", "error_as_warning"), saved):
+            if fn is None:
+                display.__dict__.pop(name, None)
+            else:
+                setattr(display, name, fn)
+
+
+# ------------------------------------------------------------------ ambiguity, refused before Ansible reads it
+
+YAML_EXTS = (".yml", ".yaml", ".json")
+
+
+def refuse_ambiguity(path: Path) -> None:
+    """InventoryError (file:line) for what Ansible would read silently one way or another, or refuse with
+    pages of warnings: a host given twice with different values for one variable, a YAML duplicate key or a
+    host list where a mapping belongs, a child group defined nowhere. Files of a directory count together."""
+    hosts: dict[str, dict[str, tuple]] = {}          # host → var → (value, where)
+    defined: set[str] = {"all", "ungrouped"}
+    children: list[tuple[str, str, str]] = []        # (group, child, where)
+    for f in _sources(path):
+        if f.suffix in YAML_EXTS or (not f.suffix and _looks_yaml(f)):
+            _read_yaml(f, hosts, defined, children)
+        else:
+            _read_ini(f, hosts, defined, children)
+    for group, child, where in children:
+        if child not in defined:
+            raise InventoryError(f"group {group!r} names child group {child!r}, which is defined nowhere "
+                                 "(no hosts, children or vars)", where=where)
+
+
+def _sources(path: Path) -> list[Path]:
+    """The files Ansible reads as inventory sources under `path` (its ignore rules; executables are scripts)."""
+    from ansible.inventory.manager import IGNORED
+
+    if not path.is_dir():
+        return [path]
+    out = []
+    for name in sorted(os.listdir(path)):
+        if IGNORED.search(name.encode()):
+            continue
+        p = path / name
+        if p.is_dir():
+            out += _sources(p)
+        elif p.is_file() and not os.access(p, os.X_OK):
+            out.append(p)
+    return out
+
+
+def _looks_yaml(f: Path) -> bool:
+    try:
+        head = f.read_text(errors="replace")[:4096]
+    except OSError:
+        return False
+    lines = [ln for ln in head.splitlines() if ln.strip() and not ln.lstrip().startswith(("#", ";"))]
+    return bool(lines) and not lines[0].lstrip().startswith("[")
+
+
+def _host_var(hosts: dict, host: str, var: str, value, where: str) -> None:
+    had = hosts.setdefault(host, {}).get(var)
+    if had is not None and str(had[0]) != str(value):
+        first = had[1].rsplit(":", 1)
+        at = f"line {first[1]}" if first[0] == where.rsplit(":", 1)[0] else had[1]
+        raise InventoryError(f"host {host!r} is listed twice with different {var} ({had[0]} at {at}, "
+                             f"{value} here); list it once", where=where)
+    hosts[host].setdefault(var, (value, where))
+
+
+def _read_yaml(f: Path, hosts: dict, defined: set, children: list) -> None:
+    from . import yamlio
+    from .errors import LockError
+
+    try:
+        doc = yamlio.load(f)
+    except LockError as e:
+        raise InventoryError(e.message, where=e.where) from None
+    data = doc.data
+    if not isinstance(data, dict) or "plugin" in data:
+        return          # an inventory plugin's configuration, or not ours to judge: Ansible says what it is
+
+    def group(name: str, body, keys: tuple) -> None:
+        where = doc.where(*keys)
+        if body is None:
+            return
+        if not isinstance(body, dict):
+            raise InventoryError(f"group {name!r} must be a mapping (hosts, children, vars), not "
+                                 f"{type(body).__name__}", where=where)
+        if body:
+            defined.add(name)
+        hs = body.get("hosts")
+        if isinstance(hs, list):
+            raise InventoryError(f"the hosts of group {name!r} are a list; write them as a mapping "
+                                 f"(`name:` or `name: {{vars}}` per line)", where=doc.where(*keys, "hosts"))
+        if hs is not None and not isinstance(hs, dict):
+            raise InventoryError(f"the hosts of group {name!r} must be a mapping, not {type(hs).__name__}",
+                                 where=doc.where(*keys, "hosts"))
+        for h, hv in (hs or {}).items():
+            for var, value in (hv.items() if isinstance(hv, dict) else ()):
+                if not isinstance(value, (dict, list)):
+                    _host_var(hosts, str(h), str(var), value, doc.where(*keys, "hosts", h, var))
+            hosts.setdefault(str(h), {})
+        kids = body.get("children")
+        if kids is not None and not isinstance(kids, dict):
+            raise InventoryError(f"the children of group {name!r} must be a mapping, not {type(kids).__name__}",
+                                 where=doc.where(*keys, "children"))
+        for child, cbody in (kids or {}).items():
+            children.append((name, str(child), doc.where(*keys, "children", child)))
+            group(str(child), cbody, keys + ("children", child))
+
+    for name, body in data.items():
+        group(str(name), body, (name,))
+
+
+def _read_ini(f: Path, hosts: dict, defined: set, children: list) -> None:
+    try:
+        text = f.read_text()
+    except (OSError, UnicodeDecodeError):
+        return          # Ansible says why it cannot read it
+    section, kind = "ungrouped", "hosts"
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        where = f"{f}:{n}"
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            section, _, kind = line[1:-1].strip().partition(":")
+            kind = kind or "hosts"
+            if kind in ("hosts", "children"):
+                defined.add(section)
+            continue
+        if kind == "children":
+            children.append((section, line.split()[0], where))
+        elif kind == "hosts":
+            try:
+                words = shlex.split(line, comments=True)
+            except ValueError:
+                return  # Ansible says what is wrong with the line
+            if not words:
+                continue
+            name, port = words[0], None
+            if name.count(":") == 1 and name.rsplit(":", 1)[1].isdigit():
+                name, port = name.rsplit(":", 1)
+            if port is not None:
+                _host_var(hosts, name, "ansible_port", port, where)
+            for w in words[1:]:
+                var, eq, value = w.partition("=")
+                if eq:
+                    _host_var(hosts, name, var, value, where)
+            hosts.setdefault(name, {})

@@ -1,0 +1,88 @@
+"""Inventories that Ansible would read one way or another (a host given twice, a duplicate key, an undefined child
+group, hosts as a list) are refused before any host is contacted, in one line naming the file and line."""
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+from test_core import cli
+
+
+@pytest.fixture
+def listener():
+    """A TCP port that counts the connections made to it (a host that would be contacted)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    accepted: list[socket.socket] = []
+
+    def accept():
+        try:
+            while True:
+                accepted.append(srv.accept()[0])
+        except OSError:      # closed at the end of the test
+            pass
+    threading.Thread(target=accept, daemon=True).start()
+    yield srv.getsockname()[1], accepted
+    srv.close()
+    for c in accepted:
+        c.close()
+
+
+CASES = {
+    "port-twice.ini": ("[a]\nh1 ansible_host=127.0.0.1 ansible_port={port}\n[b]\nh1 ansible_host=127.0.0.1 "
+                       "ansible_port=1{port}\n",
+                       4, "host 'h1' is listed twice with different ansible_port ({port} at line 2, 1{port} here); "
+                          "list it once"),
+    "port-twice-in-name.ini": ("[a]\n127.0.0.1:{port}\n[b]\n127.0.0.1:1{port}\n",
+                               4, "host '127.0.0.1' is listed twice with different ansible_port ({port} at line 2, "
+                                  "1{port} here); list it once"),
+    "duplicate-key.yml": ("all:\n  hosts:\n    h1: {{ansible_host: 127.0.0.1, ansible_port: {port}}}\n"
+                          "    h1: {{ansible_host: 127.0.0.1, ansible_port: 1{port}}}\n",
+                          4, "invalid YAML: duplicate key 'h1' (first at line 3)"),
+    "child-undefined.ini": ("[a]\nh1 ansible_host=127.0.0.1 ansible_port={port}\n[g:children]\na\nnope\n",
+                            5, "group 'g' names child group 'nope', which is defined nowhere (no hosts, children or "
+                               "vars)"),
+    "child-undefined.yml": ("all:\n  children:\n    g:\n      hosts:\n        h1: {{ansible_host: 127.0.0.1, "
+                            "ansible_port: {port}}}\n      children:\n        nope:\n",
+                            7, "group 'g' names child group 'nope', which is defined nowhere (no hosts, children or "
+                               "vars)"),
+    "hosts-list.yml": ("all:\n  vars: {{ansible_host: 127.0.0.1, ansible_port: {port}}}\n  hosts:\n    - h1\n"
+                       "    - h2\n",
+                       4, "the hosts of group 'all' are a list; write them as a mapping (`name:` or `name: {{vars}}` "
+                          "per line)"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_ambiguous_inventory_is_one_line_before_any_contact(listener, tmp_path, name):
+    port, accepted = listener
+    text, line, says = CASES[name]
+    inv = tmp_path / name
+    inv.write_text(text.format(port=port))
+    for verb in ("status", "history"):
+        p = cli(verb, "-i", inv, "--known-hosts", tmp_path / "kh", "--timeout", "1", check=2)
+        assert p.stderr == f"error: {inv}:{line}: {says.format(port=port)}\n", p.stderr
+    assert accepted == [], "a host was contacted before the inventory was understood"
+
+
+def test_the_same_host_in_two_groups_alike_is_read_and_contacted(listener, tmp_path):
+    """The control: a host listed twice with the same values is one host, and it is contacted (the listener
+    counts it), so the refusals above are the inventory's, not the listener's."""
+    port, accepted = listener
+    inv = tmp_path / "twice-alike.ini"
+    inv.write_text(f"[a]\nh1 ansible_host=127.0.0.1 ansible_port={port}\n[b]\nh1 ansible_host=127.0.0.1 "
+                   f"ansible_port={port}\n[g:children]\na\nb\n")
+    p = cli("history", "-i", inv, "--known-hosts", tmp_path / "kh", "--timeout", "1", check=1)
+    assert p.stderr.startswith("error: h1: "), p.stderr
+    assert len(accepted) >= 1
+
+
+def test_an_inventory_ansible_cannot_read_is_one_line_without_its_warnings(tmp_path):
+    inv = tmp_path / "broken.ini"
+    inv.write_text("[a]\nh1 ansible_port\n")
+    p = cli("status", "-i", inv, check=2)
+    assert p.stderr == (f"error: {inv}: Ansible cannot read it: Failed to parse inventory: Expected key=value host "
+                        "variable assignment, got: ansible_port\n"), p.stderr
