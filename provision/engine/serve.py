@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API (stdlib): /v1/completions and /v1/chat/completions (SSE streaming, stop
-strings), /v1/models[/{id}], /health, /metrics. Bounded connections, queue and read time; handler threads
-validate and queue, one worker owns the model and stops work whose client went away.
+strings), /v1/models[/{id}], /health, /metrics. Bounded connections and queue; a whole request (headers and
+body) must arrive within the read time, and a connection still sending its request gives its slot to a new one
+when all are taken. Handler threads validate and queue; one worker owns the model.
     python -m provision.engine.serve [--model DIR] [--draft DIR] [--port N] [--device cuda]"""
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from .errors import EngineError
 from .generate import Engine
 
 MAX_BODY = 1 << 20
-READ_TIMEOUT = 30.0         # seconds a client may take to send its request
+READ_TIMEOUT = 30.0         # seconds a client may take to send its whole request (headers and body)
 MAX_CONNECTIONS = 64        # concurrent connections handled; more are answered 503 at once
 MAX_QUEUED = 32             # requests waiting for the model; more are answered 503
 BACKLOG = 1024              # listen backlog: bursts wait in the kernel instead of being reset
@@ -137,7 +138,10 @@ class Job:
     def __init__(self, ids, params):
         self.ids, self.params = ids, params
         self.out: queue.Queue = queue.Queue()     # lists of ids, then ("done", stats) or ("error", exc)
-        self.cancelled = False
+        self.stats: list = []                     # accept length of each verification step, as the engine runs
+        self.steps: list = []                     # per list of ids sent: verification steps done by then
+        self.cancelled = False                    # stop computing: the client went away, or ...
+        self.finished = False                     # ... the answer is complete (a stop string): not a cancel
 
 
 class Service:
@@ -153,15 +157,17 @@ class Service:
     def _work(self):
         while True:
             job = self.jobs.get()
-            stats: list = []
+            stats = job.stats
             if job.cancelled:                               # abandoned while it waited
                 self.metrics.cancel()
                 continue
             try:
                 for chunk in self.engine.stream(job.ids, stats=stats, **job.params):
-                    if job.cancelled:                       # its client went away: stop computing
-                        self.metrics.cancel()
+                    if job.cancelled:                       # its client went away (or it ended on a stop string)
+                        if not job.finished:
+                            self.metrics.cancel()
                         break
+                    job.steps.append(len(stats))
                     job.out.put(chunk)
                 job.out.put(("done", stats))
             except Exception as e:  # reported to the waiting handler, the worker keeps serving
@@ -221,12 +227,17 @@ class Service:
             raise BadRequest(400, f"stop must be a string or a list of at most {MAX_STOP} non-empty strings")
         if stop and self.engine.tokenizer is None:
             raise BadRequest(400, "this model has no tokenizer: stop strings cannot be matched")
+        opts = req.get("stream_options") or {}
+        if opts and (not req.get("stream", False) or set(opts) - {"include_usage"}
+                     or not isinstance(opts.get("include_usage", False), bool)):
+            raise BadRequest(400, "stream_options: only {\"include_usage\": true|false}, and only with stream: true")
         params = {"max_new_tokens": mt, "temperature": t, "top_p": tp,
                   "speculative": req.get("speculative", True), "seed": seed}
         if req.get("margins"):
             self._check_margins(req, chat, t)
             params["margins"] = []          # filled by the engine, a margin per token (Engine.stream)
-        return ids, params, req.get("stream", False), stop
+        stream = "usage" if opts.get("include_usage") else req.get("stream", False)
+        return ids, params, stream, stop
 
     def _check_margins(self, req, chat: bool, temperature: float):
         """`margins: true` asks a plain greedy completion for each token's top-1 minus top-2 logit."""
@@ -308,8 +319,17 @@ class Handler(BaseHTTPRequestHandler):
                                                               "invalid_request_error" if status < 500 else "server_error")
         self._send(status, {"error": {"message": message, "type": kind, "code": status}})
 
+    def _received(self) -> bool:
+        """The whole request is in (or its time ran out: 408 sent): from here the connection keeps its slot."""
+        if not self.server.received(self.connection):
+            self._error(408, f"request not received within {self.server.read_timeout:g} s")
+            return False
+        return True
+
     def do_GET(self):
         svc = self.service
+        if not self._received():
+            return
         if self.path == "/health":
             self._send(200, {"status": "ok", "queued": svc.jobs.qsize()})
         elif self.path == "/v1/models":
@@ -338,6 +358,8 @@ class Handler(BaseHTTPRequestHandler):
             body = self.rfile.read(n)
         except (TimeoutError, OSError):
             raise BadRequest(408, f"request body not received within {self.timeout:g} s") from None
+        if not self.server.received(self.connection):
+            raise BadRequest(408, f"request not received within {self.server.read_timeout:g} s")
         if len(body) != n:
             raise BadRequest(400, f"request body ended after {len(body)} of {n} bytes")
         return body
@@ -345,14 +367,17 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         chat = self.path == "/v1/chat/completions"
         if self.path != "/v1/completions" and not chat:
-            return self._error(404, f"no route POST {self.path}")
+            return self._error(404, f"no route POST {self.path}") if self._received() else None
         try:
             ids, params, stream, stop = self.service.parse(self._read_body(), chat)
             job = self.service.submit(ids, params)
         except BadRequest as e:
             return self._error(e.status, str(e))
         try:
-            (self._stream if stream else self._complete)(job, chat, stop)
+            if stream:
+                self._stream(job, chat, stop, with_usage=stream == "usage")
+            else:
+                self._complete(job, chat, stop)
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             pass
         finally:
@@ -368,10 +393,11 @@ class Handler(BaseHTTPRequestHandler):
             return True
 
     def _pieces(self, job, stop: list):
-        """(text delta, new ids) while generating; returns (finish reason, ids, stats)."""
+        """(text delta, new ids) while generating; returns (finish reason, ids, stats). A stop string ends it at
+        the token that completes it: the ids, their count and the verification steps are those up to it."""
         tok = self.service.engine.tokenizer
         dec = tok.stream_decoder() if tok else (lambda ids: "")
-        cut, out = StopText(stop), []
+        cut, out, sent = StopText(stop), [], 0
         while True:
             try:
                 item = job.out.get(timeout=0.25)
@@ -387,14 +413,23 @@ class Handler(BaseHTTPRequestHandler):
                 if tail:
                     yield tail, []
                 return self._finish(out), out, item[1]
+            steps, sent = job.steps[sent], sent + 1
+            if not stop:
+                out.extend(item)
+                yield cut.feed(dec(item))[0], item
+                continue
+            text = []
+            for i, t in enumerate(item):
+                piece, hit = cut.feed(dec([t]))
+                text.append(piece)
+                if hit:
+                    job.finished = job.cancelled = True      # complete: the worker stops, not a cancel
+                    out.extend(item[:i + 1])
+                    if "".join(text):
+                        yield "".join(text), item[:i + 1]
+                    return "stop", out, job.stats[:steps]
             out.extend(item)
-            text, hit = cut.feed(dec(item))
-            if hit:
-                job.cancelled = True
-                if text:
-                    yield text, item
-                return "stop", out, []
-            yield text, item
+            yield "".join(text), item
 
     def _finish(self, out):
         return "stop" if out and out[-1] in self.service.engine.stop_ids else "length"
@@ -435,7 +470,7 @@ class Handler(BaseHTTPRequestHandler):
             resp["margins"] = self.service.margins_report(job.params["margins"], len(out))
         self._send(200, resp)
 
-    def _stream(self, job, chat, stop):
+    def _stream(self, job, chat, stop, with_usage: bool = False):
         cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -444,14 +479,18 @@ class Handler(BaseHTTPRequestHandler):
         piece = (lambda text, ids, fin: {"delta": {"content": text} if text else {}, "logprobs": None,
                                          "finish_reason": fin}) if chat else \
             (lambda text, ids, fin: {"text": text, "token_ids": ids, "logprobs": None, "finish_reason": fin})
+        def chunk(choice):     # asked for usage: every chunk says `usage: null` until the last (OpenAI's shape)
+            b = self._envelope(cid, chat, choice, chunk=True)
+            return dict(b, usage=None) if with_usage else b
+
         if chat:
-            self._event(self._envelope(cid, chat, {"delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                                   "finish_reason": None}, chunk=True))
+            self._event(chunk({"delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                               "finish_reason": None}))
         gen = self._pieces(job, stop)
         try:
             while True:
                 text, ids = next(gen)
-                self._event(self._envelope(cid, chat, piece(text, ids, None), chunk=True))
+                self._event(chunk(piece(text, ids, None)))
         except StopIteration as done:
             finish, out, stats = done.value
         except (BrokenPipeError, ConnectionResetError):
@@ -460,7 +499,10 @@ class Handler(BaseHTTPRequestHandler):
             self.service.metrics.error()
             self._event({"error": {"message": str(e), "type": "server_error"}})
             return
-        self._event(self._envelope(cid, chat, piece("", [], finish), self._usage(job, out, stats), chunk=True))
+        usage = self._usage(job, out, stats)      # recorded in /metrics either way; sent when asked for
+        self._event(chunk(piece("", [], finish)))
+        if with_usage:       # OpenAI's stream_options.include_usage: a last chunk with no choices and the usage
+            self._event(dict(self._envelope(cid, chat, {}, usage, chunk=True), choices=[]))
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
 
@@ -470,33 +512,80 @@ class Handler(BaseHTTPRequestHandler):
 
 
 class EngineServer(ThreadingHTTPServer):
-    """A thread per connection up to `max_connections` (more get 503 at once), a deep listen backlog."""
+    """A thread per connection up to `max_connections`, a deep listen backlog. A connection is *reading* until
+    its whole request is in: it has `read_timeout` seconds for that in all (not per read), and when every slot
+    is taken a new connection takes the slot of the oldest reading one, so idle or slow clients hold none that
+    a new client needs. When every slot serves a request, a new connection gets 503 at once."""
 
     daemon_threads = True
     request_queue_size = BACKLOG
 
-    def __init__(self, addr, handler, max_connections: int = MAX_CONNECTIONS):
+    def __init__(self, addr, handler, max_connections: int = MAX_CONNECTIONS, read_timeout: float = READ_TIMEOUT):
         self.slots = threading.BoundedSemaphore(max_connections)
+        self.read_timeout = read_timeout
+        self.reading: dict = {}          # connection → when it came, while its request is still arriving
+        self.cut: set = set()            # reading connections whose time ran out or whose slot was taken
+        self.guard, self.closed = threading.Lock(), threading.Event()
         super().__init__(addr, handler)
+        threading.Thread(target=self._reap, daemon=True, name="request-deadline").start()
 
     def process_request(self, request, client_address):
         if not self.slots.acquire(blocking=False):
-            try:
-                request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                                b"Connection: close\r\n\r\n"
-                                b'{"error": {"message": "server busy: too many connections", "type": "server_busy", '
-                                b'"code": 503}}')
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
+            if not (self._cut_oldest() and self.slots.acquire(timeout=2.0)):
+                try:
+                    request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                    b"Connection: close\r\n\r\n"
+                                    b'{"error": {"message": "server busy: too many connections", "type": '
+                                    b'"server_busy", "code": 503}}')
+                except OSError:
+                    pass
+                self.shutdown_request(request)
+                return
+        with self.guard:
+            self.reading[request] = time.monotonic()
         super().process_request(request, client_address)
 
     def process_request_thread(self, request, client_address):
         try:
             super().process_request_thread(request, client_address)
         finally:
+            with self.guard:
+                self.reading.pop(request, None)
+                self.cut.discard(request)
             self.slots.release()
+
+    def received(self, request) -> bool:
+        """The request is in: the connection stops reading (False: its time ran out or its slot was taken)."""
+        with self.guard:
+            self.reading.pop(request, None)
+            return request not in self.cut
+
+    def _cut(self, request) -> None:
+        """End a reading connection's request: its reads see end of file; its handler answers 408 or closes."""
+        self.reading.pop(request, None)
+        self.cut.add(request)
+        try:
+            request.shutdown(socket.SHUT_RD)
+        except OSError:
+            pass
+
+    def _cut_oldest(self) -> bool:
+        with self.guard:
+            if not self.reading:
+                return False
+            self._cut(min(self.reading, key=self.reading.get))
+            return True
+
+    def _reap(self) -> None:
+        while not self.closed.wait(max(0.05, min(1.0, self.read_timeout / 4))):
+            now = time.monotonic()
+            with self.guard:
+                for request in [r for r, t in self.reading.items() if now - t >= self.read_timeout]:
+                    self._cut(request)
+
+    def server_close(self):
+        self.closed.set()
+        super().server_close()
 
 
 def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 8000, name: str = "provision-tiny",
@@ -504,7 +593,7 @@ def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 8000, name:
                 read_timeout: float = READ_TIMEOUT):
     """A ready, not yet serving, server (port 0 picks a free port)."""
     handler = type("BoundHandler", (Handler,), {"service": Service(engine, name, max_queued), "timeout": read_timeout})
-    return EngineServer((host, port), handler, max_connections)
+    return EngineServer((host, port), handler, max_connections, read_timeout)
 
 
 def main(argv=None):

@@ -64,7 +64,15 @@ def test_streaming(url):
     chunks = [json.loads(e) for e in events[:-1]]
     assert len(chunks) > 3
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["accept_length"] > 1
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and all("usage" not in c for c in chunks)
+    r = requests.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 40, "temperature": 0,
+                                                     "stream": True, "stream_options": {"include_usage": True}},
+                      stream=True, timeout=120)
+    events = [line[6:] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    chunks = [json.loads(e) for e in events[:-1]]         # asked for: usage null until a last chunk without choices
+    assert [c["usage"] for c in chunks[:-1]] == [None] * (len(chunks) - 1) and chunks[-1]["choices"] == []
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 40 and chunks[-1]["usage"]["accept_length"] > 1
 
 
 def test_margins_of_plain_greedy(url):
@@ -227,14 +235,11 @@ def test_limits_timeout_queue_connections_cancel():
             assert b.result().status_code == 200
         text = requests.get(f"{u}/metrics", timeout=10).text
         assert "engine_requests_cancelled_total 1" in text
-        idle = [socket.create_connection((host, port)) for _ in range(4)]    # every slot held
+        idle = [socket.create_connection((host, port)) for _ in range(4)]    # every slot taken by a silent client
         time.sleep(0.1)
-        busy = raw(u, b"GET /health HTTP/1.0\r\n\r\n")
-        assert busy.split(b" ")[1] == b"503"
+        assert raw(u, b"GET /health HTTP/1.0\r\n\r\n").split(b" ")[1] == b"200"   # the oldest one's slot
         for s in idle:
             s.close()
-        time.sleep(0.7)                                   # slots come back after the read timeout at most
-        assert requests.get(f"{u}/health", timeout=10).status_code == 200
     finally:
         httpd.shutdown()
         httpd.server_close()
@@ -262,3 +267,88 @@ def test_metrics(url):
     assert int(vals["engine_requests_total"]) >= 1 and int(vals["engine_generation_tokens_total"]) >= 16
     assert int(vals["engine_speculative_steps_total"]) == int(vals['engine_accept_length_bucket{le="+Inf"}']) > 0
     assert int(vals["engine_request_errors_total"]) >= 0 and "engine_accept_length_sum" in vals
+
+
+def test_idle_connections_cannot_lock_out_a_new_client():
+    """As many silent connections as there are slots, then a new client: it is served (a connection that has not
+    sent its request gives its slot to a new one), and the silent one whose slot it took is closed."""
+    httpd, u = serving()
+    try:
+        idle = [socket.create_connection(httpd.server_address) for _ in range(64)]
+        time.sleep(0.2)
+        for _ in range(3):
+            r = requests.get(f"{u}/health", timeout=10)
+            assert r.status_code == 200 and r.json()["status"] == "ok"
+        idle[0].settimeout(10)
+        assert idle[0].recv(1) == b""                     # the oldest silent connection was let go
+        for s in idle:
+            s.close()
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_a_request_dripped_byte_by_byte_meets_the_whole_request_deadline():
+    """One header byte at a time, each well within the per-read timeout: the deadline for the whole request
+    closes it (408) long before the client is done (without it, the drip holds its slot as long as it likes)."""
+    httpd, u = serving(read_timeout=1.0)
+    try:
+        s = socket.create_connection(httpd.server_address)
+        head = b"GET /health HTTP/1.0\r\n" + b"".join(b"X-Pad-%d: %s\r\n" % (i, b"y" * 8) for i in range(40))
+        sent = 0
+        try:
+            for b in head:                                # 0.1 s apart: about 8 s for the whole header
+                s.send(bytes([b]))
+                sent += 1
+                time.sleep(0.1)
+        except OSError:                                   # the server closed the connection
+            pass
+        s.settimeout(10)
+        answer = b""
+        try:
+            while chunk := s.recv(65536):
+                answer += chunk
+        except OSError:                                   # reset: the server had closed before the last bytes
+            pass
+        assert sent < len(head), "the whole dripped request was read: no deadline for the request as a whole"
+        assert answer == b"" or b"408" in answer, answer
+        s.close()
+        assert requests.get(f"{u}/health", timeout=10).status_code == 200
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_usage_and_metrics_after_a_stop_string(url):
+    """A stop string ends the completion at the token that completes it: completion_tokens and token_ids are
+    those up to it, accept_length and /metrics count the verification steps up to it, and it is no cancel."""
+    full = complete(url, prompt=PROMPT, max_tokens=48, temperature=0).json()["choices"][0]
+    ids, text = full["token_ids"], full["text"]
+    stop = text[20:23]
+    cut = next(i for i in range(len(ids)) if stop in bytes(t for t in ids[:i + 1] if t < 256).decode(errors="replace"))
+
+    def metric(name):
+        lines = requests.get(f"{url}/metrics", timeout=10).text.splitlines()
+        return int(next(x for x in lines if x.startswith(name + " ")).split()[1])
+
+    before = {m: metric(m) for m in ("engine_requests_cancelled_total", "engine_speculative_steps_total",
+                                     "engine_generation_tokens_total")}
+    for stream in (False, True):
+        body = dict(prompt=PROMPT, max_tokens=48, temperature=0, stop=[stop])
+        if stream:
+            r = requests.post(f"{url}/v1/completions", json=dict(body, stream=True, stream_options={
+                "include_usage": True}), stream=True, timeout=120)
+            chunks = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True)
+                      if line.startswith("data: {")]
+            got = [t for c in chunks for ch in c["choices"] for t in ch["token_ids"]]
+            usage, finish = chunks[-1]["usage"], chunks[-2]["choices"][0]["finish_reason"]
+        else:
+            r = complete(url, **body).json()
+            got, usage, finish = r["choices"][0]["token_ids"], r["usage"], r["choices"][0]["finish_reason"]
+        assert finish == "stop" and got == ids[:cut + 1], (got, ids, cut)
+        assert usage["completion_tokens"] == cut + 1 < 48, usage
+        assert usage["accept_length"] > 1, usage          # the speculative steps that ran, not a 1.0 stand-in
+    after = {m: metric(m) for m in before}
+    assert after["engine_requests_cancelled_total"] == before["engine_requests_cancelled_total"]
+    assert after["engine_generation_tokens_total"] - before["engine_generation_tokens_total"] == 2 * (cut + 1)
+    assert after["engine_speculative_steps_total"] > before["engine_speculative_steps_total"]
