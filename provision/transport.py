@@ -1,7 +1,8 @@
 """Transports to a host: Local (subprocess) and SSH (paramiko, verified host keys only).
 
 Both offer run / run_agent / put / hold / spawn; remote command lines are quoted here and
-nowhere else (`shlex.join`). Hosts are named `[user@]host[:port]` or `local`.
+nowhere else (`shlex.join`). Hosts are named `[user@]host[:port]` or `local`. A host command that shows no
+progress is said so after `notice` seconds and stopped after `deadline` (its host work ends with it).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import re
 import shlex
 import subprocess
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -27,6 +29,12 @@ IPV6_RE = re.compile(r"^[0-9A-Fa-f:.]{2,45}\Z")
 USER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}\Z")
 TIMEOUT = 10.0      # seconds for the TCP connection, the SSH banner, the handshake and authentication; keepalive period
 KEEPALIVE_COUNT = 3  # keepalives a host may leave unanswered in a row before it is disconnected (ServerAliveCountMax)
+# Progress is a line from the host command (an agent's events: fetch bytes, installer lines, the install's disk
+# activity). Silence this long is said once, then at twice and four times that; a step silent for DEADLINE is stopped.
+# A stalled download or a host that stopped working is found within DEADLINE whatever its size; a 5 GB install
+# shows progress every few seconds, so only a step that does nothing meets it.
+NOTICE = 30.0
+DEADLINE = 600.0
 
 
 def parse_port(text, where: str) -> int:
@@ -79,6 +87,8 @@ class Target:
     alias: str | None = None                   # the host's inventory name, when it comes from one
     inventory: str | None = None               # the inventory it comes from
     timeout: float = TIMEOUT                   # connect, banner, handshake and authentication; keepalive period
+    notice: float = NOTICE                     # seconds without progress before a step says what it waits for
+    deadline: float = DEADLINE                 # seconds without progress before a step is stopped
 
     @property
     def local(self) -> bool:
@@ -124,6 +134,70 @@ class Result:
     stderr: str
 
 
+class StepStalled(HostError):
+    """A host command showed no progress for the target's deadline and was stopped (its host work ended)."""
+
+
+class Cancelled(HostError):
+    """The run was cancelled (Ctrl-C) while a host command ran; the command was stopped (its host work ended)."""
+
+
+@dataclass
+class Watch:
+    """What the host commands of one step run under: the step's name (`phase`: what the host last said it
+    does, e.g. fetch or install), who hears that it waits, and the run's cancel flag."""
+
+    step: str
+    on_wait: Callable[[str, float], None] | None = None     # (what it waits for, seconds without progress)
+    cancel: threading.Event | None = None
+    phase: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.phase or self.step
+
+
+class _Watchdog:
+    """Guards one host command: each line of output is progress (`touch`). Silence tells `watch.on_wait` at
+    `notice`, 2x and 4x that; silence for `deadline`, or the watch's cancel flag, calls `stop` (the transport
+    closes the command: the host agent's guard then ends everything it started) and `check` raises why."""
+
+    def __init__(self, transport: "Transport", stop: Callable[[], None]):
+        self.target, self.watch, self.stop = transport.target, transport.watch, stop
+        self.last, self.why, self.done = time.monotonic(), None, threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"watchdog {self.target.name}", daemon=True)
+        self.thread.start()
+
+    def touch(self) -> None:
+        self.last = time.monotonic()
+
+    def _run(self) -> None:
+        t, w = self.target, self.watch
+        tell = t.notice
+        while not self.done.wait(max(0.05, min(1.0, t.notice / 4, t.deadline / 4))):
+            idle = time.monotonic() - self.last
+            what = w.name if w else "the host command"
+            if w and w.cancel is not None and w.cancel.is_set():
+                self.why = Cancelled(f"{what} stopped: the run was cancelled", where=t.name)
+            elif idle >= t.deadline:
+                self.why = StepStalled(f"{what} made no progress for {t.deadline:g} s (the step deadline): stopped",
+                                       where=t.name)
+            elif idle >= tell and tell < 8 * t.notice:
+                if w and w.on_wait:
+                    w.on_wait(what, tell)
+                tell *= 2
+                continue
+            else:
+                continue
+            self.stop()
+            return
+
+    def check(self) -> None:
+        self.done.set()
+        if self.why is not None:
+            raise self.why
+
+
 def trust_command(target: Target) -> str:
     """The command that shows and records `target`'s key, naming the host the way the operator did (shell-quoted)."""
     q = shlex.quote
@@ -138,6 +212,7 @@ class Transport:
     command line: agents get their payload on stdin (`run_agent`)."""
 
     target: Target
+    watch: Watch | None = None      # the step the next host commands belong to (apply sets it per step)
 
     def run(self, argv: list[str], *, stdin: bytes | Iterable[bytes] | None = None, timeout: float | None = None,
             on_line: Callable[[str], None] | None = None) -> Result:
@@ -173,6 +248,9 @@ class Transport:
                 except ValueError:
                     return
                 if isinstance(ev, dict) and isinstance(ev.get("_event"), dict):
+                    step = ev["_event"].get("step")
+                    if self.watch and isinstance(step, str) and STEP_RE.match(step):   # a host's word, checked
+                        self.watch.phase = step
                     on_event(ev["_event"])
 
         msg = agent.message(name, payload, env)
@@ -217,12 +295,15 @@ class Transport:
         pass
 
 
+STEP_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}\Z")
+
+
 def _no_answer(name: str, payload: dict, r: Result, last) -> str:
     """Why agent `name` gave no result, in one line naming the step it was in (its last progress event's,
     else its op); never the raw event. rc -1: the ssh session closed without an exit status."""
     ev = last.get("_event") if isinstance(last, dict) else None
     step = ev.get("step") if isinstance(ev, dict) else None
-    if not (isinstance(step, str) and re.match(r"^[a-z][a-z0-9_-]{0,31}\Z", step)):   # a host's word, checked
+    if not (isinstance(step, str) and STEP_RE.match(step)):   # a host's word, checked
         step = payload.get("op") or name
     if r.rc == -1:
         return f"the session to the host dropped during {step} (agent {name}), before it answered"
@@ -288,11 +369,14 @@ class _LocalProc:
             self.p.kill()
 
 
-def _drain(stream, on_line) -> bytes:
-    """Read a binary stream to its end, handing each complete line to `on_line` as it arrives."""
+def _drain(stream, on_line, touch=None) -> bytes:
+    """Read a binary stream to its end, handing each complete line to `on_line` as it arrives (and telling
+    `touch` that the command made progress)."""
     chunks = []
     for raw in iter(stream.readline, b""):
         chunks.append(raw)
+        if touch:
+            touch()
         if on_line:
             on_line(raw.decode(errors="replace").rstrip("\n"))
     return b"".join(chunks)
@@ -310,8 +394,9 @@ class Local(Transport):
                                  stderr=subprocess.PIPE)
         except FileNotFoundError as e:
             return Result(127, "", str(e))
+        dog = _Watchdog(self, lambda: _end(p))
         err_box: list[bytes] = []
-        t = threading.Thread(target=lambda: err_box.append(p.stderr.read()), daemon=True)
+        t = threading.Thread(target=lambda: err_box.append(_drain(p.stderr, None, dog.touch)), daemon=True)
         t.start()
         feeder = threading.Thread(target=_feed, args=(p.stdin, stdin), daemon=True)
         feeder.start()
@@ -320,12 +405,17 @@ class Local(Transport):
         if timer:
             timer.start()
         try:
-            out = _drain(p.stdout, on_line)
+            out = _drain(p.stdout, on_line, dog.touch)
             rc = p.wait()
+        except BaseException:      # Ctrl-C: the command's work ends with it, as with a closed ssh channel
+            _end(p)
+            raise
         finally:
             if timer:
                 timer.cancel()
+            dog.done.set()
         t.join()
+        dog.check()
         if expired:
             return Result(124, out.decode(errors="replace"), f"timed out after {timeout}s")
         return Result(rc, out.decode(errors="replace"), (err_box[0] if err_box else b"").decode(errors="replace"))
@@ -339,6 +429,18 @@ class Local(Transport):
                 yield from iter(lambda: f.read(1 << 20), b"")
         except OSError as e:
             raise HostError(f"cannot read {path}: {e.strerror or e}", where=self.target.name) from None
+
+
+def _end(p: subprocess.Popen) -> None:
+    """End a local host command as a closed ssh channel ends a remote one: SIGTERM lets an agent's guard end
+    what it started; SIGKILL if it has not gone within a few seconds."""
+    try:
+        p.terminate()
+        p.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        p.kill()
+    except OSError:
+        pass
 
 
 def _chunks(data) -> Iterable[bytes]:
@@ -461,7 +563,10 @@ class SSH(Transport):
             answered = threading.Event()
 
             def ask():
-                tr.global_request("keepalive@openssh.com", wait=True)   # any answer, even "unknown request"
+                try:
+                    tr.global_request("keepalive@openssh.com", wait=True)   # any answer, even "unknown request"
+                except Exception:  # noqa: BLE001 - the connection went while asking: the reads say so
+                    return
                 answered.set()
             threading.Thread(target=ask, daemon=True).start()
             if not answered.wait(period * KEEPALIVE_COUNT) and not self._closed.is_set():
@@ -473,22 +578,32 @@ class SSH(Transport):
         return HostError(f"connection lost: {self.lost or e or type(e).__name__}", where=self.target.name)
 
     def run(self, argv, *, stdin=None, timeout=None, on_line=None) -> Result:
+        chan = dog = None
         try:
             chan = self.client.get_transport().open_session()
             chan.settimeout(timeout)
             chan.exec_command(quote(argv))
+            dog = _Watchdog(self, chan.close)
             err_box: list[bytes] = []
-            t = threading.Thread(target=lambda: err_box.append(chan.makefile_stderr("rb").read()), daemon=True)
+            t = threading.Thread(target=lambda: err_box.append(_drain(chan.makefile_stderr("rb"), None, dog.touch)),
+                                 daemon=True)
             t.start()
             feeder = threading.Thread(target=_send, args=(chan, stdin), daemon=True)
             feeder.start()
-            out = _drain(chan.makefile("rb"), on_line)
+            out = _drain(chan.makefile("rb"), on_line, dog.touch)
             t.join(timeout)
             rc = chan.recv_exit_status()
             err = err_box[0] if err_box else b""
             chan.close()
         except Exception as e:  # noqa: BLE001 - paramiko raises many kinds when a host vanishes
+            if dog is not None:
+                dog.check()      # the watchdog closed it: that is the reason
             raise self._gone(e) from None
+        except BaseException:   # Ctrl-C: closing the channel ends the command's host work (the agent's guard)
+            if chan is not None:
+                chan.close()
+            raise
+        dog.check()
         if self.lost:            # the keepalives closed it: what came back is not the command's whole answer
             raise self._gone()
         return Result(rc, out.decode(errors="replace"), err.decode(errors="replace"))

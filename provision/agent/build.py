@@ -735,6 +735,7 @@ def fetch(lay, packages, jobs, stall=STALL, retries=RETRIES, log=None):
                           p.get("size") if isinstance(p.get("size"), int) else None) for p, path in todo]
     sizes = [d.expect for d in downloads]
     meter = Meter(len(todo), known=None if None in sizes else sum(sizes), log=log)
+    meter.report(meter.t0)          # the fetch begins: the controller knows what the build waits on
     try:
         Fetcher(jobs, stall, retries, meter).run(downloads)
     except AgentError as e:
@@ -761,25 +762,52 @@ class BuildLog:
         self.f.close()
 
 
-def _run(argv, env, what, log):
+WORKING_EVERY = 5.0    # seconds between the checks that a quiet build command still writes
+
+
+def _run(argv, env, what, log, where=None):
     """Run one build command with a clean environment; its output goes to the controller as events and,
-    whole, to the build log."""
+    whole, to the build log. While it prints nothing, the file system under `where` changing (blocks or
+    inodes: files unpacked, linked, written) is progress too, sent as a `working` event every WORKING_EVERY s."""
     t0 = time.monotonic()
     log("$ " + " ".join(argv))
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
                          stdin=subprocess.DEVNULL)
+    quiet = threading.Event()
+    if where:
+        threading.Thread(target=_working, args=(where, what, t0, quiet), daemon=True).start()
     tail = []
-    for line in p.stdout:
-        line = line.rstrip()
-        if line:
-            tail = (tail + [line])[-20:]
-            log(line)
-            event(step=what, line=line[:300], seconds=time.monotonic() - t0)
+    try:
+        for line in p.stdout:
+            line = line.rstrip()
+            if line:
+                tail = (tail + [line])[-20:]
+                log(line)
+                event(step=what, line=line[:300], seconds=time.monotonic() - t0)
+    finally:
+        quiet.set()
     if p.wait() != 0:
         log("%s failed (exit %d)" % (what, p.returncode))
         raise AgentError("%s failed (exit %d): %s" % (what, p.returncode, " | ".join(tail[-3:])[-600:]))
     log("%s: %.1fs" % (what, time.monotonic() - t0))
     return time.monotonic() - t0
+
+
+def _disk(path):
+    try:
+        st = os.statvfs(path)
+        return st.f_bfree, st.f_ffree
+    except OSError:
+        return None
+
+
+def _working(where, what, t0, done):
+    last = _disk(where)
+    while not done.wait(WORKING_EVERY):
+        now = _disk(where)
+        if now is not None and now != last:
+            event(step=what, working=True, seconds=time.monotonic() - t0)
+        last = now
 
 
 def clean_env(extra):
@@ -846,7 +874,7 @@ def _build(a, lay, gen_dir, venv, python, installer, log):
             figs["install_seconds"] = round(_run(
                 [uv, "pip", "install", "--python", os.path.join(venv, "bin", "python"), "--no-deps",
                  "--require-hashes", "--offline", "--no-index", "--link-mode", mode, "-r", reqs],
-                env, "install", log), 2)
+                env, "install", log, venv), 2)
     elif installer == "pip":
         env = clean_env({"PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
         if not os.path.exists(os.path.join(venv, "bin", "python")):
@@ -856,7 +884,7 @@ def _build(a, lay, gen_dir, venv, python, installer, log):
             figs["install_seconds"] = round(_run(
                 [os.path.join(venv, "bin", "python"), "-I", "-m", "pip", "install", "--isolated", "--no-deps",
                  "--require-hashes", "--no-index", "--no-cache-dir", "--progress-bar", "off", "-r", reqs],
-                env, "install", log), 2)
+                env, "install", log, venv), 2)
         figs["isolation"] = "copy"
     else:
         raise AgentError("unknown installer %r" % installer)

@@ -180,9 +180,14 @@ def wait_for_work(root):
         fcntl.flock(f, fcntl.LOCK_EX)
 
 
+_EMIT = threading.Lock()
+
+
 def emit(obj):
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
+    line = json.dumps(obj) + "\n"
+    with _EMIT:              # one whole line at a time, whichever thread speaks
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 def event(**fields):
