@@ -6,7 +6,10 @@ bookkeeping. Also: adoption of an unmanaged environment as generation 0, rollbac
 """
 from __future__ import annotations
 
+import signal
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -18,7 +21,7 @@ from .facts import capture_lock, env_paths, gather
 from .fleet import FORKS
 from .lock import Lock
 from .plan import Plan, facts_digest, make_plan, stack_of_lock
-from .transport import Transport
+from .transport import Cancelled, StepStalled, Transport, Watch
 
 Progress = Callable[[str, str, str], None]   # (step, state: start|done|fail|info, detail)
 
@@ -29,6 +32,12 @@ class ProbesFailed(ProvisionError):
 
 class SwitchUnknown(HostError):
     """The connection was lost while `current` was being switched: the next run settles which it is."""
+
+
+class Interrupted(ProvisionError):
+    """Ctrl-C: the run stopped; the message says where the host is (a switch under way completes first)."""
+
+    exit_code = 130
 
 
 @dataclass
@@ -43,7 +52,7 @@ class Step:
 class ApplyReport:
     host: str
     lock_name: str
-    status: str = "pending"            # applied | reused | noop | failed | unknown | stopped; in a fleet also
+    status: str = "pending"            # applied | reused | noop | failed | unknown | stopped | interrupted; in a fleet also
     #                                    rolled-back | not-attempted | unreachable
     generation: str | None = None
     previous: str | None = None
@@ -103,22 +112,37 @@ def probe_failure(gen_id: str, probes: dict, current: str | None) -> str:
 
 
 class _Steps:
-    """Times each step, reports it to the progress callback, and keeps it in the report."""
+    """Times each step, reports it to the progress callback, and keeps it in the report. The host commands of a
+    step run under its Watch: a silence is said ("waiting for HOST: STEP ...") and the cancel flag stops them;
+    once the flag is set no further step starts."""
 
-    def __init__(self, report: ApplyReport, progress: Progress | None):
+    def __init__(self, report: ApplyReport, progress: Progress | None, transport: Transport | None = None,
+                 cancel: threading.Event | None = None):
         self.report, self.progress = report, progress or (lambda *a: None)
+        self.transport, self.cancel = transport, cancel
+
+    def waiting(self, what: str, seconds: float) -> None:
+        self.progress(what, "wait", f"waiting for {self.report.host}: {what} (no progress for {seconds:g} s)")
 
     def run(self, name: str, fn, *a, **kw):
+        if self.cancel is not None and self.cancel.is_set():
+            raise Cancelled(f"stopped before {name}: the run was cancelled", where=self.report.host)
         step = Step(name, "running")
         self.report.steps.append(step)
         self.progress(name, "start", "")
         t0 = time.perf_counter()
+        if self.transport is not None:     # a switch under way is one commit: the cancel flag never cuts it
+            self.transport.watch = Watch(name, self.waiting, None if name == "switch" else self.cancel)
         try:
             out = fn(*a, **kw)
         except BaseException as e:
-            step.status, step.seconds, step.detail = "failed", time.perf_counter() - t0, str(e)
-            self.progress(name, "fail", str(e))
+            why = str(e) or ("interrupted" if isinstance(e, KeyboardInterrupt) else type(e).__name__)
+            step.status, step.seconds, step.detail = "failed", time.perf_counter() - t0, why
+            self.progress(name, "fail", why)
             raise
+        finally:
+            if self.transport is not None:
+                self.transport.watch = None
         failed = isinstance(out, dict) and out.get("status") == "fail"    # a verdict, such as the probes'
         step.status, step.seconds = "failed" if failed else "done", time.perf_counter() - t0
         if isinstance(out, dict) and out.get("detail"):
@@ -149,22 +173,34 @@ def adopt_host(transport: Transport, prefix: str) -> dict:
 def apply(transport: Transport, lock: Lock, *, saved_plan: Plan | None = None, adopt_path: str | None = None,
           skip_probes: list[str] | None = None, installer: str | None = None, wheels_from: str | None = None,
           progress: Progress | None = None, on_plan: Callable[[Plan], None] | None = None,
-          gate: Callable[[], None] | None = None, interpreter: str | None = None) -> ApplyReport:
+          gate: Callable[[], None] | None = None, interpreter: str | None = None,
+          cancel: threading.Event | None = None) -> ApplyReport:
     """One-command upgrade: exactly what `make_plan` says (noop, reuse or build). `on_plan` receives the plan
     before anything is changed; `gate` is called under the host lock just before `current` moves, and a
     fleet.Halted it raises stops the apply there (status "stopped"; a new generation is kept, probed and
     runnable, for a later apply to reuse); `interpreter` (--python PATH) is the host's Python a build uses.
-    Raises ProvisionError on failure, with the full report as `.report`."""
+    Raises ProvisionError on failure, with the full report as `.report`. Setting `cancel` stops the run before
+    its next step (a running host command is stopped), never mid-switch. Ctrl-C raises Interrupted (exit 130)
+    that says where the host is; a switch under way completes first."""
     t_start = time.perf_counter()
     report = ApplyReport(host=transport.target.name, lock_name=lock.name)
     try:
-        with transport.hold(layout.of(transport).lock_file):
-            _apply(transport, lock, report, _Steps(report, progress), saved_plan=saved_plan, adopt_path=adopt_path,
-                   skip=list(skip_probes or []), installer=installer, wheels_from=wheels_from, on_plan=on_plan,
-                   progress=progress, gate=gate, interpreter=interpreter)
+        try:
+            with transport.hold(layout.of(transport).lock_file):
+                _apply(transport, lock, report, _Steps(report, progress, transport, cancel), saved_plan=saved_plan,
+                       adopt_path=adopt_path, skip=list(skip_probes or []), installer=installer,
+                       wheels_from=wheels_from, on_plan=on_plan, progress=progress, gate=gate,
+                       interpreter=interpreter)
+        except KeyboardInterrupt:
+            raise _interrupted(report) from None
     except ProvisionError as e:
-        if report.status not in ("unknown", "stopped"):
+        if isinstance(e, (Cancelled, Interrupted)) and report.status not in ("applied", "reused", "unknown"):
+            report.status = "interrupted"
+        elif report.status not in ("unknown", "stopped", "applied", "reused"):
             report.status = "failed"
+        if isinstance(e, (StepStalled, Cancelled)) and report.status != "unknown":
+            e.message += f"; current left at {report.current or '(none)'}"
+            report.error = str(e)
         report.error = report.error or str(e)
         report.failed_step = report.failed_step or next((s.name for s in report.steps if s.status == "failed"), None)
         report.seconds = time.perf_counter() - t_start
@@ -285,6 +321,59 @@ def _halt_at(gate: Callable[[], None] | None, transport: Transport, report: Appl
                      where=transport.target.name) from None
 
 
+def _interrupted(report: ApplyReport) -> Interrupted:
+    """Where a Ctrl-C left the host, in one line (the report is the truth: a switch under way completed)."""
+    step = next((s.name for s in reversed(report.steps) if s.status == "failed"), None)
+    if report.generation and report.current == report.generation and report.previous != report.generation:
+        report.status = report.status if report.status in ("applied", "reused") else (
+            "reused" if report.plan and report.plan.get("reuse") == report.generation else "applied")
+        msg = f"interrupted after the switch: current is {report.generation} (was {report.previous or '(none)'})"
+    else:
+        report.status = "interrupted"
+        facts = any(s.name == "facts" and s.status == "done" for s in report.steps)
+        msg = f"interrupted{f' during {step}' if step else ''}: " + (
+            f"current left at {report.current or '(none)'}" if facts else "current not changed")
+    e = Interrupted(msg, where=report.host)
+    e.report, report.error = report, str(e)
+    return e
+
+
+@contextmanager
+def _switch_completes():
+    """A Ctrl-C during the switch waits for it (milliseconds): the switch is one atomic commit, and what the
+    run then says must be the host's state. Raised as KeyboardInterrupt once the switch is done."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    old = signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+    if got:
+        raise KeyboardInterrupt
+
+
+@contextmanager
+def _ctrl_c_sets(cancel: threading.Event):
+    """In a fleet run, Ctrl-C sets `cancel` (every host then stops before its switch and the rollout reports);
+    a second Ctrl-C interrupts at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_int(signum, frame):
+        if cancel.is_set():
+            raise KeyboardInterrupt
+        cancel.set()
+    old = signal.signal(signal.SIGINT, on_int)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def _marked_failed(report: ApplyReport, gen_id: str, out: dict) -> None:
     for what in out.get("bookkeeping_failed") or []:
         report.warnings.append(f"marked {gen_id} failed; recording it failed ({what}); the next run repairs it")
@@ -299,7 +388,12 @@ def _recover(transport: Transport) -> dict:
 
 def _switch(transport: Transport, report: ApplyReport, steps: _Steps, gen_id: str, event: dict) -> None:
     """The commit. What the host says after it is the truth: a lost connection is reported as unknown,
-    a failure after the rename as switched with the failed bookkeeping named."""
+    a failure after the rename as switched with the failed bookkeeping named. A Ctrl-C waits until it is done."""
+    with _switch_completes():
+        _switch_now(transport, report, steps, gen_id, event)
+
+
+def _switch_now(transport: Transport, report: ApplyReport, steps: _Steps, gen_id: str, event: dict) -> None:
     try:
         sw = steps.run("switch", generations.switch, transport, gen_id, "apply", event)
     except HostError as e:
@@ -331,6 +425,7 @@ def _switch(transport: Transport, report: ApplyReport, steps: _Steps, gen_id: st
 # A host's state in a fleet rollout's summary, by its report's status.
 STATES = {"applied": "switched", "reused": "switched", "noop": "unchanged", "rolled-back": "rolled back",
           "failed": "failed", "unknown": "unknown", "stopped": "stopped before its switch",
+          "interrupted": "interrupted (Ctrl-C), not switched",
           "not-attempted": "not attempted", "unreachable": "unreachable"}
 
 
@@ -342,6 +437,7 @@ class FleetReport:
     max_fail: str = "0"
     failed_batch: int | None = None    # the batch that failed beyond --max-fail (the rollout stopped there)
     failed_hosts: list[str] = field(default_factory=list)
+    interrupted: bool = False          # Ctrl-C (or the cancel flag) stopped it: each host stopped before its switch
 
     @property
     def ok(self) -> bool:
@@ -380,19 +476,36 @@ def apply_fleet(targets: list, lock: Lock, *, serial: str | list[str] = "0", max
                 rollback_on_fail: bool = False, forks: int = FORKS,
                 progress_for: Callable[[str], Progress | None] | None = None,
                 on_row: Callable | None = None, on_batch: Callable | None = None,
-                saved_plans: dict | None = None, **kw) -> FleetReport:
+                saved_plans: dict | None = None, cancel: threading.Event | None = None, **kw) -> FleetReport:
     """Apply to many hosts in batches (fleet.rollout: `serial` as Ansible's, `max_fail` failures allowed per
     batch), up to `forks` at a time within a batch. A batch with more failures than allowed stops the rollout:
     its hosts not yet switched stop before their switch, later batches are not attempted, and with
     `rollback_on_fail` each host of that batch that switched goes back to the generation it was on.
     `saved_plans` maps host name → its saved Plan, each applied exactly. `on_row` and `on_batch` are
-    fleet.rollout's; `progress_for(host)` also sees a rollback as the step "rollback"."""
-    from .fleet import rollout
+    fleet.rollout's; `progress_for(host)` also sees a rollback as the step "rollback". Ctrl-C (or setting
+    `cancel`) stops every host in flight before its switch and those not started; the report says so."""
+    from .fleet import Halted, rollout
+
+    cancel = cancel or threading.Event()
 
     def one(tr: Transport, gate) -> ApplyReport:
         name = tr.target.name
+        if cancel.is_set():
+            raise Halted("interrupted (Ctrl-C) before this host started", where=name)
+
+        def gated() -> None:     # the fleet's gate, and Ctrl-C's: nothing switches once the run is cancelled
+            if cancel.is_set():
+                raise Halted("interrupted (Ctrl-C): stopped before its switch", where=name)
+            if gate is not None:
+                gate()
         args = dict(kw, saved_plan=saved_plans[name]) if saved_plans is not None else kw
-        return apply(tr, lock, progress=progress_for(name) if progress_for else None, gate=gate, **args)
+        try:
+            return apply(tr, lock, progress=progress_for(name) if progress_for else None, gate=gated,
+                         cancel=cancel, **args)
+        except Cancelled as e:   # cut mid-step by the cancel: a stop, not a failure that counts against its batch
+            halted = Halted(e.message, where=e.where)
+            halted.report = getattr(e, "report", None)
+            raise halted from None
 
     def back(tr: Transport, row) -> dict:
         say = (progress_for(row.host) if progress_for else None) or (lambda *a: None)
@@ -409,13 +522,14 @@ def apply_fleet(targets: list, lock: Lock, *, serial: str | list[str] = "0", max
         say("rollback", "done", f"{out['from']} → {out['to']} in {out['seconds']:.2f}s")
         return out
 
-    run = rollout(targets, one, serial=serial, max_fail=max_fail, forks=forks, on_row=on_row, on_batch=on_batch,
-                  changed=lambda r: r.ok and r.value.status in ("applied", "reused"),
-                  undo=back if rollback_on_fail else None)
+    with _ctrl_c_sets(cancel):
+        run = rollout(targets, one, serial=serial, max_fail=max_fail, forks=forks, on_row=on_row,
+                      on_batch=on_batch, changed=lambda r: r.ok and r.value.status in ("applied", "reused"),
+                      undo=back if rollback_on_fail else None)
     reports = []
     for row in run.rows:
         rep = row.value if isinstance(row.value, ApplyReport) else ApplyReport(
-            host=row.host, lock_name=lock.name, status={"connect": "unreachable", "skipped": "not-attempted"}.get(
+            host=row.host, lock_name=lock.name, status={"connect": "unreachable", "skipped": "not-attempted", "halted": "not-attempted"}.get(
                 row.stage, "failed"), error=str(row.error) if row.error else None)
         rep.batch = row.batch
         if row.undo is not None:
@@ -424,7 +538,7 @@ def apply_fleet(targets: list, lock: Lock, *, serial: str | list[str] = "0", max
         elif row.undo_error is not None:
             rep.warnings.append(f"rolling back failed: {row.undo_error.message}")
         reports.append(rep)
-    return FleetReport(reports, run.batches, run.max_fail, run.failed_batch, run.failed_hosts)
+    return FleetReport(reports, run.batches, run.max_fail, run.failed_batch, run.failed_hosts, cancel.is_set())
 
 
 def plan(transport: Transport, lock: Lock, interpreter: str | None = None) -> Plan:

@@ -22,7 +22,7 @@ except ImportError:  # pragma: no cover
     from click import exceptions as click_errors
 from ..errors import InputError, InventoryError, ProvisionError
 from ..fleet import FORKS
-from ..transport import DEFAULT_KNOWN_HOSTS, TIMEOUT, Target, check_root
+from ..transport import DEADLINE, DEFAULT_KNOWN_HOSTS, NOTICE, TIMEOUT, Target, check_root
 
 # markup and emoji off: `[six==1.17.0]`, `[/x]` and `host:abc:` are printed as they are; a message is
 # one line however long (soft wrap), so a fingerprint or a path is never split. Piped output is never
@@ -143,6 +143,13 @@ KnownHostsOpt = typer.Option(DEFAULT_KNOWN_HOSTS, "--known-hosts", help="managed
 TimeoutOpt = typer.Option(TIMEOUT, "--timeout", min=0.1, metavar="SECONDS",
                           help="SSH: the most each of connect, banner, handshake and authentication may take; also "
                                "the keepalive period (a host that answers none of 3 in a row is disconnected)")
+StepDeadlineOpt = typer.Option(DEADLINE, "--step-deadline", min=1, metavar="SECONDS",
+                               help="a step (fetch, install, probes, switch) that shows no progress for this long is "
+                                    "stopped, its host work ended, and the host left on its current generation; "
+                                    "progress is bytes fetched, installer output, files written, not the step's "
+                                    "length")
+WaitNoticeOpt = typer.Option(NOTICE, "--wait-notice", min=0.1, metavar="SECONDS",
+                             help="after this long without progress, say what the run waits for (again at 2x, 4x)")
 RootOpt = typer.Option(None, "--root", help="host root (default /opt/provision, or the inventory's provision_root)")
 JsonOpt = typer.Option(False, "--json", help="machine-readable output (errors too)")
 
@@ -193,6 +200,13 @@ def targets_and_args(args: tuple, host: Optional[str], local: bool, inventory: O
         if "provision_root" in t.vars:
             check_root(t.vars["provision_root"], "--root" if root else f"{inventory}: host {t.name}: provision_root")
     return ts, args
+
+
+def step_limits(ts: list[Target], deadline: float, notice: float) -> list[Target]:
+    """The hosts with --step-deadline and --wait-notice set."""
+    for t in ts:
+        t.deadline, t.notice = deadline, notice
+    return ts
 
 
 def writable(path: Path, option: str) -> None:

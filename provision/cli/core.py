@@ -17,9 +17,9 @@ import typer
 
 from ..errors import InputError
 from .common import (ForksOpt, HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHostsOpt,
-                     TimeoutOpt, LimitOpt, LocalOpt, RootOpt,
+                     TimeoutOpt, LimitOpt, LocalOpt, RootOpt, StepDeadlineOpt, WaitNoticeOpt,
                      console, edge, err_console, exit_for, only, over_hosts, plain, print_json, print_rows, row_error,
-                     styled, targets, targets_and_args, writable)
+                     step_limits, styled, targets, targets_and_args, writable)
 
 LockOpt = typer.Option(None, "--lock", "-l", help="lockfile (YAML)")
 FullOpt = typer.Option(False, "--full", help="list every change (default: a summary with the headline changes)")
@@ -64,7 +64,9 @@ class StepPrinter:
         if self.quiet:
             return
         now = time.monotonic()
-        if state == "start":
+        if state == "wait":
+            err_console.print(plain(detail))
+        elif state == "start":
             self.t0, self.last = now, {}
             if self.tty:
                 self.status = err_console.status(plain(f"{step} …"))
@@ -116,6 +118,10 @@ class FleetPrinter:
     def for_host(self, host: str):
         def progress(step: str, state: str, detail: str) -> None:
             if self.quiet:
+                return
+            if state == "wait":            # "waiting for HOST: STEP (no progress for N s)"
+                with self.lock:
+                    self._print(detail)
                 return
             now, line = time.monotonic(), None
             with self.lock:
@@ -288,10 +294,11 @@ def register(app: typer.Typer) -> None:
               forks: int = ForksOpt,
               json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
               limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
-              timeout: float = TimeoutOpt,
+              timeout: float = TimeoutOpt, step_deadline: float = StepDeadlineOpt, wait_notice: float = WaitNoticeOpt,
               root: Optional[str] = RootOpt, full: bool = FullOpt, python: Optional[str] = PythonOpt,
               verbose: bool = typer.Option(False, "--verbose", "-v", help="every per-package progress line")):
-        """One-command upgrade: build a new generation, patch, probe, switch `current`; a fleet in batches."""
+        """One-command upgrade: build a new generation, patch, probe, switch `current`; a fleet in batches.
+        Ctrl-C stops before the switch (a switch under way completes) and says where each host is (exit 130)."""
         from .. import apply as applymod, lock as lockmod
         from ..errors import ProvisionError
         from ..facts import interpreter_arg
@@ -307,7 +314,8 @@ def register(app: typer.Typer) -> None:
                              where="--lock")
         lk = applymod.lock_of_plan(saved[0]) if saved else lockmod.load(lock)
         python = interpreter_arg(python)
-        ts = targets(host, local, inventory, key, known_hosts, root, limit, timeout)
+        ts = step_limits(targets(host, local, inventory, key, known_hosts, root, limit, timeout), step_deadline,
+                         wait_notice)
         by_host = applymod.plans_for(saved, ts, str(plan_file)) if saved else None
         if len(ts) > 1:
             printer = FleetPrinter(json_out, [t.name for t in ts])
@@ -333,6 +341,8 @@ def register(app: typer.Typer) -> None:
                          *(["--rollback-on-fail"] if rollback_on_fail else [])]
                 _print_fleet(fleet, _command("apply", inventory, key, known_hosts, root, timeout, forks, *again),
                              _command("rollback", inventory, key, known_hosts, root, timeout, forks))
+            if fleet.interrupted:
+                raise typer.Exit(130)
             if not fleet.ok:
                 raise typer.Exit(1)
             return
