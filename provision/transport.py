@@ -158,12 +158,15 @@ class Watch:
 
 
 class _Watchdog:
-    """Guards one host command: each line of output is progress (`touch`). Silence tells `watch.on_wait` at
-    `notice`, 2x and 4x that; silence for `deadline`, or the watch's cancel flag, calls `stop` (the transport
-    closes the command: the host agent's guard then ends everything it started) and `check` raises why."""
+    """Guards one host command: each line of output and each chunk of input sent is progress (`touch`). Silence
+    tells `watch.on_wait` at `notice`, 2x and 4x that; silence for the deadline (or for the command's own
+    `timeout`, when its caller gave a longer one: the lock's probe timeout), or the watch's cancel flag, calls
+    `stop` (the transport closes the command: the host agent's guard then ends everything it started) and
+    `check` raises why."""
 
-    def __init__(self, transport: "Transport", stop: Callable[[], None]):
+    def __init__(self, transport: "Transport", stop: Callable[[], None], timeout: float | None = None):
         self.target, self.watch, self.stop = transport.target, transport.watch, stop
+        self.deadline = max(self.target.deadline, timeout or 0)
         self.last, self.why, self.done = time.monotonic(), None, threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"watchdog {self.target.name}", daemon=True)
         self.thread.start()
@@ -174,14 +177,14 @@ class _Watchdog:
     def _run(self) -> None:
         t, w = self.target, self.watch
         tell = t.notice
-        while not self.done.wait(max(0.05, min(1.0, t.notice / 4, t.deadline / 4))):
+        while not self.done.wait(max(0.05, min(1.0, t.notice / 4, self.deadline / 4))):
             idle = time.monotonic() - self.last
             what = w.name if w else "the host command"
             if w and w.cancel is not None and w.cancel.is_set():
                 self.why = Cancelled(f"{what} stopped: the run was cancelled", where=t.name)
-            elif idle >= t.deadline:
-                self.why = StepStalled(f"{what} made no progress for {t.deadline:g} s (the step deadline): stopped",
-                                       where=t.name)
+            elif idle >= self.deadline:
+                self.why = StepStalled(f"{what} made no progress for {self.deadline:g} s (the step deadline): "
+                                       "stopped", where=t.name)
             elif idle >= tell and tell < 8 * t.notice:
                 if w and w.on_wait:
                     w.on_wait(what, tell)
@@ -394,11 +397,11 @@ class Local(Transport):
                                  stderr=subprocess.PIPE)
         except FileNotFoundError as e:
             return Result(127, "", str(e))
-        dog = _Watchdog(self, lambda: _end(p))
+        dog = _Watchdog(self, lambda: _end(p), timeout)
         err_box: list[bytes] = []
         t = threading.Thread(target=lambda: err_box.append(_drain(p.stderr, None, dog.touch)), daemon=True)
         t.start()
-        feeder = threading.Thread(target=_feed, args=(p.stdin, stdin), daemon=True)
+        feeder = threading.Thread(target=_feed, args=(p.stdin, stdin, dog.touch), daemon=True)
         feeder.start()
         expired: list[bool] = []
         timer = threading.Timer(timeout, lambda: (expired.append(True), p.kill())) if timeout else None
@@ -447,19 +450,23 @@ def _chunks(data) -> Iterable[bytes]:
     return [] if data is None else [data] if isinstance(data, (bytes, bytearray)) else data
 
 
-def _feed(pipe, data) -> None:
+def _feed(pipe, data, touch=None) -> None:
     try:
         for chunk in _chunks(data):
             pipe.write(chunk)
+            if touch:
+                touch()
         pipe.close()
     except OSError:
         pass   # the process exited without reading all of it
 
 
-def _send(chan, data) -> None:
+def _send(chan, data, touch=None) -> None:
     try:
         for chunk in _chunks(data):
             chan.sendall(chunk)
+            if touch:
+                touch()
         chan.shutdown_write()
     except Exception:  # noqa: BLE001 - the remote end exited or the connection went; the reader reports it
         pass
@@ -583,12 +590,12 @@ class SSH(Transport):
             chan = self.client.get_transport().open_session()
             chan.settimeout(timeout)
             chan.exec_command(quote(argv))
-            dog = _Watchdog(self, chan.close)
+            dog = _Watchdog(self, chan.close, timeout)
             err_box: list[bytes] = []
             t = threading.Thread(target=lambda: err_box.append(_drain(chan.makefile_stderr("rb"), None, dog.touch)),
                                  daemon=True)
             t.start()
-            feeder = threading.Thread(target=_send, args=(chan, stdin), daemon=True)
+            feeder = threading.Thread(target=_send, args=(chan, stdin, dog.touch), daemon=True)
             feeder.start()
             out = _drain(chan.makefile("rb"), on_line, dog.touch)
             t.join(timeout)
