@@ -15,7 +15,8 @@ app = typer.Typer(no_args_is_help=True, help="The included EAGLE-3 engine (bundl
 ModelOpt = typer.Option(None, "--model", help="target checkpoint directory (default: the bundled tiny pair)")
 DraftOpt = typer.Option(None, "--draft", help="EAGLE-3 draft directory (default: MODEL/draft)")
 DeviceOpt = typer.Option("cpu", "--device", help="cpu, cuda, cuda:1, ...")
-DtypeOpt = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16")
+DtypeOpt = typer.Option("auto", "--dtype", help="auto: where the engine is fastest (bfloat16 on CUDA, float32 on CPU); "
+                                                 "or float32, bfloat16, float16")
 StepsOpt = typer.Option(5, "--steps", help="draft steps (tree depth)")
 TopkOpt = typer.Option(4, "--topk", help="beams per step (1 = chain)")
 NdtOpt = typer.Option(16, "--num-draft-tokens", help="tokens verified per step, root included")
@@ -54,6 +55,7 @@ def serve(model: Optional[Path] = ModelOpt, draft: Optional[Path] = DraftOpt, de
           name: Optional[str] = typer.Option(None, "--name", help="model id in /v1/models (default: the model "
                                              "directory's name, provision-tiny for the bundled pair)")):
     """Serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
+    from ..engine.loading import dtype_of
     from ..engine.serve import make_server, serve_until_interrupted
     eng = _load(model, draft, device, dtype, max_seq_len, steps, topk, num_draft_tokens, threads)
     name = name or (model.resolve().name if model else "provision-tiny")
@@ -61,7 +63,7 @@ def serve(model: Optional[Path] = ModelOpt, draft: Optional[Path] = DraftOpt, de
         httpd = make_server(eng, host, port, name)
     except OSError as e:
         raise EngineError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    console.print(f"serving {name} on http://{host}:{httpd.server_address[1]}")
+    console.print(f"serving {name} on http://{host}:{httpd.server_address[1]} ({dtype_of(eng)} on {device})")
     serve_until_interrupted(httpd)
 
 
@@ -75,7 +77,8 @@ def generate(prompt: str = typer.Argument(..., help="prompt text"),
              model: Optional[Path] = ModelOpt, draft: Optional[Path] = DraftOpt, device: str = DeviceOpt,
              dtype: str = DtypeOpt, steps: int = StepsOpt, topk: int = TopkOpt, num_draft_tokens: int = NdtOpt,
              max_seq_len: int = SeqOpt, threads: int = ThreadsOpt, json_out: bool = typer.Option(False, "--json")):
-    """Complete PROMPT once and show the text, tokens/s and acceptance length."""
+    """Complete PROMPT once and show the text, tokens/s, acceptance length and dtype."""
+    from ..engine.loading import dtype_of
     eng = _load(model, draft, device, dtype, max_seq_len, steps, topk, num_draft_tokens, threads)
     if eng.tokenizer is None:
         raise EngineError(f"{model}: no tokenizer (byte_tokenizer.json or tokenizer.json) to encode the prompt")
@@ -84,12 +87,12 @@ def generate(prompt: str = typer.Argument(..., help="prompt text"),
     data = {"text": eng.tokenizer.decode(r.tokens), "token_ids": r.tokens, "finish_reason": r.finish_reason,
             "prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.tokens),
             "tok_s": round(len(r.tokens) / r.seconds, 2), "accept_length": round(r.accept_length, 3) or 1.0,
-            "speculative": speculative and eng.draft is not None}
+            "speculative": speculative and eng.draft is not None, "dtype": dtype_of(eng)}
     if json_out:
         return print_json(data)
     console.print(prompt + data["text"], markup=False)
     console.print(styled((f"{data['completion_tokens']} tokens, {data['tok_s']} tok/s, "
-                          f"accept length {data['accept_length']}", "dim")))
+                          f"accept length {data['accept_length']}, {data['dtype']}", "dim")))
 
 
 @app.command()

@@ -125,7 +125,8 @@ def add_engine_args(ap: argparse.ArgumentParser):
     ap.add_argument("--model", help="target checkpoint directory (default: the bundled tiny pair)")
     ap.add_argument("--draft", help="EAGLE-3 draft directory (default: MODEL/draft)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto", help="auto (default): bfloat16 on CUDA, float32 on CPU, where the "
+                                                    "engine is fastest; or float32, bfloat16, float16")
     ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--topk", type=int, default=4)

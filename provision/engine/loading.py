@@ -301,20 +301,38 @@ def save_draft(draft: Eagle3Draft, d, aux_layer_ids=None, dtype=torch.float32):
     _save(out, Path(d), cfg, dtype)
 
 
+# The dtype the engine is fastest in, per device type (bench/dtype_bench.py measures it): bfloat16 on CUDA;
+# float32 on CPU, where a CPU without bfloat16 instructions ran the tiny pair and SmolLM2 slower in bfloat16,
+# speculation included.
+FASTEST_DTYPE = {"cuda": "bfloat16", "cpu": "float32"}
+
+
+def default_dtype(device: str) -> str:
+    """The dtype `auto` means on `device` (cpu, cuda, cuda:1, ...)."""
+    return FASTEST_DTYPE.get(str(device).split(":")[0], "float32")
+
+
+def dtype_of(engine) -> str:
+    return str(engine.target.output.weight.dtype).removeprefix("torch.")
+
+
 def load_engine(model=None, draft=None, device: str = "cpu", dtype: str = "float32", max_seq_len: int = 2048,
                 steps: int = 4, topk: int = 1, num_draft_tokens: int = 0, speculative: bool = True):
-    """Target + draft + tokenizer as one Engine; the bundled tiny pair when no paths are given."""
+    """Target + draft + tokenizer as one Engine; the bundled tiny pair when no paths are given. dtype `auto`:
+    the one the engine is fastest in on `device` (default_dtype)."""
     from . import TINY_DIR
     from .generate import Engine
     from .tokenizer import load_tokenizer, stop_ids
 
     model = Path(model) if model else TINY_DIR
     draft = Path(draft) if draft else (model / "draft" if (model / "draft").exists() else None)
+    if dtype == "auto":
+        dtype = default_dtype(device)
     try:
         dt = getattr(torch, dtype)
         assert isinstance(dt, torch.dtype)
     except (AttributeError, AssertionError):
-        raise EngineError(f"unknown dtype {dtype!r} (float32, bfloat16, float16)") from None
+        raise EngineError(f"unknown dtype {dtype!r} (auto, float32, bfloat16, float16)") from None
     try:
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError) as e:

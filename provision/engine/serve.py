@@ -598,7 +598,7 @@ def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 8000, name:
 
 def main(argv=None):
     from .bench import add_engine_args
-    from .loading import load_engine
+    from .loading import dtype_of, load_engine
 
     ap = argparse.ArgumentParser(description=__doc__)
     add_engine_args(ap)
@@ -616,7 +616,7 @@ def main(argv=None):
         httpd = make_server(eng, a.host, a.port, a.name)
     except (EngineError, OSError) as e:
         raise SystemExit(f"error: {e}")
-    print(f"serving {a.name} on http://{a.host}:{httpd.server_address[1]}", flush=True)
+    print(f"serving {a.name} on http://{a.host}:{httpd.server_address[1]} ({dtype_of(eng)} on {a.device})", flush=True)
     serve_until_interrupted(httpd)
     return 0
 

@@ -186,3 +186,33 @@ def test_draft_layout_variants(tmp_path):
     ]:
         with pytest.raises(EngineError, match=msg):
             load_draft(variant(name, **kw), t)
+
+
+def test_the_default_dtype_is_the_devices_fastest_and_is_said():
+    """`auto` (the default of serve, generate and bench) is bfloat16 on CUDA and float32 on CPU, where the engine
+    measured fastest (bench/dtype_bench.py); `generate` and `serve` say which one they run in."""
+    import subprocess
+    import sys
+
+    from provision.engine.loading import default_dtype, dtype_of
+
+    want = {"cuda": "bfloat16", "cpu": "float32"}[DEVICE.split(":")[0]]
+    assert default_dtype(DEVICE) == want
+    assert dtype_of(load_engine(device=DEVICE, dtype="auto", max_seq_len=64)) == want
+    p = subprocess.run([sys.executable, "-m", "provision.cli", "engine", "generate", "the cat", "--max-tokens", "4",
+                        "--device", DEVICE, "--json"], capture_output=True, text=True)
+    assert p.returncode == 0 and json.loads(p.stdout)["dtype"] == want, p.stderr
+    p = subprocess.run([sys.executable, "-m", "provision.cli", "engine", "serve", "--help"], capture_output=True,
+                       text=True)
+    words = " ".join(p.stdout.split())
+    assert "auto: where the engine is fastest (bfloat16 on CUDA, float32 on CPU)" in words and "[default: auto]" in words
+    for argv in (["-m", "provision.engine.serve"], ["-m", "provision.cli", "engine", "serve"]):
+        srv = subprocess.Popen([sys.executable, *argv, "--port", "0", "--device", DEVICE], stdout=subprocess.PIPE,
+                               text=True)
+        try:
+            line = srv.stdout.readline()
+        finally:
+            srv.terminate()
+            srv.wait()
+        assert line.startswith("serving provision-tiny on http://127.0.0.1:") and line.endswith(
+            f" ({want} on {DEVICE})\n"), line
