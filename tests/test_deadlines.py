@@ -127,7 +127,8 @@ def two_hosts(target, tmp_path):
 
 def test_a_cancelled_fleet_stops_every_host_before_its_switch(two_hosts, stacks_ab):
     """The fleet's cancel flag (what Ctrl-C sets) is raised while both hosts wait after their probes: neither
-    switches; each report says interrupted and where the host is; the new generations are marked failed."""
+    switches; each report says it stopped before its switch and where the host is; the new, probed generations
+    are kept runnable for a later apply to reuse."""
     lock_a, lock_b = stacks_ab
     before = [applied(t, lock_a).generation for t in two_hosts]
     cancel, probed = threading.Event(), threading.Barrier(2, timeout=120)
@@ -139,13 +140,15 @@ def test_a_cancelled_fleet_stops_every_host_before_its_switch(two_hosts, stacks_
                 cancel.set()
         return progress
 
-    reports = applymod.apply_fleet(two_hosts, lock_b, forks=2, progress_for=progress_for, cancel=cancel)
-    for t, gen, r in zip(two_hosts, before, reports):
-        assert (r.host, r.status, r.current) == (t.name, "interrupted", gen), r
-        assert r.error == f"{t.name}: stopped before switch: the run was cancelled; current left at {gen}", r.error
+    fleet = applymod.apply_fleet(two_hosts, lock_b, forks=2, progress_for=progress_for, cancel=cancel)
+    assert fleet.interrupted and not fleet.ok
+    for t, gen, r in zip(two_hosts, before, fleet.reports):
+        assert (r.host, r.status, r.current) == (t.name, "stopped", gen), r
+        assert r.error.startswith(f"{t.name}: interrupted (Ctrl-C): stopped before its switch; current left at "
+                                  f"{gen}"), r.error
         assert "switch" not in [s.name for s in r.steps]
         assert_settled(t, gen)
-        assert host_state(t)["generations"][r.generation]["status"] == "failed"
+        assert host_state(t)["generations"][r.generation]["status"] == "ready"
 
 
 def test_ctrl_c_in_a_fleet_apply_stops_the_hosts_and_prints_the_summary(two_hosts, stalled, tmp_path):
@@ -167,7 +170,8 @@ def test_ctrl_c_in_a_fleet_apply_stops_the_hosts_and_prints_the_summary(two_host
         p.kill()
     assert p.returncode == 130 and "Traceback" not in err, err
     rows = out.strip().splitlines()
-    assert rows[-1] == "Fleet: 0 applied, 0 noop, 0 failed, 0 not-attempted, 2 interrupted.", out
+    assert "Fleet: 0 applied, 0 noop, 0 failed, 0 not-attempted, 2 interrupted." in rows, out
+    assert f"  interrupted (Ctrl-C), not switched: {' '.join(t.name for t in two_hosts)}" in rows, out
     for t, gen, row in zip(two_hosts, gens, rows):
         assert row.split()[:2] == [t.name, "interrupted"] and f"current left at {gen}" in row, out
         settled_without_work(t, gen)

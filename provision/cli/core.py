@@ -200,9 +200,13 @@ def _print_fleet(fleet, apply_cmd: list[str], rollback_cmd: list[str]) -> None:
         for w in r.warnings:
             err_console.print(f"warning: {r.host}: {w}", markup=False)
     counts = {s: sum(r.status == s for r in reports) for s in ("applied", "noop", "failed", "not-attempted")}
-    counts.update({s: n for s in ("reused", "rolled-back", "stopped", "unreachable", "unknown")
+    counts.update({s: n for s in ("reused", "rolled-back", "stopped", "interrupted", "unreachable", "unknown")
                    if (n := sum(r.status == s for r in reports))})
     console.print("Fleet: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + ".")
+    if fleet.interrupted:
+        console.print("Interrupted (Ctrl-C): no host switched after it. Where each host is:")
+        for state, hosts in fleet.by_state().items():
+            console.print(f"  {state}: {' '.join(hosts)}")
     if fleet.failed_batch is None:
         return
     b = fleet.batches[fleet.failed_batch - 1]
