@@ -29,6 +29,7 @@ SHA_RE = re.compile(r"^[0-9a-f]{64}\Z")
 PYTHON_RE = re.compile(r"^3\.\d{1,2}\Z")
 CC_RE = re.compile(r"^\d{1,2}\.\d{1,2}\Z")
 DRIVER_RE = re.compile(r"^\d{1,4}(\.\d{1,4}){0,2}\Z")
+GLIBC_RE = re.compile(r"^2\.(1[7-9]|[2-9]\d)\Z")      # 2.17 (manylinux2014) and newer
 CUDA_RE = re.compile(r"^\d{1,2}\.\d{1,2}(\.\d{1,3})?\Z")
 APT_RE = re.compile(r"^[a-z0-9][a-z0-9+.-]{1,99}\Z")
 ABS_PATH_RE = re.compile(r"^/[A-Za-z0-9._+/-]{0,4095}\Z")
@@ -47,7 +48,7 @@ CUDA_SOURCES = ("wheels", "apt", "host", "none")
 ENGINE_KINDS = ("none", "included", "sglang")
 TOP_KEYS = {"lock", "name", "description", "platform", "indexes", "requires", "overrides", "packages",
             "unresolved", "patches", "engine", "probes"}
-PLATFORM_KEYS = {"python", "os", "arch", "gpus", "driver", "cuda"}
+PLATFORM_KEYS = {"python", "os", "arch", "glibc", "gpus", "driver", "cuda"}
 OVERRIDE_KEYS = {"package", "pins", "use", "reason"}
 PACKAGE_KEYS = {"name", "version", "filename", "url", "sha256", "size", "index", "drift"}
 ENGINE_KEYS = {"kind", "model", "architecture", "draft", "tp", "port", "speculative", "launch", "device", "dtype",
@@ -95,6 +96,7 @@ class Platform:
     python: str
     os: str | None = None
     arch: str = "x86_64"
+    glibc: str = "2.28"          # the oldest glibc of the target hosts: wheels up to manylinux_2_<minor>
     compute_capability: list[str] = field(default_factory=list)
     driver_min: str | None = None
     cuda: Cuda = field(default_factory=Cuda)
@@ -318,6 +320,8 @@ def _parse(doc: yamlio.Doc) -> Lock:
         v.fail(ck, "cuda.source apt needs cuda.package (e.g. cuda-toolkit-13-0)")
     platform = Platform(python=python, os=v.match(pl, k, "os", OS_RE, "an OS name like ubuntu-24.04"),
                         arch=v.match(pl, k, "arch", ARCH_RE, "a machine name like x86_64", default="x86_64"),
+                        glibc=v.match(pl, k, "glibc", GLIBC_RE, 'a glibc version from "2.17" up, like "2.34"',
+                                      default="2.28"),
                         compute_capability=ccs, driver_min=driver_min, cuda=cuda)
 
     indexes = v.get(d, (), "indexes", dict, default={})

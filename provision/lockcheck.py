@@ -265,7 +265,7 @@ class _Checker:
                 self.add("warning", "cuda-toolkit", "cuda-toolkit", f"cuda-toolkit=={cu.version}",
                          "platform.cuda.source is wheels but cuda-toolkit is not in the closure",
                          self.lock.where("platform", "cuda"))
-            elif tk.version != cu.version:
+            elif Version(tk.version) != Version(cu.version):      # 13.0.3.0 is 13.0.3
                 self.add("error", "cuda-toolkit", "cuda-toolkit", tk.pin,
                          f"cuda-toolkit {tk.version} differs from platform.cuda.version {cu.version}",
                          self.at_pkg("cuda-toolkit"))

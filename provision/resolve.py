@@ -34,7 +34,9 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-MANYLINUX = (2, 28)          # wheels up to manylinux_2_28: any glibc ≥ 2.28 distro (Ubuntu 20.04+)
+# The manylinux levels uv's --python-platform names; the lock's glibc picks the highest not above it
+# (wheels tagged between two of these are still ranked by `platform_tags`).
+UV_MANYLINUX = (17, 28, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40)
 TIMEOUT = 30
 CACHE = Path(os.environ.get("PROVISION_CACHE", Path.home() / ".cache" / "provision"))
 JSON_ACCEPT = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"
@@ -69,12 +71,22 @@ def marker_true(marker: Marker | str | None, lock: Lock, extras=("",)) -> bool:
     return any(m.evaluate(marker_env(lock, e)) for e in extras)
 
 
+def glibc_minor(lock: Lock) -> int:
+    return int(lock.platform.glibc.split(".")[1])
+
+
+def uv_platform(lock: Lock) -> str:
+    """uv's --python-platform for the lock: manylinux at the lock's glibc, or the highest uv names below it."""
+    level = max(m for m in UV_MANYLINUX if m <= glibc_minor(lock))
+    return f"{lock.platform.arch}-manylinux_2_{level}"
+
+
 def platform_tags(lock: Lock) -> list[Tag]:
-    """Wheel tags the target accepts, best first (CPython, manylinux ≤ 2_28, then linux)."""
+    """Wheel tags the target accepts, best first (CPython, manylinux ≤ the lock's glibc, then linux)."""
     major, minor = (int(x) for x in lock.platform.python.split("."))
     arch = lock.platform.arch
     legacy = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
-    plats = [p for m in range(MANYLINUX[1], 4, -1) for p in
+    plats = [p for m in range(glibc_minor(lock), 4, -1) for p in
              ([f"manylinux_2_{m}_{arch}"] + ([f"{legacy[m]}_{arch}"] if m in legacy else []))]
     plats.append(f"linux_{arch}")
     return list(cpython_tags((major, minor), platforms=plats)) + \
@@ -411,7 +423,7 @@ def resolve(lock: Lock, *, timeout: int = 900) -> Resolution:
             keep.append(r)
             continue
         reason = "no reachable index serves a matching wheel for python " \
-                 f"{lock.platform.python} manylinux {lock.platform.arch}"
+                 f"{lock.platform.python} manylinux_2_{glibc_minor(lock)} {lock.platform.arch}"
         detail = "; ".join(x for x in (down_note, *notes) if x)
         unresolved.append({"name": canonicalize_name(req.name), "requirement": r,
                            "reason": f"{reason}: {detail}" if detail else reason})
@@ -438,7 +450,7 @@ def resolve(lock: Lock, *, timeout: int = 900) -> Resolution:
         # --python: this interpreter only runs uv's discovery (fast); --python-version and
         # --python-platform say what the closure is for.
         cmd = [find_uv(), "pip", "compile", "--no-config", "--quiet", "--no-header", "--python", sys.executable,
-               "--python-platform", f"{lock.platform.arch}-manylinux_2_{MANYLINUX[1]}",
+               "--python-platform", uv_platform(lock),
                "--python-version", lock.platform.python, "--only-binary", ":all:", "--generate-hashes",
                "--format", "pylock.toml", "--index-strategy", "first-index",
                "--default-index", up[keys[-1]]]

@@ -117,6 +117,9 @@ def test_cuda_major_suffix_and_toolkit_wheel(tmp_path):
     r = run(build(tmp_path, [("cuda-toolkit", "13.0.1", [])], cuda={"version": "13.0.1", "source": "wheels"},
                   driver="580.65.06"))
     assert r.ok and not r.findings
+    r = run(build(tmp_path, [("cuda-toolkit", "13.0.3.0", [])], cuda={"version": "13.0.3", "source": "wheels"},
+                  driver="580.65.06"))        # NVIDIA numbers the 13.0.3 toolkit wheel 13.0.3.0
+    assert r.ok and not r.findings
 
 
 @pytest.mark.parametrize("driver,level", [("570.124.06", "error"), (None, "warning"), ("580.65.06", None),

@@ -47,6 +47,8 @@ def index(tmp_path_factory) -> Path:
         make_wheel(b, "gpudep", "1.0"),                     # stands in for nvidia-*-cu12: only gpu needs it
         make_wheel(b, "plugin", "1.0", ["gpu==1.0"]), make_wheel(b, "plugin", "2.0", ["gpu>=2"]),
         make_wheel(b, "native", "1.0", tag="cp312-cp312-win_amd64"),   # no wheel for Linux
+        make_wheel(b, "newlibc", "1.0", tag="cp312-cp312-manylinux_2_28_x86_64"),
+        make_wheel(b, "newlibc", "2.0", tag="cp312-cp312-manylinux_2_34_x86_64"),   # needs glibc ≥ 2.34
     ])
     return root
 
@@ -115,6 +117,27 @@ def test_unreachable_index_and_no_platform_wheel(index, http_index, tmp_path):
     assert u["name"] == "native" and "index gone (http://127.0.0.1:9/simple) unreachable" in u["reason"]
 
 
+def test_glibc_sets_the_newest_manylinux_a_wheel_may_need(index, tmp_path):
+    def chosen(glibc: str | None) -> dict:
+        src = write_lock(tmp_path / "l.yaml", ["newlibc"], {"local": f"file://{index}/simple"})
+        if glibc:
+            src.write_text(src.read_text().replace("python: '3.12'\n", f"python: '3.12'\n  glibc: '{glibc}'\n"))
+        [p] = resolve.resolve_data(lockmod.load(src))[0]["packages"]
+        return p
+
+    assert chosen(None)["filename"] == "newlibc-1.0-cp312-cp312-manylinux_2_28_x86_64.whl"    # default 2.28
+    assert chosen("2.33")["version"] == "1.0"
+    assert chosen("2.34")["filename"] == "newlibc-2.0-cp312-cp312-manylinux_2_34_x86_64.whl"
+    assert chosen("2.39")["version"] == "2.0"
+
+
+@pytest.mark.parametrize("value, why", [("2.34", "quote it"), ("'2.5'", "a glibc version"),
+                                        ("'2.34.1'", "a glibc version"), ("'3.1'", "a glibc version")])
+def test_glibc_is_a_quoted_version_from_2_17(value, why):
+    with pytest.raises(lockmod.LockError, match=f"platform.glibc: .*{why}"):
+        lockmod.loads(f"lock: 1\nname: t\nplatform:\n  python: '3.12'\n  glibc: {value}\n")
+
+
 def test_resolver_conflict_is_one_error_line(index, tmp_path):
     lk = lockmod.load(write_lock(tmp_path / "l.yaml", ["plugin==2.0"], {"local": f"file://{index}/simple"}))
     with pytest.raises(resolve.ResolveError, match="resolution failed"):
@@ -142,6 +165,10 @@ def test_platform_tags_prefer_cpython_manylinux():
     rank = lambda f: resolve.wheel_rank(f, tags)  # noqa: E731
     assert rank("x-1-cp312-cp312-manylinux_2_28_x86_64.whl") < rank("x-1-cp310-abi3-manylinux2014_x86_64.whl") \
         < rank("x-1-py3-none-any.whl")
-    assert rank("x-1-cp312-cp312-manylinux_2_34_x86_64.whl") is None
+    assert rank("x-1-cp312-cp312-manylinux_2_34_x86_64.whl") is None       # the default glibc is 2.28
+    newer = resolve.platform_tags(lockmod.loads("lock: 1\nname: t\nplatform: {python: '3.12', glibc: '2.34'}\n"))
+    assert resolve.wheel_rank("x-1-cp312-cp312-manylinux_2_34_x86_64.whl", newer) \
+        < resolve.wheel_rank("x-1-cp312-cp312-manylinux_2_28_x86_64.whl", newer)
+    assert resolve.wheel_rank("x-1-cp312-cp312-manylinux_2_35_x86_64.whl", newer) is None
     assert rank("x-1-cp311-cp311-manylinux_2_28_x86_64.whl") is None
     assert rank("x-1-cp312-cp312-win_amd64.whl") is None
