@@ -84,6 +84,7 @@ class Index:
         self.root = root
         self.modules = {}
         self.skipped = []              # files this interpreter could not parse
+        self.models = None             # {path: source} of sglang/srt/models, read on first use
 
     def file_of(self, name):
         base = os.path.join(self.root, *name.split("."))
@@ -197,26 +198,84 @@ def _rel(index, path, line):
 
 
 def required_methods(index):
-    """{method: [file:line, ...]} the installed EAGLE worker calls on the target model, and the source."""
+    """{method: [file:line, ...]} the installed EAGLE worker calls on the target model, and the source.
+
+    Read from the EAGLE worker modules (calls on `...target_worker.model_runner.model`), the
+    SGLang speculative modules they import (calls on a `target_model` argument), and the model
+    runner with its components (calls on `self.model` / `model` inside an `if` about eagle). A call
+    guarded by `hasattr(receiver, "method")` is optional and not required; so is a method no
+    SGLang model defines (torch.nn.Module's own, such as named_modules).
+    """
     found = {}
-    spec = os.path.join(index.root, PACKAGE, "srt", "speculative")
-    for path in sorted(glob.glob(os.path.join(spec, "eagle_worker*.py"))):
+    srt = os.path.join(index.root, PACKAGE, "srt")
+    workers = sorted(glob.glob(os.path.join(srt, "speculative", "eagle_worker*.py")))
+    imported = set()
+    for path in workers:
+        tree = _parse(path)
+        _calls(index, path, tree, lambda d: d.endswith(TARGET_MODEL), found)
+        for stmt in tree.body:
+            if isinstance(stmt, ast.ImportFrom) and (stmt.module or "").startswith(f"{PACKAGE}.srt.speculative."):
+                module = index.file_of(stmt.module)
+                if module and module not in workers:
+                    imported.add(module)
+    for path in sorted(imported):
+        _calls(index, path, _parse(path), lambda d: d == "target_model", found)
+    runners = [os.path.join(srt, "model_executor", "model_runner.py")] + \
+        sorted(glob.glob(os.path.join(srt, "model_executor", "model_runner_components", "*.py")))
+    for path in runners:
+        if not os.path.isfile(path):
+            continue
         for node in ast.walk(_parse(path)):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and (_dotted(node.func.value) or "").endswith(TARGET_MODEL)):
-                found.setdefault(node.func.attr, []).append(_rel(index, path, node.lineno))
-    runner = os.path.join(index.root, PACKAGE, "srt", "model_executor", "model_runner.py")
-    if os.path.isfile(runner):
-        for node in ast.walk(_parse(runner)):
             if isinstance(node, ast.If) and "eagle" in ast.dump(node.test).lower():
                 for stmt in node.body:
-                    for sub in ast.walk(stmt):
-                        if (isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute)
-                                and _dotted(sub.func.value) == "self.model"):
-                            found.setdefault(sub.func.attr, []).append(_rel(index, runner, sub.lineno))
+                    _calls(index, path, stmt, lambda d: d in ("self.model", "model"), found)
+    found = {m: at for m, at in found.items() if _model_defines(index, m)}
     if found:
         return found, "derived"
     return {m: [] for m in KNOWN_REQUIRED}, "fallback"
+
+
+def _calls(index, path, tree, receiver, found):
+    """Add to `found` each call `<receiver>.method(...)` in `tree` not under `if hasattr(<receiver>, "method")`."""
+    optional = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If):
+            guarded = {(_dotted(c.args[0]), c.args[1].value) for c in _positive(node.test)
+                       if isinstance(c, ast.Call) and _dotted(c.func) == "hasattr" and len(c.args) == 2
+                       and isinstance(c.args[1], ast.Constant)}
+            for stmt in node.body:
+                for sub in ast.walk(stmt):
+                    if (isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute)
+                            and (_dotted(sub.func.value), sub.func.attr) in guarded):
+                        optional.add(id(sub))
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and id(node) not in optional
+                and receiver(_dotted(node.func.value) or "")):
+            found.setdefault(node.func.attr, []).append(_rel(index, path, node.lineno))
+
+
+def _positive(test):
+    """The sub-expressions of an `if` test that hold when it holds (through `and`, not `not`/`or`)."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return [x for v in test.values for x in _positive(v)]
+    return [test]
+
+
+def _model_defines(index, method):
+    """Whether any SGLang model defines `method` (the model interface, as against torch.nn.Module's)."""
+    needle = f"def {method}(".encode()
+    return any(needle in src for src in model_sources(index).values())
+
+
+def model_sources(index):
+    """{path: bytes} of every file under sglang/srt/models, read once per index."""
+    if index.models is None:
+        index.models = {}
+        models = os.path.join(index.root, PACKAGE, "srt", "models")
+        for path in sorted(glob.glob(os.path.join(models, "**", "*.py"), recursive=True)):
+            with open(path, "rb") as f:
+                index.models[path] = f.read()
+    return index.models
 
 
 def _parse(path):
@@ -229,12 +288,8 @@ def _parse(path):
 
 def find_arch(index, arch):
     """(Cls, module) of the EntryClass entry named `arch`, or None."""
-    models = os.path.join(index.root, PACKAGE, "srt", "models")
-    files = sorted(glob.glob(os.path.join(models, "**", "*.py"), recursive=True))
-    contents = {}
-    for path in files:
-        with open(path, "rb") as f:
-            contents[path] = f.read()
+    contents = model_sources(index)
+    files = list(contents)
     # the arch's own name usually sits in the file that lists it; look there first
     ordered = ([p for p in files if arch.encode() in contents[p]]
                + [p for p in files if arch.encode() not in contents[p]])
