@@ -16,7 +16,7 @@ from packaging.version import InvalidVersion, Version
 from . import yamlio
 from .agent import patcher as diffs
 from .errors import LockError, PatchError, ProvisionError, SeriesError
-from .lock import PROJECT_RE
+from .lock import IDENT_RE, PROJECT_RE
 from .facts import root_of
 from .transport import Transport
 
@@ -35,6 +35,21 @@ class Patch:
 
 
 @dataclass
+class Upstream:
+    """A fix an earlier series carried that this release has upstream: the lines that prove it."""
+    name: str                       # e.g. 0003-kimi-k25-eagle3-delegation
+    evidence: dict[str, list[str]]  # file (relative to site-packages) -> lines it must contain
+    contracts: list[str] = field(default_factory=list)   # architectures whose EAGLE-3 contract must pass
+    description: str = ""
+    reason: str = ""
+    where: str = ""
+
+    @property
+    def files(self) -> list[str]:
+        return list(self.evidence)
+
+
+@dataclass
 class Series:
     name: str                       # the directory name, e.g. sglang-0.5.9
     path: Path
@@ -42,17 +57,22 @@ class Series:
     specifier: SpecifierSet
     description: str = ""
     patches: list[Patch] = field(default_factory=list)
+    upstream: list[Upstream] = field(default_factory=list)
     where: str = ""
 
     def to_dict(self) -> dict:
         return {"name": self.name, "package": self.package, "version": str(self.specifier),
                 "description": self.description,
                 "patches": [{"name": p.name, "files": p.files, "description": p.description, "reason": p.reason,
-                             "applies_to": str(p.applies_to) if p.applies_to else None} for p in self.patches]}
+                             "applies_to": str(p.applies_to) if p.applies_to else None} for p in self.patches],
+                "upstream": [{"name": u.name, "files": u.files, "description": u.description, "reason": u.reason}
+                             for u in self.upstream]}
 
 
-SERIES_KEYS = {"series", "package", "version", "description", "patches"}
+SERIES_KEYS = {"series", "package", "version", "description", "patches", "upstream"}
 PATCH_KEYS = {"file", "applies_to", "description", "reason"}
+UPSTREAM_KEYS = {"name", "description", "reason", "evidence"}
+EVIDENCE_KEYS = {"file", "lines", "contract"}
 FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}\Z")
 
 
@@ -129,7 +149,55 @@ def load_series(path) -> Series:
                                     description=_text(doc, item, "description", keys),
                                     reason=_text(doc, item, "reason", keys),
                                     where=doc.where(*keys)))
+    _load_upstream(doc, data, series, seen)
     return series
+
+
+def _load_upstream(doc, data, series: Series, seen: set) -> None:
+    """The series' `upstream` entries: fixes this release has upstream, each with the lines that show it."""
+    items = data.get("upstream")
+    if items is None:
+        return
+    if not isinstance(items, list) or not items:
+        raise SeriesError("`upstream` must be a non-empty list", where=doc.where("upstream"))
+    for i, item in enumerate(items):
+        keys = ("upstream", i)
+        _known(doc, item, keys, UPSTREAM_KEYS, "a mapping with `name`, `description`, `reason`, `evidence`")
+        name = _text(doc, item, "name", keys)
+        if not FILE_RE.match(name) or name in seen:
+            raise SeriesError(f"upstream name {name!r} must be a unique plain name in the series",
+                              where=doc.where(*keys, "name"))
+        seen.add(name)
+        evidence = item.get("evidence")
+        if not isinstance(evidence, list) or not evidence:
+            raise SeriesError("`evidence` must be a non-empty list of {file, lines} or {contract}",
+                              where=doc.where(*keys, "evidence"))
+        files: dict[str, list[str]] = {}
+        contracts: list[str] = []
+        for j, ev in enumerate(evidence):
+            ek = keys + ("evidence", j)
+            _known(doc, ev, ek, EVIDENCE_KEYS, "a mapping with `file` and `lines`, or `contract`")
+            if "contract" in ev:
+                arch = _text(doc, ev, "contract", ek)
+                if len(ev) != 1 or not IDENT_RE.match(arch):
+                    raise SeriesError("`contract` names one architecture (a Python class name) on its own",
+                                      where=doc.where(*ek, "contract"))
+                contracts.append(arch)
+                continue
+            rel = _text(doc, ev, "file", ek)
+            try:
+                diffs._check_target(rel, f"upstream {name}")
+            except diffs.PatchFailed as e:
+                raise SeriesError(str(e), where=doc.where(*ek, "file")) from None
+            lines = ev.get("lines")
+            if (not isinstance(lines, list) or not lines
+                    or not all(isinstance(x, str) and x.strip() and "\n" not in x for x in lines)):
+                raise SeriesError("`lines` must be a non-empty list of single lines of code",
+                                  where=doc.where(*ek, "lines"))
+            files.setdefault(rel, []).extend(lines)
+        series.upstream.append(Upstream(name=name, evidence=files, contracts=contracts,
+                                        description=_text(doc, item, "description", keys),
+                                        reason=_text(doc, item, "reason", keys), where=doc.where(*keys)))
 
 
 def discover_series(root) -> list[Path]:
@@ -188,8 +256,22 @@ def gate(series_list: list[Series], dists: dict, where: str) -> list[dict]:
                     row["skip_reason"] = f"needs {p.applies_to}; {p.applies_to.name} {have}"
             rows.append(row)
         payload.append({"name": s.name, "package": s.package, "version": dist["version"],
-                        "specifier": str(s.specifier), "patches": rows})
+                        "specifier": str(s.specifier), "patches": rows,
+                        "upstream": [{"name": u.name, "evidence": u.evidence, "contracts": u.contracts}
+                                     for u in s.upstream]})
     return payload
+
+
+def for_installed(series_list: list[Series], dists: dict, where: str) -> list[Series]:
+    """The series whose package is installed at a release they apply to; PatchError if none."""
+    kept = [s for s in series_list if dists.get(s.package)
+            and s.specifier.contains(_version(dists[s.package]["version"], s.where), prereleases=True)]
+    if not kept:
+        have = ", ".join(sorted({f"{s.package} {dists[s.package]['version']}" if dists.get(s.package)
+                                 else f"no {s.package}" for s in series_list}))
+        known = ", ".join(f"{s.name} ({s.package}{s.specifier})" for s in series_list)
+        raise PatchError(f"no series applies to {have} in {where} (series: {known}); refusing", where=where)
+    return kept
 
 
 def _version(text: str, where: str) -> Version:
@@ -200,14 +282,16 @@ def _version(text: str, where: str) -> Version:
 
 
 def apply_series(transport: Transport, series_list: list[Series], *, python: str, check_only: bool = False,
-                 revert: bool = False, site_packages: str | None = None) -> dict:
+                 revert: bool = False, site_packages: str | None = None, matching: bool = False) -> dict:
     """Apply (or check, or revert) every series in the environment of `python` (or `site_packages`).
 
     All-or-nothing: every hunk of every patch is checked before any file is written; an applied
     patch is left alone. Returns the report: per series and patch a status (applied /
-    already-applied / skipped-by-gate / failed; reverting: reverted / not-applied) and per touched
+    already-applied / skipped-by-gate / failed; reverting: reverted / not-applied; a fix the series
+    says is upstream: upstream when its lines are there, else failed) and per touched or vouched-for
     file its sha256 afterwards. Raises PatchError (naming patch, file, first failing hunk) with
-    nothing written; in check mode failures are reported instead.
+    nothing written; in check mode failures are reported instead. `matching`: of the series given
+    (every shipped one), only those for the installed release (PatchError if none is).
     """
     if check_only and revert:
         raise ProvisionError("check_only and revert are exclusive")
@@ -216,13 +300,15 @@ def apply_series(transport: Transport, series_list: list[Series], *, python: str
     names = sorted({s.package for s in series_list}
                    | {canonicalize_name(p.applies_to.name) for s in series_list for p in s.patches if p.applies_to})
     dists = installed(transport, names, python=python, site_packages=site_packages)
+    if matching:
+        series_list = for_installed(series_list, dists, where)
     payload = {"cmd": "run", "mode": mode, "site_packages": _sp(site_packages),
                "series": gate(series_list, dists, where)}
     out = transport.run_agent("patcher", payload, python=python)
     if out.get("failed"):
         raise PatchError(out["failed"], where=where)
     by_name = {p["name"]: p for p in payload["series"]}
-    files_of = {(s.name, p.name): p.files for s in series_list for p in s.patches}
+    files_of = {(s.name, p.name): p.files for s in series_list for p in [*s.patches, *s.upstream]}
     for s in out["series"]:
         s.update({k: by_name[s["name"]][k] for k in ("package", "version", "specifier")})
         for row in s["patches"]:

@@ -12,6 +12,7 @@ import sys
 import sysconfig
 import tempfile
 
+from .contracts import check_contract
 from .host import AgentError, distribution, locate
 
 _HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
@@ -205,8 +206,44 @@ def plan(root, series, mode, keep_going=False, state=None, original=None, owned=
                 if not keep_going:
                     raise
                 rows[name] = {"name": name, "status": "failed", "reason": str(e)}
-        reports.append({"name": s["name"], "patches": [rows[p["name"]] for p in patches]})
+        upstream = []
+        if mode != "revert":
+            for u in s.get("upstream", []):
+                try:
+                    upstream.append(_check_upstream(root, u, state, original, owned))
+                except PatchFailed as e:
+                    if not keep_going:
+                        raise
+                    upstream.append({"name": u["name"], "status": "failed", "reason": str(e)})
+        reports.append({"name": s["name"], "patches": [rows[p["name"]] for p in patches] + upstream})
     return reports, state, original
+
+
+def _check_upstream(root, u, state, original, owned=None):
+    """A fix the series says this release has upstream: every line of its evidence is in its file."""
+    name = u["name"]
+    for rel, lines in u["evidence"].items():
+        path = _contained(root, rel, f"upstream {name}", owned)
+        if path not in state:
+            if not os.path.isfile(path):
+                raise PatchFailed(f"upstream {name}: {rel}: file not found in {root}", name, rel)
+            try:
+                state[path] = original[path] = _read_lines(path)
+            except UnicodeDecodeError:
+                raise PatchFailed(f"upstream {name}: {rel}: not UTF-8 text", name, rel) from None
+        have = {line.rstrip("\r\n") for line in state[path]}
+        absent = [line for line in lines if line not in have]
+        if absent:
+            raise PatchFailed(f"upstream {name}: {rel}: the fix is not there (no line {absent[0].strip()!r}); "
+                              "this release needs the patch after all", name, rel)
+    for arch in u.get("contracts", []):
+        report = check_contract(root, arch)
+        if not report["ok"]:
+            missing = [m["method"] for m in report.get("methods", []) if m["status"] == "missing"]
+            why = f"missing {', '.join(missing)}" if missing else report.get("reason", "not found")
+            raise PatchFailed(f"upstream {name}: the EAGLE-3 contract of {arch} fails ({why}); "
+                              "this release needs the patch after all", name)
+    return {"name": name, "status": "upstream", "files": list(u["evidence"])}
 
 
 def _contained(root, rel, name, owned):

@@ -12,7 +12,8 @@ from .common import (HostArg, each_host, InventoryOpt, KeyOpt, KnownHostsOpt,
                      edge, print_json, targets)
 
 SeriesOpt = typer.Option(None, "--series", "-s",
-                         help="series directory (repeatable); default: every series shipped with provision")
+                         help="series directory (repeatable); default: the series shipped with provision for the "
+                              "installed release")
 PythonOpt = typer.Option(None, "--python",
                          help="interpreter of the target environment (default: <root>/current/venv/bin/python)")
 SitePackagesOpt = typer.Option(None, "--site-packages",
@@ -20,7 +21,7 @@ SitePackagesOpt = typer.Option(None, "--site-packages",
 JsonOpt = typer.Option(False, "--json", help="machine-readable output")
 
 MARKS = {"applied": "+", "would-apply": "+", "already-applied": "=", "reverted": "-", "not-applied": "·",
-         "skipped-by-gate": "~", "failed": "✗"}
+         "skipped-by-gate": "~", "upstream": "✓", "failed": "✗"}
 
 
 def _line(text: str) -> None:
@@ -94,7 +95,7 @@ def register(app: typer.Typer) -> None:
         reports = each_host(_targets(host, local, inventory, key, known_hosts, root, site_packages, limit, timeout),
                             lambda tr: patchmod.apply_series(tr, loaded, python=patchmod.env_python(tr, python, site_packages),
                                                              check_only=mode == "check", revert=mode == "revert",
-                                                             site_packages=sp))
+                                                             site_packages=sp, matching=not series))
         if json_out:
             print_json(reports[0] if len(reports) == 1 else reports)
         else:
