@@ -478,6 +478,10 @@ def preflight_findings(facts: dict, lock: Lock, action: str = "build",
     if action == "build" and py not in (facts.get("pythons") or {}):
         out.append((True, no_python(facts, py)))
     out += [(False, w) for w in lock.stale_override_warnings()]
+    libc = (facts.get("os") or {}).get("glibc")
+    if action == "build" and libc and _driver_tuple(libc) < _driver_tuple(lock.platform.glibc):
+        out.append((True, f"host glibc {libc} is older than the lock's platform.glibc {lock.platform.glibc} "
+                          f"(its wheels may be manylinux_2_{lock.platform.glibc.split('.')[1]})"))
     gpus = facts.get("gpus") or []
     dmin = lock.platform.driver_min
     if gpus and dmin and facts.get("driver") and _driver_tuple(facts["driver"]) < _driver_tuple(dmin):

@@ -260,6 +260,27 @@ def test_facts_with_recorded_nvidia_smi(target, tmp_path):
     assert any("compute capability 9.0" in m for _, m in findings)
 
 
+def test_facts_glibc_and_a_lock_for_a_newer_one(tmp_path):
+    """The host's glibc is a fact; a lock whose wheels need a newer one is refused before any download."""
+    import platform
+
+    from provision.transport import Local
+
+    tr = Local()
+    tr.target.vars.update(python=sys.executable, provision_root=str(tmp_path / "root"))
+    f = gather(tr)
+    have = f["os"]["glibc"]
+    assert have == platform.libc_ver()[1]
+    minor = int(have.split(".")[1])
+    own = "%d.%d" % sys.version_info[:2]
+    newer = lockmod.loads(f"lock: 1\nname: x\nplatform: {{python: '{own}', glibc: '2.{minor + 1}'}}\n")
+    assert (True, f"host glibc {have} is older than the lock's platform.glibc 2.{minor + 1} (its wheels may be "
+                  f"manylinux_2_{minor + 1})") in preflight_findings(f, newer)
+    assert not preflight_findings(f, newer, action="reuse")          # a reuse installs nothing
+    same = lockmod.loads(f"lock: 1\nname: x\nplatform: {{python: '{own}', glibc: '{have}'}}\n")
+    assert not any("glibc" in m for _, m in preflight_findings(f, same))
+
+
 def test_facts_look_only_for_the_locks_python(tmp_path, monkeypatch):
     """Given the lock's python, facts start no other interpreter (a broken python3.X on PATH goes unseen)
     and still say where that version is; a broken wanted one is named with why; no python: every version."""

@@ -24,7 +24,16 @@ def os_release():
     except OSError:
         pass
     return {"id": info.get("ID"), "version_id": info.get("VERSION_ID"), "pretty": info.get("PRETTY_NAME"),
-            "kernel": platform.release(), "arch": platform.machine()}
+            "kernel": platform.release(), "arch": platform.machine(), "glibc": glibc()}
+
+
+def glibc():
+    """The host's glibc version ("2.39"), None on another C library."""
+    try:
+        name, _, version = (os.confstr("CS_GNU_LIBC_VERSION") or "").partition(" ")
+    except (AttributeError, ValueError, OSError):
+        return None
+    return version if name == "glibc" and re.match(r"^\d+\.\d+", version) else None
 
 
 VERSION_SCRIPT = "import sys;print('%d.%d.%d' % sys.version_info[:3])"
