@@ -1,5 +1,6 @@
-"""The SGLang 0.5.23 series against the real 0.5.23 wheel: two SM120 patches still needed, and the
-0.5.9 series' other fixes proven upstream (their code is there, Kimi K2.5's EAGLE-3 contract passes)."""
+"""The shipped SGLang 0.5.23 stack: its lock checks clean against the real wheels' METADATA, and its patch
+series against the real 0.5.23 wheel: two SM120 patches still needed, and the 0.5.9 series' other fixes
+proven upstream (their code is there, Kimi K2.5's EAGLE-3 contract passes)."""
 from __future__ import annotations
 
 import ast
@@ -17,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import sglang_wheel  # noqa: E402
 
 from provision import lock as lockmod  # noqa: E402
+from provision import lockcheck  # noqa: E402
 from provision import patches  # noqa: E402
 from provision.agent.contracts import check_contract  # noqa: E402
 from provision.bundled import PATCHES  # noqa: E402
@@ -79,6 +81,16 @@ def test_the_lock_names_this_series_for_its_sglang():
     assert lk.resolve_path(lk.patches[0]) == SERIES_DIR
     assert lk.package("sglang").version == VERSION
     assert patches.load_series(SERIES_DIR).specifier.contains(VERSION)
+
+
+def test_the_lock_is_whole_and_checks_clean():
+    """Every package hashed, nothing unresolved, and every Requires-Dist met (METADATA from PyPI, cached)."""
+    lk = lockmod.load(LOCK)
+    assert lk.unresolved == [] and all(p.sha256 and p.url for p in lk.packages)
+    assert lk.package("torch").version == "2.14.1" and lk.package("sglang-kernel").version == "0.4.10"
+    assert "nvidia-cutlass-dsl-libs-cu12" not in {p.name for p in lk.packages}       # the override's doing
+    report = lockcheck.check(lk)
+    assert (report.errors, report.warnings) == ([], [])
 
 
 def test_kimi_k25_contract_passes_with_methods_derived_from_0523s_worker(pristine):
