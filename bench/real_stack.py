@@ -1,8 +1,11 @@
 """Benchmark of real stacks on a throwaway loopback host (real sshd, uv, wheels from PyPI): the CUDA 12.8
-baseline, then a PyPI-only CUDA 13 lock, then back. Prints cold apply, cached apply, reuse, rollback and gc
-beside the line rate measured in the same run (a plain download of the biggest wheel), with ratios.
-Usage: python bench/real_stack.py [--python /path/to/python3.12] [--json] [--workdir DIR] [--fetch-only]
-It downloads the wheels of both locks (about 8 GB) into a fresh host root and removes it afterwards.
+baseline, then a PyPI-only CUDA 13 lock, then back, then the SGLang 0.5.23 CUDA 13 lock. Prints cold apply,
+cached apply, reuse, rollback and gc beside the line rate measured in the same run (a plain download of the
+biggest wheel), with ratios, and the plan from the baseline to the SGLang 0.5.23 lock as the host shows it.
+Usage: python bench/real_stack.py [--python /path/to/python3.12] [--json] [--part all|upgrade|sglang]
+       [--workdir DIR] [--fetch-only]
+It downloads the wheels of the three locks (about 12 GB) into fresh host roots, one per part, and removes each
+before the next part starts (the upgrade part peaks at about 50 GB on disk, the SGLang part at about 35 GB).
 --fetch-only: the host's parallel fetch alone (the baseline's 172 wheels into an empty cache) between two plain
 downloads of the biggest wheel (the line rate before and after), with the ratio.
 """
@@ -26,10 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from provision import apply as applymod  # noqa: E402
 from provision import lock as lockmod  # noqa: E402
 from provision.loopback import LoopbackHost  # noqa: E402
+from provision.plan import render_plan  # noqa: E402
 from provision.transport import connect, trust_host  # noqa: E402
 
 LOCKS = Path(__file__).resolve().parent.parent / "lockfiles"
 BASELINE, TARGET = LOCKS / "cuda12.8-sglang0.5.9.yaml", LOCKS / "cuda13-torch2.11-pypi.yaml"
+SGLANG = LOCKS / "cuda13.0-sglang0.5.23.yaml"       # the stack the upgrade ships: SGLang's CUDA 13 build
 SKIP = ["engine"]          # no GPU here: the engine probe would only skip; everything else runs
 
 
@@ -134,11 +139,48 @@ def apply(tr, lk, label: str, rows: list, quiet: bool) -> dict:
     return row
 
 
+def upgrade(tr, work: Path, locks: dict, fig: dict, rows: list, quiet: bool) -> None:
+    """The baseline cold, the plan from it to the SGLang 0.5.23 lock, the CUDA 13 lock cold and cached, reuse,
+    rollback, gc."""
+    base, target = locks["baseline"], locks["cuda13"]
+    apply(tr, base, "cold: baseline", rows, quiet)
+    fig["plan_baseline_to_sglang"] = render_plan(applymod.plan(tr, locks["sglang"]))
+    apply(tr, target, "cold: CUDA 13", rows, quiet)
+    apply(tr, renamed(target, "cuda13-torch2.11-pypi-again", work), "cached: CUDA 13", rows, quiet)
+    before = applymod.history(tr)["current"]
+    apply(tr, base, "reuse: baseline", rows, quiet)
+    t0 = time.perf_counter()
+    rb = applymod.rollback(tr, to=before)      # back to the CUDA 13 generation it left
+    fig["rollback"] = {"wall_s": round(time.perf_counter() - t0, 3), "from": rb.get("from"),
+                       "to": rb.get("to"), "host_switch_s": rb.get("switch_seconds")}
+    root = Path(tr.target.vars["provision_root"])
+    fig["disk_before_gc"] = du(root)
+    fig["cache_bytes"] = du(root / "cache")
+    t0 = time.perf_counter()
+    g = applymod.gc(tr, keep=1)
+    fig["gc"] = {"wall_s": round(time.perf_counter() - t0, 2),
+                 **{k: v for k, v in g.items() if isinstance(v, (int, float, str))}}
+    fig["disk_after_gc"] = du(root)
+
+
+def sglang(tr, work: Path, locks: dict, fig: dict, rows: list, quiet: bool) -> None:
+    """The SGLang 0.5.23 lock on a fresh root: cold (every wheel fetched), then cached (a new generation)."""
+    lk = locks["sglang"]
+    apply(tr, lk, "cold: SGLang 0.5.23", rows, quiet)
+    apply(tr, renamed(lk, "cuda13.0-sglang0.5.23-again", work), "cached: SGLang 0.5.23", rows, quiet)
+
+
+PARTS = {"upgrade": upgrade, "sglang": sglang}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--python", help="the hosts' Python 3.12 (default: one found that runs)")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--workdir", help="where the host root goes (default: a temp dir; needs ~25 GB)")
+    ap.add_argument("--part", choices=("all", *PARTS), default="all",
+                    help="upgrade: baseline, CUDA 13 lock, reuse, rollback, gc; sglang: the SGLang 0.5.23 lock cold "
+                         "and cached; all: both, each on a fresh host root removed before the next starts")
+    ap.add_argument("--workdir", help="where the host roots go (default: a temp dir; needs ~50 GB free)")
     ap.add_argument("--fetch-only", action="store_true", help="the parallel fetch alone against the line rate")
     ap.add_argument("--jobs", type=int, help="streams (default: PROVISION_FETCH_JOBS, else the agent's choice for "
                                              "this machine's cores)")
@@ -162,39 +204,28 @@ def main() -> None:
     python = args.python or find_python("3.12")
     if not python:
         sys.exit("no Python 3.12 that runs; pass --python")
-    base, target = lockmod.load(BASELINE), lockmod.load(TARGET)
-    work = Path(tempfile.mkdtemp(prefix="real-stack-", dir=args.workdir))
-    biggest = max(base.packages + target.packages, key=lambda p: ("torch" == p.name, p.name))
+    locks = {"baseline": lockmod.load(BASELINE), "cuda13": lockmod.load(TARGET), "sglang": lockmod.load(SGLANG)}
+    parts = list(PARTS) if args.part == "all" else [args.part]
+    pkgs = [p for lk in locks.values() for p in lk.packages]
+    biggest = max(pkgs, key=lambda p: ("torch" == p.name, p.name))
     rows: list[dict] = []
-    fig: dict = {"python": python}
+    fig: dict = {"python": python, "parts": parts}
+    work = Path(tempfile.mkdtemp(prefix="real-stack-", dir=args.workdir))
     try:
         with LoopbackHost() as host:
             trust_host(host.target)
             t = host.target
-            t.vars.update(provision_root=str(work / "root"), python=python)
-            tr = connect(t)
-            try:
-                rate, size = line_rate(biggest.url)
-                fig.update(line_rate_Bps=rate, line_rate_wheel=biggest.filename, line_rate_wheel_bytes=size)
-                apply(tr, base, "cold: baseline", rows, args.json)
-                apply(tr, target, "cold: CUDA 13", rows, args.json)
-                apply(tr, renamed(target, "cuda13-torch2.11-pypi-again", work), "cached: CUDA 13", rows, args.json)
-                before = applymod.history(tr)["current"]
-                apply(tr, base, "reuse: baseline", rows, args.json)
-                t0 = time.perf_counter()
-                rb = applymod.rollback(tr, to=before)      # back to the CUDA 13 generation it left
-                fig["rollback"] = {"wall_s": round(time.perf_counter() - t0, 3), "from": rb.get("from"),
-                                   "to": rb.get("to"), "host_switch_s": rb.get("switch_seconds")}
-                root = work / "root"
-                fig["disk_before_gc"] = du(root)
-                fig["cache_bytes"] = du(root / "cache")
-                t0 = time.perf_counter()
-                g = applymod.gc(tr, keep=1)
-                fig["gc"] = {"wall_s": round(time.perf_counter() - t0, 2),
-                             **{k: v for k, v in g.items() if isinstance(v, (int, float, str))}}
-                fig["disk_after_gc"] = du(root)
-            finally:
-                tr.close()
+            rate, size = line_rate(biggest.url)
+            fig.update(line_rate_Bps=rate, line_rate_wheel=biggest.filename, line_rate_wheel_bytes=size)
+            for part in parts:
+                root = work / f"root-{part}"
+                t.vars.update(provision_root=str(root), python=python)
+                tr = connect(t)
+                try:
+                    PARTS[part](tr, work, locks, fig, rows, args.json)
+                finally:
+                    tr.close()
+                    shutil.rmtree(root, ignore_errors=True)     # the next part starts from nothing
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for r in rows:     # the fetch alone, as a share of the line rate measured in this run
@@ -221,12 +252,15 @@ def render(fig: dict) -> str:
         ratio = f"{r['wall_s'] / bound:.2f}" if bound > 0 else "–"
         lines.append(f"| {r['phase']} ({r['status']}) | {r['fetched']} / {r['cached']} | {r['bytes'] / 1e9:.2f} | "
                      f"{r['fetch_s']:.1f} ({mbps}) | {r['install_s']:.1f} | {r['wall_s']:.1f} | {bound:.1f} | {ratio} |")
-    rb = fig["rollback"]
-    lines += ["", f"rollback {rb['from']} → {rb['to']}: {rb['wall_s']:.2f} s wall, host switch "
-                  f"{(rb['host_switch_s'] or 0) * 1000:.1f} ms",
-              f"gc --keep 1: {fig['gc']['wall_s']:.1f} s; disk {fig['disk_before_gc'] / 1e9:.1f} GB → "
-              f"{fig['disk_after_gc'] / 1e9:.1f} GB (wheel and uv caches {fig['cache_bytes'] / 1e9:.1f} GB)",
-              "step seconds per phase: " + "; ".join(f"{r['phase']}: {r['steps']}" for r in fig["rows"])]
+    if "rollback" in fig:
+        rb = fig["rollback"]
+        lines += ["", f"rollback {rb['from']} → {rb['to']}: {rb['wall_s']:.2f} s wall, host switch "
+                      f"{(rb['host_switch_s'] or 0) * 1000:.1f} ms",
+                  f"gc --keep 1: {fig['gc']['wall_s']:.1f} s; disk {fig['disk_before_gc'] / 1e9:.1f} GB → "
+                  f"{fig['disk_after_gc'] / 1e9:.1f} GB (wheel and uv caches {fig['cache_bytes'] / 1e9:.1f} GB)"]
+    lines.append("step seconds per phase: " + "; ".join(f"{r['phase']}: {r['steps']}" for r in fig["rows"]))
+    if "plan_baseline_to_sglang" in fig:
+        lines += ["", "plan on the baseline host, to the SGLang 0.5.23 lock:", fig["plan_baseline_to_sglang"]]
     return "\n".join(lines)
 
 
