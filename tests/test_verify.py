@@ -101,6 +101,29 @@ def test_tamper_reaches_nothing_else_verify_names_it_rollback_refuses(target, tm
     assert p.returncode == 0 and "verified" in p.stdout and "clean (" in p.stdout, p.stdout
 
 
+def test_a_path_two_wheels_ship_holds_one_of_their_copies(target, tmp_path):
+    """flashinfer-python 0.7.2 and torch-c-dlpack-ext 0.1.5 both ship a top-level build_backend.py: the copy
+    installed last stands, the seal and verify accept it as one of its owners' (the other distribution lists
+    it as overwritten), and bytes matching neither owner are still caught."""
+    root = Path(target.vars["provision_root"])
+    ws = [make_wheel(tmp_path / "w", n, "1.0", extra={"build_backend.py": f"# {n}'s backend\n".encode()})
+          for n in ("first", "second")]
+    tr = connect(target)
+    try:
+        rep = applymod.apply(tr, lockmod.load(write_lock(tmp_path / "l.yaml", "l", ws)))
+        assert rep.status == "applied", rep.error
+    finally:
+        tr.close()
+    shared = site(root, rep.generation) / "build_backend.py"
+    assert shared.read_text() in ("# first's backend\n", "# second's backend\n")
+    p = cli(target, "verify", rep.generation)
+    assert p.returncode == 0, p.stdout + p.stderr
+    append(shared, "# neither\n")
+    p = cli(target, "verify", rep.generation)
+    assert p.returncode == 1
+    assert "1 changed (build_backend.py)" in p.stdout
+
+
 def test_touched_file_is_not_drift_an_added_distribution_is(target, tmp_path, wheels):
     """Rollback's quick check hashes what a stat says changed: a touched file is clean; `verify` compares the
     distributions with the lock: one that the lock does not list is named."""

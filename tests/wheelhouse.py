@@ -14,10 +14,12 @@ def _record_hash(data: bytes) -> str:
 
 
 def make_wheel(outdir: Path, name: str, version: str, requires: list[str] = (), body: str = "",
-               tag: str = "py3-none-any") -> Path:
+               tag: str = "py3-none-any", extra: dict[str, bytes] | None = None) -> Path:
+    """A real wheel of `name`; `extra`: more files, by their path in the wheel."""
     mod = name.replace("-", "_")
     dist = f"{mod}-{version}.dist-info"
     files = {
+        **(extra or {}),
         f"{mod}/__init__.py": (body or f"__version__ = {version!r}\n").encode(),
         f"{dist}/METADATA": ("Metadata-Version: 2.1\n" f"Name: {name}\nVersion: {version}\n"
                              + "".join(f"Requires-Dist: {r}\n" for r in requires)).encode(),

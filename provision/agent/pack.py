@@ -393,7 +393,9 @@ def op_pack(a):
     results, errors = {}, []
 
     t1 = time.perf_counter()
-    todo = [(venv, site, name, d["version"], d["info"], sorted(drift.get(name, [])), restored, py) for name, d in dists
+    # a file another distribution overwrote goes in as found, hashed afresh (its RECORD digest is the lost copy's)
+    todo = [(venv, site, name, d["version"], d["info"], sorted(set(drift.get(name, [])) | set(d["overwritten"])),
+             restored, py) for name, d in dists
             if d["info"] + "/RECORD" not in d["missing"]]     # no RECORD: nothing says what the dist is (drift)
     with pool(workers, jobs) as ex:
         plans = dict(zip([t[2] for t in todo], ex.map(plan_one, todo)))

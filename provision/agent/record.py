@@ -127,18 +127,21 @@ def check(venv, jobs=None, only=None, expect=None, baseline=False, digests=False
     same files without hashing, in parallel, before hashing (`first_read_seconds`: from disk or the page cache,
     as they were) and after it (`read_seconds`, `read_bytes`): hashing and the second read then both read from
     the page cache when the files fit in memory, so their ratio is hashing's own cost.
-    `digests`: also {absolute path: digest found} of every file hashed (`digests`)."""
+    `digests`: also {absolute path: digest found} of every file hashed (`digests`).
+    A path several distributions' RECORDs list holds one of their copies (the one installed last): it is
+    judged against each owner's hash and is changed only if it matches none; a distribution whose copy lost
+    lists it under `overwritten` (e.g. two wheels that both ship a top-level build_backend.py)."""
     site = site_packages(venv)
     if site is None:
         raise OSError("no site-packages under %s" % venv)
     expect = {os.path.normpath(k): _b64_of_hex(v) for k, v in (expect or {}).items()}
     claimed = set()
-    dists, work, listed = {}, [], set()
+    dists, work, listed, owners = {}, [], set(), {}
     for name, version, info in dist_infos(site):
         if only is not None and name not in only:
             continue
         d = dists[name] = {"version": version, "info": info, "files": 0, "bytes": 0, "changed": [], "missing": [],
-                           "outside": [], "unhashed": 0, "overridden": 0}
+                           "outside": [], "overwritten": [], "unhashed": 0, "overridden": 0}
         try:
             rows = entries(site, info, venv)
         except OSError:
@@ -158,6 +161,7 @@ def check(venv, jobs=None, only=None, expect=None, baseline=False, digests=False
                 d["unhashed"] += 1
                 continue
             work.append((name, rel, full, digest, size or 0))
+            owners.setdefault(full, set()).add(digest)
 
     def one(item):
         name, rel, full, digest, _ = item
@@ -186,6 +190,8 @@ def check(venv, jobs=None, only=None, expect=None, baseline=False, digests=False
             d["bytes"] += n
             if ok is None:
                 d["missing"].append(rel)
+            elif not ok and got in owners[full]:
+                d["overwritten"].append(rel)
             elif not ok:
                 d["changed"].append(rel)
     seconds = time.monotonic() - t0
@@ -199,7 +205,7 @@ def check(venv, jobs=None, only=None, expect=None, baseline=False, digests=False
                         not (dirpath == site and fn in UV_WRITES):
                     extra.append(os.path.relpath(full, site))
     for d in dists.values():
-        for k in ("changed", "missing", "outside"):
+        for k in ("changed", "missing", "outside", "overwritten"):
             d[k].sort()
     out = {"site": site, "dists": dists, "extra": sorted(extra), "unclaimed": sorted(set(expect) - claimed),
            "files": sum(d["files"] for d in dists.values()), "bytes": sum(d["bytes"] for d in dists.values()),

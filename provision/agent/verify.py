@@ -118,11 +118,12 @@ def _safe_digest(full_path, st):
 
 def full(venv, patched, jobs=None, baseline=False, digests=False):
     """record.check of the venv with the patched files' hashes in place of RECORD's, as one JSON-able result:
-    {dists: {name: {version, files, bytes, changed, missing, outside, patched}}, extra, unclaimed_patches, files,
-    bytes, seconds, read_seconds?}."""
+    {dists: {name: {version, files, bytes, changed, missing, outside, overwritten, patched}}, extra, unclaimed_patches,
+    files, bytes, seconds, read_seconds?}."""
     res = record.check(venv, jobs=jobs, expect=patched, baseline=baseline, digests=digests)
     dists = {name: {"version": d["version"], "files": d["files"], "bytes": d["bytes"], "changed": d["changed"],
-                    "missing": d["missing"], "outside": d["outside"], "patched": d["overridden"]}
+                    "missing": d["missing"], "outside": d["outside"], "overwritten": d["overwritten"],
+                    "patched": d["overridden"]}
              for name, d in res["dists"].items()}
     out = {"site": res["site"], "dists": dists, "extra": res["extra"], "unclaimed_patches": res["unclaimed"],
            "files": res["files"], "bytes": res["bytes"], "seconds": res["seconds"]}
