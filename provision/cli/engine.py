@@ -7,21 +7,22 @@ from typing import Optional
 
 import typer
 
+from ..engine.settings import DEFAULTS, HELP, EngineSettings, flag
 from ..errors import EngineError
 from .common import console, edge, print_json, styled
 
 app = typer.Typer(no_args_is_help=True, help="The included EAGLE-3 engine (bundled tiny pair by default).")
 
-ModelOpt = typer.Option(None, "--model", help="target checkpoint directory (default: the bundled tiny pair)")
-DraftOpt = typer.Option(None, "--draft", help="EAGLE-3 draft directory (default: MODEL/draft)")
-DeviceOpt = typer.Option("cpu", "--device", help="cpu, cuda, cuda:1, ...")
-DtypeOpt = typer.Option("auto", "--dtype", help="auto: where the engine is fastest (bfloat16 on CUDA, float32 on CPU); "
-                                                 "or float32, bfloat16, float16")
-StepsOpt = typer.Option(5, "--steps", help="draft steps (tree depth)")
-TopkOpt = typer.Option(4, "--topk", help="beams per step (1 = chain)")
-NdtOpt = typer.Option(16, "--num-draft-tokens", help="tokens verified per step, root included")
-SeqOpt = typer.Option(1024, "--max-seq-len", help="context length (KV cache size)")
-ThreadsOpt = typer.Option(1, "--threads", help="CPU threads (0 = torch default)")
+ModelOpt = typer.Option(None, "--model", help=HELP["model"])
+DraftOpt = typer.Option(None, "--draft", help=HELP["draft"])
+
+
+def _opt(name: str):
+    return typer.Option(getattr(DEFAULTS, name), flag(name), help=HELP[name])
+
+
+DeviceOpt, DtypeOpt, StepsOpt, TopkOpt, NdtOpt, SeqOpt, ThreadsOpt = map(_opt, (
+    "device", "dtype", "steps", "topk", "num_draft_tokens", "max_seq_len", "threads"))
 
 
 def _engine_errors(fn):
@@ -37,12 +38,9 @@ def _engine_errors(fn):
 
 
 def _load(model, draft, device, dtype, max_seq_len, steps, topk, ndt, threads):
-    import torch
-
-    from ..engine.loading import load_engine
-    if threads:
-        torch.set_num_threads(threads)
-    return load_engine(model, draft, device, dtype, max_seq_len, steps, topk, ndt)
+    from ..engine.loading import start_engine
+    return start_engine(model, draft, EngineSettings(device=device, dtype=dtype, steps=steps, topk=topk,
+                                                    num_draft_tokens=ndt, max_seq_len=max_seq_len, threads=threads))
 
 
 @app.command()
@@ -114,10 +112,11 @@ def bench(prompts: int = typer.Option(8, "--prompts", help="held-out prompts"),
     if shape:
         import torch
 
+        from ..engine.loading import torch_dtype
         from ..engine.shape_bench import SHAPES, shape_bench
         if shape not in SHAPES:
             raise EngineError(f"--shape {shape!r}: one of {', '.join(sorted(SHAPES))}")
-        r = shape_bench(shape, device, getattr(torch, dtype if device != "cpu" else "float32"),
+        r = shape_bench(shape, device, torch_dtype(dtype, device) if device != "cpu" else torch.float32,
                         log=lambda s: None if json_out else console.print(s, markup=False))
         return print_json(r) if json_out else None
     from ..engine.bench import encode_prompts, run_bench, transformers_peer
