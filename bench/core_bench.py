@@ -1,6 +1,6 @@
 """Benchmark of the core verbs on a throwaway loopback host (real sshd, ansible-runner, uv, PyPI wheels).
 
-Prints, measured in this one run (with the load average at its start and end): first apply, no-op apply, plan, rollback (host-side switch, library
+Prints, measured in this one run (with the CPU it ran on and the load average at its start and end): first apply, no-op apply, plan, rollback (host-side switch, library
 call and the operator's whole `provision rollback` command), re-applying the prior lock from scratch
 (fresh root, empty wheel cache), pushing a file by hash (MiB/s, controller CPU-s per GiB), `plan`,
 `apply` and `apply --wheels-from controller` over 1 and N inventory hosts (fresh roots and caches), with
@@ -29,6 +29,7 @@ from provision import lock as lockmod  # noqa: E402
 from provision.bundled import DEMO_LOCKS  # noqa: E402
 from provision.demo import wheelhouse_lock  # noqa: E402
 from provision.loopback import LoopbackHost  # noqa: E402
+from machine import Machine, describe  # noqa: E402
 from provision.transport import connect, trust_host  # noqa: E402
 
 LOCKS = DEMO_LOCKS
@@ -49,8 +50,8 @@ def main() -> None:
     ap.add_argument("--push-mib", type=int, default=256, help="size of the file pushed by hash (MiB)")
     args = ap.parse_args()
     a = lockmod.load(LOCKS / "a.yaml")
-    load_start = os.getloadavg()[0]
-    with LoopbackHost(login_rc=True) as host:     # sessions that read this machine's rc files, as operators' do
+    machine = Machine()
+    with LoopbackHost(login_rc=True) as host:     # sessions read the local user's rc files, as an operator's do
         b = lockmod.load(wheelhouse_lock(LOCKS / "b.yaml", Path(host.dir) / "wheelhouse"))   # its CPU torch
         trust_host(host.target)
         tr = connect(host.target)
@@ -85,15 +86,13 @@ def main() -> None:
         applymod.apply(tr, lockmod.load(BENCH_B))
         _, fig["rollback_command_wall_no_rc_s"] = rollback_command(clean.target, tr, args.repeat)
         tr.close()
-    fig["load_average_1min"] = [round(load_start, 2), round(os.getloadavg()[0], 2)]
-    fig["cpus"] = os.cpu_count()
+    fig.update(machine.figures())
     fig["rollback_speedup_vs_reapply"] = fig["reapply_prior_from_scratch_s"] / fig["rollback_s"]
     fig["noop_fraction_of_first_apply"] = fig["noop_apply_s"] / fig["first_apply_s"]
     if args.json:
         print(json.dumps(fig, indent=2))
         return
-    print(f"load average (1 min) {fig['load_average_1min'][0]:.2f} at start, {fig['load_average_1min'][1]:.2f} at end, "
-          f"on {fig['cpus']} CPUs: the times below are as loaded as that; ratios are from this one run")
+    print(f"{describe(fig)}: the times below are as loaded as that; ratios are from this one run")
     print(f"first apply (demo-a)              {fig['first_apply_s']:7.2f} s")
     print(f"no-op apply (median of {args.repeat})        {fig['noop_apply_s']:7.2f} s   "
           f"= {100 * fig['noop_fraction_of_first_apply']:.1f}% of first apply (target ≤ 25%)")

@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from provision.agent import state  # noqa: E402
+from machine import Machine, describe  # noqa: E402
 
 
 def make_tree(gen: Path, packages: int, files: int) -> None:
@@ -82,12 +83,12 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=100)
     ap.add_argument("--repeat", type=int, default=3)
     a = ap.parse_args()
-    runs = []
+    runs, machine = [], Machine()
     for i in range(a.repeat):
         with tempfile.TemporaryDirectory(prefix="provision-gc-bench-") as d:
             runs.append(once(Path(d), a.packages, a.files, serial_first=i % 2 == 1))
     fig = {"files": runs[0]["files"], "serial_s": statistics.median(r["serial_s"] for r in runs),
-           "gc_s": statistics.median(r["gc_s"] for r in runs), "cpus": os.cpu_count(),
+           "gc_s": statistics.median(r["gc_s"] for r in runs), **machine.figures(),
            "reported_equals_du": all(r["reported_bytes"] == r["du_freed_bytes"] for r in runs),
            "runs": runs}
     fig["speedup"] = fig["serial_s"] / fig["gc_s"] if fig["gc_s"] else None
@@ -95,7 +96,7 @@ def main() -> None:
         print(json.dumps(fig, indent=2))
         return
     print(f"{fig['files']} files: shutil.rmtree {fig['serial_s']:.2f}s, gc (rename aside, parallel unlink) "
-          f"{fig['gc_s']:.2f}s: {fig['speedup']:.2f}x (median of {a.repeat}, {fig['cpus']} CPUs); bytes gc reported "
+          f"{fig['gc_s']:.2f}s: {fig['speedup']:.2f}x (median of {a.repeat}; {describe(fig)}); bytes gc reported "
           f"{'=' if fig['reported_equals_du'] else '≠'} du's difference")
 
 

@@ -30,6 +30,7 @@ from provision import apply as applymod  # noqa: E402
 from provision import lock as lockmod  # noqa: E402
 from provision.loopback import LoopbackHost  # noqa: E402
 from provision.plan import render_plan  # noqa: E402
+from machine import Machine, describe  # noqa: E402
 from provision.transport import connect, trust_host  # noqa: E402
 
 LOCKS = Path(__file__).resolve().parent.parent / "lockfiles"
@@ -211,6 +212,7 @@ def main() -> None:
     rows: list[dict] = []
     fig: dict = {"python": python, "parts": parts}
     work = Path(tempfile.mkdtemp(prefix="real-stack-", dir=args.workdir))
+    machine = Machine()
     try:
         with LoopbackHost() as host:
             trust_host(host.target)
@@ -232,6 +234,7 @@ def main() -> None:
         if r["fetch_s"]:
             r["fetch_of_line_rate"] = round(r["bytes"] / r["fetch_s"] / fig["line_rate_Bps"], 3)
     fig["rows"] = rows
+    fig.update(machine.figures())
     if args.json:
         print(json.dumps(fig, indent=2, default=str))
         return
@@ -240,7 +243,7 @@ def main() -> None:
 
 def render(fig: dict) -> str:
     rate = fig["line_rate_Bps"]
-    lines = [f"line rate: {rate / 1e6:.0f} MB/s (plain download of {fig['line_rate_wheel']}, "
+    lines = [describe(fig), f"line rate: {rate / 1e6:.0f} MB/s (plain download of {fig['line_rate_wheel']}, "
              f"{fig['line_rate_wheel_bytes'] / 1e9:.2f} GB)", "",
              "| phase | packages fetched / cached | GB fetched | fetch s (MB/s) | install s | wall s | "
              "bound: bytes ÷ line rate + install | wall ÷ bound |",

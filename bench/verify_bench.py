@@ -26,6 +26,7 @@ from provision import lock as lockmod  # noqa: E402
 from provision.bundled import DEMO_LOCKS  # noqa: E402
 from provision.demo import wheelhouse_lock  # noqa: E402
 from provision.loopback import LoopbackHost  # noqa: E402
+from machine import Machine, describe  # noqa: E402
 from provision.transport import connect, trust_host  # noqa: E402
 
 
@@ -59,7 +60,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--repeat", type=int, default=3, help="cached applies and rollbacks (median reported)")
     args = ap.parse_args()
-    fig = {"load_average_1min": [round(os.getloadavg()[0], 2)], "cpus": os.cpu_count()}
+    fig, machine = {}, Machine()
     with LoopbackHost() as host:
         house = Path(host.dir) / "wheelhouse"
         b_path = wheelhouse_lock(DEMO_LOCKS / "b.yaml", house)
@@ -120,12 +121,11 @@ def main() -> None:
         if forced:
             fig.update(rollback_force_s=statistics.median(forced), rollback_check_s=statistics.median(check_s))
         tr.close()
-    fig["load_average_1min"].append(round(os.getloadavg()[0], 2))
+    fig.update(machine.figures())
     if args.json:
         print(json.dumps(fig, indent=2))
         return
-    print(f"load average (1 min) {fig['load_average_1min'][0]} at start, {fig['load_average_1min'][1]} at end, "
-          f"{fig['cpus']} CPUs; isolation: {fig['isolation']}")
+    print(f"{describe(fig)}; isolation: {fig['isolation']}")
     print(f"cached apply of demo-b (median of {args.repeat})   {fig['cached_apply_b_s']:7.2f} s   build "
           f"{fig['build_s']:.2f} s (uv install {fig['install_s']:.2f} s)"
           + (f", seal {fig['seal_s']:.2f} s" if "seal_s" in fig else ""))

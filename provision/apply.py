@@ -16,7 +16,7 @@ from typing import Callable
 
 
 from . import build as buildmod, generations, layout, lock as lockmod, verify as verifymod
-from .errors import HostError, PlanError, ProvisionError
+from .errors import HostError, Interrupted, PlanError, ProbesFailed, ProvisionError, SwitchUnknown
 from .facts import capture_lock, env_paths, gather
 from .fleet import FORKS
 from .lock import Lock
@@ -24,20 +24,6 @@ from .plan import Plan, facts_digest, make_plan, stack_of_lock
 from .transport import Cancelled, StepStalled, Transport, Watch
 
 Progress = Callable[[str, str, str], None]   # (step, state: start|done|fail|info, detail)
-
-
-class ProbesFailed(ProvisionError):
-    """Required probes failed inside the new generation; it was not switched to."""
-
-
-class SwitchUnknown(HostError):
-    """The connection was lost while `current` was being switched: the next run settles which it is."""
-
-
-class Interrupted(ProvisionError):
-    """Ctrl-C: the run stopped; the message says where the host is (a switch under way completes first)."""
-
-    exit_code = 130
 
 
 @dataclass

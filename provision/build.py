@@ -14,6 +14,7 @@ from .errors import HostError, InputError, ProvisionError
 from .layout import root_of
 from .lock import Lock
 from .transport import Transport
+from .units import human_size
 
 Progress = Callable[[str, str, str], None]   # (step, state: start|done|fail|info, detail)
 CHUNK = 1 << 20
@@ -125,14 +126,6 @@ def setting(name: str, default: float, lo: float, hi: float) -> float:
     return v
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
-
-
 def describe(ev: dict) -> str | None:
     """One readable line for a build agent event (None: nothing worth showing); `level` says how loud."""
     step = ev.get("step")
@@ -142,15 +135,15 @@ def describe(ev: dict) -> str | None:
         if not ev.get("fetched"):
             return f"fetch: all {ev.get('cached', 0)} wheels cached"
         rate = ev["bytes"] / ev["seconds"] if ev.get("seconds") else 0
-        return (f"fetch: {ev['fetched']} wheels, {_size(ev['bytes'])} in {ev['seconds']:.1f}s "
-                f"({_size(rate)}/s); {ev.get('cached', 0)} cached")
+        return (f"fetch: {ev['fetched']} wheels, {human_size(ev['bytes'])} in {ev['seconds']:.1f}s "
+                f"({human_size(rate)}/s); {ev.get('cached', 0)} cached")
     if step == "fetch" and ev.get("retry"):
         wait = ev.get("wait") if isinstance(ev.get("wait"), (int, float)) else 0
         return f"fetch: {str(ev['retry'])[:120]}: {str(ev.get('why'))[:200]}; again in {wait:.1f}s"
     if step == "fetch":
         eta = f", {ev['eta']:.0f}s left" if ev.get("eta") is not None else ""
-        return (f"fetch {ev['done']}/{ev['total']} · {_size(ev['bytes'])} of ~{_size(ev['total_bytes'])} · "
-                f"{_size(ev['rate'])}/s{eta}")
+        return (f"fetch {ev['done']}/{ev['total']} · {human_size(ev['bytes'])} of "
+                f"~{human_size(ev['total_bytes'])} · {human_size(ev['rate'])}/s{eta}")
     if step in ("venv", "install") and ev.get("line"):
         secs = f" ({ev['seconds']:.0f}s)" if ev.get("seconds") else ""
         return f"{step}: {ev['line']}{secs}"
@@ -271,7 +264,8 @@ def summary(figs: dict, count: int) -> str:
     parts = [f"{count} packages with {figs['installer']}"]
     if figs.get("fetched"):
         again = f", {figs['retries']} retr{'y' if figs['retries'] == 1 else 'ies'}" if figs.get("retries") else ""
-        parts.append(f"fetched {figs['fetched']} ({_size(figs['fetched_bytes'])} in {figs['fetch_seconds']:.1f}s{again})")
+        parts.append(f"fetched {figs['fetched']} ({human_size(figs['fetched_bytes'])} in "
+                     f"{figs['fetch_seconds']:.1f}s{again})")
     pushed = figs.get("pushed") or 0          # the host's store held these because they were just pushed
     if figs.get("cached", 0) - pushed > 0:
         parts.append(f"{figs['cached'] - pushed} cached")

@@ -1,6 +1,7 @@
 """Typed errors a user can cause; each carries where it happened (file:line, host, package).
 
-The CLI edge turns them into one line and an exit code; anything else reaching it is a bug.
+The CLI edge turns them into one line and an exit code; anything else reaching it is a bug. Standard library
+only: the engine's EngineError (engine/errors.py, an InputError) travels to hosts with this module.
 """
 from __future__ import annotations
 
@@ -57,11 +58,23 @@ class SeriesError(InputError, PatchError):
     """A patch series whose files do not validate (where = series.yaml:line or the diff)."""
 
 
-class EngineError(ProvisionError):
-    """The included engine: bad checkpoint, bad config, bad request (all input errors)."""
-
-    exit_code = 2
+class ResolveError(ProvisionError):
+    """Resolution that cannot be carried out (resolver conflict, no resolver, bad index)."""
 
 
 class ProbeError(ProvisionError):
     """A probe run that could not be carried out (not a probe that failed)."""
+
+
+class ProbesFailed(ProvisionError):
+    """Required probes failed inside the new generation; it was not switched to."""
+
+
+class SwitchUnknown(HostError):
+    """The connection was lost while `current` was being switched: the next run settles which it is."""
+
+
+class Interrupted(ProvisionError):
+    """Ctrl-C: the run stopped; the message says where the host is (a switch under way completes first)."""
+
+    exit_code = 130

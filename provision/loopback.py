@@ -33,9 +33,9 @@ class LoopbackHost:
                  netns: bool = False, sshd_config: str = ""):
         """`netns=True` puts the host in a network namespace of its own, pv-host-i, reached over a veth
         pair at 10.203.i.2: i is the first index free when it starts (or `netns_index`), so concurrent runs
-        never share one (the namespace is the run's own; nothing outside this machine is involved).
+        never share one (the namespace is the run's own; nothing outside the local host is involved).
         Sessions get an empty HOME, so the login shell reads no rc file: a fresh host's sessions, whatever
-        this machine's own shell startup does (a startup that a killed session can leave stalled, such as a
+        the local user's shell startup does (a startup that a killed session can leave stalled, such as a
         version manager's rehash lock). `login_rc=True` keeps the user's HOME and its rc files.
         `sshd_config`: more sshd settings (one a line)."""
         self.dir = Path(tempfile.mkdtemp(prefix="provision-host-", dir=base))

@@ -26,7 +26,7 @@ from packaging.tags import Tag, compatible_tags, cpython_tags
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
-from .errors import ProvisionError
+from .errors import ResolveError
 from .lock import Lock
 
 try:
@@ -43,10 +43,6 @@ JSON_ACCEPT = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"
 # Settings of pip and uv that would add sources the lock does not name (a pip.conf may add local
 # wheel folders or a constraints file): never passed to the resolver.
 _ENV_DROP = ("PIP_", "UV_")
-
-
-class ResolveError(ProvisionError):
-    """Resolution that cannot be carried out (resolver conflict, no resolver, bad index)."""
 
 
 # ---------------------------------------------------------------- platform

@@ -137,9 +137,9 @@ def seal(t: Transport, lock: Lock, gen_id: str, installer: str | None) -> dict:
                         + "; ".join(line(r) for r in rows[:2]) + more + hint, where=t.target.name)
     from .units import human_size
 
-    rate = found["bytes"] / found["seconds"] / 1e9 if found["seconds"] > 0 else 0.0
+    rate = found["bytes"] / found["seconds"] if found["seconds"] > 0 else 0.0
     detail = (f"{found['files']} files, {human_size(found['bytes'])} hashed in {found['seconds']:.1f}s "
-              f"({rate:.2f} GB/s): all match RECORD and the lock; stamped, read-only")
+              f"({human_size(rate)}/s): all match RECORD and the lock; stamped, read-only")
     return {"detail": detail, "record": rec, "stamped": found.get("stamped")}
 
 

@@ -221,7 +221,7 @@ def test_parallel_fetch_into_the_cache_with_readable_progress(target, tmp_path):
     assert rep.status == "applied" and rep.build["fetched"] == 24 and rep.build["fetched_bytes"] > 24 * 200_000
     assert rep2.build["fetched"] == 0 and rep2.build["cached"] == 24
     info = [d for s, state, d in lines if s == "build" and state == "info"]
-    assert any(re.match(r"fetch: 24 wheels, [\d.]+ MB in [\d.]+s \([\d.]+ [kMG]?B/s\)", d) for d in info), info
+    assert any(re.match(r"fetch: 24 wheels, [\d.]+ MiB in [\d.]+s \([\d.]+ ([KMG]i)?B/s\)", d) for d in info), info
     assert any(d.startswith("install: ") for d in info), info
     running = [d for s, state, d in lines if s == "build" and state == "detail" and re.match(r"fetch \d+/24 · ", d)]
     assert running and all("/s" in d for d in running)      # count, bytes of about total, rate (and time left)

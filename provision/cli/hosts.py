@@ -44,6 +44,7 @@ def register(app: typer.Typer) -> None:
               root: Optional[str] = RootOpt):
         """The facts a plan is made from (one round trip per host, hosts in parallel)."""
         from ..facts import gather
+        from ..units import human_size
 
         rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit, timeout), gather, forks)
 
@@ -54,7 +55,7 @@ def register(app: typer.Typer) -> None:
                           f"{', '.join(f['pythons'])}, uv {'yes' if f['uv'] else 'no'}\n"
                           f"  GPUs: {gpus}; driver {f.get('driver') or '-'}; nvcc {f.get('nvcc_on_path_version') or '-'}\n"
                           f"  root {f['root']}: {len(f['generations'])} generations, current {f['current'] or '-'}; "
-                          f"{f['disk_free_bytes'] >> 30} GiB free", markup=False)
+                          f"{human_size(f['disk_free_bytes'])} free", markup=False)
         print_rows(rows, show, json_out)
         exit_for(rows)
 

@@ -18,10 +18,11 @@ def figures(v: dict) -> str:
 
     text = f"{v['files']} files, {human_size(v['bytes'])} hashed in {v['seconds']:.2f}s"
     if v.get("rate_gbs"):
-        text += f" ({v['rate_gbs']:.2f} GB/s, {v['jobs']} threads)"
+        text += f" ({human_size(v['bytes'] / v['seconds'])}/s, {v['jobs']} threads)"
     if v.get("read_seconds") is not None and v.get("ratio"):
         text += (f"; reading the same bytes without hashing {v['first_read_seconds']:.2f}s before, "
-                 f"{v['read_seconds']:.2f}s after ({v['read_rate_gbs']:.2f} GB/s): hashing takes {v['ratio']:.1f}x "
+                 f"{v['read_seconds']:.2f}s after ({human_size(v['read_bytes'] / v['read_seconds'])}/s): hashing takes "
+                 f"{v['ratio']:.1f}x "
                  "a plain read")
     return text
 

@@ -1,6 +1,7 @@
 """The included EAGLE-3 engine: a Llama target, its EAGLE-3 draft, tree speculation, an HTTP API.
 
-Torch and the standard library only; it travels to hosts and runs from a generation via PYTHONPATH."""
+Torch, the standard library and provision/errors.py only; it travels to hosts with that module and runs
+from a generation via PYTHONPATH."""
 from pathlib import Path
 
 from .errors import EngineError

@@ -121,35 +121,20 @@ def transformers_peer(model_dir, engine: Engine):
     return generate
 
 
-def add_engine_args(ap: argparse.ArgumentParser):
-    ap.add_argument("--model", help="target checkpoint directory (default: the bundled tiny pair)")
-    ap.add_argument("--draft", help="EAGLE-3 draft directory (default: MODEL/draft)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="auto", help="auto (default): bfloat16 on CUDA, float32 on CPU, where the "
-                                                    "engine is fastest; or float32, bfloat16, float16")
-    ap.add_argument("--max-seq-len", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--topk", type=int, default=4)
-    ap.add_argument("--num-draft-tokens", type=int, default=16, help="verified tokens, root included")
-
-
 def main(argv=None):
-    from .errors import EngineError
-    from .loading import load_engine
+    from .loading import start_engine
+    from .settings import add_arguments, from_arguments
 
     ap = argparse.ArgumentParser(description=__doc__)
-    add_engine_args(ap)
+    add_arguments(ap)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--fixed-length", action="store_true", help="decode max-new-tokens past the end of turn")
-    ap.add_argument("--threads", type=int, default=1, help="CPU threads (0: torch default; 1 suits the tiny pair)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
     try:
-        eng = load_engine(a.model, a.draft, a.device, a.dtype, a.max_seq_len, a.steps, a.topk, a.num_draft_tokens)
+        eng = start_engine(a.model, a.draft, from_arguments(a))
         r = run_bench(eng, held_out_prompts(a.prompts), a.max_new_tokens, a.repeats, not a.fixed_length)
     except EngineError as e:
         raise SystemExit(f"error: {e}")

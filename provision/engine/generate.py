@@ -17,6 +17,7 @@ from . import kernels
 from .draft import Eagle3Draft
 from .errors import EngineError
 from .model import Transformer
+from .settings import DEFAULTS
 
 
 @dataclass
@@ -128,8 +129,8 @@ class Engine:
     """A target, an optional EAGLE-3 draft, their static caches and step state (one sequence at a time)."""
 
     def __init__(self, target: Transformer, draft: Optional[Eagle3Draft] = None, tokenizer=None,
-                 max_seq_len: int = 2048, steps: int = 4, topk: int = 1, num_draft_tokens: int = 0,
-                 stop_ids=None, graphs: bool = True):
+                 max_seq_len: int = DEFAULTS.max_seq_len, steps: int = DEFAULTS.steps, topk: int = DEFAULTS.topk,
+                 num_draft_tokens: int = DEFAULTS.num_draft_tokens, stop_ids=None, graphs: bool = True):
         self.target, self.draft, self.tokenizer = target.eval(), draft, tokenizer
         self.device = target.output.weight.device
         self.max_seq_len = min(max_seq_len, target.args.max_position_embeddings)

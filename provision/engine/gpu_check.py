@@ -10,7 +10,8 @@ import torch
 
 from .bench import run_bench
 from .corpus import held_out_prompts
-from .loading import load_engine
+from .loading import start_engine
+from .settings import DEFAULTS
 
 
 def main(argv=None):
@@ -22,11 +23,9 @@ def main(argv=None):
     torch.backends.cuda.matmul.allow_tf32 = False      # float32 everywhere: outputs must be comparable
     torch.backends.cudnn.allow_tf32 = False
     prompts, res = held_out_prompts(a.prompts), {}
-    for dev in ("cuda", "cpu"):
-        if dev == "cpu":
-            torch.set_num_threads(1)
-        res[dev] = run_bench(load_engine(device=dev, max_seq_len=1024, steps=5, topk=4, num_draft_tokens=16),
-                             prompts, a.max_new_tokens)
+    for dev in ("cuda", "cpu"):          # the default settings, float32, on each device
+        res[dev] = run_bench(start_engine(settings=DEFAULTS.replace(device=dev, dtype="float32")), prompts,
+                             a.max_new_tokens)
     same = [x == y for x, y in zip(res["cuda"].pop("outputs"), res["cpu"].pop("outputs"))]
     out = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, **res,
            "greedy_identical_cpu_cuda": all(same), "prompts_identical": f"{sum(same)}/{len(same)}"}

@@ -102,6 +102,23 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor):
     return tk.attend(q.contiguous(), k, v, mask.contiguous(), chunk) if chunk else None
 
 
+def gqa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Grouped-query attention without repeating K/V: the g query heads sharing a KV head become g*T rows.
+
+    q: [B, h, T, hd]; k, v: [B, kv, W, hd]; mask: [T, W] or [B, 1, T, W] bool. Returns [B, T, h, hd]."""
+    y = attention(q, k, v, mask)                                      # one Triton kernel where it won
+    if y is not None:
+        return y
+    B, h, T, hd = q.shape
+    kv = k.shape[1]
+    g = h // kv
+    qg = q.reshape(B, kv, g * T, hd)                                  # head kv*g + j → group kv, rows (j, t)
+    s = (qg @ k.transpose(-1, -2)).view(B, kv, g, T, -1)
+    p = masked_softmax(s, mask if mask.dim() == 2 else mask.unsqueeze(2), hd ** -0.5)   # mask [T, W] or [B,1,1,T,W]
+    y = p.view(B, kv, g * T, -1) @ v                                  # [B, kv, g*T, hd]
+    return y.view(B, h, T, hd).transpose(1, 2)
+
+
 def _bucket(W: int) -> int:
     """The tuned span covering W: a power of two from 256."""
     return max(256, 1 << (W - 1).bit_length())
@@ -278,7 +295,6 @@ def tune_attention(heads: int, kv: int, hd: int, dtype, device, rows, spans):
     tk = _tk() if torch.device(device).type == "cuda" else None
     if tk is None:
         return
-    from .model import gqa_attention
     for T in rows:
         G = heads // kv * T
         for W in spans:

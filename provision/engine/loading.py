@@ -10,6 +10,7 @@ import torch
 from .draft import DraftArgs, Eagle3Draft
 from .errors import EngineError
 from .model import ModelArgs, Transformer
+from .settings import DEFAULTS, EngineSettings
 
 DRAFT_ARCHS = ("LlamaForCausalLMEagle3", "LlamaForCausalLM", "Eagle3LlamaForCausalLM")
 
@@ -312,32 +313,43 @@ def default_dtype(device: str) -> str:
     return FASTEST_DTYPE.get(str(device).split(":")[0], "float32")
 
 
+def torch_dtype(dtype: str, device: str):
+    """The torch dtype a setting names on `device` (`auto`: default_dtype), or one clear EngineError."""
+    name = default_dtype(device) if dtype == "auto" else dtype
+    dt = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dt, torch.dtype):
+        raise EngineError(f"unknown dtype {name!r} (auto, float32, bfloat16, float16)")
+    return dt
+
+
 def dtype_of(engine) -> str:
     return str(engine.target.output.weight.dtype).removeprefix("torch.")
 
 
-def load_engine(model=None, draft=None, device: str = "cpu", dtype: str = "float32", max_seq_len: int = 2048,
-                steps: int = 4, topk: int = 1, num_draft_tokens: int = 0, speculative: bool = True):
-    """Target + draft + tokenizer as one Engine; the bundled tiny pair when no paths are given. dtype `auto`:
-    the one the engine is fastest in on `device` (default_dtype)."""
+def load_engine(model=None, draft=None, settings: EngineSettings = DEFAULTS, speculative: bool = True, **changes):
+    """Target + draft + tokenizer as one Engine; the bundled tiny pair when no paths are given. `changes`
+    override single settings (load_engine(device="cuda", max_seq_len=256)); dtype `auto`: the one the engine is
+    fastest in on the device (default_dtype); `threads` is start_engine's."""
     from . import TINY_DIR
     from .generate import Engine
     from .tokenizer import load_tokenizer, stop_ids
 
+    s = settings.replace(**changes)
     model = Path(model) if model else TINY_DIR
     draft = Path(draft) if draft else (model / "draft" if (model / "draft").exists() else None)
-    if dtype == "auto":
-        dtype = default_dtype(device)
+    dt = torch_dtype(s.dtype, s.device)
     try:
-        dt = getattr(torch, dtype)
-        assert isinstance(dt, torch.dtype)
-    except (AttributeError, AssertionError):
-        raise EngineError(f"unknown dtype {dtype!r} (auto, float32, bfloat16, float16)") from None
-    try:
-        torch.empty(0, device=device)
+        torch.empty(0, device=s.device)
     except (RuntimeError, AssertionError) as e:
-        raise EngineError(f"device {device!r} is not usable here: {str(e).splitlines()[0]}") from None
-    target = load_target(model, device, dt)
-    dr = load_draft(draft, target, device, dt) if draft is not None and speculative else None
-    return Engine(target, dr, load_tokenizer(model), max_seq_len=max_seq_len, steps=steps, topk=topk,
-                  num_draft_tokens=num_draft_tokens, stop_ids=stop_ids(model))
+        raise EngineError(f"device {s.device!r} is not usable here: {str(e).splitlines()[0]}") from None
+    target = load_target(model, s.device, dt)
+    dr = load_draft(draft, target, s.device, dt) if draft is not None and speculative else None
+    return Engine(target, dr, load_tokenizer(model), max_seq_len=s.max_seq_len, steps=s.steps, topk=s.topk,
+                  num_draft_tokens=s.num_draft_tokens, stop_ids=stop_ids(model))
+
+
+def start_engine(model=None, draft=None, settings: EngineSettings = DEFAULTS):
+    """What a command line runs: torch's CPU threads as `settings` says (0: torch's default), then load_engine."""
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    return load_engine(model, draft, settings)

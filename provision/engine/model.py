@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from .kernels import attention, attention_mask, linear, masked_softmax, rms_norm, rope_into_cache, silu_mul
+from .kernels import attention, attention_mask, gqa_attention, linear, rms_norm, rope_into_cache, silu_mul
 
 
 @dataclass
@@ -85,23 +85,6 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """RoPE in the rotate-half layout, cos and sin broadcast against x."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
-def gqa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """Grouped-query attention without repeating K/V: the g query heads sharing a KV head become g*T rows.
-
-    q: [B, h, T, hd]; k, v: [B, kv, W, hd]; mask: [T, W] or [B, 1, T, W] bool. Returns [B, T, h, hd]."""
-    y = attention(q, k, v, mask)                                      # one Triton kernel where it won
-    if y is not None:
-        return y
-    B, h, T, hd = q.shape
-    kv = k.shape[1]
-    g = h // kv
-    qg = q.reshape(B, kv, g * T, hd)                                  # head kv*g + j → group kv, rows (j, t)
-    s = (qg @ k.transpose(-1, -2)).view(B, kv, g, T, -1)
-    p = masked_softmax(s, mask if mask.dim() == 2 else mask.unsqueeze(2), hd ** -0.5)   # mask [T, W] or [B,1,1,T,W]
-    y = p.view(B, kv, g * T, -1) @ v                                  # [B, kv, g*T, hd]
-    return y.view(B, h, T, hd).transpose(1, 2)
 
 
 class KVCache(nn.Module):

@@ -597,22 +597,17 @@ def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 8000, name:
 
 
 def main(argv=None):
-    from .bench import add_engine_args
-    from .loading import dtype_of, load_engine
+    from .loading import dtype_of, start_engine
+    from .settings import add_arguments, from_arguments
 
     ap = argparse.ArgumentParser(description=__doc__)
-    add_engine_args(ap)
+    add_arguments(ap)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--name", default="provision-tiny")
-    ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")
     a = ap.parse_args(argv)
-    if a.threads:
-        import torch
-
-        torch.set_num_threads(a.threads)
     try:
-        eng = load_engine(a.model, a.draft, a.device, a.dtype, a.max_seq_len, a.steps, a.topk, a.num_draft_tokens)
+        eng = start_engine(a.model, a.draft, from_arguments(a))
         httpd = make_server(eng, a.host, a.port, a.name)
     except (EngineError, OSError) as e:
         raise SystemExit(f"error: {e}")

@@ -12,6 +12,7 @@ from . import kernels
 from .draft import DraftArgs, Eagle3Draft
 from .generate import Engine, StepGraphs
 from .model import ModelArgs, Transformer
+from .settings import DEFAULTS, EngineSettings
 
 SHAPES = {  # name → (target args, draft intermediate size)
     "llama3-8b": dict(vocab_size=128256, dim=4096, n_layer=32, n_head=32, n_local_heads=8, intermediate_size=14336,
@@ -19,7 +20,9 @@ SHAPES = {  # name → (target args, draft intermediate size)
     "tiny": dict(vocab_size=512, dim=128, n_layer=4, n_head=4, n_local_heads=2, intermediate_size=256,
                  max_position_embeddings=1024),
 }
-TREES = ((5, 4, 16), (4, 4, 16), (3, 4, 16), (2, 4, 10), (3, 2, 6))   # tree shapes timed beside the default
+TREES = ((5, 4, 16), (4, 4, 16), (3, 4, 16), (2, 4, 10), (3, 2, 6))   # tree shapes timed beside SHAPE_TREE
+# the deepest tree of the default width whose step stays within 1.3 plain steps on the 8B shape (1x H200)
+SHAPE_TREE = DEFAULTS.replace(steps=2)
 
 
 def random_pair(shape: str, device, dtype, draft_vocab: int = 32000):
@@ -112,10 +115,11 @@ def read_bandwidth(device, nbytes: int = 2 << 30, reps: int = 40) -> float:
 
 @torch.inference_mode()
 def shape_bench(shape: str = "llama3-8b", device="cuda", dtype=torch.bfloat16, prompt: int = 128,
-                new: int = 256, steps: int = 2, topk: int = 4, num_draft_tokens: int = 16, peer: bool = True,
-                trees=None, log=print) -> dict:
-    """`trees`: more (steps, topk, num_draft_tokens) shapes whose speculative step is timed too (default:
-    TREES on CUDA, none elsewhere)."""
+                new: int = 256, tree: EngineSettings = SHAPE_TREE, peer: bool = True, trees=None, log=print) -> dict:
+    """`tree`: the speculation tree timed throughout (its steps, topk and num_draft_tokens); `trees`: more
+    (steps, topk, num_draft_tokens) shapes whose speculative step is timed too (default: TREES on CUDA, none
+    elsewhere)."""
+    steps, topk, num_draft_tokens = tree.steps, tree.topk, tree.num_draft_tokens
     dev = torch.device(device)
     target, draft = random_pair(shape, dev, dtype)
     eng = Engine(target, draft, None, max_seq_len=prompt + new + 64, steps=steps, topk=topk,

@@ -21,8 +21,9 @@ SCRIPTS = ("agent/allreduce.py",)                     # scripts the probe agent 
 
 
 def bundle_files() -> list[tuple[str, bytes]]:
-    """(path relative to the tool dir, content) for provision/__init__.py, provision/engine/** and SCRIPTS."""
-    files = [("provision/__init__.py", (PKG / "__init__.py").read_bytes())]
+    """(path relative to the tool dir, content) for provision/__init__.py, provision/errors.py (the engine's
+    error derives from it), provision/engine/** and SCRIPTS."""
+    files = [(f"provision/{rel}", (PKG / rel).read_bytes()) for rel in ("__init__.py", "errors.py")]
     files += [(f"provision/{rel}", (PKG / rel).read_bytes()) for rel in SCRIPTS]
     for p in sorted((PKG / "engine").rglob("*")):
         if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".pyo"):

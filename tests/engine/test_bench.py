@@ -16,7 +16,7 @@ from provision.engine.loading import load_engine
 
 @pytest.fixture(scope="module")
 def tiny():
-    e = load_engine(device=DEVICE, max_seq_len=256)
+    e = load_engine(device=DEVICE, dtype="float32", max_seq_len=256)
     e.stop_ids = {e.tokenizer.encode(" ")[-1]}                  # a token the tiny pair writes often: answers end early
     return e
 
@@ -45,7 +45,7 @@ def test_cli_bench_bfloat16_json():
 
 def test_transformers_peer_runs_each_prompt_with_the_engine():
     pytest.importorskip("transformers")
-    e = load_engine(device=DEVICE, max_seq_len=256)
+    e = load_engine(device=DEVICE, dtype="float32", max_seq_len=256)
     r = run_bench(e, held_out_prompts(2), max_new_tokens=16, peer=transformers_peer(TINY_DIR, e))
     assert r["transformers_same_tokens"] and r["greedy_identical"]      # float32: the same tokens as transformers
     assert r["transformers_tok_s"] > 0 and r["plain_vs_transformers"] > 0

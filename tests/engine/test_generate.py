@@ -21,7 +21,7 @@ def random_engine():
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_engine(device=DEVICE, max_seq_len=512)
+    return load_engine(device=DEVICE, dtype="float32", max_seq_len=512)
 
 
 @pytest.mark.parametrize("tree", TREES)

@@ -19,7 +19,7 @@ PROMPT = "the quick cat watches the"
 
 
 def serving(**kw):
-    httpd = make_server(load_engine(device=DEVICE, max_seq_len=256), port=0, **kw)
+    httpd = make_server(load_engine(device=DEVICE, dtype="float32", max_seq_len=256), port=0, **kw)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
 
@@ -85,7 +85,7 @@ def test_margins_of_plain_greedy(url):
     plain = complete(url, **body).json()
     assert ids == plain["choices"][0]["token_ids"] and "margins" not in plain
     assert m["dtype"] == "float32" and len(m["gaps"]) == len(m["scales"]) == len(ids) == 24
-    e = load_engine(device=DEVICE, max_seq_len=256)
+    e = load_engine(device=DEVICE, dtype="float32", max_seq_len=256)
     prompt = [256] + list(PROMPT.encode())
     assert m["layers"] == e.target.args.n_layer
     with torch.inference_mode():
