@@ -74,6 +74,22 @@ class SwitchUnknown(HostError):
     """The connection was lost while `current` was being switched: the next run settles which it is."""
 
 
+class StepStalled(HostError):
+    """A host command showed no progress for the target's deadline and was stopped (its host work ended)."""
+
+
+class Cancelled(HostError):
+    """The run was cancelled (Ctrl-C) while a host command ran; the command was stopped (its host work ended)."""
+
+
+class Halted(ProvisionError):
+    """A host stopped before its commit point because its batch had already failed beyond the tolerance."""
+
+
+class DriftError(HostError):
+    """Installed files no longer match their RECORD: packing them would not reproduce what was installed."""
+
+
 class Interrupted(ProvisionError):
     """Ctrl-C: the run stopped; the message says where the host is (a switch under way completes first)."""
 

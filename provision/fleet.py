@@ -9,16 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .errors import InputError, ProvisionError
+from .errors import Halted, InputError, ProvisionError
 from .transport import Target, Transport
 
 # Hosts contacted at once, whatever the verb: each host does its own work (facts, builds, switches) while the
 # controller waits on one SSH session per host, so the controller's cores are not what bounds it.
 FORKS = 16
-
-
-class Halted(ProvisionError):
-    """A host stopped before its commit point because its batch had already failed beyond the tolerance."""
 
 
 @dataclass

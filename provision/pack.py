@@ -14,15 +14,11 @@ from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel
 
 from . import generations, layout, lock as lockmod
 from .build import sha256_file
-from .errors import HostError, InputError, ProvisionError
+from .errors import DriftError, HostError, InputError, ProvisionError
 from .transport import Transport
 
 WHEEL_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+!-]{0,250}\.whl\Z")
 SHOWN = 5      # drifted files named in a refusal before "and N more"
-
-
-class DriftError(HostError):
-    """Installed files no longer match their RECORD: packing them would not reproduce what was installed."""
 
 
 def drift_line(drift: dict) -> str:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from .errors import HostError, HostKeyError, HostLockedError, InputError
+from .errors import Cancelled, HostError, HostKeyError, HostLockedError, InputError, StepStalled
 
 CONTROLLER_HOME = Path(os.environ.get("PROVISION_HOME", Path.home() / ".provision"))   # the controller's own state
 DEFAULT_KNOWN_HOSTS = CONTROLLER_HOME / "known_hosts"
@@ -132,14 +132,6 @@ class Result:
     rc: int
     stdout: str
     stderr: str
-
-
-class StepStalled(HostError):
-    """A host command showed no progress for the target's deadline and was stopped (its host work ended)."""
-
-
-class Cancelled(HostError):
-    """The run was cancelled (Ctrl-C) while a host command ran; the command was stopped (its host work ended)."""
 
 
 @dataclass
