@@ -25,7 +25,9 @@ def accept_fault(engine: Engine):
 
     def accept(logits, tokens, parent, A):
         acc, tgt = real(engine, logits, tokens, parent, A)
-        return acc | (engine.ar[: len(tokens)] == 1), tgt          # node 1: the root's first child
+        # where the target refused node 1 (the root's first child), the path root → node 1 instead: one chain,
+        # as the engine expects of any accept rule, so the engine runs on and emits what the fault makes of it
+        return torch.where(acc[1], acc, engine.ar[: len(tokens)] <= 1), tgt
     engine._accept_greedy = accept
 
 
