@@ -13,6 +13,7 @@ from urllib.parse import unquote, urlparse
 from .errors import HostError, InputError, ProvisionError
 from .layout import root_of
 from .lock import Lock
+from .toolkit import wheels_home
 from .transport import Transport
 from .units import human_size
 
@@ -207,6 +208,8 @@ def _build(transport: Transport, lock: Lock, facts: dict, gen: dict, installer: 
     payload = {"op": "build", "root": root, "gen_dir": gen["dir"], "venv": gen["venv"], "python": python,
                "installer": installer, "packages": pkgs, "stall": setting("PROVISION_FETCH_STALL", 30, 0.1, 3600),
                "rechecked": pushes[0]["rechecked"]}
+    if wheels_home(lock, gen["venv"]):
+        payload["cuda_home"] = wheels_home(lock, gen["venv"])
     if os.environ.get("PROVISION_FETCH_JOBS"):      # else the host's agent picks by its cores
         payload["jobs"] = int(setting("PROVISION_FETCH_JOBS", 8, 1, 64))
     if installer == "uv":

@@ -2,10 +2,13 @@
 source can give it an nvcc. NVIDIA's CUDA 13 wheels install one tree (site-packages/nvidia/cu13 with
 bin/nvcc); CUDA 12 wheels install one directory per component (nvidia/cuda_runtime, nvidia/cuda_nvcc, …)
 and the 12.x nvcc wheel carries ptxas and nvvm but no nvcc; apt and host toolkits live under
-/usr/local/cuda-X.Y."""
+/usr/local/cuda-X.Y. A wheels toolkit is no toolkit home as such (no lib64, no unversioned library names),
+so the build agent lays one out in the venv (HOME_DIR: bin, include, nvvm, lib64 of links into the wheels) and
+the generation's CUDA_HOME is that directory."""
 from __future__ import annotations
 
 FIRST_SINGLE_TREE = 13      # the first CUDA major whose wheels install one toolkit tree
+HOME_DIR = "cuda-home"      # in the venv: the toolkit home the build agent lays out over the CUDA wheels
 
 
 def _major(version: str | None) -> int | None:
@@ -16,15 +19,19 @@ def _major(version: str | None) -> int | None:
 def home(lock, venv: str) -> str | None:
     """CUDA_HOME of a generation of `lock` whose venv is `venv` (recorded in its manifest)."""
     cu = lock.platform.cuda
-    if cu.source == "wheels" and cu.version:
-        nvidia = f"{venv}/lib/python{lock.platform.python}/site-packages/nvidia"
-        major = _major(cu.version)
-        return f"{nvidia}/cu{major}" if major and major >= FIRST_SINGLE_TREE else f"{nvidia}/cuda_nvcc"
+    if cu.source == "wheels":
+        return wheels_home(lock, venv)
     if cu.source == "apt":
         return cu.home or f"/usr/local/cuda-{'.'.join(cu.version.split('.')[:2])}"
     if cu.source == "host":
         return cu.home or "/usr/local/cuda"
     return None
+
+
+def wheels_home(lock, venv: str) -> str | None:
+    """The toolkit home the build agent lays out in `venv` (None: the lock's toolkit is not from wheels)."""
+    cu = lock.platform.cuda
+    return f"{venv}/{HOME_DIR}" if cu.source == "wheels" and cu.version else None
 
 
 def nvcc_missing(lock) -> str | None:

@@ -322,7 +322,7 @@ def test_cuda_toolkit_from_nvidia_wheels_into_generation(toolkit_generation):
     finally:
         tr.close()
     home = Path(man["cuda_home"])
-    assert home.name == "cu13" and str(home).startswith(target.vars["provision_root"])
+    assert home.name == "cuda-home" and str(home).startswith(target.vars["provision_root"])
     out = subprocess.run([home / "bin" / "nvcc", "--version"], capture_output=True, text=True)
     assert "V13.0.88" in out.stdout
     src = home.parent.parent / "k.cu"

@@ -1,7 +1,7 @@
-"""CUDA toolkits per major: CUDA_HOME follows the real wheel layouts; `lock check` refuses a toolkit source
-that cannot give the nvcc probe an nvcc; the CUDA 12.8 baseline takes its toolkit from the host. With the real
-nvcc on this GPU-less machine: the nvcc probe compiles arch-specific targets (sm_120a) for what the lock targets,
-and flashinfer's JIT compiles its kernels for 12.0a and reports what it refuses there."""
+"""CUDA toolkits per major: CUDA_HOME of a wheels toolkit is the home the build lays out in the venv; `lock check`
+refuses a toolkit source that cannot give the nvcc probe an nvcc; the CUDA 12.8 baseline takes its toolkit from the
+host. With the real nvcc on this GPU-less machine: the nvcc probe compiles arch-specific targets (sm_120a) for what
+the lock targets, and flashinfer's JIT compiles its kernels for 12.0a and reports what it refuses there."""
 from __future__ import annotations
 
 import copy
@@ -25,9 +25,8 @@ def _with_cuda(lk, **cuda) -> lockmod.Lock:
 
 def test_cuda_home_per_source_and_major():
     lk = lockmod.load(BASELINE)
-    sp = "/g/venv/lib/python3.12/site-packages"
-    assert toolkit.home(_with_cuda(lk, version="13.0.1", source="wheels"), "/g/venv") == f"{sp}/nvidia/cu13"
-    assert toolkit.home(_with_cuda(lk, version="12.8.1", source="wheels"), "/g/venv") == f"{sp}/nvidia/cuda_nvcc"
+    for version in ("13.0.1", "12.8.1"):    # laid out by the build agent over either wheel layout
+        assert toolkit.home(_with_cuda(lk, version=version, source="wheels"), "/g/venv") == "/g/venv/cuda-home"
     assert toolkit.home(_with_cuda(lk, version="12.8.1", source="apt", package="cuda-toolkit-12-8"), "/v") == \
         "/usr/local/cuda-12.8"
     assert toolkit.home(lk, "/v") == "/usr/local/cuda-12.8"          # the baseline: the host's toolkit

@@ -822,6 +822,8 @@ def op_build(a):
     lay = ensure_root(a["root"])
     gen_dir, venv = inside(lay["generations"], a["gen_dir"]), inside(lay["generations"], a["venv"])
     python, installer = a["python"], a.get("installer") or "uv"
+    if a.get("cuda_home"):
+        inside(venv, a["cuda_home"])
     if not os.path.isabs(python):
         raise AgentError("interpreter %r is not an absolute path" % python)
     log = BuildLog(gen_dir)
@@ -888,6 +890,9 @@ def _build(a, lay, gen_dir, venv, python, installer, log):
         figs["isolation"] = "copy"
     else:
         raise AgentError("unknown installer %r" % installer)
+    if a.get("cuda_home"):
+        figs["cuda_home"] = cuda_home(venv, inside(venv, a["cuda_home"]))
+        log("cuda home: %(home)s (%(links)d links, libcuda: %(libcuda)s)" % figs["cuda_home"])
     t1 = time.monotonic()
     ro = read_only(venv)
     figs.update(read_only_files=ro["files"], read_only_seconds=round(time.monotonic() - t1, 2))
@@ -900,6 +905,59 @@ def _build(a, lay, gen_dir, venv, python, installer, log):
                                                                                   figs["install_seconds"]))
     log("read-only: %d files (%.1fs); build done in %.1fs" % (ro["files"], figs["read_only_seconds"], figs["seconds"]))
     return figs
+
+
+CUDA_HOME_DIRS = (("bin", "bin"), ("include", "include"), ("lib", "lib64"), ("lib64", "lib64"), ("nvvm", "nvvm"))
+VERSIONED_SO = re.compile(r"^(lib[A-Za-z0-9_+-]+\.so)\.[0-9][0-9.]*$")
+DRIVER_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/lib64",
+               "/usr/local/nvidia/lib64")
+
+
+def cuda_home(venv, home):
+    """Lay out `home` (in `venv`) as a CUDA toolkit home over NVIDIA's toolkit wheels: bin, include, nvvm and
+    lib64 hold relative links to what each component (CUDA 13: site-packages/nvidia/cu13; CUDA 12: one directory
+    per component) ships in bin, include, nvvm and lib; lib64 also gets the unversioned names a `-lcudart` link
+    needs (libcudart.so -> libcudart.so.13), and libcuda.so -> the driver's libcuda.so.1 where the host has a
+    driver but no libcuda.so of its own. Returns {home, components, links, libcuda}."""
+    sites = [os.path.join(venv, "lib", d, "site-packages", "nvidia") for d in sorted(os.listdir(os.path.join(venv, "lib")))
+             if d.startswith("python")]
+    nvidia = next((inside(venv, n) for n in sites if os.path.isdir(n)), None)
+    if nvidia is None:
+        raise AgentError("the lock takes its CUDA toolkit from wheels but %s has no site-packages/nvidia" % venv)
+    if os.path.lexists(home):
+        shutil.rmtree(home)
+    os.makedirs(home)
+    comps = sorted(d for d in os.listdir(nvidia) if os.path.isdir(os.path.join(nvidia, d)))
+    made, links = set(), 0
+    for comp in comps:
+        for src, dst in CUDA_HOME_DIRS:
+            sdir = os.path.join(nvidia, comp, src)
+            if not os.path.isdir(sdir) or os.path.islink(sdir):
+                continue
+            ddir = os.path.join(home, dst)
+            os.makedirs(ddir, exist_ok=True)
+            for name in sorted(os.listdir(sdir)):
+                if os.path.join(dst, name) in made or name == "__pycache__" or name.startswith("__init__.py"):
+                    continue
+                os.symlink(os.path.relpath(os.path.join(sdir, name), ddir), os.path.join(ddir, name))
+                made.add(os.path.join(dst, name))
+                links += 1
+    lib64 = os.path.join(home, "lib64")
+    os.makedirs(lib64, exist_ok=True)
+    for name in sorted(os.listdir(lib64)):
+        m = VERSIONED_SO.match(name)
+        if m and not os.path.lexists(os.path.join(lib64, m.group(1))):
+            os.symlink(name, os.path.join(lib64, m.group(1)))
+            links += 1
+    libcuda = "host"
+    if not any(os.path.exists(os.path.join(d, "libcuda.so")) for d in DRIVER_DIRS):
+        driver = next((os.path.join(d, "libcuda.so.1") for d in DRIVER_DIRS
+                       if os.path.exists(os.path.join(d, "libcuda.so.1"))), None)
+        libcuda = driver or "none"
+        if driver:
+            os.symlink(driver, os.path.join(lib64, "libcuda.so"))
+            links += 1
+    return {"home": home, "components": comps, "links": links, "libcuda": libcuda}
 
 
 FICLONE = 0x40049409    # ioctl: share one file's extents with another, copy-on-write (XFS, btrfs, ...)
