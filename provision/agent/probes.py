@@ -1012,6 +1012,8 @@ def p_engine(a):
     e = a["engine"]
     deadline_s = float(e.get("timeout") or 900)
     env = dict(os.environ, **SAFE_ENV, **(e.get("env") or {}))
+    if a.get("cuda_home"):   # the generation's toolkit: what the engine's JIT (flashinfer, DeepGEMM) compiles with
+        env.update(CUDA_HOME=a["cuda_home"], CUDA_PATH=a["cuda_home"])
     prompts = e.get("prompts") or PROMPTS
     max_tokens = int(e.get("max_tokens") or 64)
     req_timeout = float(e.get("request_timeout") or 300)
