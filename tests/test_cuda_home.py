@@ -56,14 +56,19 @@ def test_generation_cuda_home_links_cudart_as_flashinfer_jit_does(toolkit_genera
     venv = home.parent
     assert home.name == "cuda-home" and (venv / "bin" / "python").exists()
     assert sorted(p.name for p in home.iterdir()) == ["bin", "include", "lib64", "nvvm"]
+    assert not list(home.glob("lib64/libcuda.so*"))
     lib64 = home / "lib64"
     assert os.readlink(lib64 / "libcudart.so") == "libcudart.so.13"
-    for link in [*lib64.iterdir(), home / "bin" / "nvcc", home / "include" / "cuda_runtime.h"]:
-        if link.name != "libcuda.so":      # the host driver's, where the host has one but no libcuda.so
-            assert link.is_symlink() and not os.path.isabs(os.readlink(link))
-            assert link.resolve().is_relative_to(venv.resolve())
+    for link in [*lib64.glob("*.so*"), home / "bin" / "nvcc", home / "include" / "cuda_runtime.h"]:
+        assert link.is_symlink() and not os.path.isabs(os.readlink(link))
+        assert link.resolve().is_relative_to(venv.resolve())
     figs = rep.build["cuda_home"]
     assert figs["home"] == str(home) and figs["components"] == ["cu13"]
+    stub = lib64 / "stubs" / "libcuda.so"       # -L$CUDA_HOME/lib64/stubs -lcuda: the host driver's, if need be
+    if figs["libcuda"] in ("host", "none"):
+        assert not stub.exists()
+    else:
+        assert os.readlink(stub) == figs["libcuda"] and Path(figs["libcuda"]).name == "libcuda.so.1"
 
     (tmp_path / "home").mkdir()
     out = _link(home, lib64, tmp_path / "home")

@@ -917,8 +917,9 @@ def cuda_home(venv, home):
     """Lay out `home` (in `venv`) as a CUDA toolkit home over NVIDIA's toolkit wheels: bin, include, nvvm and
     lib64 hold relative links to what each component (CUDA 13: site-packages/nvidia/cu13; CUDA 12: one directory
     per component) ships in bin, include, nvvm and lib; lib64 also gets the unversioned names a `-lcudart` link
-    needs (libcudart.so -> libcudart.so.13), and libcuda.so -> the driver's libcuda.so.1 where the host has a
-    driver but no libcuda.so of its own. Returns {home, components, links, libcuda}."""
+    needs (libcudart.so -> libcudart.so.13), and lib64/stubs/libcuda.so -> the driver's libcuda.so.1 where the
+    host has a driver but no libcuda.so of its own (the wheels ship no stub: where the host has no driver at all,
+    a `-lcuda` link fails). Returns {home, components, links, libcuda: host | the driver linked | none}."""
     sites = [os.path.join(venv, "lib", d, "site-packages", "nvidia") for d in sorted(os.listdir(os.path.join(venv, "lib")))
              if d.startswith("python")]
     nvidia = next((inside(venv, n) for n in sites if os.path.isdir(n)), None)
@@ -955,7 +956,8 @@ def cuda_home(venv, home):
                        if os.path.exists(os.path.join(d, "libcuda.so.1"))), None)
         libcuda = driver or "none"
         if driver:
-            os.symlink(driver, os.path.join(lib64, "libcuda.so"))
+            os.makedirs(os.path.join(lib64, "stubs"))
+            os.symlink(driver, os.path.join(lib64, "stubs", "libcuda.so"))
             links += 1
     return {"home": home, "components": comps, "links": links, "libcuda": libcuda}
 
