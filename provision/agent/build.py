@@ -920,7 +920,8 @@ def cuda_home(venv, home):
     needs (libcudart.so -> libcudart.so.13), and lib64/stubs/libcuda.so -> the driver's libcuda.so.1 where the
     host has a driver but no libcuda.so of its own (the wheels ship no stub: where the host has no driver at all,
     a `-lcuda` link fails). Returns {home, components, links, libcuda: host | the driver linked | none}."""
-    sites = [os.path.join(venv, "lib", d, "site-packages", "nvidia") for d in sorted(os.listdir(os.path.join(venv, "lib")))
+    lib = os.path.join(venv, "lib")
+    sites = [os.path.join(lib, d, "site-packages", "nvidia") for d in sorted(os.listdir(lib) if os.path.isdir(lib) else [])
              if d.startswith("python")]
     nvidia = next((inside(venv, n) for n in sites if os.path.isdir(n)), None)
     if nvidia is None:
