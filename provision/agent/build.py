@@ -921,8 +921,8 @@ def cuda_home(venv, home):
     host has a driver but no libcuda.so of its own (the wheels ship no stub: where the host has no driver at all,
     a `-lcuda` link fails). Returns {home, components, links, libcuda: host | the driver linked | none}."""
     lib = os.path.join(venv, "lib")
-    sites = [os.path.join(lib, d, "site-packages", "nvidia") for d in sorted(os.listdir(lib) if os.path.isdir(lib) else [])
-             if d.startswith("python")]
+    pythons = sorted(d for d in (os.listdir(lib) if os.path.isdir(lib) else []) if d.startswith("python"))
+    sites = [os.path.join(lib, d, "site-packages", "nvidia") for d in pythons]
     nvidia = next((inside(venv, n) for n in sites if os.path.isdir(n)), None)
     if nvidia is None:
         raise AgentError("the lock takes its CUDA toolkit from wheels but %s has no site-packages/nvidia" % venv)
