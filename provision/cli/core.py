@@ -580,8 +580,8 @@ def register(app: typer.Typer) -> None:
 
 
 def gc_text(host: str, out: dict) -> str:
-    """gc's report: each generation with what removing it frees (and what stays, linked from elsewhere), then
-    one line of totals and what was kept."""
+    """gc's report under its host's line of totals and what was kept: each generation with what removing it frees
+    (and what stays, linked from elsewhere)."""
     from ..units import human_size
 
     verb, freed = ("would remove", "would free") if out["dry_run"] else ("removed", "freed")
@@ -591,7 +591,7 @@ def gc_text(host: str, out: dict) -> str:
         left = "" if out["dry_run"] or g.get("removed", True) else "  NOT REMOVED"
         lines.append(f"  - {g['id']:<32} {g['status'] or '?':<10} {human_size(g['bytes']):>10}{shared}{left}")
     took = f" in {out['seconds']:.1f}s" if out.get("seconds") is not None else ""
-    lines.append(f"{host}: {verb} {len(out['generations'])} generations, {len(out['cache'])} cached wheels, "
+    lines.insert(0, f"{host}: {verb} {len(out['generations'])} generations, {len(out['cache'])} cached wheels, "
                  f"{len(out.get('uv_cache', []))} unpacked wheels of uv's cache, {len(out['run_dirs'])} run dirs; "
                  f"{freed} {human_size(out['bytes'])}{took}"
                  + (f" ({human_size(out['shared_bytes'])} stays: linked from what is kept)"
