@@ -319,6 +319,13 @@ class Handler(BaseHTTPRequestHandler):
                                                               "invalid_request_error" if status < 500 else "server_error")
         self._send(status, {"error": {"message": message, "type": kind, "code": status}})
 
+    def send_error(self, code, message=None, explain=None):
+        """A request its deadline cut short (or whose slot a new client took) is answered 408, whatever the
+        parser made of the bytes that had come (a request line cut in two reads as bad syntax)."""
+        if code == 400 and self.connection in self.server.cut:
+            code, message = 408, f"request not received within {self.server.read_timeout:g} s"
+        super().send_error(code, message, explain)
+
     def _received(self) -> bool:
         """The whole request is in (or its time ran out: 408 sent): from here the connection keeps its slot."""
         if not self.server.received(self.connection):
