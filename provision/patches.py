@@ -267,9 +267,13 @@ def for_installed(series_list: list[Series], dists: dict, where: str) -> list[Se
     kept = [s for s in series_list if dists.get(s.package)
             and s.specifier.contains(_version(dists[s.package]["version"], s.where), prereleases=True)]
     if not kept:
+        known = ", ".join(f"{s.name} ({s.package}{s.specifier})" for s in series_list)
+        packages = sorted({s.package for s in series_list})
+        if not any(dists.get(p) for p in packages):
+            raise PatchError(f"{', '.join(packages)} is not installed in {where} (series: {known}); refusing",
+                             where=where)
         have = ", ".join(sorted({f"{s.package} {dists[s.package]['version']}" if dists.get(s.package)
                                  else f"no {s.package}" for s in series_list}))
-        known = ", ".join(f"{s.name} ({s.package}{s.specifier})" for s in series_list)
         raise PatchError(f"no series applies to {have} in {where} (series: {known}); refusing", where=where)
     return kept
 
