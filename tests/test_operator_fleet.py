@@ -92,7 +92,7 @@ def test_unreachable_host_is_a_row_not_an_abort(fleet, tmp_path, wheels):
         f.write(f"\n[gone]\ngpu-gone ansible_port={free_port()}\n")
     a = write_lock(tmp_path / "a.yaml", "stack-a", [wheels["alpha-1.0"]])
     p = cli("plan", "-i", inv, *kh, "--lock", a, check=1)
-    assert p.stdout.count("Plan for gpu-") == 3 and "gpu-gone: cannot connect" in p.stderr
+    assert p.stdout.count("Plan for gpu-") == 3 and "gpu-gone: unreachable: cannot connect" in p.stderr
     rows = json.loads(cli("plan", "-i", inv, *kh, "--lock", a, "--json", check=1).stdout)
     assert rows[-1]["host"] == "gpu-gone" and rows[-1]["stage"] == "connect" and "cannot connect" in rows[-1]["error"]
     assert "gpu-gone" in cli("status", "-i", inv, *kh, check=1).stdout

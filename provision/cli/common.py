@@ -253,9 +253,11 @@ def each_host(ts: list[Target], fn) -> list:
 
 
 def row_error(row) -> str:
-    """A failed host's row as one line: HOST: message."""
+    """A failed host's row as one line: HOST: message (HOST: unreachable: message when it was never reached, as
+    every verb and the fleet summary name it)."""
     e = row.error
-    return f"{row.host}: {e.message if e.where in (None, row.host) else e}"
+    said = "unreachable: " if getattr(row, "unreachable", False) else ""
+    return f"{row.host}: {said}{e.message if e.where in (None, row.host) else e}"
 
 
 def print_rows(rows, render_ok, json_out: bool, to_json=lambda v: v) -> None:
