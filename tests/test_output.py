@@ -3,32 +3,16 @@ every line; apply prints a line per phase (-v: per package); the build log stays
 shows it; `diff` ends with its own total; `status` keeps an unreachable host's error out of the table."""
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
+from test_core import cli as core_cli, host_args
 from wheelhouse import make_wheel, write_lock
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
 def cli(*args, check=0):
-    p = subprocess.run([sys.executable, "-m", "provision.cli", *map(str, args)], capture_output=True, text=True,
-                       cwd=ROOT, env={**os.environ, "COLUMNS": "200"})
-    assert "Traceback" not in p.stderr, p.stderr
-    if check is not None:
-        assert p.returncode == check, (p.returncode, p.stdout, p.stderr)
-    return p
-
-
-def host_args(t):
-    return [f"{t.user}@{t.host}:{t.port}", "--key", t.key_file, "--known-hosts", t.known_hosts,
-            "--root", t.vars["provision_root"]]
+    return core_cli(*args, check=check)
 
 
 @pytest.fixture
