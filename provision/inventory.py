@@ -1,6 +1,6 @@
-"""Ansible inventories read by Ansible itself (InventoryManager + VariableManager): group and host vars,
-group_vars/ and host_vars/, `--limit` patterns; each host becomes a Target named by its inventory name.
-What Ansible would read ambiguously (a host given twice, an undefined child group) is refused first, in one line.
+"""The hosts a command names (HOST, this machine, or an Ansible inventory's, read by Ansible itself: group and host
+vars, `--limit` patterns), each a Target named by its inventory name. What Ansible would read ambiguously (a host
+given twice, an undefined child group) is refused first, in one line.
 """
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import os
 import shlex
 from pathlib import Path
 
-from .errors import InventoryError
-from .transport import Target, check_address, parse_port
+from .errors import InputError, InventoryError
+from .transport import DEADLINE, NOTICE, TIMEOUT, Target, check_address, check_root, parse_port
 
 # Host variables provision reads; everything else stays Ansible's business.
 _KEPT = {"provision_root": "provision_root", "provision_nvidia_smi": "provision_nvidia_smi",
@@ -84,6 +84,53 @@ class Inventory:
             yield
         except AnsibleError as e:
             raise InventoryError(f"cannot read inventory: {' '.join(str(e).split())}", where=self.where) from None
+
+
+def select(host: str | None, args: tuple = (), *, local: bool = False, inventory: Path | None = None,
+           limit: str | None = None, known_hosts: Path, key: Path | None = None, root: str | None = None,
+           timeout: float = TIMEOUT, deadline: float = DEADLINE, notice: float = NOTICE,
+           local_by_default: bool = False) -> tuple[list[Target], tuple]:
+    """(hosts, args): the hosts a command acts on, from HOST, --local or -i (narrowed by --limit, and by HOST), and
+    its positionals after HOST (`args`, in order), as meant; `local_by_default`: no HOST and no -i is this machine.
+
+    The first positional is HOST. With --local there is no HOST: the first positional is the verb's first
+    argument after HOST. With -i, HOST narrows like --limit and may be left out: the first positional is HOST
+    when it names hosts of the inventory or every positional is given, else the verb's first argument after it.
+    """
+    if limit and not inventory:
+        raise InventoryError("--limit narrows an inventory: give -i INVENTORY", where="--limit")
+    if local and inventory:
+        raise InputError("give --local (this machine) or -i (an inventory's hosts), not both", where="--local")
+    local = local or (local_by_default and not (host or inventory))
+    inv = Inventory(inventory) if inventory else None
+    if host is not None and args and args[-1] is None and (local or (inv is not None and not inv.matches(host))):
+        host, args = None, (host, *args[:-1])
+    if local:
+        if host is not None:
+            raise InputError(f"acts on this machine: {host!r} is one argument too many", where="--local")
+        ts = [Target(host="local", known_hosts=known_hosts)]
+    elif inv is not None:
+        ts = inv.targets(known_hosts, limit=limit, host=host)
+    elif host:
+        ts = [Target.parse(host, known_hosts=known_hosts)]
+    else:
+        raise InputError("name a host, or use --local or -i INVENTORY", where="HOST")
+    for t in ts:
+        t.timeout, t.deadline, t.notice = timeout, deadline, notice
+        if key:
+            t.key_file = str(key)
+        if root:
+            t.vars["provision_root"] = root
+        if "provision_root" in t.vars:
+            check_root(t.vars["provision_root"], "--root" if root else f"{inventory}: host {t.name}: provision_root")
+    return ts, args
+
+
+def only(targets: list[Target]) -> Target:
+    """The one host of a command that acts on one host."""
+    if len(targets) != 1:
+        raise InputError(f"this command acts on one host; {len(targets)} match (narrow with --limit)", where="-i")
+    return targets[0]
 
 
 def load_inventory(path: Path, known_hosts: Path, limit: str | None = None, host: str | None = None) -> list[Target]:

@@ -205,6 +205,14 @@ def discover_series(root) -> list[Path]:
     return sorted(p.parent for p in Path(root).glob(f"*/{SERIES_FILE}"))
 
 
+def chosen_series(dirs: list[Path] | None) -> tuple[list[Series], bool]:
+    """(series, matching): the series in `dirs`, each applied as given; or, with none given, every series shipped
+    with provision, each applied where it matches the installed release."""
+    from .bundled import PATCHES
+
+    return [load_series(d) for d in dirs or discover_series(PATCHES)], not dirs
+
+
 def env_python(transport: Transport, python: str | None, site_packages: str | None) -> str:
     """The interpreter to run agents with: given, or python3 for a bare site-packages directory, or
     the host's current generation (`<root>/current/venv/bin/python`)."""
