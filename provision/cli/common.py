@@ -1,4 +1,5 @@
-"""Shared CLI plumbing: error edge (one line + exit code), host options, JSON and text output.
+"""Shared CLI plumbing: error edge (one line + exit code), option groups (the host options and their Hosts), JSON
+and text output.
 
 Output is text, never markup: values (hosts, packages, errors) print literally; styling goes through `styled`.
 """
@@ -6,8 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import json
 import sys
+import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -20,9 +24,9 @@ try:                 # newer typer carries its own copy of click
     from typer._click import exceptions as click_errors
 except ImportError:  # pragma: no cover
     from click import exceptions as click_errors
-from ..errors import InputError, InventoryError, ProvisionError
+from ..errors import InputError, ProvisionError
 from ..fleet import FORKS
-from ..transport import DEADLINE, DEFAULT_KNOWN_HOSTS, NOTICE, TIMEOUT, Target, check_root
+from ..transport import DEADLINE, DEFAULT_KNOWN_HOSTS, NOTICE, TIMEOUT, Target
 
 # markup and emoji off: `[six==1.17.0]`, `[/x]` and `host:abc:` are printed as they are; a message is
 # one line however long (soft wrap), so a fingerprint or a path is never split. Piped output is never
@@ -128,85 +132,132 @@ def print_json(data) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 
 
-# Host options shared by every command that talks to a host.
-HostArg = typer.Argument(None, help="[user@]host[:port]; with -i, an inventory host, group or pattern (narrows like "
-                                    "--limit); omit with --local", show_default=False)
-LocalOpt = typer.Option(False, "--local", help="act on this machine (no SSH)")
-InventoryOpt = typer.Option(None, "-i", "--inventory", help="Ansible inventory (file or directory, YAML or INI)")
-LimitOpt = typer.Option(None, "--limit", help="Ansible host pattern: only the matching inventory hosts")
-ForksOpt = typer.Option(FORKS, "--forks", min=1,
-                        help="hosts contacted at once, the same for every verb: the hosts do the work while the "
-                             "controller waits on one SSH session each (--serial bounds how many hosts an apply "
-                             "changes before it stops)")
-KeyOpt = typer.Option(None, "--key", help="SSH private key file")
-KnownHostsOpt = typer.Option(DEFAULT_KNOWN_HOSTS, "--known-hosts", help="managed known_hosts file")
-TimeoutOpt = typer.Option(TIMEOUT, "--timeout", min=0.1, metavar="SECONDS",
-                          help="SSH: the most each of connect, banner, handshake and authentication may take; also "
-                               "the keepalive period (a host that answers none of 3 in a row is disconnected)")
-StepDeadlineOpt = typer.Option(DEADLINE, "--step-deadline", min=1, metavar="SECONDS",
-                               help="a step (fetch, install, probes, switch) that shows no progress for this long is "
-                                    "stopped, its host work ended, and the host left on its current generation; "
-                                    "progress is bytes fetched, installer output, files written, not the step's "
-                                    "length")
-WaitNoticeOpt = typer.Option(NOTICE, "--wait-notice", min=0.1, metavar="SECONDS",
-                             help="after this long without progress, say what the run waits for (again at 2x, 4x)")
-RootOpt = typer.Option(None, "--root", help="host root (default /opt/provision, or the inventory's provision_root)")
+def options(name: str, build, params: dict, after: Optional[str] = None):
+    """A decorator for a verb whose parameter `name` stands for an option group: on the command line the group's
+    `params` (parameter name → (type, typer Argument or Option)) take its place, in order (its options after the
+    verb's parameter `after`, when given, as the help lists them); the verb is called with `name=build(**values)`."""
+
+    def wrap(fn):
+        hints = typing.get_type_hints(fn)
+        own = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in inspect.signature(fn).parameters.values()]
+        group = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=info, annotation=kind)
+                 for n, (kind, info) in params.items()]
+        args = [p for p in group if isinstance(p.default, typer.models.ArgumentInfo)]
+        opts = [p for p in group if p not in args]
+        signature = []
+        for p in own:
+            signature += (args if after else args + opts) if p.name == name else [p]
+            signature += opts if p.name == after else []
+
+        @functools.wraps(fn)
+        def verb(**kw):
+            kw[name] = build(**{n: kw.pop(n) for n in params})
+            return fn(**kw)
+
+        verb.__signature__ = inspect.Signature(signature)
+        verb.__annotations__ = {p.name: p.annotation for p in signature}
+        return verb
+
+    return wrap
+
+
+HOST_HELP = "[user@]host[:port]; with -i, an inventory host, group or pattern (narrows like --limit)"
+
+# Every option that names hosts and how to reach them: parameter name → (type, typer parameter).
+HOST_PARAMS = {
+    "host": (Optional[str], typer.Argument(None, help=f"{HOST_HELP}; omit with --local", show_default=False)),
+    "local": (bool, typer.Option(False, "--local", help="act on this machine (no SSH)")),
+    "inventory": (Optional[Path], typer.Option(None, "-i", "--inventory",
+                                               help="Ansible inventory (file or directory, YAML or INI)")),
+    "limit": (Optional[str], typer.Option(None, "--limit", help="Ansible host pattern: only the matching inventory "
+                                                                "hosts")),
+    "forks": (int, typer.Option(FORKS, "--forks", min=1,
+                                help="hosts contacted at once, the same for every verb: the hosts do the work while "
+                                     "the controller waits on one SSH session each (--serial bounds how many hosts "
+                                     "an apply changes before it stops)")),
+    "key": (Optional[Path], typer.Option(None, "--key", help="SSH private key file")),
+    "known_hosts": (Path, typer.Option(DEFAULT_KNOWN_HOSTS, "--known-hosts", help="managed known_hosts file")),
+    "timeout": (float, typer.Option(TIMEOUT, "--timeout", min=0.1, metavar="SECONDS",
+                                    help="SSH: the most each of connect, banner, handshake and authentication may "
+                                         "take; also the keepalive period (a host that answers none of 3 in a row is "
+                                         "disconnected)")),
+    "step_deadline": (float, typer.Option(DEADLINE, "--step-deadline", min=1, metavar="SECONDS",
+                                          help="a step (fetch, install, probes, switch) that shows no progress for "
+                                               "this long is stopped, its host work ended, and the host left on its "
+                                               "current generation; progress is bytes fetched, installer output, "
+                                               "files written, not the step's length")),
+    "wait_notice": (float, typer.Option(NOTICE, "--wait-notice", min=0.1, metavar="SECONDS",
+                                        help="after this long without progress, say what the run waits for (again at "
+                                             "2x, 4x)")),
+    "root": (Optional[str], typer.Option(None, "--root", help="host root (default /opt/provision, or the inventory's "
+                                                              "provision_root)")),
+}
+
+
+@dataclass
+class Hosts:
+    """The host options as given: which hosts (HOST, --local, -i and --limit) and how to reach them."""
+
+    host: Optional[str] = None
+    local: bool = False
+    inventory: Optional[Path] = None
+    limit: Optional[str] = None
+    forks: int = FORKS
+    key: Optional[Path] = None
+    known_hosts: Path = DEFAULT_KNOWN_HOSTS
+    timeout: float = TIMEOUT
+    step_deadline: float = DEADLINE
+    wait_notice: float = NOTICE
+    root: Optional[str] = None
+
+    def targets(self, local_by_default: bool = False) -> list[Target]:
+        """The hosts the verb acts on (`local_by_default`: no HOST and no -i is this machine)."""
+        return self.targets_and_args((), local_by_default)[0]
+
+    def targets_and_args(self, args: tuple, local_by_default: bool = False) -> tuple:
+        """(hosts, args): the hosts and the verb's positionals after HOST, as meant (see inventory.select)."""
+        from ..inventory import select
+
+        return select(self.host, args, local=self.local, inventory=self.inventory, limit=self.limit,
+                      known_hosts=self.known_hosts, key=self.key, root=self.root, timeout=self.timeout,
+                      deadline=self.step_deadline, notice=self.wait_notice, local_by_default=local_by_default)
+
+    def one(self, *args) -> tuple:
+        """(host, *args): the one host of a verb that acts on one host, and its positionals after HOST."""
+        from ..inventory import only
+
+        ts, args = self.targets_and_args(args)
+        return (only(ts), *args)
+
+    def command(self, verb: str, *more) -> list[str]:
+        """This command's host options for an inventory as given (those left at their defaults left out), for the
+        commands a summary prints."""
+        return ["provision", verb, "-i", str(self.inventory),
+                *(["--known-hosts", str(self.known_hosts)] if Path(self.known_hosts) != Path(DEFAULT_KNOWN_HOSTS)
+                  else []),
+                *(["--key", str(self.key)] if self.key else []), *(["--root", self.root] if self.root else []),
+                *(["--timeout", f"{self.timeout:g}"] if self.timeout != TIMEOUT else []),
+                *(["--forks", str(self.forks)] if self.forks != FORKS else []), *map(str, more)]
+
+
+HOSTS = Hosts()     # the default of a `hosts` parameter that follows others with defaults (host_options replaces it)
+
+
+def host_options(*, forks: bool = True, steps: bool = False, local: bool = True, key: bool = True, root: bool = True,
+                 host_help: Optional[str] = None, after: Optional[str] = None):
+    """The host options on a verb whose parameter `hosts: Hosts` stands for them: HOST where `hosts` stands, then
+    --local, -i, --limit, --forks, --key, --known-hosts, --timeout, (--step-deadline, --wait-notice,) --root (after
+    the verb's parameter `after`, when given); a verb leaves out those it has no use for (--forks when it acts on one
+    host, ...)."""
+    left_out = {n for n, kept in (("forks", forks), ("step_deadline", steps), ("wait_notice", steps), ("local", local),
+                                  ("key", key), ("root", root)) if not kept}
+    params = {n: p for n, p in HOST_PARAMS.items() if n not in left_out}
+    if host_help is not None:
+        params["host"] = (Optional[str], typer.Argument(None, help=host_help, show_default=False))
+    return options("hosts", Hosts, params, after)
+
+
 JsonOpt = typer.Option(False, "--json", help="machine-readable output (errors too)")
-
-
-def targets(host: Optional[str], local: bool, inventory: Optional[Path], key: Optional[Path],
-            known_hosts: Path, root: Optional[str] = None, limit: Optional[str] = None,
-            timeout: float = TIMEOUT) -> list[Target]:
-    """The hosts a command acts on, from HOST, --local or -i (narrowed by --limit, and by HOST)."""
-    return targets_and_args((), host, local, inventory, key, known_hosts, root, limit, timeout)[0]
-
-
-def targets_and_args(args: tuple, host: Optional[str], local: bool, inventory: Optional[Path], key: Optional[Path],
-                     known_hosts: Path, root: Optional[str] = None, limit: Optional[str] = None,
-                     timeout: float = TIMEOUT) -> tuple:
-    """(hosts, args): the hosts a command acts on and its positionals after HOST (`args`, in order), as meant.
-
-    The first positional is HOST. With --local there is no HOST: the first positional is the verb's first
-    argument after HOST. With -i, HOST narrows like --limit and may be left out: the first positional is HOST
-    when it names hosts of the inventory or every positional is given, else the verb's first argument after it.
-    """
-    if limit and not inventory:
-        raise InventoryError("--limit narrows an inventory: give -i INVENTORY", where="--limit")
-    if local and inventory:
-        raise InputError("give --local (this machine) or -i (an inventory's hosts), not both", where="--local")
-    inv = None
-    if inventory:
-        from ..inventory import Inventory
-
-        inv = Inventory(inventory)
-    if host is not None and args and args[-1] is None and (local or (inv is not None and not inv.matches(host))):
-        host, args = None, (host, *args[:-1])
-    if local:
-        if host is not None:
-            raise InputError(f"acts on this machine: {host!r} is one argument too many", where="--local")
-        ts = [Target(host="local", known_hosts=known_hosts)]
-    elif inv is not None:
-        ts = inv.targets(known_hosts, limit=limit, host=host)
-    elif host:
-        ts = [Target.parse(host, known_hosts=known_hosts)]
-    else:
-        raise InputError("name a host, or use --local or -i INVENTORY", where="HOST")
-    for t in ts:
-        t.timeout = timeout
-        if key:
-            t.key_file = str(key)
-        if root:
-            t.vars["provision_root"] = root
-        if "provision_root" in t.vars:
-            check_root(t.vars["provision_root"], "--root" if root else f"{inventory}: host {t.name}: provision_root")
-    return ts, args
-
-
-def step_limits(ts: list[Target], deadline: float, notice: float) -> list[Target]:
-    """The hosts with --step-deadline and --wait-notice set."""
-    for t in ts:
-        t.deadline, t.notice = deadline, notice
-    return ts
 
 
 def writable(path: Path, option: str) -> None:
@@ -219,17 +270,6 @@ def writable(path: Path, option: str) -> None:
         raise InputError(f"cannot write {path}: {e.strerror or e}", where=option) from None
     if not existed:
         path.unlink()
-
-
-def one_target(*a, **kw) -> Target:
-    return only(targets(*a, **kw))
-
-
-def only(ts: list[Target]) -> Target:
-    """The one host of a command that acts on one host."""
-    if len(ts) != 1:
-        raise InputError(f"this command acts on one host; {len(ts)} match (narrow with --limit)", where="-i")
-    return ts[0]
 
 
 def over_hosts(ts: list[Target], fn, forks: int = FORKS, on_row=None) -> list:

@@ -16,10 +16,8 @@ from enum import Enum
 import typer
 
 from ..errors import InputError
-from .common import (ForksOpt, HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHostsOpt,
-                     TimeoutOpt, LimitOpt, LocalOpt, RootOpt, StepDeadlineOpt, WaitNoticeOpt,
-                     console, edge, err_console, exit_for, only, over_hosts, plain, print_json, print_rows, row_error,
-                     step_limits, styled, targets, targets_and_args, writable)
+from .common import (HOSTS, Hosts, JsonOpt, console, edge, err_console, exit_for, host_options, over_hosts, plain,
+                     print_json, print_rows, row_error, styled, writable)
 
 LockOpt = typer.Option(None, "--lock", "-l", help="lockfile (YAML)")
 FullOpt = typer.Option(False, "--full", help="list every change (default: a summary with the headline changes)")
@@ -174,19 +172,6 @@ def _reprobed(rep) -> str:
     return f" (reuse probed in {step.seconds:.1f}s)"
 
 
-def _command(verb: str, inventory, key, known_hosts, root, timeout, forks, *more) -> list[str]:
-    """This command's fleet options as the operator gave them (those left at their defaults left out), for the
-    commands the summary prints."""
-    from ..transport import DEFAULT_KNOWN_HOSTS, TIMEOUT
-    from ..fleet import FORKS
-
-    return ["provision", verb, "-i", str(inventory),
-            *(["--known-hosts", str(known_hosts)] if Path(known_hosts) != Path(DEFAULT_KNOWN_HOSTS) else []),
-            *(["--key", str(key)] if key else []), *(["--root", root] if root else []),
-            *(["--timeout", f"{timeout:g}"] if timeout != TIMEOUT else []),
-            *(["--forks", str(forks)] if forks != FORKS else []), *map(str, more)]
-
-
 def _print_fleet(fleet, apply_cmd: list[str], rollback_cmd: list[str]) -> None:
     """Each host's row, the counts, and when the rollout stopped: where each host is and the commands to go on."""
     import shlex
@@ -235,348 +220,323 @@ def _checked(check: dict | None) -> str:
     return f" ({check['files']} {how}, {check['hashed']} hashed, {check['seconds']:.2f}s)"
 
 
-def register(app: typer.Typer) -> None:
-    @app.command()
-    @edge
-    def plan(host: Optional[str] = HostArg, lock: Path = LockOpt, json_out: bool = JsonOpt,
-             out: Optional[Path] = typer.Option(None, "--out", help="save the plan (a fleet's too) for `apply --plan`"),
-             detailed_exitcode: bool = typer.Option(False, "--detailed-exitcode",
-                                                    help="exit 0 no changes, 2 changes, 1 error"),
-             local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt, limit: Optional[str] = LimitOpt,
-             forks: int = ForksOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
-             timeout: float = TimeoutOpt,
-             root: Optional[str] = RootOpt, full: bool = FullOpt, python: Optional[str] = PythonOpt):
-        """Dry-run diff of host vs lock (read-only); facts of a fleet are gathered in parallel."""
-        from .. import apply as applymod, lock as lockmod
-        from ..errors import ProvisionError
-        from ..facts import interpreter_arg
-        from ..plan import render_plan
+@edge
+@host_options()
+def plan(lock: Path = LockOpt, json_out: bool = JsonOpt,
+         out: Optional[Path] = typer.Option(None, "--out", help="save the plan (a fleet's too) for `apply --plan`"),
+         detailed_exitcode: bool = typer.Option(False, "--detailed-exitcode",
+                                                help="exit 0 no changes, 2 changes, 1 error"),
+         hosts: Hosts = HOSTS, full: bool = FullOpt, python: Optional[str] = PythonOpt):
+    """Dry-run diff of host vs lock (read-only); facts of a fleet are gathered in parallel."""
+    from .. import apply as applymod, lock as lockmod
+    from ..errors import ProvisionError
+    from ..facts import interpreter_arg
+    from ..plan import render_plan
 
-        if lock is None:
-            raise InputError("required: the lockfile to plan for (--lock FILE)", where="--lock")
-        try:
-            lk = lockmod.load(lock)
-            python = interpreter_arg(python)
-            if out:
-                writable(out, "--out")
-            rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit, timeout),
-                              lambda tr: applymod.plan(tr, lk, interpreter=python), forks)
-        except ProvisionError as e:
-            if detailed_exitcode:   # 2 means "changes" there; every error is 1
-                e.exit_code = 1
-            raise
-        plans = [r.value for r in rows if r.ok]
-        if out and plans:
-            data = plans[0].to_json() if len(rows) == 1 else [p.to_json() for p in plans]
-            out.write_text(json.dumps(data, indent=2))
-        print_rows(rows, lambda r: console.print(render_plan(r.value, full=full), markup=False), json_out,
-                   to_json=lambda p: p.to_json())
-        if out and plans and not json_out:
-            what = "the plan" if len(plans) == 1 else f"the plans of {len(plans)} hosts"
-            console.print(f"Saved {what} to {out}; apply exactly with `provision apply --plan {out}`"
-                          + (" -i INVENTORY" if len(rows) > 1 else " HOST") + ".", markup=False)
-        exit_for(rows)
-        if any(p.errors for p in plans):      # apply would refuse: an error in a plan is exit 1, always
-            raise typer.Exit(1)
-        if detailed_exitcode and any(not p.noop for p in plans):
-            raise typer.Exit(2)
-
-    @app.command()
-    @edge
-    def apply(host: Optional[str] = HostArg, lock: Optional[Path] = LockOpt,
-              plan_file: Optional[Path] = typer.Option(None, "--plan", help="apply a saved plan exactly"),
-              adopt: Optional[str] = typer.Option(None, "--adopt",
-                                                  help="first contact: capture this existing env as generation 0"),
-              skip_probe: List[str] = typer.Option([], "--skip-probe", help="emergency: skip a probe (recorded)"),
-              installer: Optional[Installer] = typer.Option(None, "--installer",
-                                                           help="uv (default; the tool brings its own if the host lacks one) or pip"),
-              wheels_from: WheelsFrom = typer.Option(WheelsFrom.host, "--wheels-from",
-                                                     help="host: each host fetches what its store lacks; controller: "
-                                                          "fetched once here (sha256-verified) and pushed to each "
-                                                          "host by hash, so hosts build offline"),
-              serial: str = SerialOpt, max_fail: str = MaxFailOpt, rollback_on_fail: bool = RollbackOnFailOpt,
-              forks: int = ForksOpt,
-              json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
-              limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
-              timeout: float = TimeoutOpt, step_deadline: float = StepDeadlineOpt, wait_notice: float = WaitNoticeOpt,
-              root: Optional[str] = RootOpt, full: bool = FullOpt, python: Optional[str] = PythonOpt,
-              verbose: bool = typer.Option(False, "--verbose", "-v", help="every per-package progress line")):
-        """One-command upgrade: build a new generation, patch, probe, switch `current`; a fleet in batches.
-        Ctrl-C stops before the switch (a switch under way completes) and says where each host is (exit 130)."""
-        from .. import apply as applymod, lock as lockmod
-        from ..errors import ProvisionError
-        from ..facts import interpreter_arg
-        from ..fleet import parse_max_fail, parse_serial
-        from ..plan import render_plan
-        from ..transport import connect
-
-        batches, tolerance = parse_serial(serial), parse_max_fail(max_fail)
-
-        saved = applymod.load_plans(plan_file) if plan_file else None
-        if saved is None and lock is None:
-            raise InputError("required: the lockfile to apply (--lock FILE), or a saved plan (--plan FILE)",
-                             where="--lock")
-        lk = applymod.lock_of_plan(saved[0]) if saved else lockmod.load(lock)
+    if lock is None:
+        raise InputError("required: the lockfile to plan for (--lock FILE)", where="--lock")
+    try:
+        lk = lockmod.load(lock)
         python = interpreter_arg(python)
-        ts = step_limits(targets(host, local, inventory, key, known_hosts, root, limit, timeout), step_deadline,
-                         wait_notice)
-        by_host = applymod.plans_for(saved, ts, str(plan_file)) if saved else None
-        if len(ts) > 1:
-            printer = FleetPrinter(json_out, [t.name for t in ts])
-            if not json_out:
-                err_console.print(f"apply {lk.name} → {len(ts)} hosts", markup=False)
-            try:
-                fleet = applymod.apply_fleet(ts, lk, serial=batches, max_fail=tolerance,
-                                             rollback_on_fail=rollback_on_fail, forks=forks, adopt_path=adopt,
-                                             skip_probes=skip_probe, installer=installer.value if installer else None,
-                                             wheels_from=wheels_from.value, progress_for=printer.for_host,
-                                             on_row=printer.row, on_batch=printer.batch, saved_plans=by_host,
-                                             interpreter=python)
-            finally:
-                printer.close()
-            if json_out:
-                print_json(fleet.to_json())
-            else:
-                again = [*(["--plan", plan_file] if plan_file else ["--lock", lock]),
-                         *(["--adopt", adopt] if adopt else []), *(a for p in skip_probe for a in ("--skip-probe", p)),
-                         *(["--installer", installer.value] if installer else []),
-                         *(["--wheels-from", wheels_from.value] if wheels_from != WheelsFrom.host else []),
-                         "--serial", serial, "--max-fail", max_fail,
-                         *(["--rollback-on-fail"] if rollback_on_fail else [])]
-                _print_fleet(fleet, _command("apply", inventory, key, known_hosts, root, timeout, forks, *again),
-                             _command("rollback", inventory, key, known_hosts, root, timeout, forks))
-            if fleet.interrupted:
-                raise typer.Exit(130)
-            if not fleet.ok:
-                raise typer.Exit(1)
-            return
-        t = ts[0]
-        tr = connect(t)
+        if out:
+            writable(out, "--out")
+        rows = over_hosts(hosts.targets(), lambda tr: applymod.plan(tr, lk, interpreter=python), hosts.forks)
+    except ProvisionError as e:
+        if detailed_exitcode:   # 2 means "changes" there; every error is 1
+            e.exit_code = 1
+        raise
+    plans = [r.value for r in rows if r.ok]
+    if out and plans:
+        data = plans[0].to_json() if len(rows) == 1 else [p.to_json() for p in plans]
+        out.write_text(json.dumps(data, indent=2))
+    print_rows(rows, lambda r: console.print(render_plan(r.value, full=full), markup=False), json_out,
+               to_json=lambda p: p.to_json())
+    if out and plans and not json_out:
+        what = "the plan" if len(plans) == 1 else f"the plans of {len(plans)} hosts"
+        console.print(f"Saved {what} to {out}; apply exactly with `provision apply --plan {out}`"
+                      + (" -i INVENTORY" if len(rows) > 1 else " HOST") + ".", markup=False)
+    exit_for(rows)
+    if any(p.errors for p in plans):      # apply would refuse: an error in a plan is exit 1, always
+        raise typer.Exit(1)
+    if detailed_exitcode and any(not p.noop for p in plans):
+        raise typer.Exit(2)
+
+
+@edge
+@host_options(steps=True)
+def apply(lock: Optional[Path] = LockOpt,
+          plan_file: Optional[Path] = typer.Option(None, "--plan", help="apply a saved plan exactly"),
+          adopt: Optional[str] = typer.Option(None, "--adopt",
+                                              help="first contact: capture this existing env as generation 0"),
+          skip_probe: List[str] = typer.Option([], "--skip-probe", help="emergency: skip a probe (recorded)"),
+          installer: Optional[Installer] = typer.Option(None, "--installer",
+                                                       help="uv (default; the tool brings its own if the host lacks "
+                                                            "one) or pip"),
+          wheels_from: WheelsFrom = typer.Option(WheelsFrom.host, "--wheels-from",
+                                                 help="host: each host fetches what its store lacks; controller: "
+                                                      "fetched once here (sha256-verified) and pushed to each "
+                                                      "host by hash, so hosts build offline"),
+          serial: str = SerialOpt, max_fail: str = MaxFailOpt, rollback_on_fail: bool = RollbackOnFailOpt,
+          json_out: bool = JsonOpt, hosts: Hosts = HOSTS, full: bool = FullOpt, python: Optional[str] = PythonOpt,
+          verbose: bool = typer.Option(False, "--verbose", "-v", help="every per-package progress line")):
+    """One-command upgrade: build a new generation, patch, probe, switch `current`; a fleet in batches.
+    Ctrl-C stops before the switch (a switch under way completes) and says where each host is (exit 130)."""
+    from .. import apply as applymod, lock as lockmod
+    from ..errors import ProvisionError
+    from ..facts import interpreter_arg
+    from ..fleet import parse_max_fail, parse_serial
+    from ..plan import render_plan
+    from ..transport import connect
+
+    batches, tolerance = parse_serial(serial), parse_max_fail(max_fail)
+
+    saved = applymod.load_plans(plan_file) if plan_file else None
+    if saved is None and lock is None:
+        raise InputError("required: the lockfile to apply (--lock FILE), or a saved plan (--plan FILE)",
+                         where="--lock")
+    lk = applymod.lock_of_plan(saved[0]) if saved else lockmod.load(lock)
+    python = interpreter_arg(python)
+    ts = hosts.targets()
+    by_host = applymod.plans_for(saved, ts, str(plan_file)) if saved else None
+    if len(ts) > 1:
+        printer = FleetPrinter(json_out, [t.name for t in ts])
+        if not json_out:
+            err_console.print(f"apply {lk.name} → {len(ts)} hosts", markup=False)
         try:
-            if not json_out:
-                err_console.print(f"apply {lk.name} → {t.name}", markup=False)
-            rep = applymod.apply(tr, lk, saved_plan=by_host[t.name] if by_host else None, adopt_path=adopt,
-                                 skip_probes=skip_probe, installer=installer.value if installer else None,
-                                 wheels_from=wheels_from.value, progress=StepPrinter(json_out, verbose),
-                                 on_plan=None if json_out else lambda p: err_console.print(render_plan(p, full=full),
-                                                                                         markup=False),
-                                 interpreter=python)
-        except ProvisionError as e:   # the report survives a failure (with --json, the edge prints it)
-            if not json_out and getattr(e, "report", None) is not None:
-                _print_probes(e.report.probes)
-                for w in e.report.warnings:
-                    err_console.print(f"warning: {w}")
-            raise
+            fleet = applymod.apply_fleet(ts, lk, serial=batches, max_fail=tolerance,
+                                         rollback_on_fail=rollback_on_fail, forks=hosts.forks, adopt_path=adopt,
+                                         skip_probes=skip_probe, installer=installer.value if installer else None,
+                                         wheels_from=wheels_from.value, progress_for=printer.for_host,
+                                         on_row=printer.row, on_batch=printer.batch, saved_plans=by_host,
+                                         interpreter=python)
         finally:
-            tr.close()
+            printer.close()
         if json_out:
-            print_json(rep.to_json())
-        elif rep.status == "noop":
-            console.print(f"No changes: {t.name} already runs {lk.name} (generation {rep.generation}).")
+            print_json(fleet.to_json())
         else:
-            _print_probes(rep.probes)
-            for w in rep.warnings:
-                err_console.print(f"warning: {w}")
-            verb = "Switched to the existing" if rep.status == "reused" else "Applied"
-            console.print(f"{verb} {lk.name} on {t.name}: current {rep.previous or '(none)'} → {rep.generation} "
-                          f"in {rep.seconds:.1f}s{_reprobed(rep)}.")
-
-    @app.command()
-    @edge
-    def adopt(host: Optional[str] = HostArg,
-              path: Optional[str] = typer.Argument(None, help="prefix (or bin/python) of the existing environment"),
-              json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
-              limit: Optional[str] = LimitOpt, forks: int = ForksOpt, key: Optional[Path] = KeyOpt,
-              known_hosts: Path = KnownHostsOpt, timeout: float = TimeoutOpt, root: Optional[str] = RootOpt):
-        """Capture an existing, unmanaged environment (the same PATH on each host) as generation 0."""
-        from .. import apply as applymod
-
-        ts, (path,) = targets_and_args((path,), host, local, inventory, key, known_hosts, root, limit, timeout)
-        if path is None:
-            raise InputError("required: the environment to adopt (its prefix or bin/python)", where="PATH")
-        rows = over_hosts(ts, lambda tr: applymod.adopt_host(tr, path), forks)
-
-        def show(r):
-            v = r.value
-            console.print(f"Adopted {path} on {r.host} as generation {v['id']}." if v.get("id")
-                          else f"{r.host}: {v.get('detail', 'nothing adopted')}", markup=False)
-        print_rows(rows, show, json_out)
-        exit_for(rows)
-
-    @app.command()
-    @edge
-    def rollback(host: Optional[str] = HostArg,
-                 to: Optional[str] = typer.Option(None, "--to", help="generation number or id (may be newer)"),
-                 dry_run: bool = typer.Option(False, "--dry-run", help="say where each host would switch; change nothing"),
-                 force: bool = typer.Option(False, "--force",
-                                            help="switch even to a generation that fails verification"),
-                 serial: str = SerialOpt, forks: int = ForksOpt,
-                 json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
-                 limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
-                 timeout: float = TimeoutOpt,
-                 root: Optional[str] = RootOpt):
-        """Switch `current` back to the generation current before the last switch, as history records it (atomic,
-        offline, nothing reinstalled); fleets in batches."""
-        from .. import generations
-        from ..fleet import parse_serial, rollout
-
-        batches = parse_serial(serial)
-        ts = targets(host, local, inventory, key, known_hosts, root, limit, timeout)
-
-        def back(tr, gate):
-            gate()
-            return generations.rollback(tr, to, dry_run=dry_run, force=force)
-        rows = rollout(ts, back, serial=batches, forks=forks).rows
-        if len(rows) == 1 and not rows[0].ok:
-            raise rows[0].error
-
-        def show(r):
-            out = r.value
-            if out.get("noop"):
-                console.print(f"{r.host} is already on {out['to']}.", markup=False)
-            elif out.get("dry_run"):
-                verb = "switch forward" if out.get("forward") and to is not None else "roll back"
-                console.print(f"Would {verb} {r.host}: current {out['from']} → {out['to']} (dry run: nothing changed).",
-                              markup=False)
-            else:
-                console.print(f"{_switched(out, to)} {r.host}: current {out['from']} → {out['to']} "
-                              f"in {out['seconds']:.2f}s{_checked(out.get('check'))}.", markup=False)
-                for w in out.get("warnings") or []:
-                    err_console.print(f"warning: {r.host}: {w}", markup=False)
-        print_rows(rows, show, json_out)
-        exit_for(rows)
-
-    @app.command()
-    @edge
-    def history(host: Optional[str] = HostArg, json_out: bool = JsonOpt, local: bool = LocalOpt,
-                inventory: Optional[Path] = InventoryOpt, limit: Optional[str] = LimitOpt, forks: int = ForksOpt,
-                key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
-                timeout: float = TimeoutOpt, root: Optional[str] = RootOpt,
-                events: bool = typer.Option(False, "--events", help="also list history.jsonl events")):
-        """Generations with lock, time, status and probe summary."""
-        from .. import generations
-
-        rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit, timeout),
-                          generations.history, forks)
-
-        def show(r):
-            console.print(history_table(r.value, r.host))
-            if events:
-                for e in r.value["events"]:
-                    console.print(json.dumps(e, sort_keys=True), markup=False)
-        print_rows(rows, show, json_out)
-        exit_for(rows)
-
-    @app.command()
-    @edge
-    def status(host: Optional[str] = HostArg, json_out: bool = JsonOpt, local: bool = LocalOpt,
-               inventory: Optional[Path] = InventoryOpt, limit: Optional[str] = LimitOpt, forks: int = ForksOpt,
-               key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
-               timeout: float = TimeoutOpt, root: Optional[str] = RootOpt):
-        """One table for the fleet: current generation, lock, since when, its last probe, the last probe of a generation
-        that did not become current (a failed or stopped attempt), generations, disk."""
-        from .. import generations
-        from ..fleet import each
-
-        rows = each(targets(host, local, inventory, key, known_hosts, root, limit, timeout),
-                    generations.status, forks=forks)
-        if json_out:
-            print_json([r.to_json() for r in rows])
-        else:
-            console.print(status_table(rows))
-            for r in rows:
-                if not r.ok:
-                    err_console.print(row_error(r), markup=False, soft_wrap=True)
-        exit_for(rows)
-
-    @app.command()
-    @edge
-    def diff(host: Optional[str] = HostArg,
-             a: Optional[str] = typer.Argument(None, help="from this generation (number or id)", show_default=False),
-             b: Optional[str] = typer.Argument(None, help="to this generation (default: current)"),
-             json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
-             limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
-             timeout: float = TimeoutOpt,
-             root: Optional[str] = RootOpt):
-        """Stack changes between two generations of HOST, rendered like plan."""
-        from .. import generations
-        from ..plan import render
-
-        ts, (a, b) = targets_and_args((a, b), host, local, inventory, key, known_hosts, root, limit, timeout)
-        if a is None:
-            raise InputError("required: the generation to diff from (number or id)", where="A")
-        t = only(ts)
-        d = over_hosts([t], lambda tr: generations.diff(tr, a, b))[0].value
-        if json_out:
-            print_json(dict(d, changes=[asdict(c) for c in d["changes"]]))
-        else:
-            console.print(render(d["changes"], header=f"Diff on {d['host']}: {d['from']} → {d['to']}",
-                                 summary=d["summary"], verb="Diff"), markup=False)
-
-    @app.command()
-    @edge
-    def gc(host: Optional[str] = HostArg,
-           keep: int = typer.Option(3, "--keep", min=1, help="runnable generations to keep (at least 1; current and "
-                                                             "the rollback target are always kept)"),
-           dry_run: bool = typer.Option(False, "--dry-run", help="list what would be removed"),
-           json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
-           limit: Optional[str] = LimitOpt, forks: int = ForksOpt, key: Optional[Path] = KeyOpt,
-           known_hosts: Path = KnownHostsOpt, timeout: float = TimeoutOpt, root: Optional[str] = RootOpt):
-        """Remove old/failed generations, unused cache entries, their run dirs (never current or rollback's); report
-        the bytes freed."""
-        from .. import apply as applymod
-
-        rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit, timeout),
-                          lambda tr: applymod.gc(tr, keep=keep, dry_run=dry_run), forks)
-        print_rows(rows, lambda r: console.print(gc_text(r.host, r.value), markup=False), json_out)
-        exit_for(rows)
-        if any(r.value.get("errors") for r in rows):    # a removal that failed (what was done is reported)
+            again = [*(["--plan", plan_file] if plan_file else ["--lock", lock]),
+                     *(["--adopt", adopt] if adopt else []), *(a for p in skip_probe for a in ("--skip-probe", p)),
+                     *(["--installer", installer.value] if installer else []),
+                     *(["--wheels-from", wheels_from.value] if wheels_from != WheelsFrom.host else []),
+                     "--serial", serial, "--max-fail", max_fail,
+                     *(["--rollback-on-fail"] if rollback_on_fail else [])]
+            _print_fleet(fleet, hosts.command("apply", *again), hosts.command("rollback"))
+        if fleet.interrupted:
+            raise typer.Exit(130)
+        if not fleet.ok:
             raise typer.Exit(1)
+        return
+    t = ts[0]
+    tr = connect(t)
+    try:
+        if not json_out:
+            err_console.print(f"apply {lk.name} → {t.name}", markup=False)
+        rep = applymod.apply(tr, lk, saved_plan=by_host[t.name] if by_host else None, adopt_path=adopt,
+                             skip_probes=skip_probe, installer=installer.value if installer else None,
+                             wheels_from=wheels_from.value, progress=StepPrinter(json_out, verbose),
+                             on_plan=None if json_out else lambda p: err_console.print(render_plan(p, full=full),
+                                                                                     markup=False),
+                             interpreter=python)
+    except ProvisionError as e:   # the report survives a failure (with --json, the edge prints it)
+        if not json_out and getattr(e, "report", None) is not None:
+            _print_probes(e.report.probes)
+            for w in e.report.warnings:
+                err_console.print(f"warning: {w}")
+        raise
+    finally:
+        tr.close()
+    if json_out:
+        print_json(rep.to_json())
+    elif rep.status == "noop":
+        console.print(f"No changes: {t.name} already runs {lk.name} (generation {rep.generation}).")
+    else:
+        _print_probes(rep.probes)
+        for w in rep.warnings:
+            err_console.print(f"warning: {w}")
+        verb = "Switched to the existing" if rep.status == "reused" else "Applied"
+        console.print(f"{verb} {lk.name} on {t.name}: current {rep.previous or '(none)'} → {rep.generation} "
+                      f"in {rep.seconds:.1f}s{_reprobed(rep)}.")
 
-    @app.command()
-    @edge
-    def logs(host: Optional[str] = HostArg, generation: Optional[str] = typer.Argument(None, help="number or id"),
-             json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
-             limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
-             timeout: float = TimeoutOpt,
-             root: Optional[str] = RootOpt):
-        """A generation's build and probe logs (default: the newest generation)."""
-        from .. import apply as applymod
 
-        ts, (generation,) = targets_and_args((generation,), host, local, inventory, key, known_hosts, root, limit,
-                                             timeout)
-        t = only(ts)
-        out = over_hosts([t], lambda tr: applymod.logs(tr, generation))[0].value
-        if json_out:
-            print_json(out)
-            return
-        console.print(f"{out['id']}: {out['status']}" + (f" ({out['reason']})" if out.get("reason") else ""))
-        for r in out["probes"]:
-            console.print(f"  probe {r['name']:<12} {r['status']:<5} {r.get('reason') or ''}")
-        for name, log in out["logs"].items():
-            console.print(f"--- {out['dir']}/{name} ({log['bytes']} bytes)")
-            console.print(log["text"], end="")
-        if out.get("run_dir"):
-            console.print(f"--- controller run dir: {out['run_dir']}")
+@edge
+@host_options(after="json_out")
+def adopt(hosts: Hosts,
+          path: Optional[str] = typer.Argument(None, help="prefix (or bin/python) of the existing environment"),
+          json_out: bool = JsonOpt):
+    """Capture an existing, unmanaged environment (the same PATH on each host) as generation 0."""
+    from .. import apply as applymod
 
-    @app.command()
-    @edge
-    def demo(keep: bool = typer.Option(False, "--keep", help="leave the sandbox for inspection"),
-             torch_wheel: Optional[Path] = typer.Option(
-                 None, "--torch-wheel", exists=True, dir_okay=False,
-                 help="the CPU torch wheel lock B pins (default: found by `pip download`, through pip's find-links)"),
-             json_out: bool = typer.Option(False, "--json", help="print only the measured figures, as JSON")):
-        """Throwaway loopback host: plan → apply A → plan → apply B (the included engine probed) → plan →
-        rollback → history."""
-        from ..demo import run_demo
+    ts, (path,) = hosts.targets_and_args((path,))
+    if path is None:
+        raise InputError("required: the environment to adopt (its prefix or bin/python)", where="PATH")
+    rows = over_hosts(ts, lambda tr: applymod.adopt_host(tr, path), hosts.forks)
 
-        if json_out:
-            print_json(run_demo(say=lambda text: None, progress=None, show_history=lambda h, name: None,
-                                show_probes=lambda p: None, keep=keep, torch_wheel=torch_wheel))
-            return
-        run_demo(say=lambda text: console.print(text), progress=StepPrinter(False),
-                 show_history=lambda h, name: console.print(history_table(h, name)),
-                 show_probes=_print_probes, keep=keep, torch_wheel=torch_wheel)
+    def show(r):
+        v = r.value
+        console.print(f"Adopted {path} on {r.host} as generation {v['id']}." if v.get("id")
+                      else f"{r.host}: {v.get('detail', 'nothing adopted')}", markup=False)
+    print_rows(rows, show, json_out)
+    exit_for(rows)
+
+
+@edge
+@host_options()
+def rollback(to: Optional[str] = typer.Option(None, "--to", help="generation number or id (may be newer)"),
+             dry_run: bool = typer.Option(False, "--dry-run", help="say where each host would switch; change nothing"),
+             force: bool = typer.Option(False, "--force", help="switch even to a generation that fails verification"),
+             serial: str = SerialOpt, json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
+    """Switch `current` back to the generation current before the last switch, as history records it (atomic,
+    offline, nothing reinstalled); fleets in batches."""
+    from .. import generations
+    from ..fleet import parse_serial, rollout
+
+    batches = parse_serial(serial)
+    ts = hosts.targets()
+
+    def back(tr, gate):
+        gate()
+        return generations.rollback(tr, to, dry_run=dry_run, force=force)
+    rows = rollout(ts, back, serial=batches, forks=hosts.forks).rows
+    if len(rows) == 1 and not rows[0].ok:
+        raise rows[0].error
+
+    def show(r):
+        out = r.value
+        if out.get("noop"):
+            console.print(f"{r.host} is already on {out['to']}.", markup=False)
+        elif out.get("dry_run"):
+            verb = "switch forward" if out.get("forward") and to is not None else "roll back"
+            console.print(f"Would {verb} {r.host}: current {out['from']} → {out['to']} (dry run: nothing changed).",
+                          markup=False)
+        else:
+            console.print(f"{_switched(out, to)} {r.host}: current {out['from']} → {out['to']} "
+                          f"in {out['seconds']:.2f}s{_checked(out.get('check'))}.", markup=False)
+            for w in out.get("warnings") or []:
+                err_console.print(f"warning: {r.host}: {w}", markup=False)
+    print_rows(rows, show, json_out)
+    exit_for(rows)
+
+
+@edge
+@host_options()
+def history(json_out: bool = JsonOpt, hosts: Hosts = HOSTS,
+            events: bool = typer.Option(False, "--events", help="also list history.jsonl events")):
+    """Generations with lock, time, status and probe summary."""
+    from .. import generations
+
+    rows = over_hosts(hosts.targets(), generations.history, hosts.forks)
+
+    def show(r):
+        console.print(history_table(r.value, r.host))
+        if events:
+            for e in r.value["events"]:
+                console.print(json.dumps(e, sort_keys=True), markup=False)
+    print_rows(rows, show, json_out)
+    exit_for(rows)
+
+
+@edge
+@host_options()
+def status(json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
+    """One table for the fleet: current generation, lock, since when, its last probe, the last probe of a generation
+    that did not become current (a failed or stopped attempt), generations, disk."""
+    from .. import generations
+    from ..fleet import each
+
+    rows = each(hosts.targets(), generations.status, forks=hosts.forks)
+    if json_out:
+        print_json([r.to_json() for r in rows])
+    else:
+        console.print(status_table(rows))
+        for r in rows:
+            if not r.ok:
+                err_console.print(row_error(r), markup=False, soft_wrap=True)
+    exit_for(rows)
+
+
+@edge
+@host_options(forks=False, after="json_out")
+def diff(hosts: Hosts,
+         a: Optional[str] = typer.Argument(None, help="from this generation (number or id)", show_default=False),
+         b: Optional[str] = typer.Argument(None, help="to this generation (default: current)"),
+         json_out: bool = JsonOpt):
+    """Stack changes between two generations of HOST, rendered like plan."""
+    from .. import generations
+    from ..inventory import only
+    from ..plan import render
+
+    ts, (a, b) = hosts.targets_and_args((a, b))
+    if a is None:
+        raise InputError("required: the generation to diff from (number or id)", where="A")
+    d = over_hosts([only(ts)], lambda tr: generations.diff(tr, a, b))[0].value
+    if json_out:
+        print_json(dict(d, changes=[asdict(c) for c in d["changes"]]))
+    else:
+        console.print(render(d["changes"], header=f"Diff on {d['host']}: {d['from']} → {d['to']}",
+                             summary=d["summary"], verb="Diff"), markup=False)
+
+
+@edge
+@host_options()
+def gc(keep: int = typer.Option(3, "--keep", min=1, help="runnable generations to keep (at least 1; current and "
+                                                         "the rollback target are always kept)"),
+       dry_run: bool = typer.Option(False, "--dry-run", help="list what would be removed"),
+       json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
+    """Remove old/failed generations, unused cache entries, their run dirs (never current or rollback's); report
+    the bytes freed."""
+    from .. import apply as applymod
+
+    rows = over_hosts(hosts.targets(), lambda tr: applymod.gc(tr, keep=keep, dry_run=dry_run), hosts.forks)
+    print_rows(rows, lambda r: console.print(gc_text(r.host, r.value), markup=False), json_out)
+    exit_for(rows)
+    if any(r.value.get("errors") for r in rows):    # a removal that failed (what was done is reported)
+        raise typer.Exit(1)
+
+
+@edge
+@host_options(forks=False, after="json_out")
+def logs(hosts: Hosts, generation: Optional[str] = typer.Argument(None, help="number or id"),
+         json_out: bool = JsonOpt):
+    """A generation's build and probe logs (default: the newest generation)."""
+    from .. import apply as applymod
+
+    t, generation = hosts.one(generation)
+    out = over_hosts([t], lambda tr: applymod.logs(tr, generation))[0].value
+    if json_out:
+        print_json(out)
+        return
+    console.print(f"{out['id']}: {out['status']}" + (f" ({out['reason']})" if out.get("reason") else ""))
+    for r in out["probes"]:
+        console.print(f"  probe {r['name']:<12} {r['status']:<5} {r.get('reason') or ''}")
+    for name, log in out["logs"].items():
+        console.print(f"--- {out['dir']}/{name} ({log['bytes']} bytes)")
+        console.print(log["text"], end="")
+    if out.get("run_dir"):
+        console.print(f"--- controller run dir: {out['run_dir']}")
+
+
+@edge
+def demo(keep: bool = typer.Option(False, "--keep", help="leave the sandbox for inspection"),
+         torch_wheel: Optional[Path] = typer.Option(
+             None, "--torch-wheel", exists=True, dir_okay=False,
+             help="the CPU torch wheel lock B pins (default: found by `pip download`, through pip's find-links)"),
+         json_out: bool = typer.Option(False, "--json", help="print only the measured figures, as JSON")):
+    """Throwaway loopback host: plan → apply A → plan → apply B (the included engine probed) → plan →
+    rollback → history."""
+    from ..demo import run_demo
+
+    if json_out:
+        print_json(run_demo(say=lambda text: None, progress=None, show_history=lambda h, name: None,
+                            show_probes=lambda p: None, keep=keep, torch_wheel=torch_wheel))
+        return
+    run_demo(say=lambda text: console.print(text), progress=StepPrinter(False),
+             show_history=lambda h, name: console.print(history_table(h, name)),
+             show_probes=_print_probes, keep=keep, torch_wheel=torch_wheel)
+
+
+def register(app: typer.Typer) -> None:
+    for verb in (plan, apply, adopt, rollback, history, status, diff, gc, logs, demo):
+        app.command()(verb)
 
 
 def gc_text(host: str, out: dict) -> str:

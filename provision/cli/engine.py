@@ -1,6 +1,7 @@
 """`provision engine serve|generate|bench`: the included EAGLE-3 engine from the command line."""
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Optional
 
@@ -8,63 +9,74 @@ import typer
 
 from ..engine.errors import EngineError
 from ..engine.settings import DEFAULTS, HELP, EngineSettings, flag
-from .common import console, edge, print_json, styled
+from .common import console, edge, options, print_json, styled
 
 app = typer.Typer(no_args_is_help=True, help="The included EAGLE-3 engine (bundled tiny pair by default).")
 
-ModelOpt = typer.Option(None, "--model", help=HELP["model"])
-DraftOpt = typer.Option(None, "--draft", help=HELP["draft"])
+
+@dataclass
+class Engine:
+    """The engine a verb starts: a model directory and its EAGLE-3 draft (default: the bundled tiny pair), and the
+    settings."""
+
+    model: Optional[Path]
+    draft: Optional[Path]
+    settings: EngineSettings
+
+    def start(self):
+        from ..engine.loading import start_engine
+
+        return start_engine(self.model, self.draft, self.settings)
 
 
-def _opt(name: str):
-    return typer.Option(getattr(DEFAULTS, name), flag(name), help=HELP[name])
+ENGINE = Engine(None, None, DEFAULTS)     # the bundled pair with the default settings
 
 
-DeviceOpt, DtypeOpt, StepsOpt, TopkOpt, NdtOpt, SeqOpt, ThreadsOpt = map(_opt, (
-    "device", "dtype", "steps", "topk", "num_draft_tokens", "max_seq_len", "threads"))
+def _engine(model: Optional[Path], draft: Optional[Path], **settings) -> Engine:
+    return Engine(model, draft, EngineSettings(**settings))
 
 
-def _load(model, draft, device, dtype, max_seq_len, steps, topk, ndt, threads):
-    from ..engine.loading import start_engine
-    return start_engine(model, draft, EngineSettings(device=device, dtype=dtype, steps=steps, topk=topk,
-                                                    num_draft_tokens=ndt, max_seq_len=max_seq_len, threads=threads))
+# --model, --draft and a flag per setting (parameter name → (type, typer parameter)), defaults from DEFAULTS.
+ENGINE_PARAMS = {"model": (Optional[Path], typer.Option(None, "--model", help=HELP["model"])),
+                 "draft": (Optional[Path], typer.Option(None, "--draft", help=HELP["draft"])),
+                 **{f.name: (type(f.default), typer.Option(f.default, flag(f.name), help=HELP[f.name]))
+                    for f in fields(EngineSettings)}}
+engine_options = options("engine", _engine, ENGINE_PARAMS)
 
 
 @app.command()
 @edge
-def serve(model: Optional[Path] = ModelOpt, draft: Optional[Path] = DraftOpt, device: str = DeviceOpt,
-          dtype: str = DtypeOpt, steps: int = StepsOpt, topk: int = TopkOpt, num_draft_tokens: int = NdtOpt,
-          max_seq_len: int = SeqOpt, threads: int = ThreadsOpt,
-          host: str = typer.Option("127.0.0.1", "--host"), port: int = typer.Option(8000, "--port"),
+@engine_options
+def serve(engine: Engine, host: str = typer.Option("127.0.0.1", "--host"), port: int = typer.Option(8000, "--port"),
           name: Optional[str] = typer.Option(None, "--name", help="model id in /v1/models (default: the model "
                                              "directory's name, provision-tiny for the bundled pair)")):
     """Serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
     from ..engine.loading import dtype_of
     from ..engine.serve import make_server, serve_until_interrupted
-    eng = _load(model, draft, device, dtype, max_seq_len, steps, topk, num_draft_tokens, threads)
-    name = name or (model.resolve().name if model else "provision-tiny")
+    eng = engine.start()
+    name = name or (engine.model.resolve().name if engine.model else "provision-tiny")
     try:
         httpd = make_server(eng, host, port, name)
     except OSError as e:
         raise EngineError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    console.print(f"serving {name} on http://{host}:{httpd.server_address[1]} ({dtype_of(eng)} on {device})")
+    console.print(f"serving {name} on http://{host}:{httpd.server_address[1]} ({dtype_of(eng)} on "
+                  f"{engine.settings.device})")
     serve_until_interrupted(httpd)
 
 
 @app.command()
 @edge
+@engine_options
 def generate(prompt: str = typer.Argument(..., help="prompt text"),
              max_tokens: int = typer.Option(64, "--max-tokens"), temperature: float = typer.Option(0.0, "--temperature"),
              top_p: float = typer.Option(1.0, "--top-p"), seed: Optional[int] = typer.Option(None, "--seed"),
              speculative: bool = typer.Option(True, "--speculative/--plain"),
-             model: Optional[Path] = ModelOpt, draft: Optional[Path] = DraftOpt, device: str = DeviceOpt,
-             dtype: str = DtypeOpt, steps: int = StepsOpt, topk: int = TopkOpt, num_draft_tokens: int = NdtOpt,
-             max_seq_len: int = SeqOpt, threads: int = ThreadsOpt, json_out: bool = typer.Option(False, "--json")):
+             engine: Engine = ENGINE, json_out: bool = typer.Option(False, "--json")):
     """Complete PROMPT once and show the text, tokens/s, acceptance length and dtype."""
     from ..engine.loading import dtype_of
-    eng = _load(model, draft, device, dtype, max_seq_len, steps, topk, num_draft_tokens, threads)
+    eng = engine.start()
     if eng.tokenizer is None:
-        raise EngineError(f"{model}: no tokenizer (byte_tokenizer.json or tokenizer.json) to encode the prompt")
+        raise EngineError(f"{engine.model}: no tokenizer (byte_tokenizer.json or tokenizer.json) to encode the prompt")
     r = eng.generate(eng.tokenizer.encode(prompt), max_tokens, temperature=temperature, top_p=top_p,
                      speculative=speculative, seed=seed)
     data = {"text": eng.tokenizer.decode(r.tokens), "token_ids": r.tokens, "finish_reason": r.finish_reason,
@@ -80,11 +92,10 @@ def generate(prompt: str = typer.Argument(..., help="prompt text"),
 
 @app.command()
 @edge
+@engine_options
 def bench(prompts: int = typer.Option(8, "--prompts", help="held-out prompts"),
           max_new_tokens: int = typer.Option(128, "--max-new-tokens"), repeats: int = typer.Option(1, "--repeats"),
-          model: Optional[Path] = ModelOpt, draft: Optional[Path] = DraftOpt, device: str = DeviceOpt,
-          dtype: str = DtypeOpt, steps: int = StepsOpt, topk: int = TopkOpt, num_draft_tokens: int = NdtOpt,
-          max_seq_len: int = SeqOpt, threads: int = ThreadsOpt, json_out: bool = typer.Option(False, "--json"),
+          engine: Engine = ENGINE, json_out: bool = typer.Option(False, "--json"),
           chat: bool = typer.Option(False, "--chat", help="held-out chat prompts through the model's template"),
           peer: bool = typer.Option(False, "--peer", help="also time transformers on the same weights and threads"),
           fixed_length: bool = typer.Option(False, "--fixed-length", help="decode --max-new-tokens past the end "
@@ -93,6 +104,7 @@ def bench(prompts: int = typer.Option(8, "--prompts", help="held-out prompts"),
                                               "roofline, CUDA-graph step costs, transformers peer")):
     """Baseline vs EAGLE-3 greedy decoding in one run: tok/s, ratio, acceptance length, identical output."""
     from ..engine import TINY_DIR
+    device, dtype, threads = engine.settings.device, engine.settings.dtype, engine.settings.threads
     if shape:
         import torch
 
@@ -104,12 +116,12 @@ def bench(prompts: int = typer.Option(8, "--prompts", help="held-out prompts"),
                         log=lambda s: None if json_out else console.print(s, markup=False))
         return print_json(r) if json_out else None
     from ..engine.bench import encode_prompts, run_bench, transformers_peer
-    eng = _load(model, draft, device, dtype, max_seq_len, steps, topk, num_draft_tokens, threads)
+    eng = engine.start()
     if eng.draft is None:
-        raise EngineError(f"{model}: no EAGLE-3 draft to benchmark (pass --draft)")
+        raise EngineError(f"{engine.model}: no EAGLE-3 draft to benchmark (pass --draft)")
     enc = encode_prompts(eng, chat, prompts)
     r = run_bench(eng, enc, max_new_tokens, repeats, stop_at_eos=not fixed_length,
-                  peer=transformers_peer(model or TINY_DIR, eng) if peer else None)
+                  peer=transformers_peer(engine.model or TINY_DIR, eng) if peer else None)
     r["threads"] = threads
     if json_out:
         return print_json({k: v for k, v in r.items() if k not in ("outputs", "plain_outputs")})

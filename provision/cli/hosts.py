@@ -1,63 +1,55 @@
 """`provision hosts`: trust a host's SSH key (after showing it) and show a host's facts."""
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Optional
-
 import typer
 
 from ..transport import Target, fingerprint, known_host_keys, record_host_key, scan_host_key
-from .common import (ForksOpt, HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHostsOpt,
-                     TimeoutOpt, LimitOpt, LocalOpt, RootOpt,
-                     console, edge, exit_for, over_hosts, print_json, print_rows, targets)
+from .common import (HOST_HELP, HOSTS, Hosts, JsonOpt, console, edge, exit_for, host_options, over_hosts, print_json,
+                     print_rows)
+
+
+@edge
+@host_options(forks=False, local=False, key=False, root=False, host_help=HOST_HELP)
+def trust(yes: bool = typer.Option(False, "--yes", "-y", help="record without asking"), hosts: Hosts = HOSTS,
+          json_out: bool = JsonOpt):
+    """Show each host's SSH key fingerprint and record exactly that key in the managed known_hosts."""
+    from ..errors import InputError
+
+    if json_out and not yes:
+        raise InputError("--json cannot ask: add --yes to record the key shown", where="--json")
+    out = [_trust(t, yes, (lambda text: None) if json_out else console.print) for t in hosts.targets()]
+    if json_out:
+        print_json(out[0] if len(out) == 1 else out)
+    if any(r is None for r in out):
+        raise typer.Exit(1)
+
+
+@edge
+@host_options()
+def facts(json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
+    """The facts a plan is made from (one round trip per host, hosts in parallel)."""
+    from ..facts import gather
+    from ..units import human_size
+
+    rows = over_hosts(hosts.targets(), gather, hosts.forks)
+
+    def show(r):
+        f = r.value
+        gpus = ", ".join(f"{g['index']}:{g['name']} sm{g['compute_cap']}" for g in f["gpus"]) or "none"
+        console.print(f"{r.host}: {f['os'].get('pretty')} {f['os'].get('arch')}, pythons "
+                      f"{', '.join(f['pythons'])}, uv {'yes' if f['uv'] else 'no'}\n"
+                      f"  GPUs: {gpus}; driver {f.get('driver') or '-'}; nvcc {f.get('nvcc_on_path_version') or '-'}\n"
+                      f"  root {f['root']}: {len(f['generations'])} generations, current {f['current'] or '-'}; "
+                      f"{human_size(f['disk_free_bytes'])} free", markup=False)
+    print_rows(rows, show, json_out)
+    exit_for(rows)
 
 
 def register(app: typer.Typer) -> None:
     hosts = typer.Typer(no_args_is_help=True, help="Host keys and facts.")
     app.add_typer(hosts, name="hosts")
-
-    @hosts.command()
-    @edge
-    def trust(host: Optional[str] = typer.Argument(None, help="[user@]host[:port]; with -i, an inventory host, group "
-                                                                "or pattern (narrows like --limit)", show_default=False),
-              yes: bool = typer.Option(False, "--yes", "-y", help="record without asking"),
-              inventory: Optional[Path] = InventoryOpt, limit: Optional[str] = LimitOpt,
-              known_hosts: Path = KnownHostsOpt, timeout: float = TimeoutOpt, json_out: bool = JsonOpt):
-        """Show each host's SSH key fingerprint and record exactly that key in the managed known_hosts."""
-        from ..errors import InputError
-
-        if json_out and not yes:
-            raise InputError("--json cannot ask: add --yes to record the key shown", where="--json")
-        ts = targets(host, False, inventory, None, known_hosts, None, limit, timeout)
-        out = [_trust(t, yes, (lambda text: None) if json_out else console.print) for t in ts]
-        if json_out:
-            print_json(out[0] if len(out) == 1 else out)
-        if any(r is None for r in out):
-            raise typer.Exit(1)
-
-    @hosts.command()
-    @edge
-    def facts(host: Optional[str] = HostArg, json_out: bool = JsonOpt,
-              local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt, limit: Optional[str] = LimitOpt,
-              forks: int = ForksOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
-              timeout: float = TimeoutOpt,
-              root: Optional[str] = RootOpt):
-        """The facts a plan is made from (one round trip per host, hosts in parallel)."""
-        from ..facts import gather
-        from ..units import human_size
-
-        rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit, timeout), gather, forks)
-
-        def show(r):
-            f = r.value
-            gpus = ", ".join(f"{g['index']}:{g['name']} sm{g['compute_cap']}" for g in f["gpus"]) or "none"
-            console.print(f"{r.host}: {f['os'].get('pretty')} {f['os'].get('arch')}, pythons "
-                          f"{', '.join(f['pythons'])}, uv {'yes' if f['uv'] else 'no'}\n"
-                          f"  GPUs: {gpus}; driver {f.get('driver') or '-'}; nvcc {f.get('nvcc_on_path_version') or '-'}\n"
-                          f"  root {f['root']}: {len(f['generations'])} generations, current {f['current'] or '-'}; "
-                          f"{human_size(f['disk_free_bytes'])} free", markup=False)
-        print_rows(rows, show, json_out)
-        exit_for(rows)
+    for verb in (trust, facts):
+        hosts.command()(verb)
 
 
 def _trust(t: Target, yes: bool, say) -> dict | None:

@@ -6,62 +6,54 @@ from typing import List, Optional
 
 import typer
 
-from .common import (HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHostsOpt,
-                     TimeoutOpt, LimitOpt, LocalOpt, RootOpt, console,
-                     edge, err_console, only, print_json, targets_and_args)
+from .common import Hosts, JsonOpt, console, edge, err_console, host_options, print_json
 
 
-def register(app: typer.Typer) -> None:
-    @app.command()
-    @edge
-    def pack(host: Optional[str] = HostArg,
-             generation: Optional[str] = typer.Argument(None, help="generation number or id (default: current)"),
-             out: Path = typer.Option(..., "--out", "-o", help="the wheelhouse folder: wheels and lock.yaml go here"),
-             allow_drift: bool = typer.Option(False, "--allow-drift",
-                                              help="pack files that no longer match their RECORD as they are, and "
-                                                   "record them in the lock (`drift:` per package)"),
-             base: Optional[Path] = typer.Option(None, "--base",
-                                                 help="take platform, requires, overrides, patches, engine, probes "
-                                                      "from this lock (an adopted one's captured lock has none)"),
-             with_: List[Path] = typer.Option([], "--with", help="add this wheel file (repeatable); it replaces a "
-                                                                 "packed distribution of the same name"),
-             name: Optional[str] = typer.Option(None, "--name", help="the lock's name (default: the source's)"),
-             jobs: Optional[int] = typer.Option(None, "--jobs", min=1, max=256,
-                                                help="workers on the host: the check's threads, the wheels' "
-                                                     "processes (default: two threads, one process per core)"),
-             json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
-             limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
-             timeout: float = TimeoutOpt,
-             root: Optional[str] = RootOpt):
-        """Pack a generation (managed or adopted) into DIR: one stored wheel per distribution, rebuilt from its
-        installed files after each was checked against its RECORD, and DIR/lock.yaml naming each by sha256."""
-        from .. import pack as packmod
-        from ..transport import connect
+@edge
+@host_options(forks=False, after="json_out")
+def pack(hosts: Hosts,
+         generation: Optional[str] = typer.Argument(None, help="generation number or id (default: current)"),
+         out: Path = typer.Option(..., "--out", "-o", help="the wheelhouse folder: wheels and lock.yaml go here"),
+         allow_drift: bool = typer.Option(False, "--allow-drift",
+                                          help="pack files that no longer match their RECORD as they are, and "
+                                               "record them in the lock (`drift:` per package)"),
+         base: Optional[Path] = typer.Option(None, "--base",
+                                             help="take platform, requires, overrides, patches, engine, probes "
+                                                  "from this lock (an adopted one's captured lock has none)"),
+         with_: List[Path] = typer.Option([], "--with", help="add this wheel file (repeatable); it replaces a "
+                                                             "packed distribution of the same name"),
+         name: Optional[str] = typer.Option(None, "--name", help="the lock's name (default: the source's)"),
+         jobs: Optional[int] = typer.Option(None, "--jobs", min=1, max=256,
+                                            help="workers on the host: the check's threads, the wheels' "
+                                                 "processes (default: two threads, one process per core)"),
+         json_out: bool = JsonOpt):
+    """Pack a generation (managed or adopted) into DIR: one stored wheel per distribution, rebuilt from its
+    installed files after each was checked against its RECORD, and DIR/lock.yaml naming each by sha256."""
+    from .. import pack as packmod
+    from ..transport import connect
 
-        ts, (generation,) = targets_and_args((generation,), host, local, inventory, key, known_hosts, root, limit,
-                                             timeout)
-        t = only(ts)
-        tr = connect(t)
-        status = None if json_out or not err_console.is_terminal else err_console.status(f"packing {t.name} …")
+    t, generation = hosts.one(generation)
+    tr = connect(t)
+    status = None if json_out or not err_console.is_terminal else err_console.status(f"packing {t.name} …")
 
-        def progress(ev: dict) -> None:
-            if status is not None and ev.get("step") == "pack":
-                status.update(f"packing {t.name}: {ev['done']}/{ev['total']} wheels")
-        try:
-            if status is not None:
-                status.start()
-            rep = packmod.pack(tr, out, generation, allow_drift=allow_drift, base=base, extra=with_, name=name,
-                               jobs=jobs, progress=progress)
-        finally:
-            if status is not None:
-                status.stop()
-            tr.close()
-        if json_out:
-            print_json(dict(rep, check=rep["check"].to_json()))
-        else:
-            render(rep)
-        if not rep["check"].ok:
-            raise typer.Exit(1)
+    def progress(ev: dict) -> None:
+        if status is not None and ev.get("step") == "pack":
+            status.update(f"packing {t.name}: {ev['done']}/{ev['total']} wheels")
+    try:
+        if status is not None:
+            status.start()
+        rep = packmod.pack(tr, out, generation, allow_drift=allow_drift, base=base, extra=with_, name=name,
+                           jobs=jobs, progress=progress)
+    finally:
+        if status is not None:
+            status.stop()
+        tr.close()
+    if json_out:
+        print_json(dict(rep, check=rep["check"].to_json()))
+    else:
+        render(rep)
+    if not rep["check"].ok:
+        raise typer.Exit(1)
 
 
 def render(rep: dict) -> None:
@@ -97,3 +89,7 @@ def render(rep: dict) -> None:
     console.print(render_report(rep["check"]), markup=False, soft_wrap=True)
     console.print(f"Wrote {rep['lock']}: apply it offline with `provision apply HOST --lock {rep['lock']}`.",
                   markup=False, soft_wrap=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(pack)

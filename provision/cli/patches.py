@@ -1,23 +1,17 @@
 """`provision patches check|apply|revert` and `provision contract ARCH` (parse, call, render)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 
-from ..transport import TIMEOUT
-from .common import (HostArg, each_host, InventoryOpt, KeyOpt, KnownHostsOpt,
-                     TimeoutOpt, LimitOpt, LocalOpt, RootOpt, console,
-                     edge, print_json, targets)
+from .common import HOSTS, Hosts, console, each_host, edge, host_options, options, print_json
 
 SeriesOpt = typer.Option(None, "--series", "-s",
                          help="series directory (repeatable); default: the series shipped with provision for the "
                               "installed release")
-PythonOpt = typer.Option(None, "--python",
-                         help="interpreter of the target environment (default: <root>/current/venv/bin/python)")
-SitePackagesOpt = typer.Option(None, "--site-packages",
-                               help="act on this site-packages directory on this machine (or on HOST)")
 JsonOpt = typer.Option(False, "--json", help="machine-readable output")
 
 MARKS = {"applied": "+", "would-apply": "+", "already-applied": "=", "reverted": "-", "not-applied": "·",
@@ -74,71 +68,96 @@ def _render_contract(r: dict) -> None:
                   f"({len(r['methods']) - missing} of {len(r['methods'])} methods present)")
 
 
-def _targets(host, local, inventory, key, known_hosts, root, site_packages, limit=None, timeout=TIMEOUT):
-    if site_packages and not (host or inventory):
-        local = True
-    return targets(host, local, inventory, key, known_hosts, root, limit, timeout)
+@dataclass
+class Env:
+    """The environment a patch verb acts on: its interpreter, or a bare site-packages directory."""
+
+    python: Optional[str] = None
+    site_packages: Optional[Path] = None
+
+
+# The options that name the environment on the host: parameter name → (type, typer parameter).
+ENV_PARAMS = {
+    "python": (Optional[str], typer.Option(None, "--python", help="interpreter of the target environment (default: "
+                                                                   "<root>/current/venv/bin/python)")),
+    "site_packages": (Optional[Path], typer.Option(None, "--site-packages", help="act on this site-packages "
+                                                                                  "directory on this machine (or on "
+                                                                                  "HOST)")),
+}
+env_options = options("env", Env, ENV_PARAMS)
+ENV = Env()     # the default of an `env` parameter that follows others with defaults (env_options replaces it)
+
+
+def _each(hosts: Hosts, env: Env, fn, render, json_out: bool) -> None:
+    """fn(transport, python, site_packages) on each host (a --site-packages alone is this machine's); each report
+    rendered, exit 1 unless all are ok."""
+    from .. import patches as patchmod
+
+    sp = str(env.site_packages) if env.site_packages else None
+    reports = each_host(hosts.targets(local_by_default=env.site_packages is not None),
+                        lambda tr: fn(tr, patchmod.env_python(tr, env.python, env.site_packages), sp))
+    if json_out:
+        print_json(reports[0] if len(reports) == 1 else reports)
+    else:
+        for r in reports:
+            render(r)
+    if not all(r["ok"] for r in reports):
+        raise typer.Exit(1)
+
+
+def _series(mode: str, hosts: Hosts, series: Optional[List[Path]], env: Env, json_out: bool) -> None:
+    from .. import patches as patchmod
+
+    loaded, matching = patchmod.chosen_series(series)
+    _each(hosts, env, lambda tr, python, sp: patchmod.apply_series(tr, loaded, python=python,
+                                                                   check_only=mode == "check",
+                                                                   revert=mode == "revert", site_packages=sp,
+                                                                   matching=matching),
+          _render_patches, json_out)
+
+
+@edge
+@host_options(forks=False)
+@env_options
+def check(series: Optional[List[Path]] = SeriesOpt, env: Env = ENV, json_out: bool = JsonOpt,
+          hosts: Hosts = HOSTS):
+    """Show what applying the series would do; writes nothing (exit 1 if a patch fails)."""
+    _series("check", hosts, series, env, json_out)
+
+
+@edge
+@host_options(forks=False)
+@env_options
+def apply(series: Optional[List[Path]] = SeriesOpt, env: Env = ENV, json_out: bool = JsonOpt,
+          hosts: Hosts = HOSTS):
+    """Apply the series: all-or-nothing, idempotent; prints each patched file's sha256."""
+    _series("apply", hosts, series, env, json_out)
+
+
+@edge
+@host_options(forks=False)
+@env_options
+def revert(series: Optional[List[Path]] = SeriesOpt, env: Env = ENV, json_out: bool = JsonOpt,
+           hosts: Hosts = HOSTS):
+    """Revert the series to the pristine files."""
+    _series("revert", hosts, series, env, json_out)
+
+
+@edge
+@host_options(forks=False)
+@env_options
+def contract(arch: str = typer.Argument(..., help="architecture name, or a model's config.json on the host"),
+             env: Env = ENV, json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
+    """EAGLE-3 interface contract of ARCH in the installed SGLang (static; never imports it)."""
+    from .. import patches as patchmod
+
+    _each(hosts, env, lambda tr, python, sp: patchmod.check_contract(tr, arch, python, site_packages=sp),
+          _render_contract, json_out)
 
 
 def register(app: typer.Typer) -> None:
     sub = typer.Typer(no_args_is_help=True, help="SGLang source patch series: check, apply, revert.")
     app.add_typer(sub, name="patches")
-
-    def _run(mode, host, series, python, site_packages, json_out, local, inventory, key, known_hosts, root, limit,
-             timeout):
-        from .. import patches as patchmod
-        from ..bundled import PATCHES
-
-        dirs = series or patchmod.discover_series(PATCHES)
-        loaded = [patchmod.load_series(d) for d in dirs]
-        sp = str(site_packages) if site_packages else None
-        reports = each_host(_targets(host, local, inventory, key, known_hosts, root, site_packages, limit, timeout),
-                            lambda tr: patchmod.apply_series(tr, loaded, python=patchmod.env_python(tr, python, site_packages),
-                                                             check_only=mode == "check", revert=mode == "revert",
-                                                             site_packages=sp, matching=not series))
-        if json_out:
-            print_json(reports[0] if len(reports) == 1 else reports)
-        else:
-            for r in reports:
-                _render_patches(r)
-        if not all(r["ok"] for r in reports):
-            raise typer.Exit(1)
-
-    def verb(mode: str, doc: str):
-        def command(host: Optional[str] = HostArg, series: Optional[List[Path]] = SeriesOpt,
-                    python: Optional[str] = PythonOpt, site_packages: Optional[Path] = SitePackagesOpt,
-                    json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
-                    limit: Optional[str] = LimitOpt, key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt,
-                    timeout: float = TimeoutOpt, root: Optional[str] = RootOpt):
-            _run(mode, host, series, python, site_packages, json_out, local, inventory, key, known_hosts, root, limit,
-                 timeout)
-
-        command.__doc__ = doc
-        sub.command(name=mode)(edge(command))
-
-    verb("check", "Show what applying the series would do; writes nothing (exit 1 if a patch fails).")
-    verb("apply", "Apply the series: all-or-nothing, idempotent; prints each patched file's sha256.")
-    verb("revert", "Revert the series to the pristine files.")
-
-    @app.command()
-    @edge
-    def contract(arch: str = typer.Argument(..., help="architecture name, or a model's config.json on the host"),
-                 host: Optional[str] = HostArg, python: Optional[str] = PythonOpt,
-                 site_packages: Optional[Path] = SitePackagesOpt, json_out: bool = JsonOpt,
-                 local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt, limit: Optional[str] = LimitOpt,
-                 key: Optional[Path] = KeyOpt, known_hosts: Path = KnownHostsOpt, timeout: float = TimeoutOpt,
-                 root: Optional[str] = RootOpt):
-        """EAGLE-3 interface contract of ARCH in the installed SGLang (static; never imports it)."""
-        from .. import patches as patchmod
-
-        sp = str(site_packages) if site_packages else None
-        reports = each_host(_targets(host, local, inventory, key, known_hosts, root, site_packages, limit, timeout),
-                            lambda tr: patchmod.check_contract(tr, arch, patchmod.env_python(tr, python, site_packages),
-                                                               site_packages=sp))
-        if json_out:
-            print_json(reports[0] if len(reports) == 1 else reports)
-        else:
-            for r in reports:
-                _render_contract(r)
-        if not all(r["ok"] for r in reports):
-            raise typer.Exit(1)
+    for verb in (check, apply, revert):
+        sub.command(verb.__name__)(verb)
+    app.command()(contract)

@@ -6,9 +6,8 @@ from typing import List, Optional
 
 import typer
 
-from .common import (ForksOpt, HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHostsOpt,
-                     TimeoutOpt, LimitOpt, LocalOpt, RootOpt,
-                     console, edge, exit_for, over_hosts, plain, print_rows, styled, targets)
+from .common import (HOSTS, Hosts, JsonOpt, console, edge, exit_for, host_options, over_hosts, plain, print_rows,
+                     styled)
 
 STYLE = {"pass": "green", "fail": "red", "skip": "dim", "warn": "yellow"}
 
@@ -34,33 +33,33 @@ def probe_table(report: dict):
     return table
 
 
+@edge
+@host_options()
+def probe(only: List[str] = typer.Option([], "--only", help="run only this probe (repeatable)"),
+          generation: Optional[str] = typer.Option(None, "--generation", "-g",
+                                                   help="generation number or id (default: current)"),
+          lock: Optional[Path] = typer.Option(None, "--lock", "-l",
+                                              help="expectations (default: the generation's own lock)"),
+          json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
+    """Run the verification probes inside a generation; exit 1 if a required probe fails."""
+    from .. import lock as lockmod
+    from ..probes import run_probes
+
+    lk = lockmod.load(lock) if lock else None
+    rows = over_hosts(hosts.targets(), lambda tr: run_probes(tr, lk, generation=generation, only=only or None),
+                      hosts.forks)
+
+    def show(r):
+        rep = r.value
+        console.print(probe_table(rep))
+        verdict = ("pass", "green") if rep["status"] == "pass" else ("fail", "red")
+        failed = "" if rep["status"] == "pass" else f": {', '.join(rep['failed'])}"
+        console.print(styled(f"{rep['generation']} on {r.host}: ", verdict, f"{failed} ({rep['seconds']:.1f}s)"))
+    print_rows(rows, show, json_out)
+    exit_for(rows)
+    if any(r.value["status"] != "pass" for r in rows):
+        raise typer.Exit(1)
+
+
 def register(app: typer.Typer) -> None:
-    @app.command()
-    @edge
-    def probe(host: Optional[str] = HostArg,
-              only: List[str] = typer.Option([], "--only", help="run only this probe (repeatable)"),
-              generation: Optional[str] = typer.Option(None, "--generation", "-g",
-                                                       help="generation number or id (default: current)"),
-              lock: Optional[Path] = typer.Option(None, "--lock", "-l",
-                                                  help="expectations (default: the generation's own lock)"),
-              json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
-              limit: Optional[str] = LimitOpt, forks: int = ForksOpt, key: Optional[Path] = KeyOpt,
-              known_hosts: Path = KnownHostsOpt, timeout: float = TimeoutOpt, root: Optional[str] = RootOpt):
-        """Run the verification probes inside a generation; exit 1 if a required probe fails."""
-        from .. import lock as lockmod
-        from ..probes import run_probes
-
-        lk = lockmod.load(lock) if lock else None
-        rows = over_hosts(targets(host, local, inventory, key, known_hosts, root, limit, timeout),
-                          lambda tr: run_probes(tr, lk, generation=generation, only=only or None), forks)
-
-        def show(r):
-            rep = r.value
-            console.print(probe_table(rep))
-            verdict = ("pass", "green") if rep["status"] == "pass" else ("fail", "red")
-            failed = "" if rep["status"] == "pass" else f": {', '.join(rep['failed'])}"
-            console.print(styled(f"{rep['generation']} on {r.host}: ", verdict, f"{failed} ({rep['seconds']:.1f}s)"))
-        print_rows(rows, show, json_out)
-        exit_for(rows)
-        if any(r.value["status"] != "pass" for r in rows):
-            raise typer.Exit(1)
+    app.command()(probe)

@@ -2,14 +2,11 @@
 render)."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 import typer
 
-from .common import (ForksOpt, HostArg, InventoryOpt, JsonOpt, KeyOpt, KnownHostsOpt,
-                     TimeoutOpt, LimitOpt, LocalOpt, RootOpt,
-                     console, edge, exit_for, over_hosts, print_rows, styled, targets_and_args)
+from .common import Hosts, JsonOpt, console, edge, exit_for, host_options, over_hosts, print_rows, styled
 
 
 def figures(v: dict) -> str:
@@ -27,36 +24,35 @@ def figures(v: dict) -> str:
     return text
 
 
+@edge
+@host_options(after="json_out")
+def verify(hosts: Hosts,
+           generation: Optional[str] = typer.Argument(None, help="generation number or id (default: current)"),
+           baseline: bool = typer.Option(False, "--baseline",
+                                         help="also time plain parallel reads of the same bytes, before and after "
+                                              "hashing (hashing's yardstick: the ratio)"),
+           jobs: Optional[int] = typer.Option(None, "--jobs", min=1, max=256,
+                                              help="hashing threads on the host (default: 2 per core, at most 32)"),
+           json_out: bool = JsonOpt):
+    """Every file of a generation against its RECORD hash (patched files against their series' hashes) and its
+    distributions against its lock; exit 1 on drift, one line per distribution."""
+    from .. import verify as verifymod
+
+    ts, (generation,) = hosts.targets_and_args((generation,))
+    rows = over_hosts(ts, lambda tr: verifymod.verify(tr, generation, baseline=baseline, jobs=jobs), hosts.forks)
+
+    def show(r):
+        v = r.value
+        for text in v["lines"]:
+            console.print(f"  {text}", markup=False)
+        mark = ("clean", "green") if v["verdict"] == "clean" else ("drift", "red")
+        what = "" if v["verdict"] == "clean" else f" in {len(v['rows'])} distribution(s)"
+        console.print(styled(f"{v['generation']} on {r.host}: ", mark, f"{what} — {figures(v)}"), soft_wrap=True)
+    print_rows(rows, show, json_out)
+    exit_for(rows)
+    if any(r.value["verdict"] != "clean" for r in rows):
+        raise typer.Exit(1)
+
+
 def register(app: typer.Typer) -> None:
-    @app.command()
-    @edge
-    def verify(host: Optional[str] = HostArg,
-               generation: Optional[str] = typer.Argument(None, help="generation number or id (default: current)"),
-               baseline: bool = typer.Option(False, "--baseline",
-                                             help="also time plain parallel reads of the same bytes, before and after "
-                                                  "hashing (hashing's yardstick: the ratio)"),
-               jobs: Optional[int] = typer.Option(None, "--jobs", min=1, max=256,
-                                                  help="hashing threads on the host (default: 2 per core, at most 32)"),
-               json_out: bool = JsonOpt, local: bool = LocalOpt, inventory: Optional[Path] = InventoryOpt,
-               limit: Optional[str] = LimitOpt, forks: int = ForksOpt, key: Optional[Path] = KeyOpt,
-               known_hosts: Path = KnownHostsOpt, timeout: float = TimeoutOpt, root: Optional[str] = RootOpt):
-        """Every file of a generation against its RECORD hash (patched files against their series' hashes) and its
-        distributions against its lock; exit 1 on drift, one line per distribution."""
-        from .. import verify as verifymod
-
-        ts, (generation,) = targets_and_args((generation,), host, local, inventory, key, known_hosts, root, limit,
-                                             timeout)
-        rows = over_hosts(ts,
-                          lambda tr: verifymod.verify(tr, generation, baseline=baseline, jobs=jobs), forks)
-
-        def show(r):
-            v = r.value
-            for text in v["lines"]:
-                console.print(f"  {text}", markup=False)
-            mark = ("clean", "green") if v["verdict"] == "clean" else ("drift", "red")
-            what = "" if v["verdict"] == "clean" else f" in {len(v['rows'])} distribution(s)"
-            console.print(styled(f"{v['generation']} on {r.host}: ", mark, f"{what} — {figures(v)}"), soft_wrap=True)
-        print_rows(rows, show, json_out)
-        exit_for(rows)
-        if any(r.value["verdict"] != "clean" for r in rows):
-            raise typer.Exit(1)
+    app.command()(verify)
