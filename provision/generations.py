@@ -123,3 +123,15 @@ def diff(t: Transport, a: str, b: str | None = None) -> dict:
         stacks.append(stack_of_lock(loads(text, f"{t.target.name}:{gen_id}/lock.yaml")))
     changes = diff_stacks(*stacks)
     return {"host": t.target.name, "from": ids[0], "to": ids[1], "changes": changes, "summary": summarize(changes)}
+
+
+def rollback_hosts(targets: list, to: str | None = None, *, dry_run: bool = False, force: bool = False,
+                   serial: str | list[str] = "0", forks: int | None = None) -> list:
+    """rollback on each host, batch by batch as fleet.rollout runs them (`serial`, up to `forks` hosts at once);
+    one fleet.Row per host."""
+    from .fleet import FORKS, rollout
+
+    def back(tr: Transport, gate) -> dict:
+        gate()
+        return rollback(tr, to, dry_run=dry_run, force=force)
+    return rollout(targets, back, serial=serial, forks=forks or FORKS).rows

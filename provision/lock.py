@@ -477,6 +477,13 @@ def from_data(data: dict, name: str = "<lock>") -> Lock:
     return loads(yamlio.dump(data), name)
 
 
+def write(path: Path, text: str) -> Lock:
+    """Write a lock's text to `path` once it loads (what provision writes as a lock always loads); its Lock."""
+    lock = loads(text, str(path))
+    Path(path).write_text(text)
+    return lock
+
+
 def dump(lock_or_data) -> str:
     data = lock_or_data.raw if isinstance(lock_or_data, Lock) else lock_or_data
     return yamlio.dump(data)

@@ -708,6 +708,14 @@ def known_host_keys(target: Target) -> list:
     return list(found.values())
 
 
+def key_change(target: Target, key) -> tuple[bool, list]:
+    """(trusted, replaced): whether `key` is already the one key recorded for this host, and the recorded keys of
+    another type or value that recording it would replace."""
+    known = known_host_keys(target)
+    replaced = [k for k in known if k.asbytes() != key.asbytes()]
+    return len(known) == 1 and not replaced, replaced
+
+
 def record_host_key(target: Target, key) -> list[str]:
     """Make `key` the one key recorded for this host (others for the same name are removed).
 

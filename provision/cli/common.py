@@ -1,5 +1,4 @@
-"""Shared CLI plumbing: error edge (one line + exit code), option groups (the host options and their Hosts), JSON
-and text output.
+"""Shared CLI plumbing: the error edge (one line + exit code), option groups (Hosts), JSON and text output.
 
 Output is text, never markup: values (hosts, packages, errors) print literally; styling goes through `styled`.
 """

@@ -388,15 +388,11 @@ def rollback(to: Optional[str] = typer.Option(None, "--to", help="generation num
     """Switch `current` back to the generation current before the last switch, as history records it (atomic,
     offline, nothing reinstalled); fleets in batches."""
     from .. import generations
-    from ..fleet import parse_serial, rollout
+    from ..fleet import parse_serial
 
     batches = parse_serial(serial)
-    ts = hosts.targets()
-
-    def back(tr, gate):
-        gate()
-        return generations.rollback(tr, to, dry_run=dry_run, force=force)
-    rows = rollout(ts, back, serial=batches, forks=hosts.forks).rows
+    rows = generations.rollback_hosts(hosts.targets(), to, dry_run=dry_run, force=force, serial=batches,
+                                      forks=hosts.forks)
     if len(rows) == 1 and not rows[0].ok:
         raise rows[0].error
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import typer
 
-from ..transport import Target, fingerprint, known_host_keys, record_host_key, scan_host_key
+from ..transport import Target, fingerprint, key_change, record_host_key, scan_host_key
 from .common import (HOST_HELP, HOSTS, Hosts, JsonOpt, console, edge, exit_for, host_options, over_hosts, print_json,
                      print_rows)
 
@@ -57,13 +57,12 @@ def _trust(t: Target, yes: bool, say) -> dict | None:
     key = scan_host_key(t)
     shown = {"host": t.name, "address": t.address, "key": key.get_name(), "fingerprint": fingerprint(key)}
     say(f"{t.name} offers {key.get_name()} {fingerprint(key)}")
-    known = known_host_keys(t)
-    if any(k.asbytes() == key.asbytes() for k in known) and len(known) == 1:
+    trusted, replaces = key_change(t, key)
+    if trusted:
         say(f"Already trusted in {t.known_hosts}; nothing changed.")
         return dict(shown, recorded=False, replaced=[])
-    for k in known:
-        if k.asbytes() != key.asbytes():
-            say(f"This REPLACES the recorded key {k.get_name()} {fingerprint(k)} for {t.name}.")
+    for k in replaces:
+        say(f"This REPLACES the recorded key {k.get_name()} {fingerprint(k)} for {t.name}.")
     if not yes and not typer.confirm("Record this key as trusted?"):
         return None
     replaced = record_host_key(t, key)

@@ -54,9 +54,7 @@ def resolve(lock: Path = typer.Argument(..., help="lockfile whose `requires` to 
             raise typer.Exit(1)
         return
     dest = out or lock
-    text = resolvemod.rewrite_resolved(Path(lock).read_text(), res)
-    lockmod.loads(text, str(dest))          # what we write must load
-    dest.write_text(text)
+    lockmod.write(dest, resolvemod.rewrite_resolved(Path(lock).read_text(), res))
     if json_out:
         print_json({"lock": str(dest), "packages": len(res.packages), "unresolved": len(res.unresolved)})
     else:
@@ -93,9 +91,7 @@ def capture(out: Path = typer.Option(..., "-o", "--out", help="write the capture
         data = facts.capture_lock(tr, python, name=name)
     finally:
         tr.close()
-    text = lockmod.dump(data)
-    lk = lockmod.loads(text, str(out))
-    out.write_text(text)
+    lk = lockmod.write(out, lockmod.dump(data))
     if json_out:
         print_json({"lock": str(out), "name": lk.name, "packages": len(lk.packages)})
         return
