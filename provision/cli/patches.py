@@ -105,42 +105,27 @@ def _each(hosts: Hosts, env: Env, fn, render, json_out: bool) -> None:
         raise typer.Exit(1)
 
 
-def _series(mode: str, hosts: Hosts, series: Optional[List[Path]], env: Env, json_out: bool) -> None:
+# The series verbs, each the one function `series_verb` under its name: name → help.
+SERIES_VERBS = {"check": "Show what applying the series would do; writes nothing (exit 1 if a patch fails).",
+                "apply": "Apply the series: all-or-nothing, idempotent; prints each patched file's sha256.",
+                "revert": "Revert the series to the pristine files."}
+
+
+@edge
+@host_options(forks=False)
+@env_options
+def series_verb(ctx: typer.Context, series: Optional[List[Path]] = SeriesOpt, env: Env = ENV,
+                json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
+    """check, apply or revert the series (the verb's name says which)."""
     from .. import patches as patchmod
 
+    mode = ctx.info_name
     loaded, matching = patchmod.chosen_series(series)
     _each(hosts, env, lambda tr, python, sp: patchmod.apply_series(tr, loaded, python=python,
                                                                    check_only=mode == "check",
                                                                    revert=mode == "revert", site_packages=sp,
                                                                    matching=matching),
           _render_patches, json_out)
-
-
-@edge
-@host_options(forks=False)
-@env_options
-def check(series: Optional[List[Path]] = SeriesOpt, env: Env = ENV, json_out: bool = JsonOpt,
-          hosts: Hosts = HOSTS):
-    """Show what applying the series would do; writes nothing (exit 1 if a patch fails)."""
-    _series("check", hosts, series, env, json_out)
-
-
-@edge
-@host_options(forks=False)
-@env_options
-def apply(series: Optional[List[Path]] = SeriesOpt, env: Env = ENV, json_out: bool = JsonOpt,
-          hosts: Hosts = HOSTS):
-    """Apply the series: all-or-nothing, idempotent; prints each patched file's sha256."""
-    _series("apply", hosts, series, env, json_out)
-
-
-@edge
-@host_options(forks=False)
-@env_options
-def revert(series: Optional[List[Path]] = SeriesOpt, env: Env = ENV, json_out: bool = JsonOpt,
-           hosts: Hosts = HOSTS):
-    """Revert the series to the pristine files."""
-    _series("revert", hosts, series, env, json_out)
 
 
 @edge
@@ -158,6 +143,6 @@ def contract(arch: str = typer.Argument(..., help="architecture name, or a model
 def register(app: typer.Typer) -> None:
     sub = typer.Typer(no_args_is_help=True, help="SGLang source patch series: check, apply, revert.")
     app.add_typer(sub, name="patches")
-    for verb in (check, apply, revert):
-        sub.command(verb.__name__)(verb)
+    for name, doc in SERIES_VERBS.items():
+        sub.command(name, help=doc)(series_verb)
     app.command()(contract)
