@@ -276,7 +276,11 @@ def over_hosts(ts: list[Target], fn, forks: int = FORKS, on_row=None) -> list:
     the command's error (one line, its exit code); with several, an error is that host's row."""
     from ..fleet import each
 
-    rows = each(ts, fn, forks=forks, on_row=on_row)
+    return alone(each(ts, fn, forks=forks, on_row=on_row))
+
+
+def alone(rows: list) -> list:
+    """The rows of a verb over hosts; with one host, its error is the command's error, raised."""
     if len(rows) == 1 and not rows[0].ok:
         raise rows[0].error
     return rows

@@ -16,8 +16,8 @@ from enum import Enum
 import typer
 
 from ..errors import InputError
-from .common import (HOSTS, Hosts, JsonOpt, console, edge, err_console, exit_for, host_options, over_hosts, plain,
-                     print_json, print_rows, row_error, styled, writable)
+from .common import (HOSTS, Hosts, JsonOpt, alone, console, edge, err_console, exit_for, host_options, over_hosts,
+                     plain, print_json, print_rows, row_error, styled, writable)
 
 LockOpt = typer.Option(None, "--lock", "-l", help="lockfile (YAML)")
 FullOpt = typer.Option(False, "--full", help="list every change (default: a summary with the headline changes)")
@@ -391,10 +391,8 @@ def rollback(to: Optional[str] = typer.Option(None, "--to", help="generation num
     from ..fleet import parse_serial
 
     batches = parse_serial(serial)
-    rows = generations.rollback_hosts(hosts.targets(), to, dry_run=dry_run, force=force, serial=batches,
-                                      forks=hosts.forks)
-    if len(rows) == 1 and not rows[0].ok:
-        raise rows[0].error
+    rows = alone(generations.rollback_hosts(hosts.targets(), to, dry_run=dry_run, force=force, serial=batches,
+                                            forks=hosts.forks))
 
     def show(r):
         out = r.value

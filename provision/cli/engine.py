@@ -68,7 +68,8 @@ def serve(engine: Engine, host: str = typer.Option("127.0.0.1", "--host"), port:
 @edge
 @engine_options
 def generate(prompt: str = typer.Argument(..., help="prompt text"),
-             max_tokens: int = typer.Option(64, "--max-tokens"), temperature: float = typer.Option(0.0, "--temperature"),
+             max_tokens: int = typer.Option(64, "--max-tokens"),
+             temperature: float = typer.Option(0.0, "--temperature"),
              top_p: float = typer.Option(1.0, "--top-p"), seed: Optional[int] = typer.Option(None, "--seed"),
              speculative: bool = typer.Option(True, "--speculative/--plain"),
              engine: Engine = ENGINE, json_out: bool = typer.Option(False, "--json")):
@@ -133,8 +134,8 @@ def bench(prompts: int = typer.Option(8, "--prompts", help="held-out prompts"),
     console.print(f"ratio     {r['ratio']:>8}x   accept length {r['accept_length']} ({r['tree']})   "
                   f"greedy identical {'yes' if r['greedy_identical'] else 'NO'}")
     if peer:
-        console.print(f"transformers {r['transformers_tok_s']:>5} tok/s (same weights, {threads} threads): engine plain "
-                      f"is {r['plain_vs_transformers']}x of it; same tokens "
+        console.print(f"transformers {r['transformers_tok_s']:>5} tok/s (same weights, {threads} threads): engine "
+                      f"plain is {r['plain_vs_transformers']}x of it; same tokens "
                       f"{'yes' if r['transformers_same_tokens'] else 'NO'}")
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import typer
 
 from ..transport import Target, fingerprint, key_change, record_host_key, scan_host_key
-from .common import (HOST_HELP, HOSTS, Hosts, JsonOpt, console, edge, exit_for, host_options, over_hosts, print_json,
-                     print_rows)
+from .common import (HOST_HELP, HOSTS, Hosts, JsonOpt, console, edge, exit_for, host_options, over_hosts,
+                     print_json, print_rows)
 
 
 @edge

@@ -6,8 +6,8 @@ from typing import List, Optional
 
 import typer
 
-from .common import (HOSTS, Hosts, JsonOpt, console, edge, exit_for, host_options, over_hosts, plain, print_rows,
-                     styled)
+from .common import (HOSTS, Hosts, JsonOpt, console, edge, exit_for, host_options, over_hosts, plain,
+                     print_rows, styled)
 
 STYLE = {"pass": "green", "fail": "red", "skip": "dim", "warn": "yellow"}
 
