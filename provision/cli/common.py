@@ -243,7 +243,7 @@ HOSTS = Hosts()     # the default of a `hosts` parameter that follows others wit
 
 
 def host_options(*, forks: bool = True, steps: bool = False, local: bool = True, key: bool = True, root: bool = True,
-                 host_help: Optional[str] = None, after: Optional[str] = None):
+                 after: Optional[str] = None):
     """The host options on a verb whose parameter `hosts: Hosts` stands for them: HOST where `hosts` stands, then
     --local, -i, --limit, --forks, --key, --known-hosts, --timeout, (--step-deadline, --wait-notice,) --root (after
     the verb's parameter `after`, when given); a verb leaves out those it has no use for (--forks when it acts on one
@@ -251,8 +251,8 @@ def host_options(*, forks: bool = True, steps: bool = False, local: bool = True,
     left_out = {n for n, kept in (("forks", forks), ("step_deadline", steps), ("wait_notice", steps), ("local", local),
                                   ("key", key), ("root", root)) if not kept}
     params = {n: p for n, p in HOST_PARAMS.items() if n not in left_out}
-    if host_help is not None:
-        params["host"] = (Optional[str], typer.Argument(None, help=host_help, show_default=False))
+    if not local:       # HOST's help says nothing of --local
+        params["host"] = (Optional[str], typer.Argument(None, help=HOST_HELP, show_default=False))
     return options("hosts", Hosts, params, after)
 
 

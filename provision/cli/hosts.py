@@ -4,12 +4,11 @@ from __future__ import annotations
 import typer
 
 from ..transport import Target, fingerprint, key_change, record_host_key, scan_host_key
-from .common import (HOST_HELP, HOSTS, Hosts, JsonOpt, console, edge, exit_for, host_options, over_hosts,
-                     print_json, print_rows)
+from .common import HOSTS, Hosts, JsonOpt, console, edge, exit_for, host_options, over_hosts, print_json, print_rows
 
 
 @edge
-@host_options(forks=False, local=False, key=False, root=False, host_help=HOST_HELP)
+@host_options(forks=False, local=False, key=False, root=False)
 def trust(yes: bool = typer.Option(False, "--yes", "-y", help="record without asking"), hosts: Hosts = HOSTS,
           json_out: bool = JsonOpt):
     """Show each host's SSH key fingerprint and record exactly that key in the managed known_hosts."""
