@@ -17,7 +17,7 @@ from typing import Callable
 
 from . import build as buildmod, generations, layout, lock as lockmod, verify as verifymod
 from .errors import HostError, Interrupted, PlanError, ProbesFailed, ProvisionError, SwitchUnknown
-from .facts import capture_lock, env_paths, gather
+from .facts import Facts, capture_lock, env_paths, gather
 from .fleet import FORKS
 from .lock import Lock
 from .plan import Plan, facts_digest, make_plan, stack_of_lock
@@ -78,7 +78,7 @@ def patch_hook(transport: Transport, lock: Lock, gen: dict) -> dict:
     return {"status": "applied", "detail": detail, **report}
 
 
-def probe_hook(transport: Transport, lock: Lock, gen: dict, skip: list[str], facts: dict,
+def probe_hook(transport: Transport, lock: Lock, gen: dict, skip: list[str], facts: Facts,
                manifest: dict | None) -> dict:
     """The probes inside generation `gen` (a new build's manifest in hand, or None: the generation's own, read
     from the host, for a reused one)."""
@@ -137,10 +137,10 @@ class _Steps:
         return out
 
 
-def adopt(transport: Transport, prefix: str, facts: dict | None = None) -> dict:
+def adopt(transport: Transport, prefix: str, facts: Facts | None = None) -> dict:
     """Capture an unmanaged environment as generation 0000 (recorded as a lock; not moved)."""
     facts = facts or gather(transport)
-    if facts.get("generations"):
+    if facts.generations:
         return {"id": None, "detail": "host is already managed; --adopt ignored"}
     data = capture_lock(transport, prefix, name="adopted")
     text = lockmod.dump(data)
@@ -200,13 +200,13 @@ def _apply(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps,
            skip: list[str], installer, wheels_from, on_plan, progress, gate, interpreter) -> None:
     report.recovered = steps.run("recover", _recover, transport)
     facts = steps.run("facts", gather, transport, python=lock.platform.python, interpreter=interpreter)
-    if adopt_path and not facts.get("generations"):
+    if adopt_path and not facts.generations:
         steps.run("adopt", adopt, transport, adopt_path, facts)
         facts = gather(transport, python=lock.platform.python, interpreter=interpreter)
     if saved_plan is not None:
-        if saved_plan.host != facts["host"] or saved_plan.facts_digest != facts_digest(facts):
-            raise PlanError("the host changed since this plan was made; plan again", where=facts["host"])
-    report.previous = report.current = facts.get("current")
+        if saved_plan.host != facts.host or saved_plan.facts_digest != facts_digest(facts):
+            raise PlanError("the host changed since this plan was made; plan again", where=facts.host)
+    report.previous = report.current = facts.current
 
     def planned() -> Plan:   # the plan is shown before anything changes; its fatal findings stop here
         plan = make_plan(facts, lock)
@@ -215,12 +215,12 @@ def _apply(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps,
             on_plan(plan)
         if plan.errors and not plan.noop:
             raise HostError(plan.errors[0] + (f" (+{len(plan.errors) - 1} more)" if len(plan.errors) > 1 else ""),
-                            where=facts["host"])
+                            where=facts.host)
         return plan
 
     plan = steps.run("plan", planned)
     if plan.noop:
-        report.status, report.generation = "noop", facts["current"]
+        report.status, report.generation = "noop", facts.current
         return
     if plan.action == "reuse":
         check = steps.run("check", verifymod.check, transport, plan.reuse)
@@ -229,8 +229,8 @@ def _apply(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps,
             report.probes = steps.run("probe", probe_hook, transport, lock, {"id": plan.reuse}, skip, facts, None)
             if report.probes.get("status") == "fail":     # the host changed since it was proven: stay
                 report.failed_step = "probe"
-                raise ProbesFailed(probe_failure(plan.reuse, report.probes, facts.get("current")),
-                                   where=facts["host"])
+                raise ProbesFailed(probe_failure(plan.reuse, report.probes, facts.current),
+                                   where=facts.host)
             _halt_at(gate, transport, report, None)
             _switch(transport, report, steps, plan.reuse, {"lock": lock.name, "reuse": True, "skipped_probes": skip})
             report.status = "reused"
@@ -265,7 +265,7 @@ def _apply(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps,
         report.probes = steps.run("probe", probe_hook, transport, lock, gen, skip, facts, manifest)
         if report.probes.get("status") == "fail":
             report.failed_step = "probe"
-            raise ProbesFailed(probe_failure(gen["id"], report.probes, facts.get("current")), where=facts["host"])
+            raise ProbesFailed(probe_failure(gen["id"], report.probes, facts.current), where=facts.host)
         generations.mark(transport, gen["id"], status="verified", probes_summary=report.probes.get("summary"),
                          patches=report.patches, skipped_probes=skip, verify=report.verify)
     except BaseException as e:

@@ -11,6 +11,7 @@ from typing import Callable, Iterator
 from urllib.parse import unquote, urlparse
 
 from .errors import HostError, InputError, ProvisionError
+from .facts import Facts
 from .layout import root_of
 from .lock import Lock
 from .toolkit import wheels_home
@@ -101,12 +102,11 @@ def under(root: str, path, what: str, host: str) -> str:
     return path
 
 
-def ensure_uv(transport: Transport, facts: dict) -> tuple[str, dict | None]:
+def ensure_uv(transport: Transport, facts: Facts) -> tuple[str, dict | None]:
     """The host's uv, or the controller's pushed by hash into the host's cache/uv-bin (which gc keeps); with
     what `push` found (None when the host has its own)."""
-    host_uv = facts.get("uv")
-    if isinstance(host_uv, str) and host_uv.startswith("/") and "\0" not in host_uv:
-        return host_uv, None
+    if facts.uv:
+        return facts.uv, None
     path = controller_uv()
     f = {"sha256": sha256_file(path), "filename": "uv", "mode": "750", "store": "uv", "label": "uv"}
     root = root_of(transport)
@@ -160,7 +160,7 @@ def level(ev: dict) -> str:
     return "info"
 
 
-def build(transport: Transport, lock: Lock, facts: dict, gen: dict, installer: str | None,
+def build(transport: Transport, lock: Lock, facts: Facts, gen: dict, installer: str | None,
           progress: Progress | None = None, wheels_from: str | None = None) -> dict:
     """Fill the generation's venv with the lock's closure; returns the build figures. `wheels_from`:
     "host" (default: the host fetches what its store lacks) or "controller" (the controller fetches each
@@ -180,14 +180,11 @@ def build(transport: Transport, lock: Lock, facts: dict, gen: dict, installer: s
         raise HostError(f"{e.message} ({lock.path}:{hit.line})", where=e.where) from None
 
 
-def _build(transport: Transport, lock: Lock, facts: dict, gen: dict, installer: str, say: Progress,
+def _build(transport: Transport, lock: Lock, facts: Facts, gen: dict, installer: str, say: Progress,
            from_controller: bool) -> dict:
-    from .facts import interpreter_of
-
-    python = interpreter_of(facts, lock.platform.python)
+    python = facts.pythons.get(lock.platform.python)
     if python is None:
-        raise HostError(f"host has no usable Python {lock.platform.python} (reported "
-                        f"{(facts.get('pythons') or {}).get(lock.platform.python)!r})", where=transport.target.name)
+        raise HostError(f"host has no usable Python {lock.platform.python}", where=transport.target.name)
     pkgs, local = packages_of(lock)
     root = root_of(transport)
     for what in ("dir", "venv"):      # the state agent's reply: untrusted until checked
@@ -238,14 +235,14 @@ def _build(transport: Transport, lock: Lock, facts: dict, gen: dict, installer: 
 PLAIN_PATH = re.compile(r"^/[A-Za-z0-9._+/-]{1,4095}\Z")
 
 
-def host_steps(transport: Transport, lock: Lock, label: str, facts: dict, say: Progress) -> dict:
+def host_steps(transport: Transport, lock: Lock, label: str, facts: Facts, say: Progress) -> dict:
     """What Ansible does for a build (playbooks/build.yml): the apt CUDA toolkit. Returns its figures."""
     from . import runner
 
     cu = lock.platform.cuda
     say("build", "info", f"apt: {cu.package}")
-    py = facts.get("python_executable")       # the host's reply: used only if it is a plain path
-    interp = {transport.target.name: py} if isinstance(py, str) and PLAIN_PATH.match(py) else None
+    py = facts.python_executable       # Ansible's inventory takes it only as a plain path
+    interp = {transport.target.name: py} if py and PLAIN_PATH.match(py) else None
     res = runner.run_playbook("build", [transport.target], {"cuda_source": cu.source, "cuda_apt_package": cu.package},
                               label=label, interpreters=interp)
     if res.error:

@@ -1,25 +1,190 @@
-"""Host facts, gathered in one round trip by the stdlib agent; capture of an environment as a lock.
+"""Host facts: what a plan is made from, gathered in one round trip by the stdlib agent (agent/facts.py).
 
-`gather` returns the agent's JSON; `capture_lock` turns a live environment into lock data
-(used by `apply --adopt` and `lock capture`).
+A host's reply is untrusted: `Facts.from_reply` is the one place where it becomes typed values, each checked
+(its type; paths absolute and plain; generation ids as the store names them), and a reply that fails is one
+HostError naming the host and the field. `capture_lock` turns a live environment into lock data (used by
+`apply --adopt` and `lock capture`).
 """
 from __future__ import annotations
 
+import re
+from dataclasses import MISSING, asdict, dataclass, field, fields
+
+from .errors import HostError
 from .layout import DEFAULT_ROOT, root_of  # noqa: F401  (re-exported: the root is named in layout)
 from .transport import Transport
 
+GENERATION_RE = re.compile(r"^\d{4}-[A-Za-z0-9][A-Za-z0-9._+-]{0,99}\Z")   # NNNN-<lock name>, as the store makes it
+
+
+PATH = {"path": True}                                              # a field that names a path on the host
+GEN_ID = {"pattern": GENERATION_RE, "what": "a generation id"}
+
+
+def host_path(path) -> bool:
+    """An absolute path on the host that no shell or path join could read otherwise: no NUL, newline or `..`."""
+    return (isinstance(path, str) and path.startswith("/") and not {"\0", "\n"} & set(path)
+            and ".." not in path.split("/"))
+
+
+@dataclass(frozen=True)
+class HostOs:
+    id: str | None = None
+    version_id: str | None = None
+    pretty: str | None = None
+    kernel: str | None = None
+    arch: str | None = None
+    glibc: str | None = None
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    name: str
+    uuid: str
+    driver: str
+    compute_cap: str
+    memory: str
+    pci: str
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One generation as the host's store lists it (its manifest's summary)."""
+    id: str = field(metadata=GEN_ID)
+    number: int
+    status: str = "incomplete"
+    lock_name: str | None = None
+    lock_digest: str | None = None
+    venv_ok: bool = False             # its venv's interpreter exists (gc collects venvs)
+    stack: dict = field(default_factory=dict)    # the Stack it recorded at apply (plan.Stack as a dict)
+    python: str | None = None
+    created: str | None = None
+    adopted_from: str | None = None
+    cuda_home: str | None = None
+    probes: dict | None = None
+    patches: list[str | None] = field(default_factory=list)   # its patch series' names
+
+    @property
+    def settled(self) -> str:
+        """Its status once apply's first step (`recover`) settled it: one left `switching` returns to runnable
+        whether or not the switch committed (`recover` records the switch when `current` names it)."""
+        return "ready" if self.status == "switching" else self.status
+
+
+@dataclass(frozen=True)
+class Environment:
+    """A Python environment's distributions, read by its own interpreter (the current generation's, or one
+    to adopt)."""
+    dists: dict[str, str] = field(default_factory=dict)
+    python: str | None = None         # X.Y.Z
+    prefix: str | None = field(default=None, metadata=PATH)
+    executable: str | None = field(default=None, metadata=PATH)
+    path: str | None = None           # the interpreter asked
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Facts:
+    host: str
+    root: str | None = field(default=None, metadata=PATH)
+    os: HostOs = field(default_factory=HostOs)
+    pythons: dict[str, str] = field(default_factory=dict, metadata=PATH)   # X.Y → an interpreter that ran
+    python_versions: dict[str, str] = field(default_factory=dict)  # X.Y → X.Y.Z
+    broken_pythons: dict[str, str] = field(default_factory=dict)   # path → why it is not offered
+    pythons_looked_for: str | None = None                          # X.Y, or "all"
+    pythons_looked_in: list[str] = field(default_factory=list)
+    python_given: str | None = field(default=None, metadata=PATH)  # the operator's --python PATH
+    python_executable: str | None = field(default=None, metadata=PATH)   # the interpreter the agent ran under
+    uv: str | None = field(default=None, metadata=PATH)
+    user: str | None = None
+    cached_wheels: list[str] = field(default_factory=list)         # sha256 of each complete cache entry
+    disk_free_bytes: int | None = None
+    nvidia_smi: str | None = None                                  # the nvidia-smi it ran
+    gpus: list[Gpu] = field(default_factory=list)
+    driver: str | None = None
+    cuda_visible_devices: str | None = None
+    gpu_error: str | None = field(default=None, metadata={"key": "error"})   # nvidia-smi failed
+    toolkits: list[dict] = field(default_factory=list)             # {home, nvcc}: toolkits under /usr/local
+    nvcc_on_path: str | None = field(default=None, metadata=PATH)
+    nvcc_on_path_version: str | None = None
+    generations: list[Generation] = field(default_factory=list)
+    current: str | None = field(default=None, metadata=GEN_ID)
+    current_dists: dict[str, str] | None = None    # None: no current generation, or its interpreter did not run
+    current_python: str | None = None
+    current_error: str | None = None
+    managed: bool = False
+    adopt: Environment | None = None
+    lock_file: str | None = field(default=None, metadata=PATH)
+
+    def generation(self, gen_id: str | None) -> Generation | None:
+        return next((g for g in self.generations if g.id == gen_id), None)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_reply(cls, data, host: str) -> "Facts":
+        """The facts agent's reply, checked field by field against the types above (HostError naming the host
+        and the field): what the controller reads from it is what this returns."""
+        def bad(name: str, why: str):
+            raise HostError(f"the host's facts are malformed: {name}: {why}", where=host)
+
+        return _read(cls, data, "", bad, host=host)
+
+
+def _read(cls, data, name: str, bad, **given):
+    """An instance of dataclass `cls` from a JSON object, each field checked against its annotation."""
+    if not isinstance(data, dict):
+        bad(name or "facts", f"expected an object, not {type(data).__name__}")
+    out = dict(given)
+    for f in fields(cls):
+        key = f.metadata.get("key", f.name)
+        if f.name in given or data.get(key) is None:
+            if f.name not in given and f.default is MISSING and f.default_factory is MISSING:
+                bad(f"{name}.{key}" if name else key, "missing")
+            continue
+        out[f.name] = _value(f.type, data[key], f"{name}.{key}" if name else key, bad, f.metadata)
+    return cls(**out)
+
+
+def _value(kind: str, v, name: str, bad, meta):
+    if v is None and kind.endswith(" | None"):
+        return None
+    kind = kind.removesuffix(" | None")
+    if kind in NESTED:
+        return _read(NESTED[kind], v, name, bad)
+    if kind.startswith(("list", "dict")):
+        typ, (_, _, item) = (list, dict)[kind.startswith("dict")], kind[5:-1].rpartition(", ")   # list[X], dict[str, X]
+        if not isinstance(v, typ):
+            bad(name, f"expected {'a list' if typ is list else 'an object'}, not {type(v).__name__}")
+        if not item:
+            return v
+        if typ is list:
+            return [_value(item, x, f"{name}[{i}]", bad, meta) for i, x in enumerate(v)]
+        return {k: _value(item, x, f"{name}[{k!r}]", bad, meta) for k, x in v.items()}
+    if type(v) is not {"str": str, "int": int, "bool": bool}[kind]:
+        bad(name, f"expected {dict(str='a string', int='a whole number', bool='true or false')[kind]}, "
+                  f"not {type(v).__name__}")
+    if meta.get("path") and not host_path(v):
+        bad(name, f"{v[:120]!r} is not an absolute path")
+    if meta.get("pattern") and not meta["pattern"].match(v):
+        bad(name, f"{v[:120]!r} is not {meta['what']}")
+    return v
+
+
+NESTED = {"HostOs": HostOs, "Gpu": Gpu, "Generation": Generation, "Environment": Environment}
+
 
 def gather(transport: Transport, *, python: str | None = None, adopt: str | None = None,
-           interpreter: str | None = None) -> dict:
+           interpreter: str | None = None) -> Facts:
     """The host's facts; `python` ("3.12", a lock's) narrows the interpreters looked for to that version, and
     `interpreter` (the operator's --python PATH) is then the only one tried."""
     payload = {"root": root_of(transport), "python": python, "adopt": adopt,
                "nvidia_smi": transport.target.vars.get("provision_nvidia_smi")}
     if interpreter is not None:
         payload["interpreter"] = interpreter_arg(interpreter)
-    facts = transport.run_agent("facts", payload)
-    facts["host"] = transport.target.name
-    return facts
+    return Facts.from_reply(transport.run_agent("facts", payload), transport.target.name)
 
 
 def interpreter_arg(path: str | None) -> str | None:
@@ -29,18 +194,9 @@ def interpreter_arg(path: str | None) -> str | None:
 
     if path is None:
         return None
-    if not (path.startswith("/") and "\0" not in path and "\n" not in path and ".." not in path.split("/")):
+    if not host_path(path):
         raise InputError(f"must be an absolute path to an interpreter on the host, not {path!r}", where="--python")
     return path
-
-
-def interpreter_of(facts: dict, version: str) -> str | None:
-    """The host's interpreter for Python `version` as facts report it (a fact from the host): an absolute
-    path without NUL, newline or `..`, else None."""
-    path = (facts.get("pythons") or {}).get(version)
-    if isinstance(path, str) and path.startswith("/") and not {"\0", "\n"} & set(path) and ".." not in path.split("/"):
-        return path
-    return None
 
 
 def env_paths(path: str) -> tuple[str, str]:
@@ -57,21 +213,20 @@ def capture_lock(transport: Transport, python: str, name: str = "adopted") -> di
     Captured packages carry name and version only (no wheel hashes exist for what is already
     installed); the lock is a record to roll back to, not something `apply` can rebuild.
     """
-    from .errors import HostError
-
     facts = gather(transport, adopt=env_paths(python)[1])
-    env = facts["adopt"]
-    if env.get("error"):
-        raise HostError(f"cannot read environment {python}: {env['error']}", where=transport.target.name)
-    major_minor = ".".join(env["python"].split(".")[:2])
+    env = facts.adopt or Environment(error="the host did not read it")
+    if env.error or not env.python:
+        raise HostError(f"cannot read environment {python}: {env.error or 'no Python version reported'}",
+                        where=transport.target.name)
+    major_minor = ".".join(env.python.split(".")[:2])
     data = {
         "lock": 1, "name": name,
-        "description": f"captured from {env['prefix']} on {facts['host']}",
-        "platform": {"python": major_minor, "os": f"{facts['os'].get('id')}-{facts['os'].get('version_id')}",
-                     "arch": facts["os"].get("arch") or "x86_64"},
-        "requires": [], "packages": [{"name": n, "version": v} for n, v in sorted(env["dists"].items())],
+        "description": f"captured from {env.prefix} on {facts.host}",
+        "platform": {"python": major_minor, "os": f"{facts.os.id}-{facts.os.version_id}",
+                     "arch": facts.os.arch or "x86_64"},
+        "requires": [], "packages": [{"name": n, "version": v} for n, v in sorted(env.dists.items())],
         "patches": [], "engine": {}, "probes": {},
     }
-    if facts.get("gpus"):
-        data["platform"]["gpus"] = {"compute_capability": sorted({g["compute_cap"] for g in facts["gpus"]})}
+    if facts.gpus:
+        data["platform"]["gpus"] = {"compute_capability": sorted({g.compute_cap for g in facts.gpus})}
     return data

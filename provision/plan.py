@@ -13,6 +13,7 @@ from pathlib import Path
 from packaging.version import InvalidVersion, Version
 
 from .errors import InputError
+from .facts import Facts, Generation
 from .lock import Lock, from_data
 from .toolkit import nvcc_missing
 from .units import human_size
@@ -220,19 +221,12 @@ def check_plan_data(d, where: str) -> None:
             bad(f"changes[{i}]", f"unknown category or action ({c['category']!r}, {c['action']!r})")
 
 
-def settled(g: dict) -> str | None:
-    """A generation's status once apply's first step (`recover`) settled it: one left `switching` returns to
-    runnable whether or not the switch committed (`recover` records the switch when `current` names it)."""
-    return "ready" if g.get("status") == "switching" else g.get("status")
-
-
-def facts_digest(facts: dict) -> str:
+def facts_digest(facts: Facts) -> str:
     """What a saved plan depends on: generations (as apply's recovery settles them), current, and the
     current environment."""
-    keep = {"current": facts.get("current"), "current_error": facts.get("current_error"),
-            "generations": [(g.get("id"), settled(g), g.get("lock_digest"), g.get("venv_ok"))
-                            for g in facts.get("generations", [])],
-            "dists": sorted((facts.get("current_dists") or {}).items())}
+    keep = {"current": facts.current, "current_error": facts.current_error,
+            "generations": [(g.id, g.settled, g.lock_digest, g.venv_ok) for g in facts.generations],
+            "dists": sorted((facts.current_dists or {}).items())}
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
 
 
@@ -360,38 +354,33 @@ def render_plan(plan: Plan, full: bool = False) -> str:
 SEED_PACKAGES = {"pip", "setuptools", "wheel"}   # what `python -m venv` seeds, unless a lock lists them
 
 
-def _generation(facts: dict, gen_id: str | None) -> dict:
-    return next((g for g in facts.get("generations", []) if g["id"] == gen_id), {})
-
-
-def current_stack(facts: dict) -> Stack | None:
+def current_stack(facts: Facts) -> Stack | None:
     """The stack of the host's current generation: its installed distributions (or, when its interpreter
     does not run, the versions it recorded) and the rest from its manifest."""
-    cur = facts.get("current")
-    if not cur:
+    if not facts.current:
         return None
-    gen = _generation(facts, cur)
-    stored = gen.get("stack") or {}
-    if facts.get("current_error") or facts.get("current_dists") is None:
+    gen = facts.generation(facts.current)
+    stored = gen.stack if gen else {}
+    if facts.current_error or facts.current_dists is None:
         dists = dict(stored.get("packages") or {})
     else:
-        dists = dict(facts.get("current_dists") or {})
+        dists = dict(facts.current_dists)
     patches = stored.get("patches") or {}
     if isinstance(patches, list):   # manifests written before patch content was recorded
         patches = {p: "unknown" for p in patches}
-    live_py = facts.get("current_python")
-    return Stack(name=gen.get("lock_name"), packages=dists, cuda=stored.get("cuda"),
+    live_py = facts.current_python
+    return Stack(name=gen and gen.lock_name, packages=dists, cuda=stored.get("cuda"),
                  driver_min=stored.get("driver_min"), patches=patches, engine=stored.get("engine") or {},
-                 python=".".join(live_py.split(".")[:2]) if live_py else stored.get("python") or gen.get("python"),
+                 python=".".join(live_py.split(".")[:2]) if live_py else stored.get("python") or (gen and gen.python),
                  hashes=stored.get("hashes") or {}, indexes=stored.get("indexes") or {},
                  probes=stored.get("probes") or {})
 
 
-def _reusable(facts: dict, lock: Lock, target: Stack) -> dict | None:
+def _reusable(facts: Facts, lock: Lock, target: Stack) -> Generation | None:
     """The newest complete generation (probed, committed once, venv intact) built from exactly this lock."""
-    for g in reversed(facts.get("generations", [])):
-        if (g["id"] != facts.get("current") and g.get("lock_digest") == lock.digest and settled(g) == "ready"
-                and g.get("venv_ok") and ((g.get("stack") or {}).get("patches") or {}) == target.patches):
+    for g in reversed(facts.generations):
+        if (g.id != facts.current and g.lock_digest == lock.digest and g.settled == "ready" and g.venv_ok
+                and (g.stack.get("patches") or {}) == target.patches):
             return g
     return None
 
@@ -411,98 +400,98 @@ def _local_size(lock: Lock, url: str | None) -> int | None:
         return None
 
 
-def download_estimate(facts: dict, lock: Lock) -> dict:
+def download_estimate(facts: Facts, lock: Lock) -> dict:
     """Wheels the host's cache lacks, their bytes (where known), and the disk a build needs."""
-    cached = set(facts.get("cached_wheels") or [])
+    cached = set(facts.cached_wheels)
     need = [p for p in lock.packages if p.sha256 not in cached]
     sizes = {p.name: p.size if p.size is not None else _local_size(lock, p.url) for p in lock.packages}
     known = sum(sizes[p.name] or 0 for p in need)
     total = sum(v or 0 for v in sizes.values())
     return {"wheels": len(need), "bytes": known, "unknown": sum(sizes[p.name] is None for p in need),
-            "disk_needed": known + UNPACK_FACTOR * total, "disk_free": facts.get("disk_free_bytes")}
+            "disk_needed": known + UNPACK_FACTOR * total, "disk_free": facts.disk_free_bytes}
 
 
-def make_plan(facts: dict, lock: Lock) -> Plan:
+def make_plan(facts: Facts, lock: Lock) -> Plan:
     """Pure: what applying `lock` would do on the host these facts describe, and why."""
     target = stack_of_lock(lock)
     old = current_stack(facts) or Stack()
     old.packages = {n: v for n, v in old.packages.items() if n not in SEED_PACKAGES or n in target.packages}
     changes = diff_stacks(old, target)
-    cur = facts.get("current")
-    gen = _generation(facts, cur)
-    healthy = bool(cur) and not facts.get("current_error") and gen.get("venv_ok", True)
-    same_build = gen.get("lock_digest") == lock.digest and not changes
-    if healthy and same_build and settled(gen) == "ready":
+    cur = facts.current
+    gen = facts.generation(cur)
+    venv_ok = gen is None or gen.venv_ok
+    healthy = bool(cur) and not facts.current_error and venv_ok
+    same_build = gen is not None and gen.lock_digest == lock.digest and not changes
+    if healthy and same_build and gen.settled == "ready":
         action, reuse = "noop", None
     else:
         g = _reusable(facts, lock, target)
-        action, reuse = ("reuse", g["id"]) if g else ("build", None)
+        action, reuse = ("reuse", g.id) if g else ("build", None)
         if not changes and cur:   # nothing in the stack differs, yet apply acts: say why
-            why = ("its interpreter does not run" if facts.get("current_error") else
-                   "its venv is missing" if not gen.get("venv_ok", True) else
-                   f"it is {gen.get('status')}" if settled(gen) != "ready" else "the lock's content changed")
+            why = ("its interpreter does not run" if facts.current_error else
+                   "its venv is missing" if not venv_ok else
+                   f"it is {gen and gen.status}" if not gen or gen.settled != "ready" else "the lock's content changed")
             changes.append(Change("lock", lock.name, "change", f"{cur} ({why})", f"lock sha256 {lock.digest[:12]}…"))
     download = download_estimate(facts, lock) if action == "build" else {}
     findings = preflight_findings(facts, lock, action, download)
-    return Plan(host=facts.get("host", "?"), lock=lock.raw, lock_name=lock.name, lock_digest=lock.digest,
+    return Plan(host=facts.host, lock=lock.raw, lock_name=lock.name, lock_digest=lock.digest,
                 facts_digest=facts_digest(facts), base=cur, changes=changes, action=action, reuse=reuse,
-                current_error=facts.get("current_error"), warnings=[m for _, m in findings],
-                errors=[m for fatal, m in findings if fatal], download=download, root=facts.get("root"))
+                current_error=facts.current_error, warnings=[m for _, m in findings],
+                errors=[m for fatal, m in findings if fatal], download=download, root=facts.root)
 
 
 def _driver_tuple(v: str) -> tuple:
     return tuple(int(x) for x in v.split(".") if x.isdigit())
 
 
-def no_python(facts: dict, py: str) -> str:
+def no_python(facts: Facts, py: str) -> str:
     """One line: the lock's Python is not on the host; what was found, what is broken, where it looked."""
-    broken = facts.get("broken_pythons") or {}
-    given = facts.get("python_given")
+    broken, given = facts.broken_pythons, facts.python_given
     if given:
         return f"--python {given} cannot run the lock's Python {py}: {broken.get(given, 'not usable')}"
-    have = ", ".join(f"{v} ({p})" for v, p in sorted((facts.get("pythons") or {}).items())) or "none"
+    have = ", ".join(f"{v} ({p})" for v, p in sorted(facts.pythons.items())) or "none"
     text = f"host has no working Python {py} (found: {have})"
     if broken:
         text += "; broken: " + "; ".join(f"{p}: {why}" for p, why in sorted(broken.items()))
-    if facts.get("pythons_looked_in"):
-        text += f"; looked for python{py} in {', '.join(facts['pythons_looked_in'])}; name one with --python PATH"
+    if facts.pythons_looked_in:
+        text += f"; looked for python{py} in {', '.join(facts.pythons_looked_in)}; name one with --python PATH"
     return text
 
 
-def preflight_findings(facts: dict, lock: Lock, action: str = "build",
+def preflight_findings(facts: Facts, lock: Lock, action: str = "build",
                        download: dict | None = None) -> list[tuple[bool, str]]:
     """(fatal, message) for everything that would stop or weaken applying `lock` here; what only a build
     needs (the interpreter, hashes) is checked only when apply will build."""
     out: list[tuple[bool, str]] = []
     py = lock.platform.python
-    if action == "build" and py not in (facts.get("pythons") or {}):
+    if action == "build" and py not in facts.pythons:
         out.append((True, no_python(facts, py)))
     out += [(False, w) for w in lock.stale_override_warnings()]
-    libc = (facts.get("os") or {}).get("glibc")
+    libc = facts.os.glibc
     if action == "build" and libc and _driver_tuple(libc) < _driver_tuple(lock.platform.glibc):
         out.append((True, f"host glibc {libc} is older than the lock's platform.glibc {lock.platform.glibc} "
                           f"(its wheels may be manylinux_2_{lock.platform.glibc.split('.')[1]})"))
-    gpus = facts.get("gpus") or []
+    gpus = facts.gpus
     dmin = lock.platform.driver_min
-    if gpus and dmin and facts.get("driver") and _driver_tuple(facts["driver"]) < _driver_tuple(dmin):
-        out.append((True, f"NVIDIA driver {facts['driver']} is older than the lock's minimum {dmin}"))
+    if gpus and dmin and facts.driver and _driver_tuple(facts.driver) < _driver_tuple(dmin):
+        out.append((True, f"NVIDIA driver {facts.driver} is older than the lock's minimum {dmin}"))
     if not gpus and (dmin or lock.platform.compute_capability):
         out.append((False, "no NVIDIA GPU found (nvidia-smi absent or empty): driver and GPU checks skipped"))
     want = set(lock.platform.compute_capability)
     for g in gpus:
-        if want and g["compute_cap"] not in want:
-            out.append((False, f"GPU {g['index']} ({g['name']}) has compute capability {g['compute_cap']}, "
+        if want and g.compute_cap not in want:
+            out.append((False, f"GPU {g.index} ({g.name}) has compute capability {g.compute_cap}, "
                                f"the lock targets {', '.join(sorted(want))}"))
-    free = facts.get("disk_free_bytes")
+    free = facts.disk_free_bytes
     need = (download or {}).get("disk_needed", 0)
     if action == "build" and free is not None and free < need:
-        out.append((True, f"only {human_size(free)} free under {facts.get('root')}; this build needs about "
+        out.append((True, f"only {human_size(free)} free under {facts.root}; this build needs about "
                           f"{human_size(need)} (the wheels to fetch and the install)"))
     elif action == "build" and free is not None and free < need + MIN_FREE_BYTES:
-        out.append((False, f"this build leaves about {human_size(free - need)} free under {facts.get('root')} "
+        out.append((False, f"this build leaves about {human_size(free - need)} free under {facts.root} "
                            f"(less than {human_size(MIN_FREE_BYTES)} to spare)"))
     if action == "build":
-        cached = set(facts.get("cached_wheels") or [])
+        cached = set(facts.cached_wheels)
         for p in lock.packages:
             if not p.sha256:
                 out.append((True, f"{p.pin} has no sha256 in {lock.where('packages')}: cannot install with "

@@ -152,7 +152,7 @@ def test_templates_in_a_lock_and_in_host_replies_run_nothing(target, tmp_path, w
                                    "cuda": {"source": "apt", "version": "12.8", "package": "openssh-server"}})
     tr = SSH(t)
     try:
-        facts_python = gather(tr)["python_executable"]
+        facts_python = gather(tr).python_executable
         assert TEMPLATE.replace("/", "_") in facts_python          # the host really replies with it
         rep = applymod.apply(tr, lockmod.load(lk_path), skip_probes=["nvcc", "engine"])
     finally:

@@ -251,8 +251,8 @@ def test_facts_with_recorded_nvidia_smi(target, tmp_path):
         f = gather(tr)
     finally:
         tr.close()
-    assert f["driver"] == "580.159.04"
-    assert f["gpus"][0]["name"] == "NVIDIA H200" and f["gpus"][0]["compute_cap"] == "9.0"
+    assert f.driver == "580.159.04"
+    assert f.gpus[0].name == "NVIDIA H200" and f.gpus[0].compute_cap == "9.0"
     lk = lockmod.loads("lock: 1\nname: x\nplatform: {python: '3.11', driver: {min: '590.1'}, "
                        "gpus: {compute_capability: ['12.0']}}\n")
     findings = preflight_findings(f, lk)
@@ -269,7 +269,7 @@ def test_facts_glibc_and_a_lock_for_a_newer_one(tmp_path):
     tr = Local()
     tr.target.vars.update(python=sys.executable, provision_root=str(tmp_path / "root"))
     f = gather(tr)
-    have = f["os"]["glibc"]
+    have = f.os.glibc
     assert have == platform.libc_ver()[1]
     minor = int(have.split(".")[1])
     own = "%d.%d" % sys.version_info[:2]
@@ -297,16 +297,16 @@ def test_facts_look_only_for_the_locks_python(tmp_path, monkeypatch):
     tr = Local()
     tr.target.vars.update(python=sys.executable, provision_root=str(tmp_path / "root"))
     f = gather(tr, python=own)
-    assert f["pythons"] == {own: sys.executable} and f["broken_pythons"] == {}
-    assert f["python_versions"][own] == "%d.%d.%d" % sys.version_info[:3] and f["pythons_looked_for"] == own
+    assert f.pythons == {own: sys.executable} and f.broken_pythons == {}
+    assert f.python_versions[own] == "%d.%d.%d" % sys.version_info[:3] and f.pythons_looked_for == own
     f = gather(tr, python=other)
-    assert other not in f["pythons"] and f["broken_pythons"] == {str(fake): "no such version here"}
+    assert other not in f.pythons and f.broken_pythons == {str(fake): "no such version here"}
     lk = lockmod.loads(f"lock: 1\nname: x\nplatform: {{python: '{other}'}}\n")
     (fatal, msg), = [x for x in preflight_findings(f, lk) if "Python" in x[1]]
     assert fatal and msg.startswith(f"host has no working Python {other} (found: {own} ({sys.executable})); "
                                     f"broken: {fake}: no such version here; looked for python{other} in PATH (")
     f = gather(tr)
-    assert f["pythons_looked_for"] == "all" and str(fake) in f["broken_pythons"]
+    assert f.pythons_looked_for == "all" and str(fake) in f.broken_pythons
     with pytest.raises(HostError, match="python must be 3.X"):
         gather(tr, python="3.12; rm -rf /")
 

@@ -95,7 +95,7 @@ def test_uv_managed_python_is_found(tmp_path, wheels, elsewhere, monkeypatch):
     tr = Local(Target(host="local", vars={"python": sys.executable, "provision_root": str(tmp_path / "root")}))
     want = uv_dir / f"cpython-{full}-linux-x86_64-gnu" / "bin" / f"python{minor}"
     f = gather(tr, python=minor)
-    assert f["pythons"][minor] == str(want) and str(uv_dir) in f["pythons_looked_in"]
+    assert f.pythons[minor] == str(want) and str(uv_dir) in f.pythons_looked_in
     rep = applymod.apply(tr, lockmod.load(write_lock(tmp_path / "l.yaml", "stack-x", [wheels["alpha-1.0"]],
                                                      python=minor)))
     assert rep.status == "applied"

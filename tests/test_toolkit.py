@@ -11,6 +11,7 @@ import pytest
 
 from provision import lock as lockmod, lockcheck, plan, toolkit
 from provision.agent import probes as agentprobes
+from provision.facts import Facts
 
 ROOT = Path(__file__).resolve().parent.parent
 BASELINE = ROOT / "lockfiles" / "cuda12.8-sglang0.5.9.yaml"
@@ -38,7 +39,7 @@ def test_lock_check_refuses_cuda12_from_wheels_before_any_download():
     rep = lockcheck.check(lk, offline=True)
     (err,) = [f for f in rep.errors if f.rule == "toolkit"]
     assert "has no nvcc" in err.message and "source: host" in err.message
-    facts = {"pythons": {"3.12": "/usr/bin/python3.12"}, "disk_free_bytes": 1 << 50, "root": "/opt/provision"}
+    facts = Facts(host="h", pythons={"3.12": "/usr/bin/python3.12"}, disk_free_bytes=1 << 50, root="/opt/provision")
     assert (True, err.message) in plan.preflight_findings(facts, lk)        # apply refuses it before downloading
     for ok in (lockmod.load(BASELINE), lockmod.load(TARGET)):
         assert not [f for f in lockcheck.check(ok, offline=True).errors if f.rule == "toolkit"]

@@ -2,11 +2,10 @@
 same change applied for real (local host root, real uv/pip installs) does what the plan said."""
 from __future__ import annotations
 
-import copy
 import re
 import shutil
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import yaml
 from provision import apply as applymod
 from provision import lock as lockmod
 from provision.errors import ProvisionError
+from provision.facts import Facts
 from provision.plan import make_plan, render_plan, stack_of_lock
 from provision.transport import Local, Target
 from provision.units import human_size
@@ -24,15 +24,19 @@ PY = "%d.%d" % sys.version_info[:2]
 SERIES = Path(applymod.__file__).parent / "patches" / "sglang-0.5.9"
 
 
-def host_facts(lk: lockmod.Lock, **over) -> dict:
-    """Facts of a host whose current generation was built from `lk` and runs."""
-    gen = {"id": "0001-base", "number": 1, "status": "ready", "lock_digest": lk.digest, "venv_ok": True,
-           "stack": asdict(stack_of_lock(lk)), "lock_name": lk.name}
-    facts = {"host": "h", "root": "/r", "current": "0001-base", "generations": [gen],
+def generation(lk: lockmod.Lock) -> dict:
+    """The store's record of a generation built from `lk` (as the facts agent lists it)."""
+    return {"id": "0001-base", "number": 1, "status": "ready", "lock_digest": lk.digest, "venv_ok": True,
+            "stack": asdict(stack_of_lock(lk)), "lock_name": lk.name}
+
+
+def host_facts(lk: lockmod.Lock, **over) -> Facts:
+    """Facts of a host whose current generation was built from `lk` and runs (its reply, `over` changed)."""
+    reply = {"root": "/r", "current": "0001-base", "generations": [generation(lk)],
              "current_dists": dict(lk.versions()), "current_python": f"{PY}.0", "pythons": {PY: "/usr/bin/python3"},
              "disk_free_bytes": 1 << 40, "cached_wheels": [p.sha256 for p in lk.packages]}
-    facts.update(over)
-    return facts
+    reply.update(over)
+    return Facts.from_reply(reply, "h")
 
 
 @pytest.fixture
@@ -98,14 +102,14 @@ def test_broken_current_and_reuse_are_plan_lines(base):
     assert "current generation 0001-base is broken: No module named 'encodings'" in text
     assert "+ alpha" not in text                       # not a silent "+ everything"
 
-    facts = host_facts(lk)
-    older = copy.deepcopy(facts["generations"][0])
-    facts["generations"] = [older, dict(older, id="0002-other", number=2, lock_digest="0" * 64)]
-    facts["current"] = "0002-other"
+    older = generation(lk)
+    gens = [older, dict(older, id="0002-other", number=2, lock_digest="0" * 64)]
+    facts = host_facts(lk, generations=gens, current="0002-other")
     plan = make_plan(facts, lk)
     assert plan.action == "reuse" and plan.reuse == "0001-base"
     assert "reuse (probe): generation 0001-base already holds this lock: apply probes it" in render_plan(plan)
-    facts["generations"][0]["venv_ok"] = False          # collected venv: not reusable
+    older["venv_ok"] = False                            # collected venv: not reusable
+    facts = host_facts(lk, generations=gens, current="0002-other")
     assert make_plan(facts, lk).action == "build"
 
 
@@ -195,7 +199,7 @@ def test_disk_check_of_a_build_from_cached_wheels_counts_only_the_install(tmp_pa
     install = UNPACK_FACTOR * sum(w.stat().st_size for w in ws)
     assert (dl["wheels"], dl["bytes"], dl["disk_needed"]) == (0, 0, install), dl
     for free, refused in ((install, False), (install - 1, True)):
-        plan = make_plan(dict(facts, disk_free_bytes=free), cached)
+        plan = make_plan(replace(facts, disk_free_bytes=free), cached)
         assert plan.action == "build"
         assert bool([e for e in plan.errors if "free under" in e]) == refused, (free, plan.errors)
         assert any(f"less than {human_size(MIN_FREE_BYTES)} to spare" in w for w in plan.warnings) != refused

@@ -33,14 +33,14 @@ def facts(json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
     rows = over_hosts(hosts.targets(), gather, hosts.forks)
 
     def show(r):
-        f = r.value
+        f = r.value.to_json()
         gpus = ", ".join(f"{g['index']}:{g['name']} sm{g['compute_cap']}" for g in f["gpus"]) or "none"
         console.print(f"{r.host}: {f['os'].get('pretty')} {f['os'].get('arch')}, pythons "
                       f"{', '.join(f['pythons'])}, uv {'yes' if f['uv'] else 'no'}\n"
                       f"  GPUs: {gpus}; driver {f.get('driver') or '-'}; nvcc {f.get('nvcc_on_path_version') or '-'}\n"
                       f"  root {f['root']}: {len(f['generations'])} generations, current {f['current'] or '-'}; "
                       f"{human_size(f['disk_free_bytes'])} free", markup=False)
-    print_rows(rows, show, json_out)
+    print_rows(rows, show, json_out, to_json=lambda f: f.to_json())
     exit_for(rows)
 
 

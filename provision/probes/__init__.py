@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from .. import generations
 from .. import lock as lockmod
 from ..errors import HostError, ProvisionError
 from .. import layout
-from ..facts import gather
+from ..facts import Environment, Facts, gather
 from ..lock import Lock
 from ..transport import Transport
 from .ship import ship_tool
@@ -62,12 +62,12 @@ def check_names(names, flag: str) -> None:
         raise ProvisionError(f"{flag}: unknown probe {unknown[0]!r} (known: {', '.join(BY_NAME)})")
 
 
-def unmet(probe: Probe, facts: dict, lock: Lock) -> str | None:
+def unmet(probe: Probe, facts: Facts, lock: Lock) -> str | None:
     """Why `probe` cannot run here, decided from the host's facts and the lock; None if it can."""
-    gpus = facts.get("gpus") or []
+    gpus = facts.gpus
     for need in probe.needs:
         if need == "gpu" and not gpus:
-            why = facts.get("error") or "nvidia-smi absent or lists none"
+            why = facts.gpu_error or "nvidia-smi absent or lists none"
             return f"no NVIDIA GPU on this host ({why})"
         if need == "gpus>=2" and len(gpus) < 2:
             return ("one GPU on this host: needs at least 2" if gpus else "no NVIDIA GPU on this host") + \
@@ -87,7 +87,7 @@ def resolve_generation(transport: Transport, generation: str | None) -> str:
     return generations.resolve(transport, generation)
 
 
-def _engine_spec(transport: Transport, lock: Lock, python: str, facts: dict) -> dict:
+def _engine_spec(transport: Transport, lock: Lock, python: str, facts: Facts) -> dict:
     """What the host agent launches and checks: argv (and the baseline argv for SGLang), env, limits."""
     e = dict(lock.engine or {})
     kind = e.get("kind")
@@ -111,7 +111,7 @@ def _engine_spec(transport: Transport, lock: Lock, python: str, facts: dict) -> 
         spec.update(argv=argv, baseline_argv=base, device="cuda")
         return spec
     tool = ship_tool(transport)
-    device = e.get("device") or ("cuda" if facts.get("gpus") else "cpu")
+    device = e.get("device") or ("cuda" if facts.gpus else "cpu")
     argv = [python, "-m", "provision.engine.serve", "--host", "127.0.0.1", "--port", "0", "--device", device]
     for key, flag in (("model", "--model"), ("draft", "--draft"), ("dtype", "--dtype"), ("steps", "--steps"),
                       ("topk", "--topk"), ("num_draft_tokens", "--num-draft-tokens"),
@@ -174,7 +174,7 @@ def _probe_contract(transport: Transport, lock: Lock, dists: dict, python: str) 
 
 
 def run_probes(transport: Transport, lock: Lock | None = None, *, generation: str | None = None,
-               skip=(), only=None, during_apply: bool = False, facts: dict | None = None,
+               skip=(), only=None, during_apply: bool = False, facts: Facts | None = None,
                manifest: dict | None = None) -> dict:
     """Run the probes in one generation (default: `current`) and record the report there and in history.
 
@@ -223,8 +223,8 @@ def run_probes(transport: Transport, lock: Lock | None = None, *, generation: st
                if lock.platform.cuda.source != "none" else None,
                "packages": against.versions(),
                "packages_source": f"{against.name} ({'captured at adoption' if against is gen_lock and adopted else 'lock'})",
-               "nvidia_smi": transport.target.vars.get("provision_nvidia_smi") or facts.get("nvidia_smi"),
-               "gpus": facts.get("gpus") or [], "timeout": lock.probes.get("collective_timeout")}
+               "nvidia_smi": transport.target.vars.get("provision_nvidia_smi") or facts.nvidia_smi,
+               "gpus": [asdict(g) for g in facts.gpus], "timeout": lock.probes.get("collective_timeout")}
     if "allreduce" in to_host:
         payload["allreduce_script"] = f"{ship_tool(transport)}/provision/agent/allreduce.py"
     if "engine" in to_host:
@@ -249,7 +249,7 @@ def run_probes(transport: Transport, lock: Lock | None = None, *, generation: st
                 results[p.name] = _probe_patches(transport, lock, manifest, python)
             elif p.name == "contract":
                 if not dists:   # no host probe ran: the generation's distributions from the facts agent
-                    dists = (gather(transport, adopt=python).get("adopt") or {}).get("dists") or {}
+                    dists = (gather(transport, adopt=python).adopt or Environment()).dists
                 results[p.name] = _probe_contract(transport, lock, dists, python)
         except ProvisionError as e:
             results[p.name] = _res(p.name, "fail", str(e))
@@ -264,7 +264,7 @@ def run_probes(transport: Transport, lock: Lock | None = None, *, generation: st
     failed = [r["name"] for r in ordered if r["status"] == "fail" and r["required"]]
     report = {"status": "fail" if failed else "pass", "host": transport.target.name, "generation": gen_id,
               "lock": lock.name, "python": host_python or python, "during_apply": during_apply,
-              "gpus": len(facts.get("gpus") or []), "driver": facts.get("driver"),
+              "gpus": len(facts.gpus), "driver": facts.driver,
               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "results": ordered, "summary": summary, "failed": failed,
               "skipped_by_operator": [n for n in skip or () if n in results],
