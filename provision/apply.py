@@ -1,8 +1,15 @@
-"""Apply a lock to a host: recover → facts → plan → (check → probe | build → patch → seal → probe) → switch.
+"""Apply a lock to a host, one named step at a time (`_apply`; each step a `with steps.step(NAME)` around one
+visible call):
+
+    recover (generations.recover) → facts (facts.gather) [→ adopt] → plan (plan.make_plan), then
+      noop:  nothing to do
+      reuse: check (verify.check) → probe (probes.run_probes) → switch (generations.switch)
+      build: build (build.build: fetch, install) → patch (patches.apply_series) → seal (verify.seal)
+             → probe (probes.run_probes) → switch (generations.switch)
 
 The rename of `current` is the one commit point: a failure before it leaves `current` untouched and the
 new generation failed (venv removed at once); after it, apply reports the switch and names the failed
-bookkeeping. Also: adoption of an unmanaged environment as generation 0, rollback, history, gc, logs.
+bookkeeping. Also: adoption of an unmanaged environment as generation 0, and a fleet's rollout in batches.
 """
 from __future__ import annotations
 
@@ -33,6 +40,15 @@ class Step:
     seconds: float = 0.0
     detail: str = ""
 
+    def said(self, out: dict) -> dict:
+        """What the step's call returned: its `detail` becomes the step's, and a verdict of "fail" (the
+        probes') fails the step. Returns `out`."""
+        if out.get("detail"):
+            self.detail = out["detail"]
+        if out.get("status") == "fail":
+            self.status = "failed"
+        return out
+
 
 @dataclass
 class ApplyReport:
@@ -62,8 +78,8 @@ class ApplyReport:
         return asdict(self)
 
 
-# Hook points filled by the patch engine and the probes; each returns a JSON-able summary.
-def patch_hook(transport: Transport, lock: Lock, gen: dict) -> dict:
+def patch(transport: Transport, lock: Lock, gen: dict) -> dict:
+    """The lock's patch series applied inside generation `gen` (its new venv); a JSON-able summary."""
     if not lock.patches:
         return {"status": "none", "detail": "the lock names no patch series"}
     from . import patches
@@ -78,13 +94,13 @@ def patch_hook(transport: Transport, lock: Lock, gen: dict) -> dict:
     return {"status": "applied", "detail": detail, **report}
 
 
-def probe_hook(transport: Transport, lock: Lock, gen: dict, skip: list[str], facts: Facts,
-               manifest: dict | None) -> dict:
-    """The probes inside generation `gen` (a new build's manifest in hand, or None: the generation's own, read
-    from the host, for a reused one)."""
+def probe(transport: Transport, lock: Lock, gen_id: str, skip: list[str], facts: Facts,
+          manifest: dict | None) -> dict:
+    """The probes inside generation `gen_id` (a new build's manifest in hand, or None: the generation's own,
+    read from the host, for a reused one)."""
     from .probes import run_probes
 
-    report = run_probes(transport, lock, generation=gen["id"], skip=skip, during_apply=True, facts=facts,
+    report = run_probes(transport, lock, generation=gen_id, skip=skip, during_apply=True, facts=facts,
                         manifest=manifest)
     report.setdefault("detail", " · ".join(f"{n} {k}" for k, n in (report.get("summary") or {}).items() if n))
     return report
@@ -110,7 +126,10 @@ class _Steps:
     def waiting(self, what: str, seconds: float) -> None:
         self.progress(what, "wait", f"waiting for {self.report.host}: {what} (no progress for {seconds:g} s)")
 
-    def run(self, name: str, fn, *a, **kw):
+    @contextmanager
+    def step(self, name: str):
+        """`with steps.step(NAME) as step:` runs the body as step NAME (its Step yielded: `step.said(out)`
+        takes the detail and verdict of what the body's call returned)."""
         if self.cancel is not None and self.cancel.is_set():
             raise Cancelled(f"stopped before {name}: the run was cancelled", where=self.report.host)
         step = Step(name, "running")
@@ -120,7 +139,7 @@ class _Steps:
         if self.transport is not None:     # a switch under way is one commit: the cancel flag never cuts it
             self.transport.watch = Watch(name, self.waiting, None if name == "switch" else self.cancel)
         try:
-            out = fn(*a, **kw)
+            yield step
         except BaseException as e:
             why = str(e) or ("interrupted" if isinstance(e, KeyboardInterrupt) else type(e).__name__)
             step.status, step.seconds, step.detail = "failed", time.perf_counter() - t0, why
@@ -129,12 +148,8 @@ class _Steps:
         finally:
             if self.transport is not None:
                 self.transport.watch = None
-        failed = isinstance(out, dict) and out.get("status") == "fail"    # a verdict, such as the probes'
-        step.status, step.seconds = "failed" if failed else "done", time.perf_counter() - t0
-        if isinstance(out, dict) and out.get("detail"):
-            step.detail = out["detail"]
-        self.progress(name, "fail" if failed else "done", step.detail)
-        return out
+        step.status, step.seconds = "failed" if step.status == "failed" else "done", time.perf_counter() - t0
+        self.progress(name, "fail" if step.status == "failed" else "done", step.detail)
 
 
 def adopt(transport: Transport, prefix: str, facts: Facts | None = None) -> dict:
@@ -198,46 +213,71 @@ def apply(transport: Transport, lock: Lock, *, saved_plan: Plan | None = None, a
 
 def _apply(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps, *, saved_plan, adopt_path,
            skip: list[str], installer, wheels_from, on_plan, progress, gate, interpreter) -> None:
-    report.recovered = steps.run("recover", _recover, transport)
-    facts = steps.run("facts", gather, transport, python=lock.platform.python, interpreter=interpreter)
+    """The pipeline, one step at a time: recover → facts (→ adopt) → plan, then noop, reuse (`_reuse`) or
+    build (`_build`), then the gate and the switch."""
+    with steps.step("recover") as step:
+        report.recovered = step.said(_recover(transport))
+    with steps.step("facts"):
+        facts = gather(transport, python=lock.platform.python, interpreter=interpreter)
     if adopt_path and not facts.generations:
-        steps.run("adopt", adopt, transport, adopt_path, facts)
+        with steps.step("adopt") as step:
+            step.said(adopt(transport, adopt_path, facts))
         facts = gather(transport, python=lock.platform.python, interpreter=interpreter)
     if saved_plan is not None:
         if saved_plan.host != facts.host or saved_plan.facts_digest != facts_digest(facts):
             raise PlanError("the host changed since this plan was made; plan again", where=facts.host)
     report.previous = report.current = facts.current
-
-    def planned() -> Plan:   # the plan is shown before anything changes; its fatal findings stop here
-        plan = make_plan(facts, lock)
-        report.plan = plan.to_json()
-        if on_plan:
-            on_plan(plan)
-        if plan.errors and not plan.noop:
-            raise HostError(plan.errors[0] + (f" (+{len(plan.errors) - 1} more)" if len(plan.errors) > 1 else ""),
-                            where=facts.host)
-        return plan
-
-    plan = steps.run("plan", planned)
+    with steps.step("plan"):
+        plan = _planned(facts, lock, report, on_plan)
     if plan.noop:
         report.status, report.generation = "noop", facts.current
         return
-    if plan.action == "reuse":
-        check = steps.run("check", verifymod.check, transport, plan.reuse)
-        if check["verdict"] == "clean":
-            report.generation = plan.reuse
-            report.probes = steps.run("probe", probe_hook, transport, lock, {"id": plan.reuse}, skip, facts, None)
-            if report.probes.get("status") == "fail":     # the host changed since it was proven: stay
-                report.failed_step = "probe"
-                raise ProbesFailed(probe_failure(plan.reuse, report.probes, facts.current),
-                                   where=facts.host)
-            _halt_at(gate, transport, report, None)
-            _switch(transport, report, steps, plan.reuse, {"lock": lock.name, "reuse": True, "skipped_probes": skip})
-            report.status = "reused"
-            return
-        report.warnings.append(f"{plan.reuse} holds this lock but fails verification ({check['named']}): "
-                               "built a new generation instead")
+    if plan.action == "reuse" and _reuse(transport, lock, report, steps, plan.reuse, facts, skip, gate):
+        return
+    gen_id = _build(transport, lock, report, steps, facts, skip, installer, wheels_from, progress)
+    _halt_at(gate, transport, report, gen_id)
+    _switch(transport, report, steps, gen_id, {"lock": lock.name, "skipped_probes": skip})
+    report.status = "applied"
 
+
+def _planned(facts: Facts, lock: Lock, report: ApplyReport, on_plan: Callable[[Plan], None] | None) -> Plan:
+    """The plan, shown before anything changes; its fatal findings stop the apply here."""
+    plan = make_plan(facts, lock)
+    report.plan = plan.to_json()
+    if on_plan:
+        on_plan(plan)
+    if plan.errors and not plan.noop:
+        raise HostError(plan.errors[0] + (f" (+{len(plan.errors) - 1} more)" if len(plan.errors) > 1 else ""),
+                        where=facts.host)
+    return plan
+
+
+def _reuse(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps, gen_id: str, facts: Facts,
+           skip: list[str], gate: Callable[[], None] | None) -> bool:
+    """Switch to `gen_id`, a complete generation of this lock, once it checks clean and its probes pass again;
+    False (and a warning) when it fails verification: a new generation is built instead."""
+    with steps.step("check") as step:
+        check = step.said(verifymod.check(transport, gen_id))
+    if check["verdict"] != "clean":
+        report.warnings.append(f"{gen_id} holds this lock but fails verification ({check['named']}): "
+                               "built a new generation instead")
+        return False
+    report.generation = gen_id
+    with steps.step("probe") as step:
+        report.probes = step.said(probe(transport, lock, gen_id, skip, facts, None))
+    if report.probes.get("status") == "fail":     # the host changed since it was proven: stay
+        report.failed_step = "probe"
+        raise ProbesFailed(probe_failure(gen_id, report.probes, facts.current), where=facts.host)
+    _halt_at(gate, transport, report, None)
+    _switch(transport, report, steps, gen_id, {"lock": lock.name, "reuse": True, "skipped_probes": skip})
+    report.status = "reused"
+    return True
+
+
+def _build(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps, facts: Facts, skip: list[str],
+           installer: str | None, wheels_from: str | None, progress: Progress | None) -> str:
+    """A new generation: prepared, built (fetch and install), patched, sealed and probed; returns its id,
+    verified and ready to switch to. Any failure marks it failed (its venv removed), `current` untouched."""
     lay = layout.of(transport)
     manifest = {"lock_name": lock.name, "lock_digest": lock.digest, "stack": asdict(stack_of_lock(lock)),
                 "python": lock.platform.python, "cuda": asdict(lock.platform.cuda)}
@@ -245,24 +285,24 @@ def _apply(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps,
     gen = generations.prepare(transport, lock.name, lockmod.dump(lock), manifest, packages)
     report.generation = gen["id"]
     try:
-
-        def build():
-            figs = buildmod.build(transport, lock, facts, gen, installer, progress, wheels_from)
-            report.build, report.run_dir = figs, figs.get("run_dir")
-            return {"detail": buildmod.summary(figs, len(lock.packages))}
-
-        steps.run("build", build)
+        with steps.step("build") as step:
+            report.build = buildmod.build(transport, lock, facts, gen, installer, progress, wheels_from)
+            report.run_dir = report.build.get("run_dir")
+            step.detail = buildmod.summary(report.build, len(lock.packages))
         manifest.update(cuda_home=layout.cuda_home(lock, lay.venv(gen["id"])),
                         installer=report.build["installer"], run_dir=report.run_dir)
         generations.mark(transport, gen["id"], status="built", cuda_home=manifest["cuda_home"],
                          installer=manifest["installer"], run_dir=report.run_dir, build=report.build,
                          isolation=report.build.get("isolation"))
-        report.patches = steps.run("patch", patch_hook, transport, lock, gen)
+        with steps.step("patch") as step:
+            report.patches = step.said(patch(transport, lock, gen))
         if report.patches.get("files"):   # recorded before probes and the seal: both check these sha256
             manifest["patches"] = report.patches
             generations.mark(transport, gen["id"], patches=report.patches)
-        report.verify = steps.run("seal", verifymod.seal, transport, lock, gen["id"], manifest["installer"])["record"]
-        report.probes = steps.run("probe", probe_hook, transport, lock, gen, skip, facts, manifest)
+        with steps.step("seal") as step:
+            report.verify = step.said(verifymod.seal(transport, lock, gen["id"], manifest["installer"]))["record"]
+        with steps.step("probe") as step:
+            report.probes = step.said(probe(transport, lock, gen["id"], skip, facts, manifest))
         if report.probes.get("status") == "fail":
             report.failed_step = "probe"
             raise ProbesFailed(probe_failure(gen["id"], report.probes, facts.current), where=facts.host)
@@ -278,9 +318,7 @@ def _apply(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps,
         except ProvisionError as me:   # the host may be gone: the next run marks it abandoned
             report.warnings.append(f"could not mark {gen['id']} failed ({me}); the next apply settles it")
         raise
-    _halt_at(gate, transport, report, gen["id"])
-    _switch(transport, report, steps, gen["id"], {"lock": lock.name, "skipped_probes": skip})
-    report.status = "applied"
+    return gen["id"]
 
 
 def _halt_at(gate: Callable[[], None] | None, transport: Transport, report: ApplyReport, built: str | None) -> None:
@@ -381,7 +419,8 @@ def _switch(transport: Transport, report: ApplyReport, steps: _Steps, gen_id: st
 
 def _switch_now(transport: Transport, report: ApplyReport, steps: _Steps, gen_id: str, event: dict) -> None:
     try:
-        sw = steps.run("switch", generations.switch, transport, gen_id, "apply", event)
+        with steps.step("switch") as step:
+            sw = step.said(generations.switch(transport, gen_id, "apply", event))
     except HostError as e:
         try:
             now = generations.history(transport, limit=1)["current"]
