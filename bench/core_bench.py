@@ -25,11 +25,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from provision import apply as applymod  # noqa: E402
+from provision import generations  # noqa: E402
 from provision import lock as lockmod  # noqa: E402
 from provision.bundled import DEMO_LOCKS  # noqa: E402
 from provision.demo import wheelhouse_lock  # noqa: E402
 from provision.loopback import LoopbackHost  # noqa: E402
 from machine import Machine, describe  # noqa: E402
+from provision.plan import plan_host  # noqa: E402
 from provision.transport import connect, trust_host  # noqa: E402
 
 LOCKS = DEMO_LOCKS
@@ -59,12 +61,12 @@ def main() -> None:
         fig["first_apply_s"], _ = timed(applymod.apply, tr, a)
         noop = [timed(applymod.apply, tr, a)[0] for _ in range(args.repeat)]
         fig["noop_apply_s"] = statistics.median(noop)
-        fig["plan_s"] = statistics.median(timed(applymod.plan, tr, b)[0] for _ in range(args.repeat))
+        fig["plan_s"] = statistics.median(timed(plan_host, tr, b)[0] for _ in range(args.repeat))
         fig["apply_b_s"], _ = timed(applymod.apply, tr, b)
         rb = []
         for _ in range(args.repeat):   # B → A, then forward again, several times
-            rb.append(timed(applymod.rollback, tr)[0])
-            applymod.rollback(tr, to="2")
+            rb.append(timed(generations.rollback, tr)[0])
+            generations.rollback(tr, to="2")
         fig["rollback_s"] = statistics.median(rb)
         fig["rollback_host_switch_s"], fig["rollback_command_wall_s"] = rollback_command(host.target, tr, args.repeat)
         tr.close()
@@ -157,7 +159,7 @@ def rollback_command(t, tr, repeat: int) -> tuple[float, float]:
         out = json.loads(cli("rollback", *host_args(t), "--json"))
         wall.append(time.perf_counter() - t0)
         host_side.append(out["switch_seconds"])
-        applymod.rollback(tr, to="2")
+        generations.rollback(tr, to="2")
     return statistics.median(host_side), statistics.median(wall)
 
 

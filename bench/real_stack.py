@@ -27,9 +27,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from provision import apply as applymod  # noqa: E402
+from provision import generations  # noqa: E402
 from provision import lock as lockmod  # noqa: E402
 from provision.loopback import LoopbackHost  # noqa: E402
-from provision.plan import render_plan  # noqa: E402
+from provision.plan import plan_host, render_plan  # noqa: E402
 from machine import Machine, describe  # noqa: E402
 from provision.transport import connect, trust_host  # noqa: E402
 
@@ -145,20 +146,20 @@ def upgrade(tr, work: Path, locks: dict, fig: dict, rows: list, quiet: bool) -> 
     rollback, gc."""
     base, target = locks["baseline"], locks["cuda13"]
     apply(tr, base, "cold: baseline", rows, quiet)
-    fig["plan_baseline_to_sglang"] = render_plan(applymod.plan(tr, locks["sglang"]))
+    fig["plan_baseline_to_sglang"] = render_plan(plan_host(tr, locks["sglang"]))
     apply(tr, target, "cold: CUDA 13", rows, quiet)
     apply(tr, renamed(target, "cuda13-torch2.11-pypi-again", work), "cached: CUDA 13", rows, quiet)
-    before = applymod.history(tr)["current"]
+    before = generations.history(tr)["current"]
     apply(tr, base, "reuse: baseline", rows, quiet)
     t0 = time.perf_counter()
-    rb = applymod.rollback(tr, to=before)      # back to the CUDA 13 generation it left
+    rb = generations.rollback(tr, to=before)      # back to the CUDA 13 generation it left
     fig["rollback"] = {"wall_s": round(time.perf_counter() - t0, 3), "from": rb.get("from"),
                        "to": rb.get("to"), "host_switch_s": rb.get("switch_seconds")}
     root = Path(tr.target.vars["provision_root"])
     fig["disk_before_gc"] = du(root)
     fig["cache_bytes"] = du(root / "cache")
     t0 = time.perf_counter()
-    g = applymod.gc(tr, keep=1)
+    g = generations.gc(tr, keep=1)
     fig["gc"] = {"wall_s": round(time.perf_counter() - t0, 2),
                  **{k: v for k, v in g.items() if isinstance(v, (int, float, str))}}
     fig["disk_after_gc"] = du(root)

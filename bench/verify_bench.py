@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from provision import apply as applymod  # noqa: E402
+from provision import generations  # noqa: E402
 from provision import lock as lockmod  # noqa: E402
 from provision.bundled import DEMO_LOCKS  # noqa: E402
 from provision.demo import wheelhouse_lock  # noqa: E402
@@ -106,17 +107,17 @@ def main() -> None:
         checked, forced, check_s = [], [], []
         for _ in range(args.repeat):           # current → the generation before it, and forward again
             t0 = time.perf_counter()
-            out = applymod.rollback(tr)
+            out = generations.rollback(tr)
             checked.append(time.perf_counter() - t0)
             if out.get("check"):
                 check_s.append(out["check"]["seconds"])
                 fig["rollback_check_files"] = out["check"]["files"]
-            applymod.rollback(tr, to=gen)
+            generations.rollback(tr, to=gen)
             if verifymod is not None:
                 t0 = time.perf_counter()
-                applymod.rollback(tr, force=True)
+                generations.rollback(tr, force=True)
                 forced.append(time.perf_counter() - t0)
-                applymod.rollback(tr, to=gen, force=True)
+                generations.rollback(tr, to=gen, force=True)
         fig["rollback_s"] = statistics.median(checked)
         if forced:
             fig.update(rollback_force_s=statistics.median(forced), rollback_check_s=statistics.median(check_s))

@@ -10,6 +10,7 @@ visible call):
 The rename of `current` is the one commit point: a failure before it leaves `current` untouched and the
 new generation failed (venv removed at once); after it, apply reports the switch and names the failed
 bookkeeping. Also: adoption of an unmanaged environment as generation 0, and a fleet's rollout in batches.
+A plan alone is `plan.plan_host`; rollback, history, gc and logs are the generations store's (`generations`).
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Callable
 
 
@@ -564,63 +564,3 @@ def apply_fleet(targets: list, lock: Lock, *, serial: str | list[str] = "0", max
             rep.warnings.append(f"rolling back failed: {row.undo_error.message}")
         reports.append(rep)
     return FleetReport(reports, run.batches, run.max_fail, run.failed_batch, run.failed_hosts, cancel.is_set())
-
-
-def plan(transport: Transport, lock: Lock, interpreter: str | None = None) -> Plan:
-    return make_plan(gather(transport, python=lock.platform.python, interpreter=interpreter), lock)
-
-
-def rollback(transport: Transport, to: str | None = None, dry_run: bool = False, force: bool = False) -> dict:
-    return generations.rollback(transport, to, dry_run=dry_run, force=force)
-
-
-def history(transport: Transport) -> dict:
-    return generations.history(transport)
-
-
-def gc(transport: Transport, keep: int = 3, dry_run: bool = False) -> dict:
-    return generations.gc(transport, keep=keep, dry_run=dry_run)
-
-
-def logs(transport: Transport, generation: str | None = None) -> dict:
-    """`provision logs HOST [GEN]`: a generation's logs (default: the newest)."""
-    gen_id = generations.resolve(transport, generation, default="newest")
-    return generations.logs(transport, gen_id)
-
-
-def load_plans(path: str | Path) -> list[Plan]:
-    """A saved plan file: one host's plan, or a fleet's (a list, one per host, all of one lock)."""
-    from . import yamlio
-    from .errors import InputError
-
-    data = yamlio.load_json(path, error=InputError)
-    plans = [Plan.from_json(d, where=str(path)) for d in (data if isinstance(data, list) else [data])]
-    if not plans:
-        raise InputError("the plan file holds no host's plan", where=str(path))
-    if len({p.lock_digest for p in plans}) > 1:
-        raise InputError("the plans in this file are of different locks", where=str(path))
-    return plans
-
-
-def plans_for(saved: list[Plan], targets: list, where: str) -> dict[str, Plan]:
-    """Each target's saved plan by host name, checked before any host is contacted: a plan applies only to
-    the host and root it was made for (InputError naming the plan file and whom it was made for)."""
-    from .errors import InputError
-
-    by_host = {p.host: p for p in saved}
-    for t in targets:
-        p = by_host.get(t.name)
-        root = t.vars.get("provision_root", layout.DEFAULT_ROOT)
-        if p is None and len(saved) == 1:
-            p = saved[0]
-        if p is None:
-            raise InputError(f"the saved plan has no entry for {t.name} (planned: {', '.join(by_host)}); "
-                             "plan that host first", where=where)
-        if p.host != t.name or (p.root is not None and p.root != root):
-            raise InputError(f"this plan was made for {p.host} (root {p.root or '?'}), not for {t.name} "
-                             f"(root {root}); plan {t.name} first", where=where)
-    return by_host
-
-
-def lock_of_plan(p: Plan) -> Lock:
-    return lockmod.from_data(p.lock, f"plan:{p.lock_name}")

@@ -9,13 +9,13 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from . import apply as applymod
+from . import apply as applymod, generations
 from . import lock as lockmod
 from .build import sha256_file
 from .bundled import DEMO_LOCKS
 from .errors import InputError
 from .loopback import LoopbackHost
-from .plan import render_plan
+from .plan import plan_host, render_plan
 from .transport import connect, trust_host
 
 
@@ -97,7 +97,7 @@ def run_demo(say: Callable[[str], None], progress, show_history: Callable[[dict,
             for step, lk in (("plan", a), ("apply", a), ("plan", b), ("apply", b), ("plan", b)):
                 say(f"\n## provision {step} {host.spec} --lock {lk.path}")
                 if step == "plan":
-                    say(render_plan(applymod.plan(tr, lk)))
+                    say(render_plan(plan_host(tr, lk)))
                 else:
                     rep = applymod.apply(tr, lk, progress=progress)
                     show_probes(rep.probes)
@@ -110,11 +110,11 @@ def run_demo(say: Callable[[str], None], progress, show_history: Callable[[dict,
                                              ("greedy_identical", "accept_length", "speedup", "baseline_tok_s",
                                               "spec_tok_s")}
             say(f"\n## provision rollback {host.spec}")
-            rb = applymod.rollback(tr)
+            rb = generations.rollback(tr)
             figures["rollback_s"] = rb["seconds"]
             say(f"Rolled back: current {rb['from']} → {rb['to']} in {rb['seconds']:.2f}s (nothing reinstalled)")
             say(f"\n## provision history {host.spec}")
-            show_history(applymod.history(tr), host.spec)
+            show_history(generations.history(tr), host.spec)
         finally:
             tr.close()
     finally:

@@ -33,9 +33,10 @@ def recover(t: Transport) -> dict:
     return call(t, "recover")
 
 
-def logs(t: Transport, gen_id: str, tail: int = 65536) -> dict:
-    """A generation's logs (tail of each), probe results with reasons, failure reason and run dir."""
-    return call(t, "logs", id=gen_id, tail=tail)
+def logs(t: Transport, generation: str | None = None, tail: int = 65536) -> dict:
+    """A generation's logs (tail of each), probe results with reasons, failure reason and run dir; `generation`
+    is its id or number (default: the newest)."""
+    return call(t, "logs", id=resolve(t, generation, default="newest"), tail=tail)
 
 
 def gc(t: Transport, keep: int = 3, dry_run: bool = False) -> dict:

@@ -1,7 +1,8 @@
 """A plan is a pure function of (host facts, lock): the stack changes, rendered Terraform-style.
 
+`make_plan(Facts, Lock)` is the function; `plan_host` gathers a host's facts and makes its plan.
 `diff_stacks` is shared by `plan` (host → lock) and `lock diff` (lock → lock); a saved plan
-carries the lock and a digest of the facts it was made from, so apply can refuse drift.
+(`load_plans`, `plans_for`) carries the lock and a digest of the facts it was made from, so apply can refuse drift.
 """
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
+from . import yamlio
 from .errors import InputError
-from .facts import Facts, Generation
+from .facts import Facts, Generation, gather
+from .layout import DEFAULT_ROOT
 from .lock import Lock, from_data
+from .transport import Transport
 from .toolkit import nvcc_missing
 from .units import human_size
 
@@ -219,6 +223,39 @@ def check_plan_data(d, where: str) -> None:
             bad(f"changes[{i}]", "expected {category, name, action, old, new} of strings")
         if c["category"] not in ORDER or c["action"] not in ("add", "change", "remove"):
             bad(f"changes[{i}]", f"unknown category or action ({c['category']!r}, {c['action']!r})")
+
+
+def load_plans(path: str | Path) -> list[Plan]:
+    """A saved plan file: one host's plan, or a fleet's (a list, one per host, all of one lock)."""
+    data = yamlio.load_json(path, error=InputError)
+    plans = [Plan.from_json(d, where=str(path)) for d in (data if isinstance(data, list) else [data])]
+    if not plans:
+        raise InputError("the plan file holds no host's plan", where=str(path))
+    if len({p.lock_digest for p in plans}) > 1:
+        raise InputError("the plans in this file are of different locks", where=str(path))
+    return plans
+
+
+def plans_for(saved: list[Plan], targets: list, where: str) -> dict[str, Plan]:
+    """Each target's saved plan by host name, checked before any host is contacted: a plan applies only to
+    the host and root it was made for (InputError naming the plan file and whom it was made for)."""
+    by_host = {p.host: p for p in saved}
+    for t in targets:
+        p = by_host.get(t.name)
+        root = t.vars.get("provision_root", DEFAULT_ROOT)
+        if p is None and len(saved) == 1:
+            p = saved[0]
+        if p is None:
+            raise InputError(f"the saved plan has no entry for {t.name} (planned: {', '.join(by_host)}); "
+                             "plan that host first", where=where)
+        if p.host != t.name or (p.root is not None and p.root != root):
+            raise InputError(f"this plan was made for {p.host} (root {p.root or '?'}), not for {t.name} "
+                             f"(root {root}); plan {t.name} first", where=where)
+    return by_host
+
+
+def lock_of_plan(p: Plan) -> Lock:
+    return from_data(p.lock, f"plan:{p.lock_name}")
 
 
 def facts_digest(facts: Facts) -> str:
@@ -438,6 +475,11 @@ def make_plan(facts: Facts, lock: Lock) -> Plan:
                 facts_digest=facts_digest(facts), base=cur, changes=changes, action=action, reuse=reuse,
                 current_error=facts.current_error, warnings=[m for _, m in findings],
                 errors=[m for fatal, m in findings if fatal], download=download, root=facts.root)
+
+
+def plan_host(transport: Transport, lock: Lock, interpreter: str | None = None) -> Plan:
+    """`provision plan`: the host's facts (one round trip), then `make_plan`."""
+    return make_plan(gather(transport, python=lock.platform.python, interpreter=interpreter), lock)
 
 
 def _driver_tuple(v: str) -> tuple:

@@ -56,7 +56,7 @@ def test_unpatched_kimi_k25_refused_by_contract_probe(target, tmp_path, wheels):
         applymod.apply(tr, good)
         with pytest.raises(applymod.ProbesFailed, match="contract"):
             applymod.apply(tr, lk)
-        h = applymod.history(tr)
+        h = generations.history(tr)
     finally:
         tr.close()
     assert h["current"] == "0001-stack-a"
@@ -81,7 +81,7 @@ def test_series_that_does_not_apply_refused_current_untouched(target, tmp_path, 
         applymod.apply(tr, good)
         with pytest.raises(PatchError, match=victim.name.split(".")[0]):
             applymod.apply(tr, lk)
-        h = applymod.history(tr)
+        h = generations.history(tr)
     finally:
         tr.close()
     assert h["current"] == "0001-stack-a"

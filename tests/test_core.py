@@ -143,7 +143,7 @@ def test_hash_mismatch_on_host_fetch_refused(target, wheels, tmp_path):
     try:
         with pytest.raises(HostError, match=r"fetch failed: alpha==1.0: sha256 mismatch"):
             applymod.apply(tr, lk)
-        h = applymod.history(tr)
+        h = generations.history(tr)
         assert h["current"] is None and h["generations"][0]["status"] == "failed"
         assert h["events"][-1]["event"] == "apply-failed"
     finally:
@@ -160,11 +160,11 @@ def test_pip_installer_and_adoption(target, locks, tmp_path):
     try:
         rep = applymod.apply(tr, lockmod.load(a), adopt_path=str(env), installer="pip")
         assert rep.status == "applied" and rep.generation == "0001-stack-a"
-        h = applymod.history(tr)
+        h = generations.history(tr)
         assert [g["id"] for g in h["generations"]] == ["0000-adopted", "0001-stack-a"]
         assert h["generations"][0]["status"] == "adopted" and h["generations"][0]["adopted_from"] == str(env)
         assert generations.read(tr, "0001-stack-a")["manifest"]["installer"] == "pip"
-        rb = applymod.rollback(tr)
+        rb = generations.rollback(tr)
         assert rb["to"] == "0000-adopted"
         assert os.path.realpath(Path(target.vars["provision_root"]) / "current" / "venv") == str(env)
         assert env.exists()   # adopted, never moved

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from provision import apply as applymod
+from provision import generations
 from provision import lock as lockmod
 from provision import plan as planmod
 from provision.errors import HostLockedError, ProvisionError
@@ -57,7 +58,7 @@ def assert_settled(target, expect_current: str | None, report=None) -> dict:
         assert subprocess.run([py, "-I", "-c", "import alpha"], capture_output=True).returncode == 0
     tr = connect(target)
     try:
-        h = applymod.history(tr)
+        h = generations.history(tr)
     finally:
         tr.close()
     assert h["current"] == st["current"]
@@ -77,7 +78,7 @@ def converge(target, lk, expect_new: bool = True) -> applymod.ApplyReport:
         assert rep.status in (("applied", "reused") if expect_new else ("applied", "reused", "noop")), rep
         again = applymod.apply(tr, lk)
         assert again.status == "noop", again
-        h = applymod.history(tr)
+        h = generations.history(tr)
     finally:
         tr.close()
     st = assert_settled(target, rep.generation, rep)
@@ -185,7 +186,7 @@ def test_controller_killed_at_seven_moments(target, stacks, tmp_path):
             assert host_state(target)["generations"][new[0]]["status"] == "abandoned", (step, state)
         cur = rep.generation
     assert not ssh_masters(target)
-    events = applymod.history(connect(target))["events"]
+    events = generations.history(connect(target))["events"]
     assert sum(e["event"] == "abandoned" for e in events) == len(MOMENTS) - 1
 
 
@@ -304,7 +305,7 @@ def test_history_unwritable_after_the_commit(target, stacks):
         assert rep.status == "applied" and rep.current == rep.generation
         assert any("recording it failed (history:" in w and "Operation not permitted" in w for w in rep.warnings)
         assert host_state(target)["generations"][rep.generation]["status"] == "switching"
-        applied_events = lambda: [e for e in applymod.history(tr)["events"] if e["event"] == "apply"]  # noqa: E731
+        applied_events = lambda: [e for e in generations.history(tr)["events"] if e["event"] == "apply"]  # noqa: E731
         assert [e["to"] for e in applied_events()] == [a.generation]
         again = applymod.apply(tr, stacks[1])
         assert again.status == "noop" and again.recovered["repaired"] == [rep.generation]
@@ -352,7 +353,7 @@ def test_two_concurrent_applies_and_rollback_during_apply(target, stacks):
         if (step, state) == ("build", "start"):
             side = connect(target)
             try:
-                applymod.rollback(side)
+                generations.rollback(side)
             except ProvisionError as e:
                 refusals.append(str(e))
             finally:
@@ -364,7 +365,7 @@ def test_two_concurrent_applies_and_rollback_during_apply(target, stacks):
         tr.close()
     assert refusals and "another run holds the host lock" in refusals[0]
     assert_settled(target, rep.generation, rep)
-    rb = applymod.rollback(connect(target))
+    rb = generations.rollback(connect(target))
     assert rb["to"] == won[0].generation
     assert_settled(target, won[0].generation)
 
@@ -405,7 +406,7 @@ def test_spoofed_engine_port_and_failing_probe(target, stacks, tmp_path):
         assert f"{probe} (" in rep["error"] and why in rep["error"]
         assert host_state(target)["generations"][rep["generation"]] == {"status": "failed", "venv": False}
         assert_settled(target, a.generation)
-        logs = applymod.logs(connect(target), rep["generation"])
+        logs = generations.logs(connect(target), rep["generation"])
         assert logs["status"] == "failed" and any(r["name"] == probe for r in logs["probes"])
 
     tr = connect(target)   # the recorded nvidia-smi is a host variable: through the library
@@ -413,7 +414,7 @@ def test_spoofed_engine_port_and_failing_probe(target, stacks, tmp_path):
         with pytest.raises(applymod.ProbesFailed) as e:
             applymod.apply(tr, lockmod.load(spoof), skip_probes=gpu_only)
         check(e.value.report.to_json(), "engine", f"port {port} is already in use by pid {os.getpid()}")
-        assert "engine.log" in applymod.logs(tr, e.value.report.generation)["logs"]
+        assert "engine.log" in generations.logs(tr, e.value.report.generation)["logs"]
     finally:
         tr.close()
         srv.shutdown()

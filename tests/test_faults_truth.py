@@ -22,6 +22,7 @@ from provision import apply as applymod
 from provision import generations
 from provision import lock as lockmod
 from provision.errors import ProvisionError
+from provision.plan import plan_host
 from provision.transport import connect
 from test_core import cli, host_args
 from test_faults import assert_settled, host_state
@@ -59,7 +60,7 @@ def immutable(path: Path):
 
 
 def events(tr, kind: str) -> list[dict]:
-    return [e for e in applymod.history(tr)["events"] if e["event"] == kind]
+    return [e for e in generations.history(tr)["events"] if e["event"] == kind]
 
 
 def test_rollback_and_failed_marking_with_history_unwritable(target, locks):
@@ -87,7 +88,7 @@ def test_rollback_and_failed_marking_with_history_unwritable(target, locks):
         assert [(e["from"], e["to"], e["repaired"]) for e in rb] == [(gb, ga, True)]
         assert [(e["generation"], e["repaired"]) for e in failed] == [(gbad, True)]
         assert applymod.apply(tr, a).recovered["repaired"] == []      # recorded once
-        assert applymod.rollback(tr, gb)["to"] == gb                  # a later rollback works
+        assert generations.rollback(tr, gb)["to"] == gb                  # a later rollback works
     assert_settled(target, gb)
 
 
@@ -102,7 +103,7 @@ def test_deleted_current_generation(target, locks):
         shutil.rmtree(root / "generations" / gb)
         st = generations.status(tr)
         assert st["current"] == gb and "missing" in st["broken"] and st["probe"] is None
-        assert applymod.plan(tr, b).current_error
+        assert plan_host(tr, b).current_error
         table = cli("status", *host_args(target), check=0).stdout
         assert "broken" in table and "pass" not in table
         with pytest.raises(ProvisionError) as e:
@@ -137,25 +138,25 @@ def test_switch_interrupted_after_its_commit(target, locks):
             subprocess.run(["chattr", "-i", str(root / "history.jsonl")], check=True)
         assert host_state(target)["generations"][gb]["status"] == "switching"
         assert host_state(target)["current"] == gb
-        assert applymod.plan(tr, b).action == "noop"                  # what apply then does
-        rb = applymod.rollback(tr)                                    # settles b first, then switches
+        assert plan_host(tr, b).action == "noop"                  # what apply then does
+        rb = generations.rollback(tr)                                    # settles b first, then switches
         assert (rb["from"], rb["to"]) == (gb, ga) and rb["recovered"]["repaired"] == [gb]
         assert [e["to"] for e in events(tr, "apply")] == [ga, gb]
         assert host_state(target)["generations"][gb] == {"status": "ready", "venv": True}
-        assert applymod.rollback(tr, gb)["to"] == gb                  # runnable: `rollback --to` it
-        applymod.rollback(tr, ga)
+        assert generations.rollback(tr, gb)["to"] == gb                  # runnable: `rollback --to` it
+        generations.rollback(tr, ga)
 
         # left `switching` while `current` names another generation: runnable again, its venv kept
         man = root / "generations" / gb / "manifest.json"
         m = json.loads(man.read_text())
         man.write_text(json.dumps(dict(m, status="switching", switch_event={"event": "apply", "to": gb,
                                                                               "switch_id": "never-committed"})))
-        plan = applymod.plan(tr, b)
+        plan = plan_host(tr, b)
         assert (plan.action, plan.reuse) == ("reuse", gb)
         rep = applymod.apply(tr, b)
         assert rep.status == "reused" and rep.generation == gb and rep.recovered["settled"] == [gb]
         assert not events(tr, "abandoned")
-        assert not [e for e in applymod.history(tr)["events"] if e.get("switch_id") == "never-committed"]
+        assert not [e for e in generations.history(tr)["events"] if e.get("switch_id") == "never-committed"]
     assert_settled(target, gb)
 
 
@@ -167,13 +168,13 @@ def test_generation_numbers_only_grow(target, locks):
         with pytest.raises(ProvisionError) as e:
             applymod.apply(tr, bad)
         gbad = e.value.report.generation
-        assert gbad in [g["id"] for g in applymod.gc(tr)["generations"]]
+        assert gbad in [g["id"] for g in generations.gc(tr)["generations"]]
         gb = applymod.apply(tr, b).generation
         assert number(gb) == number(gbad) + 1
         with pytest.raises(ProvisionError) as e:
             applymod.apply(tr, bad)
         gbad = e.value.report.generation
-        assert gbad in [g["id"] for g in applymod.gc(tr)["generations"]]
+        assert gbad in [g["id"] for g in generations.gc(tr)["generations"]]
         (Path(target.vars["provision_root"]) / "last-number").unlink()   # history alone still knows
         with pytest.raises(ProvisionError) as e:
             applymod.apply(tr, bad)
@@ -213,7 +214,7 @@ def test_stale_override_named_by_plan_and_apply(target, tmp_path, wheels):
     lk = lockmod.load(tmp_path / "o.yaml")
     stale = "override for gone, which is not in the closure"
     with session(target) as tr:
-        assert any(stale in w and "o.yaml:" in w for w in applymod.plan(tr, lk).warnings)
+        assert any(stale in w and "o.yaml:" in w for w in plan_host(tr, lk).warnings)
         assert any(stale in w for w in applymod.apply(tr, lk).plan["warnings"])
     p = cli("apply", *host_args(target), "--lock", tmp_path / "o.yaml", check=0)
     assert stale in p.stderr

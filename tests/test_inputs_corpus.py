@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from provision import apply as applymod
 from provision import lock as lockmod
 from provision.cli import app
-from provision.plan import PLAN_FORMAT, Change, Plan
+from provision.plan import PLAN_FORMAT, Change, Plan, load_plans
 from wheelhouse import make_wheel, sha256
 
 HERE = Path(__file__).parent / "adversarial"
@@ -314,7 +313,7 @@ def test_base_plan_is_valid(world):
     path = world.dir / "plans" / "base.json"
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(base_plan(world)))
-    assert [p.lock_name for p in applymod.load_plans(path)] == ["corpus"]
+    assert [p.lock_name for p in load_plans(path)] == ["corpus"]
 
 
 @pytest.mark.parametrize("case", PLAN_CASES, ids=[c[0] for c in PLAN_CASES])

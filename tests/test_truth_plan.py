@@ -12,10 +12,11 @@ import pytest
 import yaml
 
 from provision import apply as applymod
+from provision import generations
 from provision import lock as lockmod
 from provision.errors import ProvisionError
 from provision.facts import Facts
-from provision.plan import make_plan, render_plan, stack_of_lock
+from provision.plan import make_plan, plan_host, render_plan, stack_of_lock
 from provision.transport import Local, Target
 from provision.units import human_size
 from wheelhouse import make_wheel, write_lock
@@ -120,7 +121,7 @@ def action_of(rep: applymod.ApplyReport) -> str:
 
 
 def predict_and_apply(tr, lk) -> tuple[str, str, applymod.ApplyReport]:
-    planned = applymod.plan(tr, lk)
+    planned = plan_host(tr, lk)
     try:
         rep = applymod.apply(tr, lk)
     except ProvisionError as e:
@@ -140,12 +141,12 @@ def test_plan_predicts_apply_on_a_real_host(base, tmp_path, wheels):
         planned, did, rep = predict_and_apply(tr, lk)
         assert (planned, did) == (want, want), (lk.path, planned, did, rep.error)
         assert rep.status in ("applied", "noop", "reused"), rep.error
-    h = applymod.history(tr)
+    h = generations.history(tr)
     assert [g["id"] for g in h["generations"]] == ["0001-a", "0002-a", "0003-a"] and h["current"] == "0003-a"
 
     # the current interpreter breaks: plan says so and apply rebuilds (never "No changes")
     (tmp_path / "root" / "generations" / "0003-a" / "venv" / "bin" / "python").unlink()
-    assert "current generation 0003-a is broken" in render_plan(applymod.plan(tr, a_probes))
+    assert "current generation 0003-a is broken" in render_plan(plan_host(tr, a_probes))
     planned, did, rep = predict_and_apply(tr, a_probes)
     assert (planned, did) == ("build", "build") and rep.status == "applied"
 
@@ -154,7 +155,7 @@ def test_plan_predicts_apply_on_a_real_host(base, tmp_path, wheels):
     planned, did, rep = predict_and_apply(tr, py)
     assert planned == "build" and did == "none" and rep.failed_step == "plan"
     assert "no working Python 3.99" in rep.error
-    assert [g["id"] for g in applymod.history(tr)["generations"]][-1] == "0004-a"
+    assert [g["id"] for g in generations.history(tr)["generations"]][-1] == "0004-a"
 
 
 def test_a_package_without_url_builds_from_the_hosts_cache_and_plan_says_so(tmp_path, wheels):
@@ -172,12 +173,12 @@ def test_a_package_without_url_builds_from_the_hosts_cache_and_plan_says_so(tmp_
         return lockmod.load(path)
 
     cached = without_url("b", [wheels["alpha-1.0"], wheels["beta-1.0"]])
-    planned = applymod.plan(tr, cached)
+    planned = plan_host(tr, cached)
     assert planned.action == "build" and planned.errors == []
     assert applymod.apply(tr, cached).status == "applied"
 
     missing = without_url("c", [wheels["gamma-1.0"]])
-    planned = applymod.plan(tr, missing)
+    planned = plan_host(tr, missing)
     assert planned.errors == ["gamma==1.0 has no url in the lock and is not in the host's wheel cache"]
     with pytest.raises(ProvisionError):
         applymod.apply(tr, missing)

@@ -135,7 +135,7 @@ def test_touched_file_is_not_drift_an_added_distribution_is(target, tmp_path, wh
         ra, rb = applymod.apply(tr, la), applymod.apply(tr, lb)
         sp_a, sp_b = site(root, ra.generation), site(root, rb.generation)
         os.utime(sp_a / "alpha" / "__init__.py", (1, 1))                      # stat changed, bytes did not
-        out = applymod.rollback(tr)
+        out = generations.rollback(tr)
         assert out["to"] == ra.generation and out["check"]["verdict"] == "clean"
         assert out["check"]["hashed"] == 1 and out["check"]["how"] == "stamp"
         with zipfile.ZipFile(wheels["gamma-1.0"]) as z:                       # a distribution slipped in
@@ -193,7 +193,7 @@ def test_changed_cache_entry_is_fetched_again_and_partials_are_removed(target, t
         gc_partial = entry.parent / (entry.name + ".part-4343-18")
         gc_partial.write_bytes(b"half")
         uv_bin = sorted((root / "cache" / "uv-bin").glob("*/uv"))
-        out = applymod.gc(tr, keep=1)
+        out = generations.gc(tr, keep=1)
         assert str(gc_partial) in out["recovered"]["removed_partial"] and not gc_partial.exists()
         assert sorted((root / "cache" / "uv-bin").glob("*/uv")) == uv_bin       # the tool's own uv stays
     finally:
@@ -283,7 +283,7 @@ def test_changed_copy_in_uvs_cache_fails_the_seal_not_a_generation(target, tmp_p
         with pytest.raises(HostError) as e:
             applymod.apply(tr, lb)
         msg = str(e.value)
-        h = applymod.history(tr)
+        h = generations.history(tr)
     finally:
         tr.close()
     assert "does not match its lock after the build: beta 1.0: 1 changed (beta/__init__.py)" in msg

@@ -228,10 +228,10 @@ def plan(lock: Path = LockOpt, json_out: bool = JsonOpt,
                                                 help="exit 0 no changes, 2 changes, 1 error"),
          hosts: Hosts = HOSTS, full: bool = FullOpt, python: Optional[str] = PythonOpt):
     """Dry-run diff of host vs lock (read-only); facts of a fleet are gathered in parallel."""
-    from .. import apply as applymod, lock as lockmod
+    from .. import lock as lockmod
     from ..errors import ProvisionError
     from ..facts import interpreter_arg
-    from ..plan import render_plan
+    from ..plan import plan_host, render_plan
 
     if lock is None:
         raise InputError("required: the lockfile to plan for (--lock FILE)", where="--lock")
@@ -240,7 +240,7 @@ def plan(lock: Path = LockOpt, json_out: bool = JsonOpt,
         python = interpreter_arg(python)
         if out:
             writable(out, "--out")
-        rows = over_hosts(hosts.targets(), lambda tr: applymod.plan(tr, lk, interpreter=python), hosts.forks)
+        rows = over_hosts(hosts.targets(), lambda tr: plan_host(tr, lk, interpreter=python), hosts.forks)
     except ProvisionError as e:
         if detailed_exitcode:   # 2 means "changes" there; every error is 1
             e.exit_code = 1
@@ -285,19 +285,19 @@ def apply(lock: Optional[Path] = LockOpt,
     from ..errors import ProvisionError
     from ..facts import interpreter_arg
     from ..fleet import parse_max_fail, parse_serial
-    from ..plan import render_plan
+    from ..plan import load_plans, lock_of_plan, plans_for, render_plan
     from ..transport import connect
 
     batches, tolerance = parse_serial(serial), parse_max_fail(max_fail)
 
-    saved = applymod.load_plans(plan_file) if plan_file else None
+    saved = load_plans(plan_file) if plan_file else None
     if saved is None and lock is None:
         raise InputError("required: the lockfile to apply (--lock FILE), or a saved plan (--plan FILE)",
                          where="--lock")
-    lk = applymod.lock_of_plan(saved[0]) if saved else lockmod.load(lock)
+    lk = lock_of_plan(saved[0]) if saved else lockmod.load(lock)
     python = interpreter_arg(python)
     ts = hosts.targets()
-    by_host = applymod.plans_for(saved, ts, str(plan_file)) if saved else None
+    by_host = plans_for(saved, ts, str(plan_file)) if saved else None
     if len(ts) > 1:
         printer = FleetPrinter(json_out, [t.name for t in ts])
         if not json_out:
@@ -478,9 +478,9 @@ def gc(keep: int = typer.Option(3, "--keep", min=1, help="runnable generations t
        json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
     """Remove old/failed generations, unused cache entries, their run dirs (never current or rollback's); report
     the bytes freed."""
-    from .. import apply as applymod
+    from .. import generations
 
-    rows = over_hosts(hosts.targets(), lambda tr: applymod.gc(tr, keep=keep, dry_run=dry_run), hosts.forks)
+    rows = over_hosts(hosts.targets(), lambda tr: generations.gc(tr, keep=keep, dry_run=dry_run), hosts.forks)
     print_rows(rows, lambda r: console.print(gc_text(r.host, r.value), markup=False), json_out)
     exit_for(rows)
     if any(r.value.get("errors") for r in rows):    # a removal that failed (what was done is reported)
@@ -492,10 +492,10 @@ def gc(keep: int = typer.Option(3, "--keep", min=1, help="runnable generations t
 def logs(hosts: Hosts, generation: Optional[str] = typer.Argument(None, help="number or id"),
          json_out: bool = JsonOpt):
     """A generation's build and probe logs (default: the newest generation)."""
-    from .. import apply as applymod
+    from .. import generations
 
     t, generation = hosts.one(generation)
-    out = over_hosts([t], lambda tr: applymod.logs(tr, generation))[0].value
+    out = over_hosts([t], lambda tr: generations.logs(tr, generation))[0].value
     if json_out:
         print_json(out)
         return
