@@ -14,7 +14,7 @@ import pytest
 from provision import apply as applymod
 from provision import generations, lock as lockmod
 from provision.errors import HostError, HostKeyError, HostLockedError, LockError, ProvisionError
-from provision.facts import gather
+from provision.facts import Facts, gather
 from provision.loopback import LoopbackHost
 from provision.plan import preflight_findings
 from provision.transport import connect, trust_host
@@ -279,6 +279,32 @@ def test_facts_glibc_and_a_lock_for_a_newer_one(tmp_path):
     assert not preflight_findings(f, newer, action="reuse")          # a reuse installs nothing
     same = lockmod.loads(f"lock: 1\nname: x\nplatform: {{python: '{own}', glibc: '{have}'}}\n")
     assert not any("glibc" in m for _, m in preflight_findings(f, same))
+
+
+def test_a_malformed_facts_reply_is_refused_in_one_line_naming_the_field():
+    """A host's reply is untrusted: each field the controller reads is checked where the reply arrives."""
+    gen = {"id": "0001-a", "number": 1, "status": "ready", "venv_ok": True, "stack": {}}
+    good = {"root": "/r", "pythons": {"3.12": "/usr/bin/python3.12"}, "generations": [gen], "current": "0001-a",
+            "gpus": [{"index": 0, "name": "NVIDIA H200", "uuid": "GPU-1", "driver": "580.159.04",
+                      "compute_cap": "9.0", "memory": "143771 MiB", "pci": "00000000:19:00.0"}]}
+    f = Facts.from_reply(good, "h")
+    assert f.generation("0001-a").settled == "ready" and f.gpus[0].compute_cap == "9.0"
+    cases = [
+        ({"pythons": {"3.12": "python3.12"}}, "pythons['3.12']: 'python3.12' is not an absolute path"),
+        ({"uv": "/usr/../bin/uv"}, "uv: '/usr/../bin/uv' is not an absolute path"),
+        ({"current": "../../etc"}, "current: '../../etc' is not a generation id"),
+        ({"generations": [dict(gen, id="0001-a\nb")]}, "generations[0].id: '0001-a\\nb' is not a generation id"),
+        ({"generations": [dict(gen, stack=[])]}, "generations[0].stack: expected an object, not list"),
+        ({"gpus": [{"index": "0"}]}, "gpus[0].index: expected a whole number, not str"),
+        ({"disk_free_bytes": "lots"}, "disk_free_bytes: expected a whole number, not str"),
+        ({"cached_wheels": [None]}, "cached_wheels[0]: expected a string, not NoneType"),
+    ]
+    for change, says in cases:
+        with pytest.raises(HostError) as e:
+            Facts.from_reply(dict(good, **change), "h")
+        assert str(e.value) == f"h: the host's facts are malformed: {says}"
+    with pytest.raises(HostError, match="^h: the host's facts are malformed: facts: expected an object, not list$"):
+        Facts.from_reply([], "h")
 
 
 def test_facts_look_only_for_the_locks_python(tmp_path, monkeypatch):
