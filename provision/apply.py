@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 
-from . import build as buildmod, generations, layout, lock as lockmod, verify as verifymod
+from . import build as buildmod, generations, layout, lock as lockmod, toolkit, verify as verifymod
 from .errors import HostError, Interrupted, PlanError, ProbesFailed, ProvisionError, SwitchUnknown
 from .facts import Facts, capture_lock, env_paths, gather
 from .fleet import FORKS
@@ -85,7 +85,7 @@ def patch(transport: Transport, lock: Lock, gen: dict) -> dict:
     from . import patches
 
     series = [patches.load_series(lock.resolve_path(p)) for p in lock.patches]
-    report = patches.apply_series(transport, series, python=f"{gen['venv']}/bin/python")
+    report = patches.apply_series(transport, series, python=layout.Generation(gen["dir"]).python)
     counts: dict[str, int] = {}
     for s in report["series"]:
         for p in s["patches"]:
@@ -167,7 +167,7 @@ def adopt(transport: Transport, prefix: str, facts: Facts | None = None) -> dict
 
 def adopt_host(transport: Transport, prefix: str) -> dict:
     """`provision adopt`: adoption on its own, under the host lock like any mutating run."""
-    with transport.hold(layout.of(transport).lock_file):
+    with transport.hold():
         return adopt(transport, prefix)
 
 
@@ -187,7 +187,7 @@ def apply(transport: Transport, lock: Lock, *, saved_plan: Plan | None = None, a
     report = ApplyReport(host=transport.target.name, lock_name=lock.name)
     try:
         try:
-            with transport.hold(layout.of(transport).lock_file):
+            with transport.hold():
                 _apply(transport, lock, report, _Steps(report, progress, transport, cancel), saved_plan=saved_plan,
                        adopt_path=adopt_path, skip=list(skip_probes or []), installer=installer,
                        wheels_from=wheels_from, on_plan=on_plan, progress=progress, gate=gate,
@@ -289,7 +289,7 @@ def _build(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps,
             report.build = buildmod.build(transport, lock, facts, gen, installer, progress, wheels_from)
             report.run_dir = report.build.get("run_dir")
             step.detail = buildmod.summary(report.build, len(lock.packages))
-        manifest.update(cuda_home=layout.cuda_home(lock, lay.venv(gen["id"])),
+        manifest.update(cuda_home=toolkit.home(lock, lay.gen(gen["id"]).venv),
                         installer=report.build["installer"], run_dir=report.run_dir)
         generations.mark(transport, gen["id"], status="built", cuda_home=manifest["cuda_home"],
                          installer=manifest["installer"], run_dir=report.run_dir, build=report.build,

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Callable, Iterator
 from urllib.parse import unquote, urlparse
 
+from . import layout
 from .errors import HostError, InputError, ProvisionError
 from .facts import Facts
-from .layout import root_of
 from .lock import Lock
 from .toolkit import wheels_home
 from .transport import Transport
@@ -109,8 +109,8 @@ def ensure_uv(transport: Transport, facts: Facts) -> tuple[str, dict | None]:
         return facts.uv, None
     path = controller_uv()
     f = {"sha256": sha256_file(path), "filename": "uv", "mode": "750", "store": "uv", "label": "uv"}
-    root = root_of(transport)
-    return f"{root}/cache/uv-bin/{f['sha256']}/uv", push(transport, root, [(f, path)])
+    lay = layout.of(transport)
+    return layout.cache_entry(lay.uv_bin, f["sha256"], f["filename"]), push(transport, lay.root, [(f, path)])
 
 
 def setting(name: str, default: float, lo: float, hi: float) -> float:
@@ -186,9 +186,10 @@ def _build(transport: Transport, lock: Lock, facts: Facts, gen: dict, installer:
     if python is None:
         raise HostError(f"host has no usable Python {lock.platform.python}", where=transport.target.name)
     pkgs, local = packages_of(lock)
-    root = root_of(transport)
+    lay = layout.of(transport)
+    root = lay.root
     for what in ("dir", "venv"):      # the state agent's reply: untrusted until checked
-        under(root + "/generations", gen.get(what), f"generation {what}", transport.target.name)
+        under(lay.generations, gen.get(what), f"generation {what}", transport.target.name)
     if from_controller:     # every wheel then comes from the controller's cache; the host gets no URL
         from .wheelcache import shared
 
@@ -202,7 +203,7 @@ def _build(transport: Transport, lock: Lock, facts: Facts, gen: dict, installer:
         say("build", "info", healed_line(pushes[0]["recheck"]["healed"], "pushed"))
     if pushed:
         say("build", "info", f"pushed {pushed} wheel(s) held by the controller")
-    payload = {"op": "build", "root": root, "gen_dir": gen["dir"], "venv": gen["venv"], "python": python,
+    payload = {"op": "build", "root": root, "gen_dir": gen["dir"], "python": python,
                "installer": installer, "packages": pkgs, "stall": setting("PROVISION_FETCH_STALL", 30, 0.1, 3600),
                "rechecked": pushes[0]["rechecked"]}
     if wheels_home(lock, gen["venv"]):

@@ -11,7 +11,7 @@ import re
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from .errors import HostError
-from .layout import DEFAULT_ROOT, root_of  # noqa: F401  (re-exported: the root is named in layout)
+from .layout import root_of, venv_python
 from .transport import Transport
 
 GENERATION_RE = re.compile(r"^\d{4}-[A-Za-z0-9][A-Za-z0-9._+-]{0,99}\Z")   # NNNN-<lock name>, as the store makes it
@@ -180,7 +180,7 @@ def gather(transport: Transport, *, python: str | None = None, adopt: str | None
            interpreter: str | None = None) -> Facts:
     """The host's facts; `python` ("3.12", a lock's) narrows the interpreters looked for to that version, and
     `interpreter` (the operator's --python PATH) is then the only one tried."""
-    payload = {"root": root_of(transport), "python": python, "adopt": adopt,
+    payload = {"root": root_of(transport.target), "python": python, "adopt": adopt,
                "nvidia_smi": transport.target.vars.get("provision_nvidia_smi")}
     if interpreter is not None:
         payload["interpreter"] = interpreter_arg(interpreter)
@@ -204,7 +204,7 @@ def env_paths(path: str) -> tuple[str, str]:
     path = path.rstrip("/")
     if path.rsplit("/", 1)[-1].startswith("python"):
         return path.rsplit("/", 2)[0], path
-    return path, path + "/bin/python"
+    return path, venv_python(path)
 
 
 def capture_lock(transport: Transport, python: str, name: str = "adopted") -> dict:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import time
 
-from .facts import root_of
+from .layout import root_of
 from .errors import HostError
 from .transport import Transport
 
 
 def call(transport: Transport, op: str, **args) -> dict:
-    return transport.run_agent("state", dict(args, op=op, root=root_of(transport)))
+    return transport.run_agent("state", dict(args, op=op, root=root_of(transport.target)))
 
 
 def prepare(t: Transport, lock_name: str, lock_text: str, manifest: dict, packages: list[dict]) -> dict:
@@ -92,7 +92,7 @@ def resolve(t: Transport, generation: str | None, default: str = "current") -> s
     h = history(t)
     gens = h.get("generations") or []
     if not gens:
-        raise ProvisionError(f"no generations under {root_of(t)}: adopt or apply first", where=t.target.name)
+        raise ProvisionError(f"no generations under {root_of(t.target)}: adopt or apply first", where=t.target.name)
     if generation is None:
         if default == "newest":
             return gens[-1]["id"]

@@ -1,66 +1,104 @@
-"""The host layout in one place: the root, its generations, a generation's dir, venv, interpreter,
-logs and CUDA home. Computed here once and handed forward (facts → plan → apply → probes → switch).
-"""
-from __future__ import annotations
+"""The host layout: every path provision keeps under a host root, in one place.
 
-from dataclasses import dataclass
+Stdlib only: the controller imports it, and the agent bundle ships it beside the agents (as Ansible ships a
+module's module_utils), so both sides name the same paths. Host paths are POSIX paths wherever the controller runs.
+"""
+import posixpath
 
 DEFAULT_ROOT = "/opt/provision"
+CUDA_HOME = "cuda-home"     # in a venv: see cuda_home_in
+
+join = posixpath.join
 
 
-def root_of(transport) -> str:
-    """The host root named by the target's inventory vars (default /opt/provision)."""
-    return transport.target.vars.get("provision_root", DEFAULT_ROOT)
+def root_of(target):
+    """The host root named by a target's inventory vars (default /opt/provision)."""
+    return target.vars.get("provision_root", DEFAULT_ROOT)
 
 
-@dataclass(frozen=True)
+def of(transport):
+    """The layout of the host a transport reaches."""
+    return Layout(root_of(transport.target))
+
+
+def cache_entry(store, sha256, filename):
+    """A file in a content-addressed store (one of Layout.stores, or the controller's own wheel cache)."""
+    return join(store, sha256, filename)
+
+
+def venv_python(venv):
+    """The interpreter of a venv (a generation's, or an environment being adopted)."""
+    return join(venv, "bin", "python")
+
+
+def cuda_home_in(venv):
+    """The toolkit home the build agent lays out in a venv when the lock's CUDA comes from NVIDIA's wheels."""
+    return join(venv, CUDA_HOME)
+
+
+class Generation:
+    """Paths of one generation, from its directory: its venv (with the CUDA home the build agent lays out there
+    when the lock's toolkit comes from NVIDIA's wheels), its lock, requirements, manifest, stamp, logs and probes."""
+
+    def __init__(self, gen_dir):
+        self.dir = gen_dir
+        self.venv = join(gen_dir, "venv")
+        self.python = venv_python(self.venv)
+        self.cuda_home = cuda_home_in(self.venv)
+        self.lock_yaml = join(gen_dir, "lock.yaml")
+        self.requirements = join(gen_dir, "requirements.txt")
+        self.manifest = join(gen_dir, "manifest.json")
+        self.stamp = join(gen_dir, "stamp.json")
+        self.build_log = join(gen_dir, "build.log")
+        self.engine_log = join(gen_dir, "engine.log")
+        self.probes_json = join(gen_dir, "probes.json")
+
+
 class Layout:
-    """Paths under one host root."""
+    """Paths under one host root:
 
-    root: str
+        <root>/generations/NNNN-<lock>/   see Generation
+        <root>/current -> generations/…   switched by rename(2) of a fresh link
+        <root>/history.jsonl  last-number  .lock (the host lock)  .work (held by working agents)  .trash (gc)
+        <root>/cache/wheels/<sha256>/  cache/uv-bin/<sha256>/  cache/uv/  tool/<digest>/  tmp/  runs/
+    """
 
-    @property
-    def generations(self) -> str:
-        return f"{self.root}/generations"
+    def __init__(self, root):
+        self.root = root
+        self.generations = join(root, "generations")
+        self.current = join(root, "current")
+        self.current_python = venv_python(join(self.current, "venv"))
+        self.history = join(root, "history.jsonl")
+        self.last_number = join(root, "last-number")    # the highest generation number ever allocated here
+        self.lock_file = join(root, ".lock")
+        self.work = join(root, ".work")
+        self.trash = join(root, ".trash")
+        self.wheel_cache = join(root, "cache", "wheels")
+        self.uv_bin = join(root, "cache", "uv-bin")      # the controller's uv, pushed by hash
+        self.uv_cache = join(root, "cache", "uv")
+        self.uv_archives = join(self.uv_cache, "archive-v0")
+        self.tool = join(root, "tool")
+        self.tmp = join(root, "tmp")
+        self.runs = join(root, "runs")
+        self.stores = {"wheels": self.wheel_cache, "uv": self.uv_bin}   # content-addressed: <store>/<sha256>/<file>
 
-    @property
-    def current(self) -> str:
-        return f"{self.root}/current"
+    def __repr__(self):
+        return "Layout(%r)" % self.root
 
-    @property
-    def history(self) -> str:
-        return f"{self.root}/history.jsonl"
+    def gen(self, gen_id):
+        """The paths of generation `gen_id` (an id the caller has checked is one name)."""
+        return Generation(join(self.generations, gen_id))
 
-    @property
-    def lock_file(self) -> str:
-        return f"{self.root}/.lock"
+    def current_tmp(self, pid):
+        """The fresh link renamed over `current`."""
+        return join(self.root, ".current.tmp-%d" % pid)
 
-    @property
-    def wheel_cache(self) -> str:
-        return f"{self.root}/cache/wheels"
+    def link_target(self, gen_id):
+        """What `current` holds for `gen_id`: its directory, relative to the root."""
+        return posixpath.relpath(self.gen(gen_id).dir, self.root)
 
-    def gen_dir(self, gen_id: str) -> str:
-        return f"{self.generations}/{gen_id}"
+    def tool_dir(self, name):
+        return join(self.tool, name)
 
-    def venv(self, gen_id: str) -> str:
-        return f"{self.gen_dir(gen_id)}/venv"
-
-    def python(self, gen_id: str) -> str:
-        return f"{self.venv(gen_id)}/bin/python"
-
-    def engine_log(self, gen_id: str) -> str:
-        return f"{self.gen_dir(gen_id)}/engine.log"
-
-    def probes_json(self, gen_id: str) -> str:
-        return f"{self.gen_dir(gen_id)}/probes.json"
-
-
-def of(transport) -> Layout:
-    return Layout(root_of(transport))
-
-
-def cuda_home(lock, venv: str) -> str | None:
-    """Where a generation built from `lock` finds its CUDA toolkit (recorded in its manifest)."""
-    from .toolkit import home
-
-    return home(lock, venv)
+    def scratch(self, name):
+        return join(self.tmp, name)

@@ -66,7 +66,7 @@ def venv_of(transport: Transport, gen_id: str, manifest: dict) -> str:
         if not (isinstance(prefix, str) and prefix.startswith("/") and "\0" not in prefix and "\n" not in prefix):
             raise HostError(f"generation {gen_id} records no usable prefix ({prefix!r})", where=transport.target.name)
         return prefix
-    return layout.of(transport).venv(gen_id)
+    return layout.of(transport).gen(gen_id).venv
 
 
 def series_payload(source: lockmod.Lock, base: lockmod.Lock | None, host: str) -> list[dict]:
@@ -130,12 +130,12 @@ def pack(transport: Transport, out: Path, generation: str | None = None, *, allo
         raise InputError(f"generation {gen_id} runs Python {source.platform.python}; {base} is for Python "
                          f"{base_lock.platform.python}", where="--base")
     lay = layout.of(transport)
-    remote = str(out) if transport.target.local else f"{lay.root}/tmp/pack-{gen_id}-{os.getpid()}-{int(time.time())}"
+    remote = str(out) if transport.target.local else lay.scratch(f"pack-{gen_id}-{os.getpid()}-{int(time.time())}")
     payload = {"op": "pack", "venv": venv, "out": remote, "root": lay.root, "allow_drift": allow_drift,
                "series": series_payload(source, base_lock, host), "jobs": jobs,
                "workers": os.environ.get("PROVISION_PACK_WORKERS", "processes")}
     if not manifest.get("adopted_from"):
-        payload["gen_dir"] = lay.gen_dir(gen_id)
+        payload["gen_dir"] = lay.gen(gen_id).dir
     try:
         res = transport.run_agent("pack", payload, on_event=progress, timeout=None)
         if res.get("refused") == "drift":

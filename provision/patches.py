@@ -17,7 +17,7 @@ from . import yamlio
 from .agent import patcher as diffs
 from .errors import LockError, PatchError, ProvisionError, SeriesError
 from .lock import IDENT_RE, PROJECT_RE
-from .facts import root_of
+from . import layout
 from .transport import Transport
 
 SERIES_FILE = "series.yaml"
@@ -220,7 +220,7 @@ def env_python(transport: Transport, python: str | None, site_packages: str | No
         return python
     if site_packages:
         return "python3"
-    return f"{root_of(transport)}/current/venv/bin/python"
+    return layout.of(transport).current_python
 
 
 def _sp(site_packages):

@@ -16,7 +16,7 @@ from packaging.version import InvalidVersion, Version
 from . import yamlio
 from .errors import InputError
 from .facts import Facts, Generation, gather
-from .layout import DEFAULT_ROOT
+from .layout import root_of
 from .lock import Lock, from_data
 from .transport import Transport
 from .toolkit import nvcc_missing
@@ -242,7 +242,7 @@ def plans_for(saved: list[Plan], targets: list, where: str) -> dict[str, Plan]:
     by_host = {p.host: p for p in saved}
     for t in targets:
         p = by_host.get(t.name)
-        root = t.vars.get("provision_root", DEFAULT_ROOT)
+        root = root_of(t)
         if p is None and len(saved) == 1:
             p = saved[0]
         if p is None:

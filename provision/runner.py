@@ -21,7 +21,7 @@ from typing import Callable
 import yaml
 
 from .bundled import PLAYBOOKS
-from .layout import DEFAULT_ROOT
+from .layout import Layout, root_of
 from .transport import CONTROLLER_HOME, Target
 
 RUNS = CONTROLLER_HOME / "runs"
@@ -66,7 +66,7 @@ def write_vars(path: Path, data: dict) -> Path:
 
 def remote_tmp(t: Target, run_id: str) -> str:
     """This run's own temp dir on the host, under its provision root."""
-    return f"{t.vars.get('provision_root', DEFAULT_ROOT)}/tmp/ansible-{run_id}"
+    return Layout(root_of(t)).scratch(f"ansible-{run_id}")
 
 
 def inventory(targets: list[Target], run_id: str, interpreters: dict[str, str] | None = None) -> dict:

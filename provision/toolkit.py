@@ -3,12 +3,13 @@ source can give it an nvcc. NVIDIA's CUDA 13 wheels install one tree (site-packa
 bin/nvcc); CUDA 12 wheels install one directory per component (nvidia/cuda_runtime, nvidia/cuda_nvcc, …)
 and the 12.x nvcc wheel carries ptxas and nvvm but no nvcc; apt and host toolkits live under
 /usr/local/cuda-X.Y. A wheels toolkit is no toolkit home as such (no lib64, no unversioned library names),
-so the build agent lays one out in the venv (HOME_DIR: bin, include, nvvm, lib64 of links into the wheels) and
+so the build agent lays one out in the venv (layout.cuda_home_in: bin, include, nvvm, lib64 of links into the wheels) and
 the generation's CUDA_HOME is that directory."""
 from __future__ import annotations
 
+from .layout import cuda_home_in
+
 FIRST_SINGLE_TREE = 13      # the first CUDA major whose wheels install one toolkit tree
-HOME_DIR = "cuda-home"      # in the venv: the toolkit home the build agent lays out over the CUDA wheels
 
 
 def _major(version: str | None) -> int | None:
@@ -31,7 +32,7 @@ def home(lock, venv: str) -> str | None:
 def wheels_home(lock, venv: str) -> str | None:
     """The toolkit home the build agent lays out in `venv` (None: the lock's toolkit is not from wheels)."""
     cu = lock.platform.cuda
-    return f"{venv}/{HOME_DIR}" if cu.source == "wheels" and cu.version else None
+    return cuda_home_in(venv) if cu.source == "wheels" and cu.version else None
 
 
 def nvcc_missing(lock) -> str | None:

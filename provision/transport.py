@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
+from . import layout
 from .errors import Cancelled, HostError, HostKeyError, HostLockedError, InputError, StepStalled
 
 CONTROLLER_HOME = Path(os.environ.get("PROVISION_HOME", Path.home() / ".provision"))   # the controller's own state
@@ -278,9 +279,9 @@ class Transport:
         HostError when it cannot be read."""
         raise NotImplementedError
 
-    def hold(self, lock_path: str) -> "HeldLock":
+    def hold(self) -> "HeldLock":
         """Take the host's flock for one mutating run; released when the run ends or dies."""
-        return HeldLock(self, lock_path)
+        return HeldLock(self, layout.of(self))
 
     def spawn(self, argv: list[str]):
         """Start a long-running process; returns an object with .send(), .readline(), .close()."""
@@ -311,17 +312,16 @@ CAT = "import shutil,sys\nwith open(sys.argv[1],'rb') as f: shutil.copyfileobj(f
 
 
 class HeldLock:
-    """A host flock held by the `host` agent (op hold) whose stdin we keep open."""
+    """A host flock (the layout's lock file) held by the `host` agent (op hold) whose stdin we keep open."""
 
-    def __init__(self, transport: Transport, path: str):
-        self.transport, self.path, self.proc = transport, path, None
+    def __init__(self, transport: Transport, lay: layout.Layout):
+        self.transport, self.root, self.path, self.proc = transport, lay.root, lay.lock_file, None
 
     def __enter__(self):
         from . import agent
 
-        root = self.path.rsplit("/", 1)[0] if self.path.endswith("/.lock") else self.path
         self.proc = self.transport.spawn(agent.command(self.transport.python, site=False))
-        self.proc.send(agent.message("host", {"op": "hold", "root": root}))
+        self.proc.send(agent.message("host", {"op": "hold", "root": self.root}))
         line = self.proc.readline()
         try:
             state = json.loads(line)

@@ -10,7 +10,7 @@ from packaging.version import InvalidVersion, Version
 
 from . import generations
 from .errors import HostError
-from .facts import root_of
+from .layout import root_of
 from .lock import Lock, loads
 from .transport import Transport
 
@@ -104,7 +104,7 @@ def verify(t: Transport, generation: str | None = None, baseline: bool = False, 
     and after it (the ratio is of hashing to the read after it: both from the page cache when they fit)."""
     gen_id = generations.resolve(t, generation)
     lock, manifest = _lock_of(t, gen_id)
-    found = t.run_agent("verify", {"op": "verify", "root": root_of(t), "id": gen_id, "baseline": baseline,
+    found = t.run_agent("verify", {"op": "verify", "root": root_of(t.target), "id": gen_id, "baseline": baseline,
                                    "jobs": jobs})
     verdict = judge(found, lock, manifest.get("installer"))
     rec = summary(found, verdict, "verify")
@@ -125,7 +125,7 @@ def verify(t: Transport, generation: str | None = None, baseline: bool = False, 
 def seal(t: Transport, lock: Lock, gen_id: str, installer: str | None) -> dict:
     """The build's last step (after patches, before probes): files read-only, a stamp of every file for rollback's
     quick check, and a full check judged against the lock. Drift fails the build (HostError naming it)."""
-    found = t.run_agent("verify", {"op": "seal", "root": root_of(t), "id": gen_id})
+    found = t.run_agent("verify", {"op": "seal", "root": root_of(t.target), "id": gen_id})
     verdict = judge(found, lock, installer)
     rec = summary(found, verdict, "build")
     if verdict["verdict"] != "clean":
@@ -146,7 +146,7 @@ def seal(t: Transport, lock: Lock, gen_id: str, installer: str | None) -> dict:
 def check(t: Transport, gen_id: str) -> dict:
     """Rollback's quick check of one generation (every file's stat against its build's stamp, hashing what
     changed), for a switch that did not go through `rollback`: apply's reuse of an existing generation."""
-    out = t.run_agent("verify", {"op": "quick", "root": root_of(t), "id": gen_id})
+    out = t.run_agent("verify", {"op": "quick", "root": root_of(t.target), "id": gen_id})
     out["named"] = out.get("named") or ""
     verdict = "clean" if out["verdict"] == "clean" else f"drift: {out['named']}"
     out["detail"] = f"{gen_id}: {out['files']} files against its stamp, {out['hashed']} hashed: {verdict}"

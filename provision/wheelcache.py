@@ -27,7 +27,7 @@ class WheelCache:
         from .agent.build import AgentError, entry
 
         try:
-            return Path(entry({"wheels": str(self.root)}, sha256, filename))
+            return Path(entry(str(self.root), sha256, filename))
         except AgentError as e:
             raise ProvisionError(str(e)) from None
 

@@ -3,9 +3,12 @@ proportional to a lock ever reaches a command line; big locks apply over real SS
 from __future__ import annotations
 
 import ast
+import base64
+import json
 import os
 import stat
 import sys
+import zlib
 from pathlib import Path
 
 
@@ -32,9 +35,12 @@ class Recording(SSH):
 
 
 def test_agents_are_stdlib_only_and_import_only_each_other():
-    shipped = {p.stem for p in AGENTS.glob("*.py")}
+    """Every module the bundle ships (the agents, host.py, the layout) is stdlib-only and imports only the others."""
+    bundled = json.loads(zlib.decompress(base64.b64decode(agent.bundle())))
+    shipped = {Path(rel).stem for rel in bundled}
+    assert "provision/layout.py" in bundled
     stdlib = set(sys.stdlib_module_names) | {"__future__"}
-    for path in AGENTS.glob("*.py"):
+    for path in [*AGENTS.glob("*.py"), AGENTS.parent / "layout.py"]:
         if path.name == "__init__.py":   # the controller's part; not shipped
             continue
         tree = ast.parse(path.read_text())
@@ -276,7 +282,7 @@ def test_agents_run_with_the_inventorys_python_interpreter(target, tmp_path):
     tr = connect(t)
     try:
         assert tr.run_agent("host", {"op": "dists"})["executable"] == "/usr/bin/python3"
-        with tr.hold(f"{t.vars['provision_root']}/.lock"):      # the host lock's agent too
+        with tr.hold():      # the host lock's agent too
             assert generations.history(tr)["generations"] == []
     finally:
         tr.close()

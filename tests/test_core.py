@@ -192,7 +192,7 @@ def test_concurrent_apply_refused_while_lock_held(target, locks):
     a, _ = locks
     tr = connect(target)
     try:
-        with tr.hold(f"{target.vars['provision_root']}/.lock"):
+        with tr.hold():
             p = cli("apply", *host_args(target), "--lock", a, check=1)
             assert "another run holds the host lock" in p.stderr
             with pytest.raises(HostLockedError):

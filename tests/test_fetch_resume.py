@@ -129,13 +129,12 @@ def package(m: Mirror, name: str, url: str | None = None) -> dict:
 
 def fetch(tmp_path: Path, pkgs: list[dict], **kw):
     """The host agent's fetch into a fresh cache: (count, bytes, seconds, figures)."""
-    lay = {"wheels": str(tmp_path / "cache")}
     kw.setdefault("stall", 2.0)
-    return build.fetch(lay, pkgs, kw.pop("jobs", 4), **kw)
+    return build.fetch(str(tmp_path / "cache"), pkgs, kw.pop("jobs", 4), **kw)
 
 
 def cached(tmp_path: Path, p: dict) -> bytes:
-    return Path(build.entry({"wheels": str(tmp_path / "cache")}, p["sha256"], p["filename"])).read_bytes()
+    return Path(build.entry(str(tmp_path / "cache"), p["sha256"], p["filename"])).read_bytes()
 
 
 def no_partials(tmp_path: Path, p: dict | None = None) -> list[str]:
@@ -296,7 +295,7 @@ def test_a_partial_file_of_other_bytes_is_refused_and_removed(tmp_path, mirror):
     mirror.script[a["filename"]] = ["cut", "503"]
     with pytest.raises(AgentError):
         fetch(tmp_path, [a], retries=1)
-    part = Path(build.entry({"wheels": str(tmp_path / "cache")}, a["sha256"], a["filename"]) + ".partial")
+    part = Path(build.entry(str(tmp_path / "cache"), a["sha256"], a["filename"]) + ".partial")
     with open(part, "r+b") as f:
         f.write(b"X")
     with pytest.raises(AgentError, match="sha256 mismatch .* came from an earlier run's partial file, now removed"):

@@ -77,11 +77,12 @@ def test_gc_sets_a_generation_aside_whole_and_the_next_run_finishes_it(tmp_path,
     leaves no generation half there (history lists it no more) and the next run's recovery deletes what was set
     aside: what it freed and what that gc then freed add up to du's difference."""
     from provision.agent import state
+    from provision.layout import Layout
 
     root, tr, (a, b, c) = three_generations(tmp_path, wheels)
     blob(root / "generations" / a / "own.bin", 1 << 20)
     item = ("generations", {"id": a}, str(root / "generations" / a), "gen-" + a)
-    trash, paths = state.set_aside(str(root), [item], [])           # the rename, then the run is cut off
+    trash, paths = state.set_aside(Layout(str(root)), [item], [])           # the rename, then the run is cut off
     before = du(root)
     assert Path(paths[0]).parent == Path(trash) and not (root / "generations" / a).exists()
     assert a not in [g["id"] for g in generations.history(tr)["generations"]]

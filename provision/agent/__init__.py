@@ -1,4 +1,4 @@
-"""Host-side agents (stdlib only), shipped as one bundle with their shared helpers (`host.py`).
+"""Host-side agents (stdlib only), shipped as one bundle with their shared helpers (`host.py`, `../layout.py`).
 
 An agent is a module here with `main(payload) -> dict`. The controller runs it as
 `PYTHON -I -c host.BOOT` and writes one JSON line to its stdin: {bundle, agent, input, env}.
@@ -14,13 +14,14 @@ from pathlib import Path
 from .host import BOOT
 
 PKG = Path(__file__).resolve().parent.parent        # the local `provision` package
+SHARED = ("__init__.py", "layout.py")               # what agents import from outside agent/
 
 
 @lru_cache(maxsize=None)
 def bundle() -> str:
-    """provision/__init__.py and provision/agent/*.py (this file excepted), by path, as zlib-compressed
-    base64 JSON."""
-    files = {"provision/__init__.py": (PKG / "__init__.py").read_text()}
+    """provision/__init__.py, the host layout (provision/layout.py, which agents import as Ansible modules import
+    their module_utils) and provision/agent/*.py (this file excepted), by path, as zlib-compressed base64 JSON."""
+    files = {f"provision/{name}": (PKG / name).read_text() for name in SHARED}
     for p in sorted((PKG / "agent").glob("*.py")):
         files[f"provision/agent/{p.name}"] = p.read_text()
     files["provision/agent/__init__.py"] = '"""Host-side agents (this file\'s controller part stays behind)."""\n'

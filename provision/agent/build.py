@@ -26,6 +26,7 @@ import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+from ..layout import Generation, cache_entry
 from .host import AgentError, ensure_root, event, inside
 from .verify import read_only
 
@@ -35,15 +36,21 @@ CHUNK = 1 << 20
 LOOPBACK = ("127.0.0.1", "localhost", "::1")     # a mirror on the host itself may speak plain http
 
 
-def entry(lay, sha256, filename, store="wheels"):
-    """The cache entry of one file: <cache>/<sha256>/<filename> (`store` "uv": the tool's own uv, under
-    cache/uv-bin, which gc keeps); a file there was verified on its way in, and is hashed again before a build
-    uses it (`recheck`)."""
+def entry(store, sha256, filename):
+    """The cache entry of one file in a content-addressed store: <store>/<sha256>/<filename>, its name checked; a
+    file there was verified on its way in, and is hashed again before a build uses it (`recheck`)."""
     if not SHA256.match(sha256 or "") or not FILENAME.match(filename or "") or ".." in filename:
         raise AgentError("bad cache entry %r/%r" % (sha256, filename))
-    if store not in ("wheels", "uv"):
-        raise AgentError("bad cache store %r" % (store,))
-    return os.path.join(lay[store], sha256, filename)
+    return cache_entry(store, sha256, filename)
+
+
+def store_of(lay, f):
+    """The store a pushed file `f` goes to: the wheel cache, or (`store` "uv") the tool's own uv under
+    cache/uv-bin, which gc keeps."""
+    name = f.get("store") or "wheels"
+    if name not in lay.stores:
+        raise AgentError("bad cache store %r" % (name,))
+    return lay.stores[name]
 
 
 def sha256_file(path):
@@ -107,7 +114,7 @@ def op_have(a):
     """{root, files: [{sha256, filename, store?}]} -> {missing: [index, ...], recheck: {...}}: entries present are
     hashed again first (`recheck`), and one that changed is removed and reported missing, so it is sent again."""
     lay = ensure_root(a["root"])
-    paths = [entry(lay, f["sha256"], f["filename"], f.get("store") or "wheels") for f in a["files"]]
+    paths = [entry(store_of(lay, f), f["sha256"], f["filename"]) for f in a["files"]]
     rc = recheck([(p, f["sha256"]) for p, f in zip(paths, a["files"])], int(a.get("jobs") or 8))
     return {"missing": [i for i, p in enumerate(paths) if not os.path.isfile(p)], "recheck": rc}
 
@@ -129,7 +136,7 @@ def op_push(a):
                 left -= len(b)
                 yield b
 
-        stored.append(entry(lay, f["sha256"], f["filename"], f.get("store") or "wheels"))
+        stored.append(entry(store_of(lay, f), f["sha256"], f["filename"]))
         store(stored[-1], f["sha256"], chunks(), f.get("label") or f["filename"])
         if f.get("mode"):
             os.chmod(stored[-1], int(f["mode"], 8) & 0o750)
@@ -720,9 +727,9 @@ def streams():
     return max(2, min(8, 2 * cores))
 
 
-def fetch(lay, packages, jobs, stall=STALL, retries=RETRIES, log=None):
+def fetch(store, packages, jobs, stall=STALL, retries=RETRIES, log=None):
     """Every package not in the cache, with `jobs` streams; returns (count, bytes, seconds, figures)."""
-    todo = [(p, entry(lay, p["sha256"], p["filename"])) for p in packages]
+    todo = [(p, entry(store, p["sha256"], p["filename"])) for p in packages]
     todo = [(p, path) for p, path in todo if not os.path.isfile(path)]
     if not todo:
         return 0, 0, 0.0, {}
@@ -751,8 +758,8 @@ class BuildLog:
     """<generation>/build.log: every line of the build (the commands, their whole output, the figures), kept
     in the generation for `provision logs`, healthy or failed."""
 
-    def __init__(self, gen_dir):
-        self.f = open(os.path.join(gen_dir, "build.log"), "a", encoding="utf-8", errors="replace")
+    def __init__(self, gen):
+        self.f = open(gen.build_log, "a", encoding="utf-8", errors="replace")
 
     def __call__(self, line):
         self.f.write("%s %s\n" % (time.strftime("%H:%M:%S"), line))
@@ -817,18 +824,18 @@ def clean_env(extra):
 
 
 def op_build(a):
-    """{root, gen_dir, venv, python, installer: uv|pip, uv?, packages: [{name, version, sha256, filename, url?}],
-    jobs?} -> figures. The generation dir and its requirements.txt were made by the state agent."""
+    """{root, gen_dir, python, installer: uv|pip, uv?, packages: [{name, version, sha256, filename, url?}],
+    cuda_home?, jobs?} -> figures. The generation dir and its requirements.txt were made by the state agent."""
     lay = ensure_root(a["root"])
-    gen_dir, venv = inside(lay["generations"], a["gen_dir"]), inside(lay["generations"], a["venv"])
+    gen = Generation(inside(lay.generations, a["gen_dir"]))
     python, installer = a["python"], a.get("installer") or "uv"
     if a.get("cuda_home"):
-        inside(venv, a["cuda_home"])
+        inside(gen.venv, a["cuda_home"])
     if not os.path.isabs(python):
         raise AgentError("interpreter %r is not an absolute path" % python)
-    log = BuildLog(gen_dir)
+    log = BuildLog(gen)
     try:
-        return _build(a, lay, gen_dir, venv, python, installer, log)
+        return _build(a, lay, gen, python, installer, log)
     except Exception as e:
         log("build failed: %s" % e)
         raise
@@ -836,20 +843,21 @@ def op_build(a):
         log.close()
 
 
-def _build(a, lay, gen_dir, venv, python, installer, log):
+def _build(a, lay, gen, python, installer, log):
+    gen_dir, venv = gen.dir, gen.venv
     figs = {"installer": installer}
     t0 = time.monotonic()
     log("build %s with %s from %s (%d packages)" % (os.path.basename(gen_dir), installer, python,
                                                     len(a.get("packages") or [])))
     skip = set(a.get("rechecked") or [])      # what `have` hashed again in this apply already
-    rc = recheck([(entry(lay, p["sha256"], p["filename"]), p["sha256"]) for p in a.get("packages") or []
+    rc = recheck([(entry(lay.wheel_cache, p["sha256"], p["filename"]), p["sha256"]) for p in a.get("packages") or []
                   if p["sha256"] not in skip], int(a.get("jobs") or 8))
     if rc["healed"]:
         event(step="cache", healed=[os.path.basename(p) for p in rc["healed"]])
     figs["recheck"] = dict(rc, healed=[os.path.basename(p) for p in rc["healed"]])
     log("cache: %d entries hashed again (%d bytes, %.1fs)%s" % (rc["checked"], rc["bytes"], rc["seconds"], "".join(
         "; healed " + os.path.basename(p) for p in rc["healed"])))
-    n, nbytes, secs, ffigs = fetch(lay, a.get("packages") or [], int(a.get("jobs") or streams()),
+    n, nbytes, secs, ffigs = fetch(lay.wheel_cache, a.get("packages") or [], int(a.get("jobs") or streams()),
                                    float(a.get("stall") or STALL), int(a.get("retries") or RETRIES), log)
     figs.update(fetched=n, fetched_bytes=nbytes, fetch_seconds=round(secs, 2), cached=len(a.get("packages") or []) - n,
                 **ffigs)
@@ -857,34 +865,34 @@ def _build(a, lay, gen_dir, venv, python, installer, log):
     log("fetch: %d wheels, %d bytes in %.1fs; %d cached; %d retries, %d bytes resumed from an earlier run"
         % (n, nbytes, secs, figs["cached"], figs.get("retries", 0), figs.get("resumed_bytes", 0)))
     for p in a.get("packages") or []:
-        log("  %s==%s %s" % (p["name"], p["version"], entry(lay, p["sha256"], p["filename"])))
-    reqs = os.path.join(gen_dir, "requirements.txt")
+        log("  %s==%s %s" % (p["name"], p["version"], entry(lay.wheel_cache, p["sha256"], p["filename"])))
+    reqs = gen.requirements
     if installer == "uv":
         uv = a.get("uv")
         if not uv or not os.path.isabs(uv):
             raise AgentError("no uv on the host (%r)" % uv)
-        os.makedirs(lay["uv_cache"], exist_ok=True)
-        mode = "clone" if reflinks(lay["uv_cache"], gen_dir) else "copy"
+        os.makedirs(lay.uv_cache, exist_ok=True)
+        mode = "clone" if reflinks(lay.uv_cache, gen_dir) else "copy"
         figs["isolation"] = "reflink" if mode == "clone" else "copy"
-        env = clean_env({"UV_NO_CONFIG": "1", "UV_PYTHON_DOWNLOADS": "never", "UV_CACHE_DIR": lay["uv_cache"],
+        env = clean_env({"UV_NO_CONFIG": "1", "UV_PYTHON_DOWNLOADS": "never", "UV_CACHE_DIR": lay.uv_cache,
                          "UV_LINK_MODE": mode, "UV_NO_PROGRESS": "1"})
-        if not os.path.exists(os.path.join(venv, "bin", "python")):
+        if not os.path.exists(gen.python):
             figs["venv_seconds"] = round(_run([uv, "venv", "--quiet", "--python", python, venv], env, "venv", log), 2)
         if a.get("packages"):
             event(step="install", phase=True, line="installing %d packages with uv (%s from %s)"
-                  % (len(a["packages"]), "reflinked" if mode == "clone" else "copied", lay["uv_cache"]))
+                  % (len(a["packages"]), "reflinked" if mode == "clone" else "copied", lay.uv_cache))
             figs["install_seconds"] = round(_run(
-                [uv, "pip", "install", "--python", os.path.join(venv, "bin", "python"), "--no-deps",
+                [uv, "pip", "install", "--python", gen.python, "--no-deps",
                  "--require-hashes", "--offline", "--no-index", "--link-mode", mode, "-r", reqs],
                 env, "install", log, venv), 2)
     elif installer == "pip":
         env = clean_env({"PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
-        if not os.path.exists(os.path.join(venv, "bin", "python")):
+        if not os.path.exists(gen.python):
             figs["venv_seconds"] = round(_run([python, "-I", "-m", "venv", venv], env, "venv", log), 2)
         if a.get("packages"):
             event(step="install", phase=True, line="installing %d packages with pip" % len(a["packages"]))
             figs["install_seconds"] = round(_run(
-                [os.path.join(venv, "bin", "python"), "-I", "-m", "pip", "install", "--isolated", "--no-deps",
+                [gen.python, "-I", "-m", "pip", "install", "--isolated", "--no-deps",
                  "--require-hashes", "--no-index", "--no-cache-dir", "--progress-bar", "off", "-r", reqs],
                 env, "install", log, venv), 2)
         figs["isolation"] = "copy"
@@ -997,7 +1005,7 @@ def op_unpack(a):
     name = a["name"]
     if not name.isalnum():
         raise AgentError("bad bundle name %r" % name)
-    final = os.path.join(lay["tool"], name)
+    final = lay.tool_dir(name)
     if os.path.exists(os.path.join(final, ".complete")):
         return {"path": final, "complete": True}
     if not a.get("tar"):
@@ -1011,7 +1019,7 @@ def op_unpack(a):
         t.extractall(tmp)
     open(os.path.join(tmp, ".complete"), "w").close()
     if os.path.exists(final):
-        shutil.rmtree(inside(lay["root"], final))
+        shutil.rmtree(inside(lay.root, final))
     os.replace(tmp, final)
     return {"path": final, "complete": True}
 

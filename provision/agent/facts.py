@@ -11,6 +11,7 @@ import re
 import shutil
 import sys
 
+from ..layout import DEFAULT_ROOT, Layout
 from .host import CLEAN_ENV, current, generations as host_generations, query_gpus, run_agent, sh
 
 
@@ -152,18 +153,18 @@ def toolkits():
     return {"toolkits": found, "nvcc_on_path": path_nvcc, "nvcc_on_path_version": nvcc_version(path_nvcc) if path_nvcc else None}
 
 
-def generations(root):
+def generations(lay):
     gens = []
-    for number, name, man in host_generations(root):
+    for number, name, man in host_generations(lay):
         gens.append({"id": name, "number": number, "lock_name": man.get("lock_name", name.split("-", 1)[1]),
                      "status": man.get("status", "incomplete"), "created": man.get("created"),
                      "lock_digest": man.get("lock_digest"), "adopted_from": man.get("adopted_from"),
                      "cuda_home": man.get("cuda_home"), "probes": man.get("probes_summary"),
                      "stack": man.get("stack"), "python": man.get("python"),
-                     "venv_ok": os.path.exists(os.path.join(root, "generations", name, "venv", "bin", "python")),
+                     "venv_ok": os.path.exists(lay.gen(name).python),
                      "patches": [p.get("name") for p in (man.get("patches") or {}).get("series", [])]
                      if isinstance(man.get("patches"), dict) else []})
-    return gens, current(root)
+    return gens, current(lay)
 
 
 def dists_of(python):
@@ -172,9 +173,9 @@ def dists_of(python):
     return run_agent(python, "host", {"op": "dists"}, timeout=60)
 
 
-def cached_wheels(root):
+def cached_wheels(lay):
     """sha256 of every complete entry of the content-addressed wheel cache."""
-    cache = os.path.join(root, "cache", "wheels")
+    cache = lay.wheel_cache
     out = []
     for sha in sorted(os.listdir(cache)) if os.path.isdir(cache) else []:
         d = os.path.join(cache, sha)
@@ -185,7 +186,8 @@ def cached_wheels(root):
 
 
 def main(a):
-    root = a.get("root") or "/opt/provision"
+    lay = Layout(a.get("root") or DEFAULT_ROOT)
+    root = lay.root
     adopt = a.get("adopt")
     smi = a.get("nvidia_smi") or "nvidia-smi"
     want, given = a.get("python"), a.get("interpreter")
@@ -197,7 +199,7 @@ def main(a):
     found, exact, broken, looked = pythons(want, given)
     facts = {"root": root, "os": os_release(), "pythons": found, "python_versions": exact,
              "broken_pythons": broken, "pythons_looked_for": want or "all", "pythons_looked_in": looked,
-             "python_given": given, "uv": shutil.which("uv"), "cached_wheels": cached_wheels(root),
+             "python_given": given, "uv": shutil.which("uv"), "cached_wheels": cached_wheels(lay),
              "python_executable": sys.executable,
              "user": os.environ.get("USER") or str(os.getuid())}
     probe = root
@@ -207,18 +209,17 @@ def main(a):
     facts["disk_free_bytes"] = st.f_bavail * st.f_frsize
     facts.update(gpus(smi))
     facts.update(toolkits())
-    gens, cur = generations(root)
+    gens, cur = generations(lay)
     facts["generations"], facts["current"] = gens, cur
     facts["managed"] = bool(gens)
     facts["current_dists"] = None
     if cur:
-        py = os.path.join(root, "generations", cur, "venv", "bin", "python")
-        r = dists_of(py)
+        r = dists_of(lay.gen(cur).python)
         facts["current_dists"] = r.get("dists")
         facts["current_python"] = r.get("python")
         facts["current_error"] = r.get("error")
     if adopt:
         facts["adopt"] = dists_of(adopt)
         facts["adopt"]["path"] = adopt
-    facts["lock_file"] = os.path.join(root, ".lock")
+    facts["lock_file"] = lay.lock_file
     return facts

@@ -1,5 +1,5 @@
 """Host side, shared by every agent (stdlib only): the entry point that reads the one JSON payload,
-the host layout, the host lock, nvidia-smi, installed distributions and path containment.
+the host root and its lock, nvidia-smi, installed distributions and path containment.
 
 Agents are modules of `provision.agent`; each has `main(payload) -> dict`. See `agent/__init__.py`.
 """
@@ -15,6 +15,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from ..layout import Layout
 
 CLEAN_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 UMASK = 0o027           # the host root and everything under it: dirs 0750, files 0640
@@ -87,7 +89,7 @@ def guard(working, root):
         pass
     if working and isinstance(root, str) and os.path.isabs(root) and os.path.isdir(root):
         try:
-            f = open(layout(root)["work"], "a+")
+            f = open(Layout(root).work, "a+")
             fcntl.flock(f, fcntl.LOCK_SH)
             AT_END.append(f.close)
         except OSError:
@@ -176,7 +178,7 @@ def end_tree():
 
 def wait_for_work(root):
     """Block until no agent works under `root` any more (each holds <root>/.work shared while it lives)."""
-    with open(layout(root)["work"], "a+") as f:
+    with open(Layout(root).work, "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
 
 
@@ -195,35 +197,17 @@ def event(**fields):
     emit({"_event": fields})
 
 
-# ------------------------------------------------------------------ layout
-
-def layout(root):
-    """Every path provision keeps under a host root."""
-    return {
-        "root": root,
-        "generations": os.path.join(root, "generations"),
-        "current": os.path.join(root, "current"),
-        "history": os.path.join(root, "history.jsonl"),
-        "lock": os.path.join(root, ".lock"),
-        "work": os.path.join(root, ".work"),    # held shared by every agent working under the root while it lives
-        "wheels": os.path.join(root, "cache", "wheels"),
-        "uv_cache": os.path.join(root, "cache", "uv"),
-        "tool": os.path.join(root, "tool"),
-        "uv": os.path.join(root, "cache", "uv-bin"),
-        "tmp": os.path.join(root, "tmp"),
-        "runs": os.path.join(root, "runs"),
-    }
-
+# ------------------------------------------------------------------ the host root
 
 def ensure_root(root):
-    """Create the host root (0750) if needed; tighten it if it is ours and wider."""
+    """Create the host root (0750) if needed; tighten it if it is ours and wider. Returns its Layout."""
     if not os.path.isabs(root):
         raise AgentError("host root %r is not an absolute path" % root)
     os.makedirs(root, mode=0o750, exist_ok=True)
     st = os.stat(root)
     if st.st_uid == os.getuid() and st.st_mode & 0o027:
         os.chmod(root, st.st_mode & ~0o027 & 0o7777)
-    return layout(root)
+    return Layout(root)
 
 
 def inside(root, path):
@@ -245,19 +229,20 @@ def read_json(path, default=None):
         return default
 
 
-def current(root):
-    link = os.path.join(root, "current")
+def current(lay):
+    """The id of the generation `current` names (None: no link)."""
+    link = lay.current
     return os.path.basename(os.readlink(link).rstrip("/")) if os.path.islink(link) else None
 
 
-def generations(root):
+def generations(lay):
     """[(number, id, manifest)] of the generation directories, oldest first."""
-    gdir = os.path.join(root, "generations")
+    gdir = lay.generations
     out = []
     for name in sorted(os.listdir(gdir)) if os.path.isdir(gdir) else []:
         m = re.match(r"^(\d{4})-(.+)$", name)
         if m:
-            out.append((int(m.group(1)), name, read_json(os.path.join(gdir, name, "manifest.json"), {}) or {}))
+            out.append((int(m.group(1)), name, read_json(lay.gen(name).manifest, {}) or {}))
     return out
 
 
@@ -265,7 +250,7 @@ def generations(root):
 
 def try_lock(root):
     """Take the host's flock without waiting: (file, None) when held, (None, holder) when another run has it."""
-    path = ensure_root(root)["lock"]
+    path = ensure_root(root).lock_file
     f = open(path, "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

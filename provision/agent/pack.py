@@ -16,6 +16,7 @@ import zipfile
 import zlib
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 
+from ..layout import Generation, Layout
 from . import record
 from .host import AgentError, emit, inside, read_json
 
@@ -306,10 +307,10 @@ def restore_patched(site, series):
     return out
 
 
-def shipped_from_cache(chk, site, gen_dir, wheels_dir):
+def shipped_from_cache(chk, site, gen, wheels_dir):
     """{absolute path: bytes as shipped} of the files the generation's patches changed (its manifest names them),
     read from the generation's own wheels in the host's cache (its requirements.txt names each by hash)."""
-    man = read_json(os.path.join(gen_dir, "manifest.json"), {}) or {}
+    man = read_json(gen.manifest, {}) or {}
     patched = set(((man.get("patches") or {}).get("files") or {}))
     owners = {name: [rel for rel in d["changed"] if rel in patched] for name, d in chk["dists"].items()}
     owners = {n: rels for n, rels in owners.items() if rels}
@@ -317,7 +318,7 @@ def shipped_from_cache(chk, site, gen_dir, wheels_dir):
         return {}
     wheels = {}
     try:
-        with open(os.path.join(gen_dir, "requirements.txt")) as f:
+        with open(gen.requirements) as f:
             for line in f:
                 m = re.match(r"^(\S+) @ file://(\S+) --hash=sha256:[0-9a-f]{64}$", line.strip())
                 if m:
@@ -379,8 +380,8 @@ def op_pack(a):
     chk = record.check(venv, jobs=threads)
     restored = restore_patched(site, a.get("series") or [])
     if a.get("gen_dir") and a.get("root"):
-        restored.update(shipped_from_cache(chk, site, inside(a["root"], a["gen_dir"]),
-                                           os.path.join(a["root"], "cache", "wheels")))
+        lay = Layout(a["root"])
+        restored.update(shipped_from_cache(chk, site, Generation(inside(lay.root, a["gen_dir"])), lay.wheel_cache))
     drift = drift_of(chk, site, restored)
     t_check = time.perf_counter() - t0
     emit({"_event": {"step": "check", "files": chk["files"], "bytes": chk["bytes"], "seconds": t_check,
@@ -451,8 +452,9 @@ def pool(workers, jobs):
 
 def op_clean(a):
     """Remove a pack's temporary folder under the host root's tmp/."""
-    path = inside(os.path.join(a["root"], "tmp"), a["dir"])
-    if os.path.realpath(path) == os.path.realpath(os.path.join(a["root"], "tmp")):
+    tmp = Layout(a["root"]).tmp
+    path = inside(tmp, a["dir"])
+    if os.path.realpath(path) == os.path.realpath(tmp):
         raise AgentError("refusing to remove %s itself" % path)
     shutil.rmtree(path, ignore_errors=True)
     return {"removed": path}

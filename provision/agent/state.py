@@ -10,6 +10,7 @@ import shutil
 import stat
 import time
 
+from ..layout import Layout, cache_entry, venv_python
 from .host import AgentError, current, ensure_root, generations as gens, read_json, try_lock
 from .verify import quick
 
@@ -41,10 +42,10 @@ def write_atomic(path, text):
     fsync_dir(os.path.dirname(path))
 
 
-def events(root):
+def events(lay):
     """The events of the host's history, oldest first (a line that is not JSON is skipped; no history: none)."""
     try:
-        with open(os.path.join(root, "history.jsonl")) as f:
+        with open(lay.history) as f:
             lines = f.readlines()
     except OSError:
         return []
@@ -57,35 +58,34 @@ def events(root):
     return out
 
 
-def record(root, event):
+def record(lay, event):
     event = dict(event, time=now())
-    with open(os.path.join(root, "history.jsonl"), "a") as f:
+    with open(lay.history, "a") as f:
         f.write(json.dumps(event, sort_keys=True) + "\n")
         f.flush()
         os.fsync(f.fileno())
     return event
 
 
-def switch_link(root, gen_id):
+def switch_link(lay, gen_id):
     """The commit point: rename(2) of a fresh symlink over `current`, then fsync of the root."""
-    target = os.path.join("generations", gen_id)
-    if not os.path.isdir(os.path.join(root, target)):
-        raise AgentError("no generation %s under %s" % (gen_id, root))
-    tmp = os.path.join(root, ".current.tmp-%d" % os.getpid())
+    if not os.path.isdir(lay.gen(gen_id).dir):
+        raise AgentError("no generation %s under %s" % (gen_id, lay.root))
+    tmp = lay.current_tmp(os.getpid())
     try:
         if os.path.lexists(tmp):
             os.unlink(tmp)
-        os.symlink(target, tmp)
-        os.replace(tmp, os.path.join(root, "current"))   # rename(2): atomic
+        os.symlink(lay.link_target(gen_id), tmp)
+        os.replace(tmp, lay.current)   # rename(2): atomic
     finally:
         if os.path.lexists(tmp):
             os.unlink(tmp)
-    fsync_dir(root)
+    fsync_dir(lay.root)
 
 
-def remove_venv(root, gen_id):
+def remove_venv(lay, gen_id):
     """Free a generation's space first (its venv; an adopted one is a link and only the link goes)."""
-    venv = os.path.join(root, "generations", gen_id, "venv")
+    venv = lay.gen(gen_id).venv
     if os.path.islink(venv):
         os.unlink(venv)
     elif os.path.isdir(venv):
@@ -96,15 +96,12 @@ def oserr(e):
     return "%s: %s" % (e.filename or "", e.strerror or e)
 
 
-def update_manifest(root, gen_id, fields):
-    path = os.path.join(root, "generations", gen_id, "manifest.json")
+def update_manifest(lay, gen_id, fields):
+    path = lay.gen(gen_id).manifest
     man = read_json(path, {})
     man.update(fields)
     write_atomic(path, json.dumps(man, indent=2, sort_keys=True))
     return man
-
-
-LAST_NUMBER = "last-number"    # the highest generation number ever allocated under this root
 
 
 def id_number(gen_id):
@@ -112,136 +109,141 @@ def id_number(gen_id):
     return int(m.group(1)) if m else 0
 
 
-def highest_number(root):
+def highest_number(lay):
     """The highest generation number this root ever used: its counter, the generations kept, `current`
     (whose directory may be gone) and every generation history names (gc removes directories, not history)."""
     try:
-        with open(os.path.join(root, LAST_NUMBER)) as f:
+        with open(lay.last_number) as f:
             counter = int(f.read().strip() or 0)
     except (OSError, ValueError):
         counter = 0
-    named = [n for n, _, _ in gens(root)] + [id_number(current(root))]
-    for ev in events(root):
+    named = [n for n, _, _ in gens(lay)] + [id_number(current(lay))]
+    for ev in events(lay):
         ids = [ev.get(k) for k in ("generation", "to", "from")] + list(ev.get("removed") or [])
         named += [id_number(i) for i in ids if isinstance(i, str)]
     return max([counter] + named)
 
 
-def op_prepare(root, a):
+def op_prepare(lay, a):
     """Allocate the next generation directory and write its lock and a 'building' manifest."""
-    ensure_root(root)
-    for sub in ("generations", "cache/wheels", "runs"):
-        os.makedirs(os.path.join(root, sub), exist_ok=True)
-    number = highest_number(root) + 1
-    write_atomic(os.path.join(root, LAST_NUMBER), "%d\n" % number)   # before the dir: a number is never reused
+    make_dirs(lay)
+    number = highest_number(lay) + 1
+    write_atomic(lay.last_number, "%d\n" % number)   # before the dir: a number is never reused
     gen_id = "%04d-%s" % (number, a["lock_name"])
-    gdir = os.path.join(root, "generations", gen_id)
-    os.makedirs(gdir)
-    write_atomic(os.path.join(gdir, "lock.yaml"), a["lock_text"])
-    cache = os.path.join(root, "cache", "wheels")
+    gen = lay.gen(gen_id)
+    os.makedirs(gen.dir)
+    write_atomic(gen.lock_yaml, a["lock_text"])
     lines = []
     for p in a.get("packages", []):   # content-addressed: cache/wheels/<sha256>/<filename>
-        os.makedirs(os.path.join(cache, p["sha256"]), exist_ok=True)
-        lines.append("%s @ file://%s/%s/%s --hash=sha256:%s" % (p["name"], cache, p["sha256"], p["filename"], p["sha256"]))
-    write_atomic(os.path.join(gdir, "requirements.txt"), "".join(l + "\n" for l in lines))
+        entry = cache_entry(lay.wheel_cache, p["sha256"], p["filename"])
+        os.makedirs(os.path.dirname(entry), exist_ok=True)
+        lines.append("%s @ file://%s --hash=sha256:%s" % (p["name"], entry, p["sha256"]))
+    write_atomic(gen.requirements, "".join(l + "\n" for l in lines))
     man = dict(a.get("manifest", {}), id=gen_id, number=number, status="building", created=now())
-    write_atomic(os.path.join(gdir, "manifest.json"), json.dumps(man, indent=2, sort_keys=True))
-    return {"id": gen_id, "dir": gdir, "venv": os.path.join(gdir, "venv")}
+    write_atomic(gen.manifest, json.dumps(man, indent=2, sort_keys=True))
+    return {"id": gen_id, "dir": gen.dir, "venv": gen.venv}
 
 
-def op_mark(root, a):
+def make_dirs(lay):
+    """The root (see `ensure_root`) and the directories a generation's making writes into."""
+    ensure_root(lay.root)
+    for d in (lay.generations, lay.wheel_cache, lay.runs):
+        os.makedirs(d, exist_ok=True)
+
+
+def op_mark(lay, a):
     """Update a generation's manifest (and history); a failure removes the venv before writing anything."""
-    if a.get("fields", {}).get("status") in ("failed", "abandoned") and current(root) == a["id"]:
+    if a.get("fields", {}).get("status") in ("failed", "abandoned") and current(lay) == a["id"]:
         return {"error": "generation %s is current: it is never marked %s" % (a["id"], a["fields"]["status"])}
     if a.get("remove_venv"):
-        remove_venv(root, a["id"])
+        remove_venv(lay, a["id"])
     event = dict(a["event"], generation=a["id"]) if a.get("event") else None
-    man, failed = mark_recorded(root, a["id"], a.get("fields", {}), event)
+    man, failed = mark_recorded(lay, a["id"], a.get("fields", {}), event)
     return {"id": a["id"], "status": man.get("status"), "bookkeeping_failed": failed}
 
 
-def mark_recorded(root, gen_id, fields, event=None):
+def mark_recorded(lay, gen_id, fields, event=None):
     """Update a generation's manifest, then record `event`. The manifest is the truth and is written first,
     holding the event as `pending_event` until history has it: a failure to record is returned (not raised)
     and `recover` records it on the next run. Returns (manifest, [what failed])."""
     if not event:
-        return update_manifest(root, gen_id, fields), []
+        return update_manifest(lay, gen_id, fields), []
     event = dict(event, event_id=event.get("event_id") or "%s@%s" % (gen_id, time.time()))
-    man = update_manifest(root, gen_id, dict(fields, pending_event=event))
+    man = update_manifest(lay, gen_id, dict(fields, pending_event=event))
     try:
-        record(root, event)
+        record(lay, event)
     except OSError as e:
         return man, ["history: " + oserr(e)]
-    return update_manifest(root, gen_id, {"pending_event": None}), []
+    return update_manifest(lay, gen_id, {"pending_event": None}), []
 
 
-def op_switch(root, a):
+def op_switch(lay, a):
     """Make generation `id` current. Before the rename its manifest says `switching`; the rename is the
     commit; what follows (manifest `ready`, history) is bookkeeping, and a failure there is reported as
     such (switched: true) and repaired by `recover` on the next run."""
     gen_id = a["id"]
-    before = current(root)
-    gdir = os.path.join(root, "generations", gen_id)
-    man = read_json(os.path.join(gdir, "manifest.json"), None)
+    before = current(lay)
+    gen = lay.gen(gen_id)
+    man = read_json(gen.manifest, None)
     if man is None:
-        return {"error": "no generation %s under %s" % (gen_id, root)}
+        return {"error": "no generation %s under %s" % (gen_id, lay.root)}
     if man.get("status") in ("failed", "abandoned", "building", "built", "removing"):
         return {"error": "generation %s is %s: never switched to" % (gen_id, man.get("status"))}
-    if not os.path.exists(os.path.join(gdir, "venv", "bin", "python")):
+    if not os.path.exists(gen.python):
         return {"error": "generation %s has no venv/bin/python: not runnable" % gen_id}
     event = dict(a.get("event", {}), event=a.get("kind", "switch"), **{"from": before, "to": gen_id})
-    ev, failed, seconds = commit(root, gen_id, man, event)
+    ev, failed, seconds = commit(lay, gen_id, man, event)
     return {"from": before, "to": gen_id, "switched": True, "switch_seconds": seconds, "event": ev,
             "bookkeeping_failed": failed}
 
 
-def commit(root, gen_id, man, event):
+def commit(lay, gen_id, man, event):
     """Switch `current` to `gen_id` and record `event`. Before the rename the manifest says `switching` and
     holds the event (and the status it returns to); the rename is the commit; what follows (history, then
     the manifest back to runnable) is bookkeeping: its failure is returned, never raised, and `recover`
     settles it. Returns (event recorded or None, [what failed], seconds)."""
     event = dict(event, switch_id="%s@%s" % (gen_id, time.time()))
     runnable = "adopted" if man.get("status") == "adopted" else "ready"
-    update_manifest(root, gen_id, {"status": "switching", "switch_event": event, "runnable_as": runnable})
+    update_manifest(lay, gen_id, {"status": "switching", "switch_event": event, "runnable_as": runnable})
     t0 = time.perf_counter()
     try:
-        switch_link(root, gen_id)                   # ---- the commit ----
+        switch_link(lay, gen_id)                   # ---- the commit ----
     except OSError:
-        if current(root) != gen_id:
-            update_manifest(root, gen_id, {"status": runnable, "switch_event": None})
+        if current(lay) != gen_id:
+            update_manifest(lay, gen_id, {"status": runnable, "switch_event": None})
             raise
     seconds = time.perf_counter() - t0
     failed, ev = [], None
     try:   # history first: a manifest still `switching` tells `recover` the event may be missing
-        ev = record(root, event)
+        ev = record(lay, event)
     except OSError as e:
         failed.append("history: " + oserr(e))
     if not failed:
         try:
-            update_manifest(root, gen_id, {"status": runnable, "committed": man.get("committed") or now(),
+            update_manifest(lay, gen_id, {"status": runnable, "committed": man.get("committed") or now(),
                                            "switch_event": None})
         except OSError as e:
             failed.append("manifest: " + oserr(e))
     return ev, failed, seconds
 
 
-def recorded(root, switch_id):
+def recorded(lay, switch_id):
     """Whether history holds the event of this switch (looked for from the end)."""
     try:
-        with open(os.path.join(root, "history.jsonl")) as f:
+        with open(lay.history) as f:
             return any(switch_id in line for line in reversed(f.readlines()[-1000:]))
     except OSError:
         return False
 
 
-def op_recover(root, a):
+def op_recover(lay, a):
     """Settle what an interrupted run left (the caller holds the host lock): a generation `switching` that
     `current` names is committed (manifest and history repaired); one left building/built/verified, or
     switching but not current, is abandoned and its venv removed; failed ones lose their venv; temp
     files, partial downloads in the cache (`.part-`) and what an interrupted gc set aside (.trash) go."""
-    cur = current(root)
+    cur = current(lay)
     out = {"abandoned": [], "repaired": [], "freed": [], "removed_tmp": [], "removed_partial": [], "errors": []}
-    for d in [root] + [os.path.join(root, "generations", g) for _, g, _ in gens(root)]:
+    for d in [lay.root] + [lay.gen(g).dir for _, g, _ in gens(lay)]:
         for f in os.listdir(d) if os.path.isdir(d) else []:
             if re.search(r"\.tmp-\d+$", f) or f.endswith(".tmp"):
                 try:
@@ -249,7 +251,7 @@ def op_recover(root, a):
                     out["removed_tmp"].append(os.path.join(d, f))
                 except OSError as e:
                     out["errors"].append(oserr(e))
-    for d in partial_dirs(root):     # downloads and pushes an interrupted run left half-written
+    for d in partial_dirs(lay):     # downloads and pushes an interrupted run left half-written
         for f in os.listdir(d):
             if PARTIAL.search(f):
                 try:
@@ -257,43 +259,43 @@ def op_recover(root, a):
                     out["removed_partial"].append(os.path.join(d, f))
                 except OSError as e:
                     out["errors"].append(oserr(e))
-    out["trash_bytes"], errs = empty_trash(root)    # what an interrupted gc set aside
+    out["trash_bytes"], errs = empty_trash(lay)    # what an interrupted gc set aside
     out["errors"] += errs
     out["settled"] = []
-    for _, gen_id, man in gens(root):
+    for _, gen_id, man in gens(lay):
         status = man.get("status")
-        venv = os.path.join(root, "generations", gen_id, "venv")
+        venv = lay.gen(gen_id).venv
         try:
             if man.get("pending_event"):   # a marking whose event history lacks
                 ev = man["pending_event"]
-                if not recorded(root, ev.get("event_id") or gen_id):
-                    record(root, dict(ev, repaired=True))
-                man = update_manifest(root, gen_id, {"pending_event": None})
+                if not recorded(lay, ev.get("event_id") or gen_id):
+                    record(lay, dict(ev, repaired=True))
+                man = update_manifest(lay, gen_id, {"pending_event": None})
                 out["repaired"].append(gen_id)
             if status == "switching":   # settled by where `current` points: the rename is the commit
                 runnable = man.get("runnable_as") or "ready"
                 if gen_id == cur:
                     ev = man.get("switch_event") or {"event": "switch", "to": gen_id, "switch_id": gen_id}
-                    if not recorded(root, ev.get("switch_id") or gen_id):
-                        record(root, dict(ev, repaired=True))
-                    update_manifest(root, gen_id, {"status": runnable, "committed": man.get("committed") or now(),
+                    if not recorded(lay, ev.get("switch_id") or gen_id):
+                        record(lay, dict(ev, repaired=True))
+                    update_manifest(lay, gen_id, {"status": runnable, "committed": man.get("committed") or now(),
                                                    "switch_event": None})
                     out["repaired"].append(gen_id)
                 else:   # never committed: it stays the complete generation it was
-                    update_manifest(root, gen_id, {"status": runnable, "switch_event": None})
+                    update_manifest(lay, gen_id, {"status": runnable, "switch_event": None})
                     out["settled"].append(gen_id)
             elif status in (None, "building", "built", "verified") and gen_id != cur:
-                remove_venv(root, gen_id)
-                _, failed = mark_recorded(root, gen_id, {"status": "abandoned", "abandoned_from": status or "incomplete",
+                remove_venv(lay, gen_id)
+                _, failed = mark_recorded(lay, gen_id, {"status": "abandoned", "abandoned_from": status or "incomplete",
                                              "reason": "left %s by an interrupted run" % (status or "incomplete")},
                               {"event": "abandoned", "generation": gen_id, "was": status or "incomplete"})
                 out["abandoned"].append(gen_id)
                 out["errors"] += ["%s: %s" % (gen_id, f) for f in failed]
             elif status == "removing" and gen_id != cur:   # a gc that could not set it aside, interrupted
-                shutil.rmtree(os.path.join(root, "generations", gen_id))
+                shutil.rmtree(lay.gen(gen_id).dir)
                 out["freed"].append(gen_id)
             elif status in ("failed", "abandoned") and os.path.lexists(venv) and gen_id != cur:
-                remove_venv(root, gen_id)
+                remove_venv(lay, gen_id)
                 out["freed"].append(gen_id)
         except OSError as e:
             out["errors"].append("%s: %s" % (gen_id, oserr(e)))
@@ -303,9 +305,9 @@ def op_recover(root, a):
 PARTIAL = re.compile(r"\.part-\d+-\d+$")      # agent/build.py's `store`: <entry>.part-<pid>-<thread>
 
 
-def partial_dirs(root):
+def partial_dirs(lay):
     """The cache entry directories (wheels and the tool's uv) where a `.part-` file can be left."""
-    for store in (os.path.join(root, "cache", "wheels"), os.path.join(root, "cache", "uv-bin")):
+    for store in lay.stores.values():
         for sha in sorted(os.listdir(store)) if os.path.isdir(store) else []:
             d = os.path.join(store, sha)
             if os.path.isdir(d) and not os.path.islink(d):
@@ -316,13 +318,13 @@ RUNNABLE = ("ready", "adopted")
 SWITCHES = ("apply", "switch", "rollback")     # the events of a rename of `current` (op_switch's kinds, rollback)
 
 
-def switches(root):
+def switches(lay):
     """(from, to) of every recorded switch of `current`, oldest first (history read through `events`)."""
-    return [(ev.get("from"), ev["to"]) for ev in events(root)
+    return [(ev.get("from"), ev["to"]) for ev in events(lay)
             if ev.get("event") in SWITCHES and isinstance(ev.get("to"), str) and "from" in ev]
 
 
-def rollback_target(root, all_gens, cur):
+def rollback_target(lay, all_gens, cur):
     """What a plain `rollback` returns to: (generation or None, [(id, why) skipped]). The generation that was
     current before the last switch to `current` (an apply that reused an older generation included); when that
     one is no longer runnable, the one current before it, and so on back through history. A host whose
@@ -330,11 +332,11 @@ def rollback_target(root, all_gens, cur):
     if cur is None:
         return None, []
     by_id = {g[1]: g for g in all_gens}
-    sw = switches(root)
+    sw = switches(lay)
     last = max((i for i, (_, to) in enumerate(sw) if to == cur), default=None)
     if last is None:
         cur_n = id_number(cur)
-        older = [g for g in all_gens if g[0] < cur_n and runnable(root, g)]
+        older = [g for g in all_gens if g[0] < cur_n and runnable(lay, g)]
         return (older[-1] if older else None), []
     skipped, seen = [], {cur}
     for frm, _ in reversed(sw[:last + 1]):
@@ -342,29 +344,28 @@ def rollback_target(root, all_gens, cur):
             continue
         seen.add(frm)
         g = by_id.get(frm)
-        if g is not None and runnable(root, g):
+        if g is not None and runnable(lay, g):
             return g, skipped
         skipped.append((frm, "removed" if g is None else "no venv/bin/python" if g[2].get("status") in RUNNABLE
                         else g[2].get("status") or "incomplete"))
     return None, skipped
 
 
-def runnable(root, g):
+def runnable(lay, g):
     """Whether generation (number, id, manifest) can be switched to: ready or adopted, its interpreter there."""
-    return g[2].get("status") in RUNNABLE and os.path.exists(os.path.join(root, "generations", g[1], "venv", "bin",
-                                                                           "python"))
+    return g[2].get("status") in RUNNABLE and os.path.exists(lay.gen(g[1]).python)
 
 
-def op_gc(root, a):
+def op_gc(lay, a):
     """Remove failed/abandoned generations, runnable ones beyond the newest `keep`, and cache entries (wheels,
     uv's unpacked wheels) no remaining generation needs; never `current` nor what `rollback` returns to.
     Each is first renamed aside into <root>/.trash (atomic: never a half-deleted generation under
     generations/), then its files are deleted in parallel. `bytes` is what the removal frees: each inode once,
     and only when every link it has is among the files removed. Takes the host lock."""
-    recovered = op_recover(root, a) if not a.get("dry_run") else None
-    cur = current(root)
-    all_gens = gens(root)
-    back, _ = rollback_target(root, all_gens, cur)
+    recovered = op_recover(lay, a) if not a.get("dry_run") else None
+    cur = current(lay)
+    all_gens = gens(lay)
+    back, _ = rollback_target(lay, all_gens, cur)
     protected = {cur, back[1] if back else None}
     spare = [g for g in all_gens if g[2].get("status") in RUNNABLE and g[1] not in protected]
     keep = max(0, int(a.get("keep", 3)) - len([p for p in protected if p]))
@@ -374,7 +375,7 @@ def op_gc(root, a):
     needed, dists = set(), set()
     for _, gen_id, _ in kept:
         try:
-            text = open(os.path.join(root, "generations", gen_id, "requirements.txt")).read()
+            text = open(lay.gen(gen_id).requirements).read()
         except OSError:
             continue
         needed |= set(re.findall(r"--hash=sha256:([0-9a-f]{64})", text))
@@ -385,13 +386,13 @@ def op_gc(root, a):
     items = []    # (the list in `out` it is reported in, its entry, its path, its name in the trash)
     for _, gen_id, man in doomed:
         entry = {"id": gen_id, "status": man.get("status"), "run_dir": man.get("run_dir")}
-        items.append(("generations", entry, os.path.join(root, "generations", gen_id), "gen-" + gen_id))
-    cache = os.path.join(root, "cache", "wheels")
+        items.append(("generations", entry, lay.gen(gen_id).dir, "gen-" + gen_id))
+    cache = lay.wheel_cache
     for sha in sorted(os.listdir(cache)) if os.path.isdir(cache) else []:
         if sha not in needed:
             items.append(("cache", {"sha256": sha}, os.path.join(cache, sha), "wheel-" + sha))
-    for name in unused_uv_archives(root, dists):
-        items.append(("uv_cache", {"archive": name}, os.path.join(root, "cache", "uv", "archive-v0", name),
+    for name in unused_uv_archives(lay, dists):
+        items.append(("uv_cache", {"archive": name}, os.path.join(lay.uv_archives, name),
                       "uv-" + name))
     for kind, entry, _, _ in items:
         out[kind].append(entry)
@@ -399,8 +400,8 @@ def op_gc(root, a):
         account(out, items, survey([path for _, _, path, _ in items]))
         return out
     t0 = time.monotonic()
-    free0 = fs_free(root)
-    trash, paths = set_aside(root, items, out["errors"])
+    free0 = fs_free(lay.root)
+    trash, paths = set_aside(lay, items, out["errors"])
     sv = survey(paths)
     removed = remove_surveyed(sv, int(a.get("jobs") or 16), out["errors"])
     account(out, items, sv, removed)
@@ -410,9 +411,9 @@ def op_gc(root, a):
         except OSError:
             break
     out["seconds"] = round(time.monotonic() - t0, 3)
-    out["fs_freed"] = fs_free(root) - free0       # the filesystem's own figure (others may write meanwhile)
+    out["fs_freed"] = fs_free(lay.root) - free0       # the filesystem's own figure (others may write meanwhile)
     try:
-        record(root, {"event": "gc", "removed": [g["id"] for g in out["generations"] if g.get("removed")],
+        record(lay, {"event": "gc", "removed": [g["id"] for g in out["generations"] if g.get("removed")],
                       "cache_entries": len(out["cache"]), "uv_cache_entries": len(out["uv_cache"]),
                       "bytes": out["bytes"], "shared_bytes": out["shared_bytes"]})
     except OSError as e:
@@ -420,19 +421,16 @@ def op_gc(root, a):
     return out
 
 
-TRASH = ".trash"     # <root>/.trash: what gc set aside and is deleting; `recover` finishes what is left
-
-
 def fs_free(root):
     st = os.statvfs(root)
     return st.f_bavail * st.f_frsize
 
 
-def set_aside(root, items, errors):
+def set_aside(lay, items, errors):
     """Rename each item into a fresh directory under <root>/.trash (one rename each, atomic). A generation
     that cannot be renamed there is first marked `removing` (never runnable again), then deleted in place.
     Returns (the trash directory of this run, the paths to delete in the order of `items`)."""
-    trash = os.path.join(root, TRASH, "gc-%d-%d" % (os.getpid(), time.time() * 1e6))
+    trash = os.path.join(lay.trash, "gc-%d-%d" % (os.getpid(), time.time() * 1e6))
     os.makedirs(trash)
     paths = []
     for kind, entry, path, name in items:
@@ -442,15 +440,15 @@ def set_aside(root, items, errors):
         except OSError as e:
             if kind == "generations":
                 try:
-                    update_manifest(root, entry["id"], {"status": "removing", "reason": "gc: " + oserr(e)})
+                    update_manifest(lay, entry["id"], {"status": "removing", "reason": "gc: " + oserr(e)})
                 except OSError as e2:
                     errors.append("%s: %s" % (entry["id"], oserr(e2)))
                     paths.append(None)
                     continue
             dest = path
         paths.append(dest)
-    if os.path.isdir(os.path.join(root, "generations")):
-        fsync_dir(os.path.join(root, "generations"))
+    if os.path.isdir(lay.generations):
+        fsync_dir(lay.generations)
     return trash, paths
 
 
@@ -542,10 +540,10 @@ def remove_surveyed(sv, jobs, errors):
     return removed
 
 
-def empty_trash(root, jobs=16):
+def empty_trash(lay, jobs=16):
     """Delete what an earlier gc set aside under <root>/.trash and did not finish (nothing there is a
     generation any more), .trash included. Returns (bytes freed, [errors])."""
-    base = os.path.join(root, TRASH)
+    base = lay.trash
     if not os.path.isdir(base) or os.path.islink(base):
         return 0, []
     errors = []
@@ -578,11 +576,12 @@ def account(out, items, sv, removed=None):
         out["shared_bytes"] += shared
 
 
-def op_logs(root, a):
+def op_logs(lay, a):
     """A generation's logs (the tail of each `*.log` in its dir), its probe results and failure reason."""
-    gdir = os.path.join(root, "generations", a["id"])
+    gen = lay.gen(a["id"])
+    gdir = gen.dir
     if not os.path.isdir(gdir):
-        return {"error": "no generation %s under %s" % (a["id"], root)}
+        return {"error": "no generation %s under %s" % (a["id"], lay.root)}
     tail = int(a.get("tail", 65536))
     logs = {}
     for f in sorted(os.listdir(gdir)):
@@ -592,19 +591,19 @@ def op_logs(root, a):
                 size = fh.tell()
                 fh.seek(max(0, size - tail))
                 logs[f] = {"bytes": size, "text": fh.read().decode("utf-8", "replace")}
-    probes = read_json(os.path.join(gdir, "probes.json"), None)
-    man = read_json(os.path.join(gdir, "manifest.json"), {})
+    probes = read_json(gen.probes_json, None)
+    man = read_json(gen.manifest, {})
     return {"id": a["id"], "dir": gdir, "status": man.get("status"), "reason": man.get("reason"),
             "run_dir": man.get("run_dir"), "logs": logs,
             "probes": [{k: r.get(k) for k in ("name", "status", "reason")} for r in (probes or {}).get("results", [])]}
 
 
-def op_rollback(root, a):
+def op_rollback(lay, a):
     """Switch back to generation `to` (a number or id), or to the newest ready one below current. Settles
     what an interrupted run left first (the caller holds the host lock, except for a dry run)."""
-    recovered = None if a.get("dry_run") else op_recover(root, a)
-    before = current(root)
-    all_gens = gens(root)
+    recovered = None if a.get("dry_run") else op_recover(lay, a)
+    before = current(lay)
+    all_gens = gens(lay)
     if not all_gens or before is None:
         return {"error": "no managed generations on this host: nothing to roll back to"}
     to = a.get("to")
@@ -617,52 +616,50 @@ def op_rollback(root, a):
         if target[2].get("status") not in ("ready", "adopted"):
             return {"error": "generation %s is %s, not runnable" % (target[1], target[2].get("status"))}
     else:
-        target, skipped = rollback_target(root, all_gens, before)
+        target, skipped = rollback_target(lay, all_gens, before)
         if target is None:
             why = "; history names %s" % ", ".join("%s (%s)" % s for s in skipped) if skipped else ""
             return {"error": "no earlier runnable generation to roll back to from %s%s" % (before, why)}
     if target[1] == before:
         return {"from": before, "to": before, "noop": True}
     forward = target[0] > int(before.split("-", 1)[0])
-    check = None if a.get("force") else quick(root, target[1])
+    check = None if a.get("force") else quick(lay, target[1])
     if check and check["verdict"] == "drift":
         return {"error": "generation %s fails verification (%s); not switched to it (--force switches anyway)"
                 % (target[1], check["named"]), "check": check}
     if a.get("dry_run"):
         return {"from": before, "to": target[1], "forward": forward, "dry_run": True, "check": check}
-    ev, failed, seconds = commit(root, target[1], target[2], {
+    ev, failed, seconds = commit(lay, target[1], target[2], {
         "event": "rollback", "from": before, "to": target[1], "lock": target[2].get("lock_name"),
         "forward": forward, "forced": bool(a.get("force"))})
     return {"from": before, "to": target[1], "forward": forward, "switch_seconds": seconds, "switched": True,
             "event": ev, "check": check, "bookkeeping_failed": failed, "recovered": recovered}
 
 
-def op_adopt(root, a):
+def op_adopt(lay, a):
     """Record an unmanaged environment as generation 0000 (a symlink to it; nothing is moved)."""
-    ensure_root(root)
-    for sub in ("generations", "cache/wheels", "runs"):
-        os.makedirs(os.path.join(root, sub), exist_ok=True)
+    make_dirs(lay)
     gen_id = "0000-%s" % a["lock_name"]
-    gdir = os.path.join(root, "generations", gen_id)
-    if os.path.exists(gdir):
+    gen = lay.gen(gen_id)
+    if os.path.exists(gen.dir):
         return {"error": "generation %s already exists" % gen_id}
     prefix = a["prefix"]
-    if not os.path.exists(os.path.join(prefix, "bin", "python")):
+    if not os.path.exists(venv_python(prefix)):
         return {"error": "%s has no bin/python: not a Python environment" % prefix}
-    os.makedirs(gdir)
-    os.symlink(prefix, os.path.join(gdir, "venv"))
-    write_atomic(os.path.join(gdir, "lock.yaml"), a["lock_text"])
+    os.makedirs(gen.dir)
+    os.symlink(prefix, gen.venv)
+    write_atomic(gen.lock_yaml, a["lock_text"])
     man = dict(a.get("manifest", {}), id=gen_id, number=0, status="adopted", created=now(), adopted_from=prefix)
-    write_atomic(os.path.join(gdir, "manifest.json"), json.dumps(man, indent=2, sort_keys=True))
-    record(root, {"event": "adopt", "generation": gen_id, "path": prefix, "lock": a["lock_name"]})
-    if current(root) is None:
-        switch_link(root, gen_id)
-    return {"id": gen_id, "dir": gdir}
+    write_atomic(gen.manifest, json.dumps(man, indent=2, sort_keys=True))
+    record(lay, {"event": "adopt", "generation": gen_id, "path": prefix, "lock": a["lock_name"]})
+    if current(lay) is None:
+        switch_link(lay, gen_id)
+    return {"id": gen_id, "dir": gen.dir}
 
 
-def op_history(root, a):
-    return {"current": current(root), "events": events(root)[-int(a.get("limit", 200)):],
-            "generations": [dict(m, id=name, number=n) for n, name, m in gens(root)]}
+def op_history(lay, a):
+    return {"current": current(lay), "events": events(lay)[-int(a.get("limit", 200)):],
+            "generations": [dict(m, id=name, number=n) for n, name, m in gens(lay)]}
 
 
 def files(path):
@@ -700,11 +697,11 @@ def wheel_dist(filename):
     return (re.sub(r"[-_.]+", "-", parts[0]).lower(), parts[1] if len(parts) > 1 else "")
 
 
-def unused_uv_archives(root, dists):
+def unused_uv_archives(lay, dists):
     """The names of uv's unpacked wheels (cache/uv/archive-v0/*) whose distribution (its dist-info's name and
     version) no kept generation's requirements name. Generations own copies of their files, so an archive is
     only what makes the next install of the same wheel fast."""
-    base = os.path.join(root, "cache", "uv", "archive-v0")
+    base = lay.uv_archives
     if not os.path.isdir(base):
         return []
     out = []
@@ -718,13 +715,13 @@ def unused_uv_archives(root, dists):
     return out
 
 
-def op_status(root, a):
+def op_status(lay, a):
     """One row for a fleet table: current generation, its lock, since when, last probe and verify verdicts, the
     last probe of another generation when it came after (an attempt that did not become current), disk used."""
-    cur, all_gens = current(root), gens(root)
+    cur, all_gens = current(lay), gens(lay)
     man = next((m for _, name, m in all_gens if name == cur), {})
     since, probe, attempt = None, None, None
-    for ev in events(root):
+    for ev in events(lay):
         if ev.get("to") == cur and "from" in ev or (ev.get("event") == "adopt" and ev.get("generation") == cur):
             since = ev.get("time")
         if ev.get("event") == "probe":   # the current generation's last, and the last of any (the last attempt)
@@ -735,25 +732,25 @@ def op_status(root, a):
     broken = None
     if cur and not any(name == cur for _, name, _ in all_gens):
         broken = "its directory generations/%s is missing" % cur
-    elif cur and not os.path.exists(os.path.join(root, "generations", cur, "venv", "bin", "python")):
+    elif cur and not os.path.exists(lay.gen(cur).python):
         broken = "its venv/bin/python is missing"
     verify = man.get("verify")
     if broken:   # the verdicts of what was there no longer hold
         probe = verify = None
-    return {"root": root, "current": cur, "lock": man.get("lock_name"), "since": since or man.get("created"),
+    return {"root": lay.root, "current": cur, "lock": man.get("lock_name"), "since": since or man.get("created"),
             "broken": broken, "probe": probe, "verify": verify, "generations": len(all_gens),
             "last_attempt": attempt if attempt and attempt["generation"] != cur else None,
             "ready": sum(1 for _, _, m in all_gens if m.get("status") in ("ready", "adopted")),
-            "disk_bytes": disk_used(root) if os.path.isdir(root) else 0}
+            "disk_bytes": disk_used(lay.root) if os.path.isdir(lay.root) else 0}
 
 
-def op_read(root, a):
-    gdir = os.path.join(root, "generations", a["id"])
+def op_read(lay, a):
+    gen = lay.gen(a["id"])
     try:
-        lock_text = open(os.path.join(gdir, "lock.yaml")).read()
+        lock_text = open(gen.lock_yaml).read()
     except OSError:
         lock_text = None
-    return {"id": a["id"], "manifest": read_json(os.path.join(gdir, "manifest.json"), {}), "lock_text": lock_text}
+    return {"id": a["id"], "manifest": read_json(gen.manifest, {}), "lock_text": lock_text}
 
 
 OPS = {"prepare": op_prepare, "mark": op_mark, "switch": op_switch, "rollback": op_rollback,
@@ -762,18 +759,18 @@ OPS = {"prepare": op_prepare, "mark": op_mark, "switch": op_switch, "rollback": 
 
 
 def main(a):
-    root, op = a["root"], a.get("op")
+    lay, op = Layout(a["root"]), a.get("op")
     if op not in OPS:
         return {"error": "unknown op %s" % op}
     held = None
     if a.get("take_lock"):
-        held, holder = try_lock(root)
+        held, holder = try_lock(lay.root)
         if held is None:
-            return {"error": "another run holds the host lock %s/.lock (%s)" % (root, holder)}
+            return {"error": "another run holds the host lock %s (%s)" % (lay.lock_file, holder)}
     try:
-        return OPS[op](root, a)
+        return OPS[op](lay, a)
     except OSError as e:
-        return {"error": "%s: %s" % (e.filename or root, e.strerror)}
+        return {"error": "%s: %s" % (e.filename or lay.root, e.strerror)}
     finally:
         if held is not None:
             held.close()

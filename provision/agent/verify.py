@@ -9,22 +9,21 @@ import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from ..layout import Layout
 from . import record
 from .host import AgentError, inside, read_json
 
-# Beside the venv: {venv, files: {path under the venv: [size, mtime_ns, ctime_ns, ino, digest]}}.
-STAMP = "stamp.json"
 
-
-def paths(root, gen_id):
-    """(generation dir, venv) of one generation, contained under the root's generations."""
-    gens = os.path.join(root, "generations")
+def generation(lay, gen_id):
+    """The paths of one generation (layout.Generation), contained under the root's generations. Its stamp.json,
+    beside the venv: {venv, files: {path under the venv: [size, mtime_ns, ctime_ns, ino, digest]}}."""
     if not isinstance(gen_id, str) or "/" in gen_id or gen_id in ("", ".", ".."):
         raise AgentError("bad generation id %r" % (gen_id,))
-    gdir = inside(gens, os.path.join(gens, gen_id))
-    if not os.path.isdir(gdir):
-        raise AgentError("no generation %s under %s" % (gen_id, root))
-    return gdir, os.path.join(gdir, "venv")
+    gen = lay.gen(gen_id)
+    inside(lay.generations, gen.dir)
+    if not os.path.isdir(gen.dir):
+        raise AgentError("no generation %s under %s" % (gen_id, lay.root))
+    return gen
 
 
 def walk(venv):
@@ -66,9 +65,9 @@ def read_only(venv):
     return {"files": files, "shared": shared}
 
 
-def patched_files(gdir):
+def patched_files(gen):
     """{path relative to site-packages: sha256 hex} the generation's patch series produced (its manifest)."""
-    man = read_json(os.path.join(gdir, "manifest.json"), {}) or {}
+    man = read_json(gen.manifest, {}) or {}
     files = (man.get("patches") or {}).get("files") or {}
     return {k: v for k, v in files.items() if isinstance(k, str) and isinstance(v, str)}
 
@@ -84,13 +83,14 @@ def _digest(full, st):
     return record.hash_file(full)[0]
 
 
-def op_seal(root, a):
+def op_seal(lay, a):
     """After the build (which made the files read-only) and its patches (which keep a file's mode): a full check
     (RECORD and patch hashes, the distributions installed), then the stamp of every file that rollback's quick
     check compares with."""
-    gdir, venv = paths(root, a["id"])
+    gen = generation(lay, a["id"])
+    venv = gen.venv
     t0 = time.monotonic()
-    out = full(venv, patched_files(gdir), a.get("jobs"), digests=True)
+    out = full(venv, patched_files(gen), a.get("jobs"), digests=True)
     digests = out.pop("digests")
     files, todo = {}, []
     for rel, st in walk(venv):
@@ -101,10 +101,10 @@ def op_seal(root, a):
     with ThreadPoolExecutor(max_workers=a.get("jobs") or record.jobs_default()) as ex:
         for (rel, full_path, st), d in zip(todo, ex.map(lambda x: _safe_digest(x[1], x[2]), todo)):
             files[rel][4] = d
-    tmp = os.path.join(gdir, STAMP + ".tmp-%d" % os.getpid())
+    tmp = "%s.tmp-%d" % (gen.stamp, os.getpid())
     with open(tmp, "w") as f:
         f.write(json.dumps({"venv": venv, "files": files}, separators=(",", ":")))
-    os.replace(tmp, os.path.join(gdir, STAMP))
+    os.replace(tmp, gen.stamp)
     out.update(stamped=len(files), seal_seconds=time.monotonic() - t0)
     return out
 
@@ -133,33 +133,34 @@ def full(venv, patched, jobs=None, baseline=False, digests=False):
     return out
 
 
-def op_verify(root, a):
+def op_verify(lay, a):
     """Every file of the generation against its RECORD (patched files against their recorded hashes), and the
     time to merely read the same bytes (`baseline`)."""
-    gdir, venv = paths(root, a["id"])
-    if not os.path.isdir(venv):
+    gen = generation(lay, a["id"])
+    if not os.path.isdir(gen.venv):
         raise AgentError("generation %s has no venv (removed when it failed or was abandoned)" % a["id"])
-    man = read_json(os.path.join(gdir, "manifest.json"), {}) or {}
-    out = full(venv, patched_files(gdir), a.get("jobs"), baseline=bool(a.get("baseline")))
+    man = read_json(gen.manifest, {}) or {}
+    out = full(gen.venv, patched_files(gen), a.get("jobs"), baseline=bool(a.get("baseline")))
     out.update(id=a["id"], installer=man.get("installer"), jobs=a.get("jobs") or record.jobs_default())
     return out
 
 
-def quick(root, gen_id, jobs=None):
+def quick(lay, gen_id, jobs=None):
     """Rollback's check of one generation: every file's stat against the stamp its build wrote; a file whose stat
     differs is hashed and compared with the stamp's digest (a touched but unchanged file is clean). A generation
     without a stamp (adopted, or built before stamps) gets the full RECORD check instead. The last `verify`'s
     drift counts too. Returns {verdict: clean|drift, how: stamp|record, changed, missing, extra, files, hashed,
     seconds}."""
     t0 = time.monotonic()
-    gdir, venv = paths(root, gen_id)
-    stamp = read_json(os.path.join(gdir, STAMP), None)
+    gen = generation(lay, gen_id)
+    venv = gen.venv
+    stamp = read_json(gen.stamp, None)
     changed, missing, extra, hashed = [], [], [], 0
     if not os.path.isdir(venv):
         how, files, missing = "record", 0, ["venv"]
     elif stamp is None or stamp.get("venv") != venv or not isinstance(stamp.get("files"), dict):
         try:
-            res = full(venv, patched_files(gdir), jobs)
+            res = full(venv, patched_files(gen), jobs)
         except OSError as e:
             res = {"dists": {}, "extra": [], "unclaimed_patches": [str(e)], "files": 0}
         for name, d in sorted(res["dists"].items()):
@@ -182,7 +183,7 @@ def quick(root, gen_id, jobs=None):
             got = list(ex.map(lambda s: _safe_digest(os.path.join(venv, s[0]), s[1]), suspects))
         changed = [rel for (rel, _, d), g in zip(suspects, got) if g is None or g != d]
         how, files, hashed = "stamp", len(want), len(suspects)
-    man = read_json(os.path.join(gdir, "manifest.json"), {}) or {}
+    man = read_json(gen.manifest, {}) or {}
     last = man.get("verify") or {}
     drift = bool(changed or missing or extra)
     out = {"id": gen_id, "how": how, "changed": sorted(changed), "missing": sorted(missing), "extra": sorted(extra),
@@ -214,8 +215,8 @@ def _short(path):
     return re.sub(r"^lib/python[0-9.]+/site-packages/", "", path)
 
 
-def op_quick(root, a):
-    return quick(root, a["id"], a.get("jobs"))
+def op_quick(lay, a):
+    return quick(lay, a["id"], a.get("jobs"))
 
 
 OPS = {"seal": op_seal, "verify": op_verify, "quick": op_quick}
@@ -228,4 +229,4 @@ def main(a):
     root = a.get("root")
     if not isinstance(root, str) or not os.path.isabs(root):
         raise AgentError("host root %r is not an absolute path" % (root,))
-    return OPS[op](root, a)
+    return OPS[op](Layout(root), a)

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from .. import generations
 from .. import lock as lockmod
 from ..errors import HostError, ProvisionError
-from .. import layout
+from .. import layout, toolkit
 from ..facts import Environment, Facts, gather
 from ..lock import Lock
 from ..transport import Transport
@@ -199,8 +199,8 @@ def run_probes(transport: Transport, lock: Lock | None = None, *, generation: st
     lock = lock or gen_lock
     adopted = manifest.get("status") == "adopted" or manifest.get("installer") == "adopted"
     against = gen_lock if (adopted and gen_lock is not None) else lock
-    venv = lay.venv(gen_id)
-    python = lay.python(gen_id)
+    venv = lay.gen(gen_id).venv
+    python = lay.gen(gen_id).python
     facts = facts or gather(transport, python=lock.platform.python)
 
     selected = [p for p in REGISTRY if not only or p.name in only]
@@ -219,7 +219,7 @@ def run_probes(transport: Transport, lock: Lock | None = None, *, generation: st
 
     payload = {"driver_min": lock.platform.driver_min, "cuda_version": lock.platform.cuda.version,
                "cuda_source": lock.platform.cuda.source, "ccs": lock.platform.compute_capability,
-               "cuda_home": (manifest.get("cuda_home") or layout.cuda_home(lock, venv))
+               "cuda_home": (manifest.get("cuda_home") or toolkit.home(lock, venv))
                if lock.platform.cuda.source != "none" else None,
                "packages": against.versions(),
                "packages_source": f"{against.name} ({'captured at adoption' if against is gen_lock and adopted else 'lock'})",
@@ -229,7 +229,7 @@ def run_probes(transport: Transport, lock: Lock | None = None, *, generation: st
         payload["allreduce_script"] = f"{ship_tool(transport)}/provision/agent/allreduce.py"
     if "engine" in to_host:
         try:
-            payload["engine"] = dict(_engine_spec(transport, lock, python, facts), log=lay.engine_log(gen_id))
+            payload["engine"] = dict(_engine_spec(transport, lock, python, facts), log=lay.gen(gen_id).engine_log)
         except ProvisionError as e:
             to_host.remove("engine")
             results["engine"] = _res("engine", "fail", str(e))
@@ -276,7 +276,7 @@ def run_probes(transport: Transport, lock: Lock | None = None, *, generation: st
 def record(transport: Transport, report: dict) -> None:
     """probes.json in the generation; a `probe` event in history; the summary in the manifest."""
     gen_id = report["generation"]
-    path = layout.of(transport).probes_json(gen_id)
+    path = layout.of(transport).gen(gen_id).probes_json
     transport.put(json.dumps(report, indent=2, default=str).encode(), path)
     event = {"event": "probe", "status": report["status"], "summary": report["summary"],
              "failed": report["failed"], "lock": report["lock"], "during_apply": report["during_apply"]}

@@ -12,7 +12,7 @@ import io
 import tarfile
 from pathlib import Path
 
-from ..facts import root_of
+from ..layout import root_of
 from ..transport import Transport
 
 PKG = Path(__file__).resolve().parent.parent          # the local `provision` package
@@ -42,7 +42,7 @@ def ship_tool(transport: Transport) -> str:
     """Make sure the engine and the probe scripts are on the host; returns the directory to put on PYTHONPATH."""
     files = bundle_files()
     name = digest(files)
-    ask = {"op": "unpack", "root": root_of(transport), "name": name}
+    ask = {"op": "unpack", "root": root_of(transport.target), "name": name}
     there = transport.run_agent("build", ask)
     if there["complete"]:
         return there["path"]
