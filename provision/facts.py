@@ -180,7 +180,7 @@ def gather(transport: Transport, *, python: str | None = None, adopt: str | None
            interpreter: str | None = None) -> Facts:
     """The host's facts; `python` ("3.12", a lock's) narrows the interpreters looked for to that version, and
     `interpreter` (the operator's --python PATH) is then the only one tried."""
-    payload = {"root": root_of(transport.target), "python": python, "adopt": adopt,
+    payload = {"op": "gather", "root": root_of(transport.target), "python": python, "adopt": adopt,
                "nvidia_smi": transport.target.vars.get("provision_nvidia_smi")}
     if interpreter is not None:
         payload["interpreter"] = interpreter_arg(interpreter)

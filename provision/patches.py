@@ -233,7 +233,7 @@ def _where(transport, python, site_packages):
 
 def installed(transport: Transport, packages: list[str], *, python: str, site_packages=None) -> dict:
     """{package: {name, version, root} or None} in the target environment."""
-    out = transport.run_agent("patcher", {"cmd": "inspect", "packages": packages,
+    out = transport.run_agent("patcher", {"op": "inspect", "packages": packages,
                                           "site_packages": _sp(site_packages)}, python=python)
     return out["packages"]
 
@@ -314,7 +314,7 @@ def apply_series(transport: Transport, series_list: list[Series], *, python: str
     dists = installed(transport, names, python=python, site_packages=site_packages)
     if matching:
         series_list = for_installed(series_list, dists, where)
-    payload = {"cmd": "run", "mode": mode, "site_packages": _sp(site_packages),
+    payload = {"op": "run", "mode": mode, "site_packages": _sp(site_packages),
                "series": gate(series_list, dists, where)}
     out = transport.run_agent("patcher", payload, python=python)
     if out.get("failed"):
@@ -334,14 +334,14 @@ def apply_series(transport: Transport, series_list: list[Series], *, python: str
 def verify_manifest(transport: Transport, manifest_files: dict, python: str, *, site_packages=None) -> list:
     """[{path, expected, actual}] for each file whose sha256 differs from the manifest (actual None:
     missing). Relative paths are taken from the environment's site-packages."""
-    out = transport.run_agent("patcher", {"cmd": "verify", "files": manifest_files,
+    out = transport.run_agent("patcher", {"op": "verify", "files": manifest_files,
                                           "site_packages": _sp(site_packages)}, python=python)
     return out["mismatches"]
 
 
 def check_contract(transport: Transport, arch: str, python: str, *, site_packages=None) -> dict:
     """The EAGLE-3 interface contract of `arch` (a name or a config.json on the host), statically."""
-    out = transport.run_agent("contracts", {"architecture": arch, "site_packages": _sp(site_packages)},
+    out = transport.run_agent("contracts", {"op": "check", "architecture": arch, "site_packages": _sp(site_packages)},
                               python=python)
     out["host"] = transport.target.name
     return out

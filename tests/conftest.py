@@ -42,6 +42,16 @@ def sshd():
 
 
 @pytest.fixture
+def agent_bundle(monkeypatch):
+    """An agent function called in this process starts the agents it needs (ranks, a JIT compile) from the
+    bundle, as the agent does on a host, where it came with its message."""
+    from provision import agent
+    from provision.agent import host
+
+    monkeypatch.setitem(host.MESSAGE, "bundle", agent.bundle())
+
+
+@pytest.fixture
 def target(sshd, tmp_path):
     """A trusted SSH target on the session sshd, with its own empty provision root."""
     t = copy.deepcopy(sshd.target)

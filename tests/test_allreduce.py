@@ -3,8 +3,10 @@ wheel (pristine and patched), the one-process-per-rank harness on CPU (gloo), an
 from __future__ import annotations
 
 import ast
+import base64
 import json
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import sglang_wheel  # noqa: E402
 
-from provision import patches  # noqa: E402
+from provision import agent, patches  # noqa: E402
 from provision.bundled import PATCHES  # noqa: E402
 from provision.agent import allreduce as ar  # noqa: E402
 from provision.agent import probes as agentprobes  # noqa: E402
@@ -149,10 +151,10 @@ def test_flashinfer_comm_majors_are_the_real_wheels():
     assert tuple(ast.literal_eval(kw.value)) == ar.FLASHINFER_COMM_MAJORS
 
 
-def test_harness_on_cpu_one_process_per_rank(tmp_path):
-    """The real script, two ranks over gloo: NCCL's slot runs torch.distributed and is checked against the
+def test_harness_on_cpu_one_process_per_rank(agent_bundle):
+    """The real agent, two ranks over gloo: NCCL's slot runs torch.distributed and is checked against the
     reference sum; every GPU-only path skips with its reason on both ranks."""
-    a = {"allreduce_backend": "gloo", "world": 2, "allreduce_script": SCRIPT, "timeout": 120,
+    a = {"allreduce_backend": "gloo", "world": 2, "timeout": 120,
          "allreduce": {"hiddens": [64], "tokens": [1, 3], "iters": 20}}
     r = agentprobes.p_allreduce(a)
     assert r["status"] == "pass", r["reason"]
@@ -165,23 +167,21 @@ def test_harness_on_cpu_one_process_per_rank(tmp_path):
     assert all(s["us"]["nccl"]["median_us"] > 0 for s in f["sizes"])
     json.dumps(r)
 
-    r = agentprobes.p_allreduce(dict(a, allreduce_script=str(tmp_path / "absent.py")))
-    assert r["status"] == "fail" and "not on this host" in r["reason"]
 
-
-def test_one_gpu_skips_and_the_script_ships(adopted, tmp_path):  # noqa: F811
+def test_one_gpu_skips_and_the_ranks_travel_in_the_agent_bundle(adopted, tmp_path):  # noqa: F811
     assert agentprobes.p_allreduce({"gpus": [{"compute_cap": "9.0"}]})["status"] == "skip"
     adopted.target.vars["provision_nvidia_smi"] = fake_smi(tmp_path, gpus=1)
     r = by_name(run_probes(adopted, lock_text(), only=["allreduce"]))["allreduce"]
     assert r["status"] == "skip" and r["reason"].startswith("one GPU on this host")
 
-    # two GPUs listed (recorded nvidia-smi) but a CPU torch: the probe fails saying so, after the script shipped
+    # two GPUs listed (recorded nvidia-smi) but a CPU torch: the probe fails saying so
     adopted.target.vars["provision_nvidia_smi"] = fake_smi(tmp_path, gpus=2)
     r = by_name(run_probes(adopted, lock_text(), only=["allreduce"]))["allreduce"]
     assert r["status"] == "fail" and "torch.cuda.is_available() is False" in r["reason"]
-    shipped = list((Path(adopted.target.vars["provision_root"]) / "tool").glob("*/provision/agent/allreduce.py"))
-    assert len(shipped) == 1 and shipped[0].read_text() == Path(SCRIPT).read_text()
-    assert "provision/agent/allreduce.py" in dict(bundle_files())
+    # the ranks are agents of the bundle every agent call carries: nothing is shipped for them
+    bundled = json.loads(zlib.decompress(base64.b64decode(agent.bundle())))
+    assert bundled["provision/agent/allreduce.py"] == Path(SCRIPT).read_text()
+    assert "provision/agent/allreduce.py" not in dict(bundle_files())
 
 
 def test_script_is_stdlib_plus_torch():

@@ -249,7 +249,7 @@ def test_a_host_whose_login_shell_prints_a_banner_still_runs_agents():
         try:
             assert tr.check(["sh", "-c", 'echo "$HOME"']).splitlines() == ["welcome to the host", str(home)]
             assert tr.run_agent("state", {"op": "history", "root": h.root})["generations"] == []
-            assert tr.run_agent("facts", {"root": h.root, "python": "3.11"})["pythons"]
+            assert tr.run_agent("facts", {"op": "gather", "root": h.root, "python": "3.11"})["pythons"]
         finally:
             tr.close()
 

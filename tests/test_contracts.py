@@ -101,7 +101,7 @@ def test_runs_as_a_host_agent_without_sglang_importable(pristine):
     via_transport = patches.check_contract(Local(), KIMI, sys.executable, site_packages=str(pristine))
     assert via_transport["methods"] == check_contract(str(pristine), KIMI)["methods"]
     out = subprocess.run(agent.command(sys.executable), capture_output=True, text=True, check=True,
-                         input=agent.message("contracts", {"architecture": DSV3,
+                         input=agent.message("contracts", {"op": "check", "architecture": DSV3,
                                                            "site_packages": str(pristine)}).decode())
     assert json.loads(out.stdout.strip().splitlines()[-1])["ok"] is True
 

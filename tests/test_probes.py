@@ -210,7 +210,7 @@ def test_no_gpu_probes_skip_with_reasons(adopted):
     assert rep["status"] == "pass" and r["packages"]["status"] == "pass"
 
 
-def test_smoke_and_collective_harness_on_cpu(monkeypatch):
+def test_smoke_and_collective_harness_on_cpu(monkeypatch, agent_bundle):
     """The comparison and the one-process-per-rank all-reduce harness the GPU probes use, on CPU (gloo)."""
     monkeypatch.setenv("PROVISION_ALLREDUCE_SIZES", "4096,262144")
     assert agentprobes.smoke_matmul("cpu", n=256) < 2e-2

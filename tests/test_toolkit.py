@@ -106,7 +106,8 @@ def flashinfer_python(tmp_path_factory) -> str:
     return str(venv / "bin" / "python")
 
 
-def test_flashinfer_jit_compiles_for_sm120_without_a_gpu_and_reports_what_it_refuses(flashinfer_python, tmp_path):
+def test_flashinfer_jit_compiles_for_sm120_without_a_gpu_and_reports_what_it_refuses(flashinfer_python, tmp_path,
+                                                                                       agent_bundle):
     """flashinfer 0.6.4's own JitSpecs, built by the real nvcc for 12.0a on this CPU-only machine: its fused
     SiLU-and-mul kernel compiles; the trtllm all-reduce fusion module is refused for 12.0 (a finding, not a
     failure) and accepted for 9.0."""

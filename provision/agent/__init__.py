@@ -1,7 +1,8 @@
 """Host-side agents (stdlib only), shipped as one bundle with their shared helpers (`host.py`, `../layout.py`).
 
-An agent is a module here with `main(payload) -> dict`. The controller runs it as
-`PYTHON -I -c host.BOOT` and writes one JSON line to its stdin: {bundle, agent, input, env}.
+An agent is a module here with `OPS = {op: function(payload) -> dict}`; a payload names its operation under `op`.
+The controller runs it as `PYTHON -I -c host.BOOT` and writes one JSON line to its stdin: {bundle, agent, input,
+env}; an agent that starts workers of its own (one per GPU, a JIT compile) starts them the same way.
 """
 from __future__ import annotations
 

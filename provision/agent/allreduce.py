@@ -1,12 +1,12 @@
-"""Host-side script (stdlib + torch): all-reduce latency at decode sizes, one process per GPU.
+"""Host agent (stdlib + torch): all-reduce latency at decode sizes, one process per GPU.
 
-`python -I allreduce.py CONFIG.json RANK` runs one rank, writing rankN.json beside CONFIG after each path;
-`finish()` turns those (also a hung run's) into the probe result; `report()`, `sglang_paths()` are pure.
+The probes agent starts one `rank` per GPU, as agents are started ({op: rank, config, rank, dir} on stdin); each
+writes dir/rankN.json after each path; `finish()` turns those (also a hung run's) into the probe result;
+`report()`, `sglang_paths()` are pure.
 """
 import json
 import math
 import os
-import sys
 import time
 
 # NVLink multicast stays off (it can wedge shared hosts); the symmetric-memory kernels used here need none.
@@ -449,12 +449,11 @@ def _write(path, data):
     os.replace(tmp, path)
 
 
-def main(argv):
+def op_rank(a):
+    """One rank: {config: {world, backend, port, hiddens?, tokens?, iters?, paths?}, rank, dir}."""
     os.environ.update(SAFE_ENV)
-    with open(argv[1]) as f:
-        cfg = json.load(f)
-    rank = int(argv[2])
-    mine_path = os.path.join(os.path.dirname(os.path.abspath(argv[1])), "rank%d.json" % rank)
+    cfg, rank = a["config"], int(a["rank"])
+    mine_path = os.path.join(a["dir"], "rank%d.json" % rank)
     r = Rank(cfg, rank)
     torch = r.torch
     mine = {"paths": {}, "torch": torch.__version__, "backend": cfg["backend"], "iters": r.iters,
@@ -466,7 +465,7 @@ def main(argv):
         _write(mine_path, mine)
     r.dist.barrier()
     r.dist.destroy_process_group()
-    print(json.dumps({"rank": rank, "paths": len(mine["paths"])}))
+    return {"rank": rank, "paths": len(mine["paths"])}
 
 
 def finish(d, world, paths=None, error=None):
@@ -494,5 +493,4 @@ def finish(d, world, paths=None, error=None):
     return res
 
 
-if __name__ == "__main__":
-    main(sys.argv)
+OPS = {"rank": op_rank}

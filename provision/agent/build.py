@@ -1025,9 +1025,3 @@ def op_unpack(a):
 
 
 OPS = {"have": op_have, "push": op_push, "build": op_build, "unpack": op_unpack}
-
-
-def main(a):
-    if a.get("op") not in OPS:
-        raise AgentError("unknown op %r" % a.get("op"))
-    return OPS[a["op"]](a)

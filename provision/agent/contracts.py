@@ -1,6 +1,6 @@
 """Host agent: the EAGLE-3 interface contract of a target architecture, read statically with `ast`.
 
-Never imports SGLang (runs on any host, GPU or not). Stdlib only; payload {architecture,
+Never imports SGLang (runs on any host, GPU or not). Stdlib only; payload {op: check, architecture,
 site_packages?}; also importable (`check_contract`).
 """
 from __future__ import annotations
@@ -405,8 +405,12 @@ def check_contract(site_packages, arch):
     return report
 
 
-def main(a):
+def op_check(a):
+    """{architecture, site_packages?} -> the EAGLE-3 contract of that architecture in the installed SGLang."""
     sp = a.get("site_packages")
     if sp and not os.path.isdir(sp):
         return {"error": f"no such directory: {sp}"}
     return check_contract(sp, a["architecture"])
+
+
+OPS = {"check": op_check}

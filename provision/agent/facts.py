@@ -1,6 +1,6 @@
 """Host agent (stdlib only): every fact a plan needs, gathered in one run, printed as one JSON line.
 
-Payload: {root, python?: X.Y, interpreter?: PATH, adopt?: PYTHON, nvidia_smi?: CMD}. Facts: OS, pythons (X.Y only
+Payload: {op: gather, root, python?: X.Y, interpreter?: PATH, adopt?: PYTHON, nvidia_smi?: CMD}. Facts: OS, pythons (X.Y only
 when given, PATH only when given, else every python3.X in the usual places), uv, disk, GPUs and driver
 (nvidia-smi), CUDA toolkits, generations, `current`.
 """
@@ -185,7 +185,7 @@ def cached_wheels(lay):
     return out
 
 
-def main(a):
+def op_gather(a):
     lay = Layout(a.get("root") or DEFAULT_ROOT)
     root = lay.root
     adopt = a.get("adopt")
@@ -223,3 +223,6 @@ def main(a):
         facts["adopt"]["path"] = adopt
     facts["lock_file"] = lay.lock_file
     return facts
+
+
+OPS = {"gather": op_gather}

@@ -1,7 +1,8 @@
 """Host side, shared by every agent (stdlib only): the entry point that reads the one JSON payload,
 the host root and its lock, nvidia-smi, installed distributions and path containment.
 
-Agents are modules of `provision.agent`; each has `main(payload) -> dict`. See `agent/__init__.py`.
+Agents are modules of `provision.agent`; each has `OPS = {op: function(payload) -> dict}`, and a payload names its
+operation under `op`. See `agent/__init__.py`.
 """
 import fcntl
 import importlib
@@ -63,8 +64,7 @@ def serve(message):
     guard(working=not (message.get("agent") == "host" and payload.get("op") == "hold"), root=payload.get("root"))
     try:
         try:
-            mod = importlib.import_module("provision.agent." + message["agent"])
-            result = mod.main(message.get("input") or {})
+            result = dispatch(message["agent"], payload)
         except AgentError as e:
             result = {"error": str(e)}
         except Exception as e:  # noqa: BLE001 - the controller wants one JSON line, never a traceback
@@ -72,6 +72,15 @@ def serve(message):
         emit(result)
     finally:
         end_tree()              # nothing this agent started outlives it
+
+
+def dispatch(agent, payload):
+    """The one convention: agent module `agent` runs its operation `payload["op"]` on the payload."""
+    ops = getattr(importlib.import_module("provision.agent." + agent), "OPS", {})
+    op = payload.get("op")
+    if op not in ops:
+        raise AgentError("unknown op %r" % (op,))
+    return ops[op](payload)
 
 
 # ------------------------------------------------------------------ an agent's work dies with its controller
@@ -333,37 +342,67 @@ def locate(package, site_packages=None):
     return {"name": d.metadata["Name"], "version": d.version, "root": os.path.abspath(str(d.locate_file("")))}
 
 
-def run_agent(python, agent, payload, timeout=120):
-    """Run another agent in another interpreter on this host (e.g. a generation's), through the same
-    channel the controller uses, isolated (`-I`, clean environment, cwd /); returns its result dict."""
-    line = json.dumps({"bundle": MESSAGE["bundle"], "agent": agent, "input": payload}) + "\n"
+def message_to(agent, payload):
+    """The one stdin line that starts `agent` on `payload` in another interpreter, with this agent's bundle."""
+    return (json.dumps({"bundle": MESSAGE["bundle"], "agent": agent, "input": payload}) + "\n").encode()
+
+
+def start_agent(python, agent, payload, env=CLEAN_ENV, cwd="/"):
+    """Start another agent of this bundle in `python` (e.g. a generation's; `-I`), as the controller starts
+    agents: the constant loader, the message on stdin. Returns the process (stdout and stderr piped)."""
+    p = subprocess.Popen([python, "-I", "-c", BOOT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=env, cwd=cwd)
     try:
-        p = subprocess.run([python, "-I", "-c", BOOT], input=line.encode(), capture_output=True, timeout=timeout,
-                           env=CLEAN_ENV, cwd="/")
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return {"error": "cannot run %s: %s" % (python, e)}
-    out = p.stdout.decode(errors="replace").strip().splitlines()
+        p.stdin.write(message_to(agent, payload))
+        p.stdin.flush()
+    except BrokenPipeError:
+        pass                    # it ended at once: its stderr says why
+    return p
+
+
+def answer(p, stdout, stderr):
+    """The result dict a finished agent process printed last; RuntimeError (its last stderr line) if none."""
+    out = stdout.decode(errors="replace").strip().splitlines()
     try:
         return json.loads(out[-1])
     except (IndexError, ValueError):
-        err = p.stderr.decode(errors="replace").strip().splitlines()
-        return {"error": "cannot run %s: %s" % (python, (err or ["exit %d" % p.returncode])[-1])}
+        err = [l for l in stderr.decode(errors="replace").strip().splitlines() if l.strip()]
+        raise RuntimeError((err or ["exit %d" % p.returncode])[-1])
+
+
+def run_agent(python, agent, payload, timeout=120):
+    """Run another agent in another interpreter on this host (e.g. a generation's), through the same
+    channel the controller uses, isolated (`-I`, clean environment, cwd /); returns its result dict."""
+    try:
+        p = start_agent(python, agent, payload)
+        try:
+            return answer(p, *p.communicate(timeout=timeout))
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
+        return {"error": "cannot run %s: %s" % (python, e)}
 
 
 # ------------------------------------------------------------------ this module as an agent
 
-def main(a):
-    """`hold`: take the host lock and keep it until stdin closes; `dists`: this interpreter's distributions."""
-    if a.get("op") == "hold":
-        f, holder = try_lock(a["root"])
-        if f is None:
-            return {"held": False, "by": holder}
-        AT_END.append(lambda: wait_for_work(a["root"]))
-        emit({"held": True})
-        sys.stdin.buffer.read()   # held until the controller closes stdin or its connection dies,
-        wait_for_work(a["root"])  # and then until the work it started under the root is gone
-        return {"released": True}
-    if a.get("op") == "dists":
-        return {"dists": installed_dists(), "python": "%d.%d.%d" % sys.version_info[:3], "prefix": sys.prefix,
-                "executable": sys.executable}
-    raise AgentError("unknown op %r" % a.get("op"))
+def op_hold(a):
+    """Take the host lock and keep it until stdin closes."""
+    f, holder = try_lock(a["root"])
+    if f is None:
+        return {"held": False, "by": holder}
+    AT_END.append(lambda: wait_for_work(a["root"]))
+    emit({"held": True})
+    sys.stdin.buffer.read()   # held until the controller closes stdin or its connection dies,
+    wait_for_work(a["root"])  # and then until the work it started under the root is gone
+    return {"released": True}
+
+
+def op_dists(a):
+    """This interpreter's distributions."""
+    return {"dists": installed_dists(), "python": "%d.%d.%d" % sys.version_info[:3], "prefix": sys.prefix,
+            "executable": sys.executable}
+
+
+OPS = {"hold": op_hold, "dists": op_dists}

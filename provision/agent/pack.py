@@ -460,10 +460,4 @@ def op_clean(a):
     return {"removed": path}
 
 
-def main(a):
-    op = a.get("op", "pack")
-    if op == "pack":
-        return op_pack(a)
-    if op == "clean":
-        return op_clean(a)
-    raise AgentError("unknown op %r" % op)
+OPS = {"pack": op_pack, "clean": op_clean}

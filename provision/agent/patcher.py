@@ -1,6 +1,6 @@
 """Host agent: applies, checks and reverts unified-diff patch series inside one Python environment.
 
-Stdlib only; payload {cmd: inspect|run|verify, site_packages?, ...}; returns one JSON object. Exact context, all-or-nothing over every hunk of every patch, idempotent, reversible.
+Stdlib only; payload {op: inspect|run|verify, site_packages?, ...}; returns one JSON object. Exact context, all-or-nothing over every hunk of every patch, idempotent, reversible.
 """
 from __future__ import annotations
 
@@ -415,15 +415,27 @@ def verify(manifest, site_packages=None):
     return bad
 
 
-def main(a):
-    cmd, sp = a.get("cmd"), a.get("site_packages")
+def site(a):
+    """The payload's site-packages directory (None: this interpreter's own), which must exist."""
+    sp = a.get("site_packages")
     if sp and not os.path.isdir(sp):
         raise PatchFailed(f"no such directory: {sp}")
-    if cmd == "inspect":
-        return {"packages": {p: locate(p, sp) for p in a.get("packages", [])}, "python": sys.executable,
-                "site_packages": site_roots(sp)}
-    if cmd == "run":
-        return run(a)
-    if cmd == "verify":
-        return {"mismatches": verify(a["files"], sp)}
-    raise PatchFailed(f"unknown command {cmd!r}")
+    return sp
+
+
+def op_inspect(a):
+    sp = site(a)
+    return {"packages": {p: locate(p, sp) for p in a.get("packages", [])}, "python": sys.executable,
+            "site_packages": site_roots(sp)}
+
+
+def op_run(a):
+    site(a)
+    return run(a)
+
+
+def op_verify(a):
+    return {"mismatches": verify(a["files"], site(a))}
+
+
+OPS = {"inspect": op_inspect, "run": op_run, "verify": op_verify}

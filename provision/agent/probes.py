@@ -18,7 +18,8 @@ import time
 import urllib.error
 import urllib.request
 
-from .host import installed_dists, norm, query_gpus, sh
+from . import allreduce
+from .host import answer, installed_dists, norm, query_gpus, sh, start_agent
 
 # NVLink multicast stays off everywhere a probe starts GPU work (it can wedge shared hosts).
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -403,48 +404,52 @@ def p_smoke(a, name):
                   errors=errs, check=what)
 
 
-# flashinfer's JIT for one capability, without a GPU: `python -c JIT_WORKER BUILD CHECK` (JSON lists of
-# module names) with FLASHINFER_CUDA_ARCH_LIST set. Each module's JitSpec is generated (flashinfer refuses a capability there:
-# RuntimeError) and, unless it is only checked, built with nvcc and ninja into a .so (JitSpec.build).
-JIT_WORKER = r"""
-import json, re, sys, time
-import torch
-from flashinfer.jit import activation, comm, norm
-from flashinfer.jit.attention import modules as att
-f16 = torch.float16
-GEN = {
-    "decode": lambda: att.gen_single_decode_module(f16, f16, f16, 128, 128, 0, False, False),
-    "norm": norm.gen_norm_module,
-    "silu-and-mul": lambda: activation.gen_act_and_mul_module("silu"),
-    "allreduce-fusion": comm.gen_trtllm_comm_module,
-}
-def why(text):
-    lines = [l.strip() for l in text.splitlines() if l.strip()]
-    hits = [l for l in lines if re.search(r"error|fatal|cannot find", l, re.I)
-            and not l.startswith(("[", "FAILED")) and " -o " not in l]
-    return (hits or lines or ["no output"])[0][:300]
-build, check = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-out = {}
-for name in build + check:
-    t0 = time.perf_counter()
-    try:
-        spec = GEN[name]()
-    except Exception as e:
-        out[name] = {"status": "refused", "error": why(str(e))}
-        continue
-    if name in check:
-        out[name] = {"status": "accepted", "module": spec.name}
-        continue
-    try:
-        spec.build(verbose=False)
-        out[name] = {"status": "built" if spec.jit_library_path.exists() else "failed", "module": spec.name}
-    except Exception as e:
-        objs = spec.get_object_paths()
-        done = bool(objs) and all(p.exists() for p in objs)
-        out[name] = {"status": "compiled" if done else "failed", "module": spec.name, "error": why(str(e))}
-    out[name]["seconds"] = round(time.perf_counter() - t0, 2)
-print(json.dumps(out))
-"""
+def op_jit(a):
+    """flashinfer's JIT for one capability, without a GPU, in a process of its own ({op: jit, build, check}: lists
+    of module names; FLASHINFER_CUDA_ARCH_LIST set by `flashinfer_jit`). Each module's JitSpec is generated
+    (flashinfer refuses a capability there: RuntimeError) and, unless it is only checked, built with nvcc and
+    ninja into a .so (JitSpec.build)."""
+    import torch
+    from flashinfer.jit import activation, comm, norm
+    from flashinfer.jit.attention import modules as att
+
+    f16 = torch.float16
+    gen = {
+        "decode": lambda: att.gen_single_decode_module(f16, f16, f16, 128, 128, 0, False, False),
+        "norm": norm.gen_norm_module,
+        "silu-and-mul": lambda: activation.gen_act_and_mul_module("silu"),
+        "allreduce-fusion": comm.gen_trtllm_comm_module,
+    }
+
+    def why(text):
+        lines = [l.strip() for l in text.splitlines() if l.strip()]
+        hits = [l for l in lines if re.search(r"error|fatal|cannot find", l, re.I)
+                and not l.startswith(("[", "FAILED")) and " -o " not in l]
+        return (hits or lines or ["no output"])[0][:300]
+
+    build, check = list(a["build"]), list(a["check"])
+    out = {}
+    for name in build + check:
+        t0 = time.perf_counter()
+        try:
+            spec = gen[name]()
+        except Exception as e:  # noqa: BLE001 - flashinfer's refusal of the capability is the finding
+            out[name] = {"status": "refused", "error": why(str(e))}
+            continue
+        if name in check:
+            out[name] = {"status": "accepted", "module": spec.name}
+            continue
+        try:
+            spec.build(verbose=False)
+            out[name] = {"status": "built" if spec.jit_library_path.exists() else "failed", "module": spec.name}
+        except Exception as e:  # noqa: BLE001 - a failed compile is reported with its first error line
+            objs = spec.get_object_paths()
+            done = bool(objs) and all(p.exists() for p in objs)
+            out[name] = {"status": "compiled" if done else "failed", "module": spec.name, "error": why(str(e))}
+        out[name]["seconds"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
 # What the flashinfer probe JIT-compiles per capability the lock targets (bounded: decode attention, norm and the
 # activation SGLang serves with; prefill attention, the slowest to build, is compiled and run by the smoke test on
 # the GPUs present), and what it only checks flashinfer accepts: the trtllm
@@ -468,15 +473,10 @@ def flashinfer_jit(cc, cuda_home, python=sys.executable, build=tuple(JIT_BUILD),
                    PATH=os.pathsep.join(bindirs + [os.environ.get("PATH", "")]))
         env.pop("FLASHINFER_DISABLE_JIT", None)
         try:
-            p = subprocess.run([python, "-c", JIT_WORKER, json.dumps(list(build)), json.dumps(list(check))],
-                               capture_output=True, text=True, env=env, cwd=d, timeout=timeout)
+            return wait_agents([start_agent(python, "probes", {"op": "jit", "build": list(build), "check": list(check)},
+                                          env=env, cwd=d)], timeout)
         except subprocess.TimeoutExpired:
             raise RuntimeError("not done within %ds" % timeout)
-    lines = p.stdout.strip().splitlines()
-    if p.returncode != 0 or not lines:
-        last = [l for l in p.stderr.strip().splitlines() if l.strip()][-1:] or ["exit %d" % p.returncode]
-        raise RuntimeError(last[0][:300])
-    return json.loads(lines[-1])
 
 
 def jit_part(a, python=sys.executable, build=tuple(JIT_BUILD), check=tuple(JIT_CHECK)):
@@ -533,58 +533,67 @@ def p_flashinfer(a):
     return result("flashinfer", status, "; ".join(r for _, r, _ in parts), **figs)
 
 
-# One process per GPU; rank 0 prints the JSON. `python -c WORKER KIND RANK WORLD PORT BACKEND`.
-WORKER = r"""
-import json, os, sys, time
-import torch, torch.distributed as dist
-kind, rank, world, port, backend = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-if dev.type == "cuda":
-    torch.cuda.set_device(dev)
-dist.init_process_group(backend, rank=rank, world_size=world, device_id=dev if dev.type == "cuda" else None)
-def sync():
-    if dev.type == "cuda": torch.cuda.synchronize(dev)
-rows, ok = [], True
-if kind == "nccl":
-    sizes = [int(s) for s in os.environ.get("PROVISION_ALLREDUCE_SIZES", "1048576,16777216,268435456").split(",")]
-    for dtype in (torch.bfloat16, torch.float32):
-        for nbytes in sizes:
-            n = nbytes // torch.tensor([], dtype=dtype).element_size()
-            x = torch.full((n,), float(rank + 1), dtype=dtype, device=dev)
-            dist.all_reduce(x); sync()
-            want = world * (world + 1) / 2
-            good = bool((x == want).all().item())
-            ok &= good
-            iters = 5
-            x.fill_(1.0); dist.barrier(); sync()
-            t0 = time.perf_counter()
-            for _ in range(iters):
+def op_collective(a):
+    """One rank of the NCCL or symmetric-memory probe, in a process per GPU ({op: collective, kind, rank, world,
+    port, backend}); rank 0 answers with the rows."""
+    import torch
+    import torch.distributed as dist
+
+    kind, rank, world, port, backend = a["kind"], int(a["rank"]), int(a["world"]), str(a["port"]), a["backend"]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group(backend, rank=rank, world_size=world, device_id=dev if dev.type == "cuda" else None)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    rows, ok = [], True
+    if kind == "nccl":
+        sizes = [int(s) for s in os.environ.get("PROVISION_ALLREDUCE_SIZES", "1048576,16777216,268435456").split(",")]
+        for dtype in (torch.bfloat16, torch.float32):
+            for nbytes in sizes:
+                n = nbytes // torch.tensor([], dtype=dtype).element_size()
+                x = torch.full((n,), float(rank + 1), dtype=dtype, device=dev)
                 dist.all_reduce(x)
+                sync()
+                want = world * (world + 1) / 2
+                good = bool((x == want).all().item())
+                ok &= good
+                iters = 5
+                x.fill_(1.0)
+                dist.barrier()
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    dist.all_reduce(x)
+                sync()
+                dt = (time.perf_counter() - t0) / iters
+                alg = nbytes / dt / 1e9
+                rows.append({"dtype": str(dtype).split(".")[-1], "bytes": nbytes, "correct": good,
+                             "us": round(dt * 1e6, 1), "algbw_GBps": round(alg, 3),
+                             "busbw_GBps": round(alg * 2 * (world - 1) / world, 3)})
+    else:
+        import torch.distributed._symmetric_memory as symm_mem
+        group = dist.group.WORLD
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):   # needed by older torch, a no-op later
+            symm_mem.enable_symm_mem_for_group(group.group_name)
+        for n in (4096, 1 << 20):
+            t = symm_mem.empty(n, device=dev, dtype=torch.bfloat16)
+            symm_mem.rendezvous(t, group.group_name)
+            t.fill_(float(rank + 1))
+            dist.barrier()
             sync()
-            dt = (time.perf_counter() - t0) / iters
-            alg = nbytes / dt / 1e9
-            rows.append({"dtype": str(dtype).split(".")[-1], "bytes": nbytes, "correct": good,
-                         "us": round(dt * 1e6, 1), "algbw_GBps": round(alg, 3),
-                         "busbw_GBps": round(alg * 2 * (world - 1) / world, 3)})
-else:
-    import torch.distributed._symmetric_memory as symm_mem
-    group = dist.group.WORLD
-    if hasattr(symm_mem, "enable_symm_mem_for_group"):   # needed by older torch, a no-op later
-        symm_mem.enable_symm_mem_for_group(group.group_name)
-    for n in (4096, 1 << 20):
-        t = symm_mem.empty(n, device=dev, dtype=torch.bfloat16)
-        symm_mem.rendezvous(t, group.group_name)
-        t.fill_(float(rank + 1)); dist.barrier(); sync()
-        torch.ops.symm_mem.two_shot_all_reduce_(t, "sum", group.group_name); sync()
-        good = bool((t.float() == world * (world + 1) / 2).all().item())
-        ok &= good
-        rows.append({"dtype": "bfloat16", "elements": n, "correct": good})
-dist.barrier()
-dist.destroy_process_group()
-if rank == 0:
-    print(json.dumps({"ok": ok, "rows": rows, "world": world, "backend": backend}))
-"""
+            torch.ops.symm_mem.two_shot_all_reduce_(t, "sum", group.group_name)
+            sync()
+            good = bool((t.float() == world * (world + 1) / 2).all().item())
+            ok &= good
+            rows.append({"dtype": "bfloat16", "elements": n, "correct": good})
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"ok": ok, "rows": rows, "world": world, "backend": backend} if rank == 0 else {"rank": rank}
 
 
 def free_port():
@@ -598,16 +607,20 @@ def free_port():
 
 
 def run_workers(kind, world, backend, timeout=300):
-    port = str(free_port())
-    return run_ranks([[sys.executable, "-c", WORKER, kind, str(r), str(world), port, backend]
-                      for r in range(world)], timeout)
+    port = free_port()
+    return wait_agents(start_ranks("probes", [{"op": "collective", "kind": kind, "rank": r, "world": world,
+                                             "port": port, "backend": backend} for r in range(world)]), timeout)
 
 
-def run_ranks(argvs, timeout):
-    """One process per rank; rank 0's last stdout line is the JSON answer."""
+def start_ranks(agent, payloads):
+    """One process per rank, each an agent of this bundle in this interpreter (the generation's)."""
     env = dict(os.environ, **SAFE_ENV)
-    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for argv in argvs]
+    return [start_agent(sys.executable, agent, p, env=env) for p in payloads]
+
+
+def wait_agents(procs, timeout):
+    """Wait for agent processes started by `start_agent` (e.g. one per rank); the first one's answer. RuntimeError
+    names the first that failed."""
     outs = []
     try:
         for p in procs:
@@ -616,11 +629,12 @@ def run_ranks(argvs, timeout):
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for p, (out, err) in zip(procs, outs):
-        if p.returncode != 0:
-            last = [l for l in err.strip().splitlines() if l.strip()][-1:] or ["exit %d" % p.returncode]
-            raise RuntimeError(last[0][:300])
-    return json.loads(outs[0][0].strip().splitlines()[-1])
+                p.wait()
+    answers = [answer(p, out, err) for p, (out, err) in zip(procs, outs)]
+    failed = [r["error"] for r in answers if "error" in r]
+    if failed:
+        raise RuntimeError(str(failed[0])[:300])
+    return answers[0]
 
 
 def p_collective(a, name):
@@ -668,32 +682,17 @@ def p_allreduce(a):
         if early:
             return early
         world = min(world, len(torch_facts()["devices"]))
-    script = a.get("allreduce_script")
-    if not script or not os.path.isfile(script):
-        return result("allreduce", "fail", "the tool's all-reduce script is not on this host (%s)" % script)
     cfg = dict(a.get("allreduce") or {}, world=world, backend=backend, port=free_port())
     with tempfile.TemporaryDirectory(prefix="provision-allreduce-") as d:
-        path = os.path.join(d, "config.json")
-        with open(path, "w") as f:
-            json.dump(cfg, f)
         timeout, error = int(a.get("timeout") or 600), None
         try:
-            run_ranks([[sys.executable, "-I", script, path, str(r)] for r in range(world)], timeout)
+            wait_agents(start_ranks("allreduce", [{"op": "rank", "config": cfg, "rank": r, "dir": d}
+                                                for r in range(world)]), timeout)
         except subprocess.TimeoutExpired:
             error = "still running after %ds (a hung kernel?)" % timeout
         except (RuntimeError, ValueError, IndexError) as e:
             error = str(e)
-        return _load(script).finish(d, world, cfg.get("paths"), error)
-
-
-def _load(path):
-    """A script the tool shipped beside this agent, as a module (its torch imports stay lazy)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("provision_shipped", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+        return allreduce.finish(d, world, cfg.get("paths"), error)
 
 
 def cuda_of_path(text):
@@ -1116,7 +1115,8 @@ def _stop(signum, frame):
     raise SystemExit(128 + signum)   # unwinds through `finally`, which stops any engine
 
 
-def main(a):
+def op_run(a):
+    """{op: run, probes: [name], ...what they need} -> {results, python, version, dists}."""
     for s in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, _stop)
     out = []
@@ -1130,3 +1130,6 @@ def main(a):
         out.append(r)
     return {"results": out, "python": sys.executable, "version": "%d.%d.%d" % sys.version_info[:3],
             "dists": installed_dists()}
+
+
+OPS = {"run": op_run, "collective": op_collective, "jit": op_jit}

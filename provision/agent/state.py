@@ -753,24 +753,26 @@ def op_read(lay, a):
     return {"id": a["id"], "manifest": read_json(gen.manifest, {}), "lock_text": lock_text}
 
 
-OPS = {"prepare": op_prepare, "mark": op_mark, "switch": op_switch, "rollback": op_rollback,
-       "adopt": op_adopt, "history": op_history, "read": op_read, "recover": op_recover, "gc": op_gc,
-       "logs": op_logs, "status": op_status}
+def on_root(op):
+    """An operation on the payload's root: under the host lock when the payload asks (`take_lock`), an OSError
+    reported as one line naming the file."""
+    def run(a):
+        lay, held = Layout(a["root"]), None
+        if a.get("take_lock"):
+            held, holder = try_lock(lay.root)
+            if held is None:
+                return {"error": "another run holds the host lock %s (%s)" % (lay.lock_file, holder)}
+        try:
+            return op(lay, a)
+        except OSError as e:
+            return {"error": "%s: %s" % (e.filename or lay.root, e.strerror)}
+        finally:
+            if held is not None:
+                held.close()
+    return run
 
 
-def main(a):
-    lay, op = Layout(a["root"]), a.get("op")
-    if op not in OPS:
-        return {"error": "unknown op %s" % op}
-    held = None
-    if a.get("take_lock"):
-        held, holder = try_lock(lay.root)
-        if held is None:
-            return {"error": "another run holds the host lock %s (%s)" % (lay.lock_file, holder)}
-    try:
-        return OPS[op](lay, a)
-    except OSError as e:
-        return {"error": "%s: %s" % (e.filename or lay.root, e.strerror)}
-    finally:
-        if held is not None:
-            held.close()
+OPS = {name: on_root(op) for name, op in {
+    "prepare": op_prepare, "mark": op_mark, "switch": op_switch, "rollback": op_rollback, "adopt": op_adopt,
+    "history": op_history, "read": op_read, "recover": op_recover, "gc": op_gc, "logs": op_logs,
+    "status": op_status}.items()}

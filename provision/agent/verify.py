@@ -219,14 +219,14 @@ def op_quick(lay, a):
     return quick(lay, a["id"], a.get("jobs"))
 
 
-OPS = {"seal": op_seal, "verify": op_verify, "quick": op_quick}
+def on_root(op):
+    """An operation on the payload's root, which must be an absolute path."""
+    def run(a):
+        root = a.get("root")
+        if not isinstance(root, str) or not os.path.isabs(root):
+            raise AgentError("host root %r is not an absolute path" % (root,))
+        return op(Layout(root), a)
+    return run
 
 
-def main(a):
-    op = a.get("op")
-    if op not in OPS:
-        raise AgentError("unknown op %r" % op)
-    root = a.get("root")
-    if not isinstance(root, str) or not os.path.isabs(root):
-        raise AgentError("host root %r is not an absolute path" % (root,))
-    return OPS[op](Layout(root), a)
+OPS = {"seal": on_root(op_seal), "verify": on_root(op_verify), "quick": on_root(op_quick)}

@@ -123,7 +123,7 @@ def _engine_spec(transport: Transport, lock: Lock, python: str, facts: Facts) ->
 
 
 def _run_host(transport: Transport, names: list[str], payload: dict, python: str, timeout: float) -> dict:
-    payload = dict(payload, probes=names)
+    payload = dict(payload, op="run", probes=names)
     env = {str(k): str(v) for k, v in (transport.target.vars.get("provision_probe_env") or {}).items()}
     try:
         out = transport.run_agent("probes", payload, python=python, env=env or None, timeout=timeout)
@@ -225,8 +225,6 @@ def run_probes(transport: Transport, lock: Lock | None = None, *, generation: st
                "packages_source": f"{against.name} ({'captured at adoption' if against is gen_lock and adopted else 'lock'})",
                "nvidia_smi": transport.target.vars.get("provision_nvidia_smi") or facts.nvidia_smi,
                "gpus": [asdict(g) for g in facts.gpus], "timeout": lock.probes.get("collective_timeout")}
-    if "allreduce" in to_host:
-        payload["allreduce_script"] = f"{ship_tool(transport)}/provision/agent/allreduce.py"
     if "engine" in to_host:
         try:
             payload["engine"] = dict(_engine_spec(transport, lock, python, facts), log=lay.gen(gen_id).engine_log)

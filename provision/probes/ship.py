@@ -2,7 +2,7 @@
 (unpacked by the `build` agent; host agents themselves travel with every call, see `agent/__init__.py`).
 
 That directory goes on PYTHONPATH so a generation's interpreter runs `python -m provision.engine.serve`
-(or a shipped script such as agent/allreduce.py) without anything being installed into the generation.
+without anything being installed into the generation.
 """
 from __future__ import annotations
 
@@ -17,14 +17,12 @@ from ..transport import Transport
 
 PKG = Path(__file__).resolve().parent.parent          # the local `provision` package
 
-SCRIPTS = ("agent/allreduce.py",)                     # scripts the probe agent starts as their own processes
 
 
 def bundle_files() -> list[tuple[str, bytes]]:
     """(path relative to the tool dir, content) for provision/__init__.py, provision/errors.py (the engine's
-    error derives from it), provision/engine/** and SCRIPTS."""
+    error derives from it) and provision/engine/**."""
     files = [(f"provision/{rel}", (PKG / rel).read_bytes()) for rel in ("__init__.py", "errors.py")]
-    files += [(f"provision/{rel}", (PKG / rel).read_bytes()) for rel in SCRIPTS]
     for p in sorted((PKG / "engine").rglob("*")):
         if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".pyo"):
             files.append((f"provision/{p.relative_to(PKG).as_posix()}", p.read_bytes()))
@@ -39,7 +37,7 @@ def digest(files: list[tuple[str, bytes]]) -> str:
 
 
 def ship_tool(transport: Transport) -> str:
-    """Make sure the engine and the probe scripts are on the host; returns the directory to put on PYTHONPATH."""
+    """Make sure the engine is on the host; returns the directory to put on PYTHONPATH."""
     files = bundle_files()
     name = digest(files)
     ask = {"op": "unpack", "root": root_of(transport.target), "name": name}
