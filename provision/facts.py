@@ -104,7 +104,7 @@ class Facts:
     gpus: list[Gpu] = field(default_factory=list)
     driver: str | None = None
     cuda_visible_devices: str | None = None
-    gpu_error: str | None = field(default=None, metadata={"key": "error"})   # nvidia-smi failed
+    gpu_error: str | None = None                                   # nvidia-smi is there but failed
     toolkits: list[dict] = field(default_factory=list)             # {home, nvcc}: toolkits under /usr/local
     nvcc_on_path: str | None = field(default=None, metadata=PATH)
     nvcc_on_path_version: str | None = None

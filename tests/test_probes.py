@@ -199,6 +199,23 @@ def test_gpu_listed_but_torch_cannot_use_it(adopted, tmp_path):
     assert r["flashinfer"]["status"] == "skip" and "flashinfer-python is not installed" in r["flashinfer"]["reason"]
 
 
+def test_a_failing_nvidia_smi_fails_the_gpu_probes_naming_its_error(adopted, tmp_path):
+    """nvidia-smi is there but the driver does not answer: the host's facts still load (the error is a fact, not
+    a failed agent), and the GPU probes run and fail with nvidia-smi's words instead of skipping as on a CPU host."""
+    from provision import facts as factsmod
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver.'\n"
+                   "exit 9\n")
+    smi.chmod(0o755)
+    adopted.target.vars["provision_nvidia_smi"] = str(smi)
+    f = factsmod.gather(adopted)
+    assert f.gpus == [] and "could not communicate with the NVIDIA driver" in f.gpu_error
+    r = by_name(run_probes(adopted, lock_text(gpus={"compute_capability": ["9.0"]}, driver={"min": "580.65.06"}),
+                           only=["driver"]))["driver"]
+    assert r["status"] == "fail" and "could not communicate with the NVIDIA driver" in r["reason"], r
+
+
 def test_no_gpu_probes_skip_with_reasons(adopted):
     rep = run_probes(adopted, lock_text(gpus={"compute_capability": ["9.0"]}, driver={"min": "580.65.06"}))
     r = by_name(rep)

@@ -132,7 +132,7 @@ def gpus(nvidia_smi):
     if found["nvidia_smi"]:
         out["cuda_visible_devices"] = visible
     if found.get("error"):
-        out["error"] = found["error"]
+        out["gpu_error"] = found["error"]     # not "error": that key would say the facts agent itself failed
     return out
 
 

@@ -66,9 +66,8 @@ def unmet(probe: Probe, facts: Facts, lock: Lock) -> str | None:
     """Why `probe` cannot run here, decided from the host's facts and the lock; None if it can."""
     gpus = facts.gpus
     for need in probe.needs:
-        if need == "gpu" and not gpus:
-            why = facts.gpu_error or "nvidia-smi absent or lists none"
-            return f"no NVIDIA GPU on this host ({why})"
+        if need == "gpu" and not gpus and not facts.gpu_error:    # a failing nvidia-smi: run, and fail naming it
+            return "no NVIDIA GPU on this host (nvidia-smi absent or lists none)"
         if need == "gpus>=2" and len(gpus) < 2:
             return ("one GPU on this host: needs at least 2" if gpus else "no NVIDIA GPU on this host") + \
                 " (nothing to all-reduce across)"
