@@ -972,6 +972,12 @@ DRIVER_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/
                "/usr/local/nvidia/lib64")
 
 
+def driver_libcuda():
+    """The NVIDIA driver's libcuda.so.1 in the loader's usual directories, or None: this host has no driver."""
+    return next((os.path.join(d, "libcuda.so.1") for d in DRIVER_DIRS
+                 if os.path.exists(os.path.join(d, "libcuda.so.1"))), None)
+
+
 def cuda_home(venv, home):
     """Lay out `home` (in `venv`) as a CUDA toolkit home over NVIDIA's toolkit wheels: bin, include, nvvm and
     lib64 hold relative links to what each component (CUDA 13: site-packages/nvidia/cu13; CUDA 12: one directory
@@ -1012,8 +1018,7 @@ def cuda_home(venv, home):
             links += 1
     libcuda = "host"
     if not any(os.path.exists(os.path.join(d, "libcuda.so")) for d in DRIVER_DIRS):
-        driver = next((os.path.join(d, "libcuda.so.1") for d in DRIVER_DIRS
-                       if os.path.exists(os.path.join(d, "libcuda.so.1"))), None)
+        driver = driver_libcuda()
         libcuda = driver or "none"
         if driver:
             os.makedirs(os.path.join(lib64, "stubs"))
