@@ -1,13 +1,15 @@
-"""Benchmark of real stacks on a throwaway loopback host (real sshd, uv, wheels from PyPI): the CUDA 12.8
-baseline, then a PyPI-only CUDA 13 lock, then back, then the SGLang 0.5.23 CUDA 13 lock. Prints cold apply,
-cached apply, reuse, rollback and gc beside the line rate measured in the same run (a plain download of the
-biggest wheel), with ratios, and the plan from the baseline to the SGLang 0.5.23 lock as the host shows it.
-Usage: python bench/real_stack.py [--python /path/to/python3.12] [--json] [--part all|upgrade|sglang]
+"""Benchmark of real stacks on a throwaway loopback host (real sshd, uv, wheels from PyPI): the host's fetch
+alone, the CUDA 12.8 baseline (cold and cached), then a PyPI-only CUDA 13 lock, then back, then the SGLang 0.5.23
+CUDA 13 lock. Prints cold apply, cached apply, reuse, rollback and gc; each cold apply's fetch beside the line
+rate measured just before it (a plain download of the biggest wheel), with ratios and the load average; and the
+plan from the baseline to the SGLang 0.5.23 lock as the host shows it.
+Usage: python bench/real_stack.py [--python /path/to/python3.12] [--json] [--part all|fetch|upgrade|sglang]
        [--workdir DIR] [--fetch-only]
-It downloads the wheels of the three locks (about 12 GB) into fresh host roots, one per part, and removes each
-before the next part starts (the upgrade part peaks at about 50 GB on disk, the SGLang part at about 35 GB).
---fetch-only: the host's parallel fetch alone (the baseline's 172 wheels into an empty cache) between two plain
-downloads of the biggest wheel (the line rate before and after), with the ratio.
+It downloads the wheels of the three locks (about 12 GB, and the baseline's 5 GB again for the fetch alone) into
+fresh host roots, one per part, and removes each before the next part starts (the upgrade part peaks at about
+50 GB on disk, the SGLang part at about 35 GB).
+--fetch-only (as --part fetch): the host's parallel fetch alone (the baseline's 172 wheels into an empty cache)
+between two plain downloads of the biggest wheel (the line rate before and after), with the ratio.
 """
 from __future__ import annotations
 
@@ -118,15 +120,27 @@ def renamed(lk: lockmod.Lock, name: str, where: Path) -> lockmod.Lock:
     return lockmod.load(path)
 
 
+def commit() -> str:
+    """The commit this checkout is at ("+dirty" where tracked files differ from it)."""
+    repo = Path(__file__).resolve().parent.parent
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    return (head or "unknown") + ("+dirty" if dirty else "")
+
+
 def step_seconds(rep) -> dict:
     return {s.name: round(s.seconds, 2) for s in rep.steps}
 
 
-def apply(tr, lk, label: str, rows: list, quiet: bool) -> dict:
+def apply(tr, lk, label: str, rows: list, quiet: bool, line=None) -> dict:
+    """Apply `lk`; `line` (the biggest wheel): measure the line rate just before, for this phase's fetch."""
     def say(step, state, detail):
         if not quiet and state in ("done", "fail"):
             print(f"  [{label}] {step}: {detail}", file=sys.stderr, flush=True)
 
+    rate = line_rate(line.url)[0] if line is not None else None
+    load = os.getloadavg()[0]
     t0 = time.perf_counter()
     rep = applymod.apply(tr, lk, skip_probes=SKIP, progress=say)
     wall = time.perf_counter() - t0
@@ -134,7 +148,11 @@ def apply(tr, lk, label: str, rows: list, quiet: bool) -> dict:
     row = {"phase": label, "lock": lk.name, "status": rep.status, "wall_s": round(wall, 2), "steps": step_seconds(rep),
            "fetched": b.get("fetched", 0), "cached": b.get("cached", 0), "bytes": b.get("fetched_bytes", 0),
            "fetch_s": b.get("fetch_seconds", 0.0), "install_s": b.get("install_seconds", 0.0),
-           "probes": (rep.probes or {}).get("summary")}
+           "probes": (rep.probes or {}).get("summary"), "load_average": [round(load, 2), round(os.getloadavg()[0], 2)]}
+    if rate is not None:
+        row["line_rate_Bps"] = round(rate)
+    if rate and row["fetch_s"]:
+        row["fetch_of_line_rate"] = round(row["bytes"] / row["fetch_s"] / rate, 3)
     rows.append(row)
     if not quiet:
         print(f"  [{label}] {json.dumps(row)}", file=sys.stderr, flush=True)
@@ -142,12 +160,13 @@ def apply(tr, lk, label: str, rows: list, quiet: bool) -> dict:
 
 
 def upgrade(tr, work: Path, locks: dict, fig: dict, rows: list, quiet: bool) -> None:
-    """The baseline cold, the plan from it to the SGLang 0.5.23 lock, the CUDA 13 lock cold and cached, reuse,
-    rollback, gc."""
+    """The baseline cold and cached, the plan from it to the SGLang 0.5.23 lock, the CUDA 13 lock cold and cached,
+    reuse, rollback, gc."""
     base, target = locks["baseline"], locks["cuda13"]
-    apply(tr, base, "cold: baseline", rows, quiet)
+    apply(tr, base, "cold: baseline", rows, quiet, line=locks["line"])
+    apply(tr, renamed(base, "cuda12.8-sglang0.5.9-again", work), "cached: baseline", rows, quiet)
     fig["plan_baseline_to_sglang"] = render_plan(plan_host(tr, locks["sglang"]))
-    apply(tr, target, "cold: CUDA 13", rows, quiet)
+    apply(tr, target, "cold: CUDA 13", rows, quiet, line=locks["line"])
     apply(tr, renamed(target, "cuda13-torch2.11-pypi-again", work), "cached: CUDA 13", rows, quiet)
     before = generations.history(tr)["current"]
     apply(tr, base, "reuse: baseline", rows, quiet)
@@ -168,11 +187,23 @@ def upgrade(tr, work: Path, locks: dict, fig: dict, rows: list, quiet: bool) -> 
 def sglang(tr, work: Path, locks: dict, fig: dict, rows: list, quiet: bool) -> None:
     """The SGLang 0.5.23 lock on a fresh root: cold (every wheel fetched), then cached (a new generation)."""
     lk = locks["sglang"]
-    apply(tr, lk, "cold: SGLang 0.5.23", rows, quiet)
+    apply(tr, lk, "cold: SGLang 0.5.23", rows, quiet, line=locks["line"])
     apply(tr, renamed(lk, "cuda13.0-sglang0.5.23-again", work), "cached: SGLang 0.5.23", rows, quiet)
 
 
-PARTS = {"upgrade": upgrade, "sglang": sglang}
+def streams() -> int:
+    from provision.agent.build import streams as default
+
+    return int(os.environ.get("PROVISION_FETCH_JOBS") or default())
+
+
+def fetch(tr, work: Path, locks: dict, fig: dict, rows: list, quiet: bool) -> None:
+    """The host agent's fetch alone (the baseline's wheels into an empty cache) against the line rate."""
+    fig["fetch_alone"] = fetch_alone(locks["baseline"], locks["line"], Path(tr.target.vars["provision_root"]),
+                                     streams())
+
+
+PARTS = {"fetch": fetch, "upgrade": upgrade, "sglang": sglang}
 
 
 def main() -> None:
@@ -180,46 +211,39 @@ def main() -> None:
     ap.add_argument("--python", help="the hosts' Python 3.12 (default: one found that runs)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--part", choices=("all", *PARTS), default="all",
-                    help="upgrade: baseline, CUDA 13 lock, reuse, rollback, gc; sglang: the SGLang 0.5.23 lock cold "
-                         "and cached; all: both, each on a fresh host root removed before the next starts")
+                    help="fetch: the host's fetch alone against the line rate; upgrade: baseline cold and cached, "
+                         "CUDA 13 lock, reuse, rollback, gc; sglang: the SGLang 0.5.23 lock cold and cached; all: "
+                         "each in turn, each on a fresh host root removed before the next starts")
     ap.add_argument("--workdir", help="where the host roots go (default: a temp dir; needs ~50 GB free)")
     ap.add_argument("--fetch-only", action="store_true", help="the parallel fetch alone against the line rate")
     ap.add_argument("--jobs", type=int, help="streams (default: PROVISION_FETCH_JOBS, else the agent's choice for "
                                              "this machine's cores)")
     args = ap.parse_args()
-    if args.fetch_only:
-        from provision.agent.build import streams
-
-        args.jobs = args.jobs or int(os.environ.get("PROVISION_FETCH_JOBS") or streams())
-        base = lockmod.load(BASELINE)
+    if args.jobs:
+        os.environ["PROVISION_FETCH_JOBS"] = str(args.jobs)
+    base = lockmod.load(BASELINE)
+    locks = {"baseline": base, "line": max(base.packages, key=lambda p: p.name == "torch")}
+    if args.fetch_only or args.part == "fetch":
         work = Path(tempfile.mkdtemp(prefix="real-stack-fetch-", dir=args.workdir))
         try:
-            fig = fetch_alone(base, max(base.packages, key=lambda p: p.name == "torch"), work, args.jobs)
+            fig: dict = {"commit": commit(), **fetch_alone(base, locks["line"], work, streams())}
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        print(json.dumps(fig, indent=2) if args.json else
-              f"fetch of {fig['wheels']} wheels ({fig['bytes'] / 1e9:.2f} GB) with {fig['jobs']} streams: "
-              f"{fig['fetch_s']:.1f} s, {fig['fetch_Bps'] / 1e6:.0f} MB/s = {fig['fetch_of_line_rate']:.2f} x the line "
-              f"rate ({fig['line_rate_Bps'][0] / 1e6:.0f} MB/s before, {fig['line_rate_Bps'][1] / 1e6:.0f} MB/s after: "
-              f"a plain download of {fig['line_rate_wheel']})")
+        print(json.dumps(fig, indent=2) if args.json else render_fetch(fig))
         return
     python = args.python or find_python("3.12")
     if not python:
         sys.exit("no Python 3.12 that runs; pass --python")
-    locks = {"baseline": lockmod.load(BASELINE), "cuda13": lockmod.load(TARGET), "sglang": lockmod.load(SGLANG)}
+    locks.update(cuda13=lockmod.load(TARGET), sglang=lockmod.load(SGLANG))
     parts = list(PARTS) if args.part == "all" else [args.part]
-    pkgs = [p for lk in locks.values() for p in lk.packages]
-    biggest = max(pkgs, key=lambda p: ("torch" == p.name, p.name))
     rows: list[dict] = []
-    fig: dict = {"python": python, "parts": parts}
+    fig = {"commit": commit(), "python": python, "parts": parts, "line_rate_wheel": locks["line"].filename}
     work = Path(tempfile.mkdtemp(prefix="real-stack-", dir=args.workdir))
     machine = Machine()
     try:
         with LoopbackHost() as host:
             trust_host(host.target)
             t = host.target
-            rate, size = line_rate(biggest.url)
-            fig.update(line_rate_Bps=rate, line_rate_wheel=biggest.filename, line_rate_wheel_bytes=size)
             for part in parts:
                 root = work / f"root-{part}"
                 t.vars.update(provision_root=str(root), python=python)
@@ -231,9 +255,6 @@ def main() -> None:
                     shutil.rmtree(root, ignore_errors=True)     # the next part starts from nothing
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    for r in rows:     # the fetch alone, as a share of the line rate measured in this run
-        if r["fetch_s"]:
-            r["fetch_of_line_rate"] = round(r["bytes"] / r["fetch_s"] / fig["line_rate_Bps"], 3)
     fig["rows"] = rows
     fig.update(machine.figures())
     if args.json:
@@ -242,20 +263,32 @@ def main() -> None:
     print(render(fig))
 
 
+def render_fetch(fig: dict) -> str:
+    return (f"fetch of {fig['wheels']} wheels ({fig['bytes'] / 1e9:.2f} GB) with {fig['jobs']} streams: "
+            f"{fig['fetch_s']:.1f} s, {fig['fetch_Bps'] / 1e6:.0f} MB/s = {fig['fetch_of_line_rate']:.2f} x the line "
+            f"rate ({fig['line_rate_Bps'][0] / 1e6:.0f} MB/s before, {fig['line_rate_Bps'][1] / 1e6:.0f} MB/s after: "
+            f"a plain download of {fig['line_rate_wheel']}); CPU {fig['cpu_s_per_GB']['fetch']:.2f} s/GB "
+            f"(a plain download {fig['cpu_s_per_GB']['plain_download']:.2f}); load average {fig['load_average']:.1f}")
+
+
 def render(fig: dict) -> str:
-    rate = fig["line_rate_Bps"]
-    lines = [describe(fig), f"line rate: {rate / 1e6:.0f} MB/s (plain download of {fig['line_rate_wheel']}, "
-             f"{fig['line_rate_wheel_bytes'] / 1e9:.2f} GB)", "",
-             "| phase | packages fetched / cached | GB fetched | fetch s (MB/s) | install s | wall s | "
-             "bound: bytes ÷ line rate + install | wall ÷ bound |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [describe(fig), f"commit {fig['commit']}"]
+    if "fetch_alone" in fig:
+        lines.append(render_fetch(fig["fetch_alone"]))
+    lines += ["", "| phase | packages fetched / cached | GB fetched | fetch s (MB/s) | line rate MB/s | install s | "
+              "wall s | bound: bytes ÷ line rate + install | wall ÷ bound | load average |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in fig["rows"]:
-        bound = r["bytes"] / rate + r["install_s"]
-        mbps = (f"{r['bytes'] / r['fetch_s'] / 1e6:.0f}, {r['fetch_of_line_rate']:.0%} of the line rate"
+        rate = r.get("line_rate_Bps")
+        bound = (r["bytes"] / rate if rate else 0) + r["install_s"]
+        mbps = (f"{r['bytes'] / r['fetch_s'] / 1e6:.0f}" + (f", {r['fetch_of_line_rate']:.0%} of the line rate"
+                                                             if "fetch_of_line_rate" in r else "")
                 if r["fetch_s"] else "–")
-        ratio = f"{r['wall_s'] / bound:.2f}" if bound > 0 else "–"
+        ratio = f"{r['wall_s'] / bound:.2f}" if bound > 0 and (rate or not r["bytes"]) else "–"
         lines.append(f"| {r['phase']} ({r['status']}) | {r['fetched']} / {r['cached']} | {r['bytes'] / 1e9:.2f} | "
-                     f"{r['fetch_s']:.1f} ({mbps}) | {r['install_s']:.1f} | {r['wall_s']:.1f} | {bound:.1f} | {ratio} |")
+                     f"{r['fetch_s']:.1f} ({mbps}) | {rate / 1e6 if rate else 0:.0f} | {r['install_s']:.1f} | "
+                     f"{r['wall_s']:.1f} | {bound:.1f} | {ratio} | {r['load_average'][0]:.1f}–"
+                     f"{r['load_average'][1]:.1f} |")
     if "rollback" in fig:
         rb = fig["rollback"]
         lines += ["", f"rollback {rb['from']} → {rb['to']}: {rb['wall_s']:.2f} s wall, host switch "

@@ -264,6 +264,39 @@ def test_big_file_fetched_as_parallel_ranges_and_a_cut_range_resumed(tmp_path, m
     assert nbytes == size and cached(tmp_path, a) == mirror.wheels["alpha"].read_bytes()
 
 
+def test_whole_blocks_go_past_the_page_cache(tmp_path):
+    """A file of several MiB, cut at an odd offset and resumed: it lands byte for byte, and (where the
+    filesystem takes O_DIRECT) its whole blocks were written past the page cache: only the few blocks around
+    the cut and the file's last block are resident afterwards (fincore), not the file."""
+    if not _takes_direct(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT: every write goes through the page cache")
+    m = Mirror({})
+    try:
+        w = wheel_bytes(tmp_path / "served", "alpha", kib=4 * 1024)
+        m.wheels, m.files[w.name] = {"alpha": w}, w.read_bytes()
+        a = dict(package(m, "alpha"), size=w.stat().st_size)
+        m.script[a["filename"]] = ["cut"]
+        fetch(tmp_path, [a], jobs=1)
+        (_, _, sent1), (rng, status, _) = m.requests(a["filename"])
+        assert sent1 % build.ALIGN and status == 206       # the resume starts inside a block
+        entry = build.entry({"wheels": str(tmp_path / "cache")}, a["sha256"], a["filename"])
+        resident = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", entry],
+                                  capture_output=True, text=True, check=True).stdout.strip()
+        assert int(resident) <= 4 * build.ALIGN < a["size"] // 64, resident
+        assert Path(entry).read_bytes() == m.files[a["filename"]]
+    finally:
+        m.close()
+
+
+def _takes_direct(where: Path) -> bool:
+    probe = where / "direct-probe"
+    probe.write_bytes(b"")
+    fd = build._direct(str(probe))
+    if fd is not None:
+        os.close(fd)
+    return fd is not None
+
+
 def test_lock_size_other_than_the_servers_is_refused(tmp_path, mirror):
     a = dict(package(mirror, "alpha"), size=123)
     with pytest.raises(AgentError, match=r"alpha==1.0: .*: the server sends \d+ bytes, the lock says 123"):

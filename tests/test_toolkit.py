@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from provision import lock as lockmod, lockcheck, plan, toolkit
+from provision.agent import build as agentbuild
 from provision.agent import probes as agentprobes
 from provision.facts import Facts
 
@@ -114,11 +115,15 @@ def test_flashinfer_jit_compiles_for_sm120_without_a_gpu_and_reports_what_it_ref
     home, _ = _nvcc_home()
     st, reason, figs = agentprobes.jit_part({"ccs": ["12.0"], "cuda_home": home}, python=flashinfer_python,
                                             build=("silu-and-mul",))
-    assert st == "pass", reason
-    assert reason.startswith("JIT-compiled silu-and-mul sm_120a (") and \
-        reason.endswith("; refused: trtllm allreduce fusion (sm_120a)")
     got = figs["jit"]["sm_120a"]
-    assert got["silu-and-mul"]["status"] in ("built", "compiled"), got   # compiled: no libcuda to link here
+    if got["silu-and-mul"]["status"] == "built":                          # a host with a driver: linked
+        assert st == "pass" and reason.startswith("JIT-compiled silu-and-mul sm_120a ("), reason
+    else:                         # no driver: compiled, and the link lacks only the driver's libcuda
+        assert got["silu-and-mul"]["status"] == "compiled" and got["silu-and-mul"]["missing"] == ["cuda"], got
+        assert agentbuild.driver_libcuda() is None
+        assert st == "skip" and reason.startswith("no NVIDIA driver on this host: JIT compiled silu-and-mul "
+                                                  "sm_120a ("), reason
+    assert reason.endswith("; refused: trtllm allreduce fusion (sm_120a)")
     assert got["silu-and-mul"]["module"] == "silu_and_mul" and got["silu-and-mul"]["seconds"] > 0
     assert got["allreduce-fusion"]["status"] == "refused" and "major versions [9, 10]" in \
         got["allreduce-fusion"]["error"]
@@ -128,3 +133,34 @@ def test_flashinfer_jit_compiles_for_sm120_without_a_gpu_and_reports_what_it_ref
     st, reason, _ = agentprobes.jit_part({"ccs": ["12.0"], "cuda_home": str(tmp_path / "cuda")})
     assert st == "skip" and reason == f"JIT not compiled: no nvcc at {tmp_path / 'cuda' / 'bin' / 'nvcc'}"
     assert agentprobes.jit_part({"ccs": [], "cuda_home": home})[0] == "skip"
+
+
+# What the JIT worker printed for flashinfer 0.7.2's silu-and-mul on this CPU-only machine (no driver), with a
+# home that is a toolkit (only -lcuda missing at the link) and with one that lacks lib64/libcudart.so too.
+COMPILED_NO_LIBCUDA = {"status": "compiled", "module": "silu_and_mul", "seconds": 31.79, "missing": ["cuda"],
+                       "error": "/usr/bin/ld: cannot find -lcuda: No such file or directory"}
+COMPILED_NO_CUDART = dict(COMPILED_NO_LIBCUDA, missing=["cuda", "cudart"],
+                          error="/usr/bin/ld: cannot find -lcudart: No such file or directory")
+
+
+@pytest.mark.parametrize("out, driver, status, why", [
+    (COMPILED_NO_LIBCUDA, None, "skip", "no NVIDIA driver on this host: JIT compiled silu-and-mul sm_120a (32s); "
+                                        "not linked: -lcuda needs the driver's library and the toolkit has no stub"),
+    (COMPILED_NO_LIBCUDA, "/usr/lib/x86_64-linux-gnu/libcuda.so.1", "fail",
+     "JIT failed: silu-and-mul sm_120a compiled: /usr/bin/ld: cannot find -lcuda"),
+    (COMPILED_NO_CUDART, None, "fail", "JIT failed: silu-and-mul sm_120a compiled: /usr/bin/ld: cannot find -lcudart"),
+    (dict(COMPILED_NO_LIBCUDA, status="failed", missing=[]), None, "fail", "JIT failed: silu-and-mul sm_120a failed"),
+])
+def test_a_jit_link_that_only_lacks_the_drivers_libcuda_skips_and_nothing_else_passes(monkeypatch, tmp_path,
+                                                                                      out, driver, status, why):
+    """Objects compiled but not linked pass nowhere: without a driver, and -lcuda the only library the link
+    lacks, the part skips naming the missing driver; a host with a driver, or any other missing library or
+    error, fails. (The compiler's output is recorded; the driver's presence is what is stood in for.)"""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").write_text("")
+    monkeypatch.setattr(agentprobes, "flashinfer_jit", lambda *a, **k: {"silu-and-mul": out})
+    monkeypatch.setattr(agentprobes, "driver_libcuda", lambda: driver)
+    st, reason, figs = agentprobes.jit_part({"ccs": ["12.0"], "cuda_home": str(tmp_path)}, build=("silu-and-mul",),
+                                            check=())
+    assert (st, reason[:len(why)]) == (status, why), reason
+    assert figs["jit_unlinked"] == (["silu-and-mul sm_120a (32s)"] if status == "skip" else [])

@@ -5,11 +5,13 @@
 `unpack` the tool's own code. Progress goes to the controller as events while it happens.
 """
 import base64
+import errno
 import fcntl
 import hashlib
 import http.client
 import io
 import json
+import mmap
 import os
 import queue
 import random
@@ -202,6 +204,19 @@ RETRIES = 6             # attempts of one piece in a row that bring no byte, bef
 BACKOFF = (0.5, 20.0)   # first delay and cap, seconds; each delay is drawn from [d/2, d] (jitter)
 RETRY_AFTER_CAP = 60.0  # the most a server's Retry-After is honoured
 REDIRECTS = 5
+ALIGN = 4096            # O_DIRECT: offsets, lengths and buffers in whole blocks of this size
+READBACK = 8 << 20      # bytes read back per call, to hash what was written ahead of the hashed prefix
+_BUFFERS = threading.local()
+
+
+def _buffer(name, size):
+    """This thread's page-aligned buffer `name` (anonymous memory, mapped once per thread and reused): what an
+    O_DIRECT read or write needs, and no fresh page per byte."""
+    buf = getattr(_BUFFERS, name, None)
+    if buf is None or len(buf) < size:
+        buf = memoryview(mmap.mmap(-1, size))
+        setattr(_BUFFERS, name, buf)
+    return buf
 
 
 class Transient(Exception):
@@ -334,6 +349,7 @@ class Download:
         self.url, self.path, self.sha256, self.label, self.expect = url, path, sha256, label, size
         self.tmp, self.note = path + ".partial", path + ".partial.json"
         self.size, self.fd, self.error, self.keep = None, None, None, False
+        self.dfd = None                     # the same file opened O_DIRECT, where the filesystem allows it
         self.pieces = [Piece(0, None)]
         self.left = 1                       # pieces not yet finished
         self.lock, self.hash_lock = threading.Lock(), threading.Lock()
@@ -357,6 +373,7 @@ class Download:
                     self.tmp, self.note = "%s.part-%d-%d" % (self.path, os.getpid(), id(self)), None
                     fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o640)
                 self.fd = fd
+                self.dfd = _direct(self.tmp)
                 upto = self.noted_prefix()
                 if upto:
                     self.hashed = self.rehash(upto)
@@ -401,8 +418,18 @@ class Download:
         self.noted = self.hashed
 
     def write(self, data, offset):
+        """Write at `offset`: whole blocks straight to the disk where they can go (O_DIRECT: no copy into the
+        page cache, which a multi-GB fetch would fill and which costs more CPU per byte than TLS and sha256
+        together), the rest (a file's last block, a buffer that is not block-aligned) through the page cache."""
         view = memoryview(data)
         try:
+            if self.dfd is not None and offset % ALIGN == 0 and len(view) >= ALIGN:
+                try:
+                    n = os.pwrite(self.dfd, view[:len(view) - len(view) % ALIGN], offset)
+                    view, offset = view[n:], offset + n
+                except OSError as e:
+                    if e.errno != errno.EINVAL:     # EINVAL: not aligned after all; the page cache takes it
+                        raise
             while view:
                 n = os.pwrite(self.fd, view, offset)
                 view, offset = view[n:], offset + n
@@ -450,14 +477,33 @@ class Download:
                 if hi <= self.hashed:
                     return
                 while self.hashed < hi:
-                    b = os.pread(self.fd, min(CHUNK, hi - self.hashed), self.hashed)
-                    if not b:
+                    n = self.read_back(hi)
+                    if not n:
                         raise AgentError("%s: %s is shorter than what was written" % (self.label, self.tmp))
-                    self.hash.update(b)
-                    self.hashed += len(b)
+                    self.hashed += n
                 self.hashed_more()
         finally:
             self.hash_lock.release()
+
+    def read_back(self, hi):
+        """Hash the next bytes of [hashed, hi) as read back from the file: whole blocks with O_DIRECT where it
+        can (bytes written past the page cache are not read into it), else through the page cache; returns how
+        many."""
+        buf, at = _buffer("readback", READBACK), self.hashed
+        n = min(READBACK, hi - at)
+        if at % ALIGN:
+            n = min(n, ALIGN - at % ALIGN)                  # up to the next block boundary
+        elif self.dfd is not None and n >= ALIGN:
+            try:
+                got = os.preadv(self.dfd, [buf[:n - n % ALIGN]], at)
+                self.hash.update(buf[:got])
+                return got
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+        b = os.pread(self.fd, n, at)
+        self.hash.update(b)
+        return len(b)
 
     def split(self, piece, jobs):
         """Once the size is known and the server serves ranges: the rest of a big file as ranges, queued for
@@ -498,6 +544,8 @@ class Download:
                     kept = self.note is not None
                 except OSError:
                     pass
+            if self.dfd is not None:
+                os.close(self.dfd)
             if self.fd is not None:
                 os.close(self.fd)           # and with it the flock
             for f in ([] if kept else [self.tmp]) + ([self.note] if self.note and not kept else []):
@@ -679,13 +727,16 @@ class Fetcher:
         return True
 
     def body(self, r, dl, piece, skip):
-        """Read the reply into the file at the piece's offsets (after `skip` bytes already there)."""
-        buf = bytearray(CHUNK)
-        view = memoryview(buf)
+        """Read the reply into the file at the piece's offsets (after `skip` bytes already there). Reads land at
+        the start of this thread's buffer and, past a cut at an odd offset, end on a block boundary, so that
+        what follows goes to the disk in whole blocks."""
+        view = _buffer("body", CHUNK)
         while piece.end is None or piece.pos < piece.end:
             if self.abort.is_set() or dl.error:
                 raise Aborted()
-            want = CHUNK if piece.end is None else min(CHUNK, piece.end - piece.pos + skip)
+            want = min(CHUNK, skip) if skip else ALIGN - piece.pos % ALIGN if piece.pos % ALIGN else CHUNK
+            if piece.end is not None:
+                want = min(want, piece.end - piece.pos + skip)
             n = r.readinto(view[:want])
             if not n:
                 if piece.end is None:           # no stated length: the end of the body is the end of the file
@@ -693,12 +744,10 @@ class Fetcher:
                         dl.size = piece.end = piece.pos
                     return
                 raise Transient("the connection closed after %d of %d bytes" % (piece.pos, piece.end))
+            if skip:                            # bytes already in the file, read past
+                skip -= n
+                continue
             data = view[:n]
-            if skip:
-                cut = min(skip, n)
-                data, skip = data[cut:], skip - cut
-                if not data:
-                    continue
             dl.write(data, piece.pos)
             dl.take(data, piece.pos)
             with dl.lock:
@@ -706,6 +755,16 @@ class Fetcher:
             if self.meter:
                 self.meter.add(len(data))
             dl.advance()
+
+
+def _direct(path):
+    """`path` opened again with O_DIRECT (read and write), or None where the filesystem refuses it (tmpfs)."""
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    try:
+        return os.open(path, os.O_RDWR | os.O_DIRECT)
+    except OSError:
+        return None
 
 
 def _content_range(value):
@@ -718,8 +777,8 @@ def _content_range(value):
 
 def streams():
     """How many downloads run at once by default: two per CPU core this process may use, 2 to 8. A verified
-    download costs about three times the CPU of a plain one (TLS, sha256, the write); on a small host more
-    streams than that add contention, not bandwidth."""
+    download costs more CPU than a plain one (sha256, the write, the read-back of ranges that arrived ahead);
+    on a small host more streams than that add contention, not bandwidth."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -921,6 +980,12 @@ DRIVER_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/
                "/usr/local/nvidia/lib64")
 
 
+def driver_libcuda():
+    """The NVIDIA driver's libcuda.so.1 in the loader's usual directories, or None: this host has no driver."""
+    return next((os.path.join(d, "libcuda.so.1") for d in DRIVER_DIRS
+                 if os.path.exists(os.path.join(d, "libcuda.so.1"))), None)
+
+
 def cuda_home(venv, home):
     """Lay out `home` (in `venv`) as a CUDA toolkit home over NVIDIA's toolkit wheels: bin, include, nvvm and
     lib64 hold relative links to what each component (CUDA 13: site-packages/nvidia/cu13; CUDA 12: one directory
@@ -961,8 +1026,7 @@ def cuda_home(venv, home):
             links += 1
     libcuda = "host"
     if not any(os.path.exists(os.path.join(d, "libcuda.so")) for d in DRIVER_DIRS):
-        driver = next((os.path.join(d, "libcuda.so.1") for d in DRIVER_DIRS
-                       if os.path.exists(os.path.join(d, "libcuda.so.1"))), None)
+        driver = driver_libcuda()
         libcuda = driver or "none"
         if driver:
             os.makedirs(os.path.join(lib64, "stubs"))

@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 
 from . import allreduce
+from .build import driver_libcuda
 from .host import answer, installed_dists, norm, query_gpus, sh, start_agent
 
 # NVLink multicast stays off everywhere a probe starts GPU work (it can wedge shared hosts).
@@ -427,6 +428,16 @@ def op_jit(a):
                 and not l.startswith(("[", "FAILED")) and " -o " not in l]
         return (hits or lines or ["no output"])[0][:300]
 
+    def objects(spec):
+        # What the link step takes, as the module's build.ninja says (flashinfer 0.7 names its objects otherwise
+        # than get_object_paths does); that list where the file has no link line.
+        ninja = getattr(spec, "ninja_path", None) or spec.build_dir / "build.ninja"
+        try:
+            m = re.search(r"^build \S+: (?:nvcc_)?link (.+)$", ninja.read_text(), re.M)
+        except OSError:
+            m = None
+        return [spec.build_dir / o for o in m.group(1).split()] if m else spec.get_object_paths()
+
     build, check = list(a["build"]), list(a["check"])
     out = {}
     for name in build + check:
@@ -443,9 +454,10 @@ def op_jit(a):
             spec.build(verbose=False)
             out[name] = {"status": "built" if spec.jit_library_path.exists() else "failed", "module": spec.name}
         except Exception as e:  # noqa: BLE001 - a failed compile is reported with its first error line
-            objs = spec.get_object_paths()
+            objs = objects(spec)
             done = bool(objs) and all(p.exists() for p in objs)
-            out[name] = {"status": "compiled" if done else "failed", "module": spec.name, "error": why(str(e))}
+            out[name] = {"status": "compiled" if done else "failed", "module": spec.name, "error": why(str(e)),
+                         "missing": sorted(set(re.findall(r"cannot find -l([A-Za-z0-9_+.-]+)", str(e))))}
         out[name]["seconds"] = round(time.perf_counter() - t0, 2)
     return out
 
@@ -488,7 +500,8 @@ def jit_part(a, python=sys.executable, build=tuple(JIT_BUILD), check=tuple(JIT_C
         return "skip", "JIT not compiled: the lock names no compute capability", {}
     if not nvcc or not os.path.exists(nvcc):
         return "skip", "JIT not compiled: no nvcc at %s" % nvcc, {}
-    per, ok, bad, refused = {}, [], [], []
+    per, ok, bad, refused, unlinked = {}, [], [], [], []
+    driver = driver_libcuda()
     for cc in ccs:
         arch = sm(specific(cc))
         try:
@@ -504,14 +517,17 @@ def jit_part(a, python=sys.executable, build=tuple(JIT_BUILD), check=tuple(JIT_C
                     refused.append("%s (%s)" % (what, arch))
             elif r["status"] == "built":
                 ok.append("%s %s (%.0fs)" % (what, arch, r["seconds"]))
-            elif r["status"] == "compiled":
-                ok.append("%s %s (%.0fs; not linked: %s)" % (what, arch, r["seconds"], r.get("error")))
+            elif r["status"] == "compiled" and r.get("missing") == ["cuda"] and not driver:
+                unlinked.append("%s %s (%.0fs)" % (what, arch, r["seconds"]))
             else:
                 bad.append("%s %s %s: %s" % (what, arch, r["status"], r.get("error")))
-    figs = {"jit": per, "jit_refused": refused}
+    figs = {"jit": per, "jit_refused": refused, "jit_unlinked": unlinked}
     tail = "; refused: %s" % ", ".join(refused) if refused else ""
     if bad:
         return "fail", "JIT failed: %s%s" % ("; ".join(bad), tail), figs
+    if unlinked:        # compiled; the link alone wants the driver's libcuda (the toolkit has no stub of it)
+        return "skip", ("no NVIDIA driver on this host: JIT compiled %s; not linked: -lcuda needs the driver's "
+                        "library and the toolkit has no stub of it%s" % (", ".join(ok + unlinked), tail)), figs
     return "pass", "JIT-compiled %s%s" % (", ".join(ok), tail), figs
 
 
