@@ -279,7 +279,7 @@ def test_whole_blocks_go_past_the_page_cache(tmp_path):
         fetch(tmp_path, [a], jobs=1)
         (_, _, sent1), (rng, status, _) = m.requests(a["filename"])
         assert sent1 % build.ALIGN and status == 206       # the resume starts inside a block
-        entry = build.entry({"wheels": str(tmp_path / "cache")}, a["sha256"], a["filename"])
+        entry = build.entry(str(tmp_path / "cache"), a["sha256"], a["filename"])
         resident = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", entry],
                                   capture_output=True, text=True, check=True).stdout.strip()
         assert int(resident) <= 4 * build.ALIGN < a["size"] // 64, resident
