@@ -86,3 +86,25 @@ def toolkit_generation(sshd, tmp_path_factory):
     finally:
         tr.close()
     return t, rep, lk
+
+
+# The files whose tests share the session's toolkit generation (a real 300 MB install): one unit of work under -n.
+TOOLKIT_FILES = {"tests/test_core.py", "tests/test_cuda_home.py", "tests/test_probes.py"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (`-n N`) a test file is one unit of work: its module fixtures (a fleet of hosts, an
+    engine server) are made once and its cases run in order on one worker; the files that share the toolkit
+    generation go together, so it is installed once. Units are handed out in collection order (tests/engine/
+    first), so a worker runs its torch and Triton tests before any test loads Ansible in its process: Ansible's
+    patches to the interpreter (sys.intern) break torch._dynamo and Triton's interpreter once loaded."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "toolkit" if path in TOOLKIT_FILES else path
+
+    config.option.loadscopereorder = False
+    return ByFile(config, log)
