@@ -103,7 +103,9 @@ def test_wheels_from_controller_fetched_once_and_pushed_to_offline_hosts(fleet, 
     inv = inventory(tmp_path / "inv.yml", hosts, [h.root for h in hosts])
 
     p = cli("apply", "-i", inv, "--known-hosts", kh, "--lock", lk, check=1)    # the hosts fetch: no route
-    assert "Fleet: 0 applied, 0 noop, 2 failed" in p.stdout and "alpha==1.0" in p.stdout
+    assert "Fleet: 0 applied, 0 noop, 2 failed" in p.stdout
+    # the downloads run in parallel: the first to fail is named (the others are stopped), whichever it is
+    assert p.stdout.count("fetch failed: ") == 2 and ("alpha==1.0" in p.stdout or "beta==1.0" in p.stdout)
     assert requested == []
 
     p = cli("apply", "-i", inv, "--known-hosts", kh, "--lock", lk, "--wheels-from", "controller", check=0)
