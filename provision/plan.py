@@ -236,6 +236,12 @@ def load_plans(path: str | Path) -> list[Plan]:
     return plans
 
 
+def save_plans(path: Path, plans: list[Plan], fleet: bool) -> None:
+    """Write what `load_plans` reads: one host's plan alone, a fleet's (`fleet`) as a list, one per host."""
+    data = [p.to_json() for p in plans] if fleet else plans[0].to_json()
+    Path(path).write_text(json.dumps(data, indent=2))
+
+
 def plans_for(saved: list[Plan], targets: list, where: str) -> dict[str, Plan]:
     """Each target's saved plan by host name, checked before any host is contacted: a plan applies only to
     the host and root it was made for (InputError naming the plan file and whom it was made for)."""

@@ -25,6 +25,7 @@ except ImportError:  # pragma: no cover
     from click import exceptions as click_errors
 from ..errors import InputError, ProvisionError
 from ..fleet import FORKS
+from ..layout import DEFAULT_ROOT
 from ..transport import DEADLINE, DEFAULT_KNOWN_HOSTS, NOTICE, TIMEOUT, Target
 
 # markup and emoji off: `[six==1.17.0]`, `[/x]` and `host:abc:` are printed as they are; a message is
@@ -188,7 +189,7 @@ HOST_PARAMS = {
     "wait_notice": (float, typer.Option(NOTICE, "--wait-notice", min=0.1, metavar="SECONDS",
                                         help="after this long without progress, say what the run waits for (again at "
                                              "2x, 4x)")),
-    "root": (Optional[str], typer.Option(None, "--root", help="host root (default /opt/provision, or the inventory's "
+    "root": (Optional[str], typer.Option(None, "--root", help=f"host root (default {DEFAULT_ROOT}, or the inventory's "
                                                               "provision_root)")),
 }
 

@@ -231,7 +231,7 @@ def plan(lock: Path = LockOpt, json_out: bool = JsonOpt,
     from .. import lock as lockmod
     from ..errors import ProvisionError
     from ..facts import interpreter_arg
-    from ..plan import plan_host, render_plan
+    from ..plan import plan_host, render_plan, save_plans
 
     if lock is None:
         raise InputError("required: the lockfile to plan for (--lock FILE)", where="--lock")
@@ -247,8 +247,7 @@ def plan(lock: Path = LockOpt, json_out: bool = JsonOpt,
         raise
     plans = [r.value for r in rows if r.ok]
     if out and plans:
-        data = plans[0].to_json() if len(rows) == 1 else [p.to_json() for p in plans]
-        out.write_text(json.dumps(data, indent=2))
+        save_plans(out, plans, fleet=len(rows) > 1)
     print_rows(rows, lambda r: console.print(render_plan(r.value, full=full), markup=False), json_out,
                to_json=lambda p: p.to_json())
     if out and plans and not json_out:
