@@ -316,7 +316,8 @@ def print_rows(rows, render_ok, json_out: bool, to_json=lambda v: v) -> None:
             err_console.print(row_error(r), markup=False, soft_wrap=True)
 
 
-def exit_for(rows) -> None:
-    """Exit 1 when any host failed (its row already says why)."""
-    if any(not r.ok for r in rows):
+def exit_for(rows, bad=None) -> None:
+    """Exit 1 when any host failed (its row already says why), or when `bad(value)` holds for a host's result
+    (a failed verdict the row has shown)."""
+    if any(not r.ok for r in rows) or (bad is not None and any(bad(r.value) for r in rows)):
         raise typer.Exit(1)

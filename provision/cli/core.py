@@ -254,9 +254,7 @@ def plan(lock: Path = LockOpt, json_out: bool = JsonOpt,
         what = "the plan" if len(plans) == 1 else f"the plans of {len(plans)} hosts"
         console.print(f"Saved {what} to {out}; apply exactly with `provision apply --plan {out}`"
                       + (" -i INVENTORY" if len(rows) > 1 else " HOST") + ".", markup=False)
-    exit_for(rows)
-    if any(p.errors for p in plans):      # apply would refuse: an error in a plan is exit 1, always
-        raise typer.Exit(1)
+    exit_for(rows, bad=lambda p: p.errors)      # apply would refuse: an error in a plan is exit 1, always
     if detailed_exitcode and any(not p.noop for p in plans):
         raise typer.Exit(2)
 
@@ -481,9 +479,7 @@ def gc(keep: int = typer.Option(3, "--keep", min=1, help="runnable generations t
 
     rows = over_hosts(hosts.targets(), lambda tr: generations.gc(tr, keep=keep, dry_run=dry_run), hosts.forks)
     print_rows(rows, lambda r: console.print(gc_text(r.host, r.value), markup=False), json_out)
-    exit_for(rows)
-    if any(r.value.get("errors") for r in rows):    # a removal that failed (what was done is reported)
-        raise typer.Exit(1)
+    exit_for(rows, bad=lambda v: v.get("errors"))    # a removal that failed (what was done is reported)
 
 
 @edge

@@ -56,9 +56,7 @@ def probe(only: List[str] = typer.Option([], "--only", help="run only this probe
         failed = "" if rep["status"] == "pass" else f": {', '.join(rep['failed'])}"
         console.print(styled(f"{rep['generation']} on {r.host}: ", verdict, f"{failed} ({rep['seconds']:.1f}s)"))
     print_rows(rows, show, json_out)
-    exit_for(rows)
-    if any(r.value["status"] != "pass" for r in rows):
-        raise typer.Exit(1)
+    exit_for(rows, bad=lambda rep: rep["status"] != "pass")
 
 
 def register(app: typer.Typer) -> None:

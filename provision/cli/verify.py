@@ -49,9 +49,7 @@ def verify(hosts: Hosts,
         what = "" if v["verdict"] == "clean" else f" in {len(v['rows'])} distribution(s)"
         console.print(styled(f"{v['generation']} on {r.host}: ", mark, f"{what} — {figures(v)}"), soft_wrap=True)
     print_rows(rows, show, json_out)
-    exit_for(rows)
-    if any(r.value["verdict"] != "clean" for r in rows):
-        raise typer.Exit(1)
+    exit_for(rows, bad=lambda v: v["verdict"] != "clean")
 
 
 def register(app: typer.Typer) -> None:
