@@ -311,10 +311,13 @@ def _build(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps,
     except BaseException as e:
         reason = str(e) or type(e).__name__
         report.error = reason
+        # Ctrl-C (or the cancel flag) cut the build or its probes short: the generation is unproven, not failed
+        status = "abandoned" if isinstance(e, (Cancelled, Interrupted, KeyboardInterrupt)) else "failed"
         try:   # space first (the venv goes), then the record; the logs stay in the generation dir
             _marked_failed(report, gen["id"], generations.mark(
-                transport, gen["id"], status="failed", reason=reason, remove_venv=True,
-                event={"event": "apply-failed", "lock": lock.name, "reason": reason}))
+                transport, gen["id"], status=status, reason=reason, remove_venv=True,
+                event={"event": "apply-failed" if status == "failed" else "apply-interrupted", "lock": lock.name,
+                       "reason": reason}))
         except ProvisionError as me:   # the host may be gone: the next run marks it abandoned
             report.warnings.append(f"could not mark {gen['id']} failed ({me}); the next apply settles it")
         raise
@@ -519,10 +522,13 @@ def apply_fleet(targets: list, lock: Lock, *, serial: str | list[str] = "0", max
             raise Halted("interrupted (Ctrl-C) before this host started", where=name)
 
         def gated() -> None:     # the fleet's gate, and Ctrl-C's: nothing switches once the run is cancelled
-            if cancel.is_set():
-                raise Halted("interrupted (Ctrl-C): stopped before its switch", where=name)
+            def stop_if_cancelled() -> None:
+                if cancel.is_set():
+                    raise Halted("interrupted (Ctrl-C): stopped before its switch", where=name)
+            stop_if_cancelled()
             if gate is not None:
-                gate()
+                gate()               # the batch's barrier: returns once every partner has reached it or ended
+                stop_if_cancelled()
         args = dict(kw, saved_plan=saved_plans[name]) if saved_plans is not None else kw
         try:
             return apply(tr, lock, progress=progress_for(name) if progress_for else None, gate=gated,

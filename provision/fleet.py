@@ -158,8 +158,9 @@ def rollout(targets: list[Target], fn: Callable[[Transport, Callable[[], None]],
             undo: Callable[[Transport, Row], Any] | None = None) -> Rollout:
     """fn(transport, gate) batch by batch, up to `forks` hosts at once within a batch. A host's failure (an error
     row; unreachable ones too) counts against its batch's tolerance; once a batch has more failures than
-    `max_fail` allows it has failed: `gate()`, which fn calls just before its commit point, then raises Halted
-    (that host is a "halted" row), its hosts not yet started are not attempted, and once its hosts have finished
+    `max_fail` allows it has failed. `gate()`, which fn calls just before its commit point, is the batch's barrier:
+    it returns once every host of the batch has reached its gate or ended, and raises Halted (that host is a
+    "halted" row) when the batch has failed; its hosts not yet started are not attempted, and once its hosts have finished
     `undo(transport, row)` runs on each whose row `changed` says it changed something; the batches after it are
     not attempted. `on_row` sees each row as it is known (an unreachable host at once), `on_batch` each batch
     as it starts."""
@@ -188,32 +189,49 @@ def rollout(targets: list[Target], fn: Callable[[Transport, Callable[[], None]],
 
 
 def _batch(group: list[Target], fn, batch: Batch, allowed: int, forks: int, on_row) -> list[Row]:
+    """One batch, as Ansible's linear strategy runs a play's tasks: every host of the batch reaches its commit
+    point (its `gate`) or ends before any host passes it, so a failure anywhere in the batch is known before any
+    partner switches. Up to `forks` hosts work at once; a host waiting at the gate gives its place to another."""
     failed: list[str] = []
-    lock = threading.Lock()
+    pending = {t.name for t in group}          # hosts neither at the gate nor ended
+    settled = threading.Condition()
+    places = threading.Semaphore(max(1, forks))
 
-    def gate() -> None:
-        with lock:
+    def gate(name: str) -> None:
+        with settled:
+            pending.discard(name)
+            settled.notify_all()
+        places.release()
+        try:
+            with settled:
+                settled.wait_for(lambda: not pending)
+        finally:
+            places.acquire()
+        with settled:
             if len(failed) > allowed:
                 raise Halted(f"batch {batch.number}/{batch.of} had failed ({', '.join(failed)}): stopped before "
                              "its switch")
 
     def one(t: Target) -> Row:
-        try:
-            gate()
-        except Halted:
-            row = Row(t.name, error=ProvisionError(f"not attempted: batch {batch.number}/{batch.of} failed before "
-                                                   "this host started", where=t.name), stage="skipped")
-        else:
-            row = _run(t, lambda tr: fn(tr, gate))
+        with places:
+            with settled:
+                late = len(failed) > allowed
+            if late:
+                row = Row(t.name, error=ProvisionError(f"not attempted: batch {batch.number}/{batch.of} failed "
+                                                       "before this host started", where=t.name), stage="skipped")
+            else:
+                row = _run(t, lambda tr: fn(tr, lambda: gate(t.name)))
         row.batch = batch.number
-        if row.stage in ("run", "connect"):
-            with lock:
+        with settled:
+            if row.stage in ("run", "connect"):
                 failed.append(t.name)
+            pending.discard(t.name)
+            settled.notify_all()
         if on_row:
             on_row(row)
         return row
 
-    with ThreadPoolExecutor(max_workers=max(1, min(forks, len(group)))) as pool:
+    with ThreadPoolExecutor(max_workers=len(group)) as pool:
         return list(pool.map(one, group))
 
 

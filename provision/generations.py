@@ -129,10 +129,10 @@ def diff(t: Transport, a: str, b: str | None = None) -> dict:
 def rollback_hosts(targets: list, to: str | None = None, *, dry_run: bool = False, force: bool = False,
                    serial: str | list[str] = "0", forks: int | None = None) -> list:
     """rollback on each host, batch by batch as fleet.rollout runs them (`serial`, up to `forks` hosts at once);
-    one fleet.Row per host."""
+    one fleet.Row per host. Each host goes back on its own: a dead or hung host is its row, never a reason to
+    keep the others where they are (the emergency a fleet rollback is for)."""
     from .fleet import FORKS, rollout
 
     def back(tr: Transport, gate) -> dict:
-        gate()
         return rollback(tr, to, dry_run=dry_run, force=force)
-    return rollout(targets, back, serial=serial, forks=forks or FORKS).rows
+    return rollout(targets, back, serial=serial, max_fail="100%", forks=forks or FORKS).rows

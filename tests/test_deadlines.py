@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -175,3 +176,37 @@ def test_ctrl_c_in_a_fleet_apply_stops_the_hosts_and_prints_the_summary(two_host
     for t, gen, row in zip(two_hosts, gens, rows):
         assert row.split()[:2] == [t.name, "interrupted"] and f"current left at {gen}" in row, out
         settled_without_work(t, gen)
+
+
+def test_ctrl_c_during_probes_is_an_interruption_not_a_failure(two_hosts, stacks_ab, tmp_path):
+    """The cancel flag (what Ctrl-C sets) is raised while the probes run (nvidia-smi hangs once the facts have
+    been read): each host is "interrupted", the batch has no failure, and the unproven generation is recorded as
+    abandoned by an interruption, never as failed by its probes."""
+    lock_a, lock_b = stacks_ab
+    before = [applied(t, lock_a).generation for t in two_hosts]
+    hosts = []
+    for i, t in enumerate(two_hosts):         # each host's own GPU: its driver hangs once it has been queried
+        smi = tmp_path / f"gpu{i}" / "nvidia-smi"
+        smi.parent.mkdir()
+        smi.write_text("#!/bin/sh\nd=$(dirname \"$0\")\nif [ -e \"$d/queried\" ]; then sleep 120; fi\n"
+                       f"touch \"$d/queried\"\ncat {Path(__file__).parent / 'data' / 'h200' / 'nvidia-smi-query.csv'}\n")
+        smi.chmod(0o755)
+        t = copy.deepcopy(t)
+        t.vars["provision_nvidia_smi"] = str(smi)
+        hosts.append(t)
+    cancel = threading.Event()
+
+    def progress_for(host):
+        def progress(step, state, detail):
+            if (step, state) == ("probe", "start"):
+                threading.Timer(2, cancel.set).start()
+        return progress
+
+    fleet = applymod.apply_fleet(hosts, lock_b, forks=2, progress_for=progress_for, cancel=cancel)
+    assert fleet.interrupted and fleet.failed_batch is None and fleet.failed_hosts == []
+    for t, gen, r in zip(hosts, before, fleet.reports):
+        assert (r.status, r.current) == ("interrupted", gen), (r.status, r.error)
+        assert "fail" not in (r.probes or {}).get("status", ""), r.probes
+        assert_settled(t, gen)
+        man = json.loads((Path(t.vars["provision_root"]) / "generations" / r.generation / "manifest.json").read_text())
+        assert man["status"] == "abandoned" and "cancelled" in man["reason"], man

@@ -86,3 +86,29 @@ def test_an_inventory_ansible_cannot_read_is_one_line_without_its_warnings(tmp_p
     p = cli("status", "-i", inv, check=2)
     assert p.stderr == (f"error: {inv}: Ansible cannot read it: Failed to parse inventory: Expected key=value host "
                         "variable assignment, got: ansible_port\n"), p.stderr
+
+
+LOCK = "provision/lockfiles/demo/a.yaml"
+HOST_VERBS = {        # every verb that takes a host, given the misspelled host h9 and only what else it must have
+    "plan": ["plan", "h9", "--lock", LOCK], "apply": ["apply", "h9", "--lock", LOCK], "adopt": ["adopt", "h9"],
+    "rollback": ["rollback", "h9"], "history": ["history", "h9"], "status": ["status", "h9"],
+    "diff": ["diff", "h9", "1"], "gc": ["gc", "h9"], "logs": ["logs", "h9"], "probe": ["probe", "h9"],
+    "verify": ["verify", "h9"], "pack": ["pack", "h9", "--out", "{out}"],
+    "hosts trust": ["hosts", "trust", "h9", "--yes"], "hosts facts": ["hosts", "facts", "h9"],
+    "lock capture": ["lock", "capture", "h9", "--out", "{out}.yaml"],
+    **{f"patches {m}": ["patches", m, "h9"] for m in ("check", "apply", "revert")},
+    "contract": ["contract", "LlamaForCausalLMEagle3", "h9"],
+}
+
+
+@pytest.mark.parametrize("verb", list(HOST_VERBS))
+def test_a_host_that_is_not_in_the_inventory_is_an_error_before_any_contact(listener, tmp_path, verb):
+    """With -i, the first argument after the verb is the hosts, also when the verb's next argument is left out: a
+    name the inventory lacks is one line naming it, never taken for that argument (which would act on every host)."""
+    port, accepted = listener
+    inv = tmp_path / "hosts.ini"
+    inv.write_text("".join(f"h{i} ansible_host=127.0.0.1 ansible_port={port}\n" for i in range(1, 9)))
+    argv = [a.format(out=tmp_path / "out") for a in HOST_VERBS[verb]]
+    p = cli(*argv, "-i", inv, "--known-hosts", tmp_path / "kh", "--timeout", "1", check=2)
+    assert p.stderr == f"error: {inv}: 'h9' names no host or group of the inventory\n", p.stderr
+    assert accepted == [], "a host was contacted"

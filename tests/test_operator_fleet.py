@@ -70,7 +70,7 @@ def test_fleet_plan_saved_and_applied_then_status_diff_rollback(fleet, tmp_path,
     table = cli("status", "-i", inv, *kh, check=0).stdout
     assert "0002-stack-b" in table and "gpu-c" in table and "(none)" in table
 
-    d = cli("diff", "-i", inv, "--limit", "gpu-a", *kh, "1", "2", check=0).stdout
+    d = cli("diff", "gpu-a", "1", "2", "-i", inv, *kh, check=0).stdout
     assert "Diff on gpu-a: 0001-stack-a → 0002-stack-b" in d and "+ beta" in d and "alpha" in d and "1.0 → 2.0" in d
 
     dry = cli("rollback", *gpu, "--dry-run", check=0).stdout

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 from .. import generations
 from .. import lock as lockmod
-from ..errors import HostError, ProvisionError
+from ..errors import Cancelled, HostError, ProvisionError
 from .. import layout, toolkit
 from ..facts import Environment, Facts, gather
 from ..lock import Lock
@@ -126,6 +126,8 @@ def _run_host(transport: Transport, names: list[str], payload: dict, python: str
     env = {str(k): str(v) for k, v in (transport.target.vars.get("provision_probe_env") or {}).items()}
     try:
         out = transport.run_agent("probes", payload, python=python, env=env or None, timeout=timeout)
+    except Cancelled:        # Ctrl-C: the probes were interrupted, which is no verdict on the generation
+        raise
     except HostError as e:
         return {"results": [_res(n, "fail", f"probe agent failed in {python}: {e.message}") for n in names],
                 "dists": {}}
@@ -248,6 +250,8 @@ def run_probes(transport: Transport, lock: Lock | None = None, *, generation: st
                 if not dists:   # no host probe ran: the generation's distributions from the facts agent
                     dists = (gather(transport, adopt=python).adopt or Environment()).dists
                 results[p.name] = _probe_contract(transport, lock, dists, python)
+        except Cancelled:
+            raise
         except ProvisionError as e:
             results[p.name] = _res(p.name, "fail", str(e))
 
