@@ -19,7 +19,7 @@ from provision.agent.pack import compress_tags, unshebang, wheel_name
 from provision.loopback import LoopbackHost
 from provision.transport import trust_host
 from test_core import cli, host_args
-from wheelhouse import write_lock
+from wheelhouse import make_wheel, write_lock
 
 PY = "cp%d%d" % sys.version_info[:2]
 PLATFORM_TAGS = [f"{PY}-{PY}-manylinux_2_17_x86_64", f"{PY}-{PY}-manylinux2014_x86_64"]
@@ -81,10 +81,21 @@ def test_wheel_names_follow_pep_425_and_427():
         "cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64"
     assert wheel_name("Foo.Bar-baz", "2.9.1+cu130", ["py3-none-any"], "7") == \
         "foo_bar_baz-2.9.1+cu130-7-py3-none-any.whl"
-    assert unshebang(b"#!/opt/x/venv/bin/python\nprint(1)\n") == b"#!python\nprint(1)\n"
-    assert unshebang(b"#!/bin/sh\n'''exec' /very/long/bin/python \"$0\" \"$@\"\n' '''\nprint(1)\n") == \
-        b"#!python\nprint(1)\n"
-    assert unshebang(b"#!/bin/bash\necho hi\n") == b"#!/bin/bash\necho hi\n"
+
+
+def test_only_the_installers_interpreter_line_goes_back_to_python():
+    venv = {"/opt/x/venv/bin"}
+    assert unshebang(b"#!/opt/x/venv/bin/python\nprint(1)\n", venv) == b"#!python\nprint(1)\n"
+    assert unshebang(b"#!/opt/x/venv/bin/python3.12\nprint(1)\n", venv) == b"#!python\nprint(1)\n"
+    long = {"/very/long/bin"}
+    assert unshebang(b"#!/bin/sh\n'''exec' /very/long/bin/python \"$0\" \"$@\"\n' '''\nprint(1)\n", long) == \
+        b"#!python\nprint(1)\n"                                   # pip's trampoline
+    assert unshebang(b"#!/bin/sh\n'''exec' '/very/long/bin/python' \"$0\" \"$@\"\n' '''\nprint(1)\n", long) == \
+        b"#!python\nprint(1)\n"                                   # uv's
+    for shipped in (b"#!/usr/bin/env python3\nprint(1)\n", b"#!/usr/bin/python3\nprint(1)\n",
+                    b"#!/opt/other/bin/python\nprint(1)\n", b"#!/opt/x/venv/bin/pip\n", b"#!/bin/bash\necho hi\n",
+                    b"#!/bin/sh\n'''exec' /elsewhere/bin/python \"$0\" \"$@\"\n' '''\nprint(1)\n", b"\x7fELF\x02"):
+        assert unshebang(shipped, venv | long) == shipped             # not the installer's: byte for byte
 
 
 @pytest.fixture
@@ -223,3 +234,27 @@ def test_adopted_drift_refused_then_recorded_with_base_and_extra(adopted, tmp_pa
     assert rep["distributions"] == 2 and rep["seconds"]["read"] > 0 and rep["ratio"] > 0
     beta = pk["beta"]["filename"]
     assert (tmp_path / "h2" / beta).read_bytes() == (out / beta).read_bytes()   # the same env packs to the same bytes
+
+
+def test_scripts_rebuild_as_shipped(tmp_path):
+    """A script the wheel ships with its own interpreter line is packed byte for byte; only the line the installer
+    wrote for `#!python` goes back to `#!python`: packed, rebuilt elsewhere, every file hashes the same."""
+    shipped = {"scripts-1.0.data/scripts/by-env": b"#!/usr/bin/env python3\nprint('by env')\n",
+               "scripts-1.0.data/scripts/by-installer": b"#!python\nprint('by installer')\n"}
+    whl = make_wheel(tmp_path / "src", "scripts", "1.0", extra=shipped)
+    lk = write_lock(tmp_path / "src" / "lock.yaml", "scripts", [whl])
+    roots = tmp_path / "a", tmp_path / "b"
+    cli("apply", "--local", "--root", roots[0], "--lock", lk, check=0)
+    out = tmp_path / "house"
+    cli("pack", "--local", "--root", roots[0], "--out", out, check=0)
+    with zipfile.ZipFile(out / whl.name) as z:
+        assert {arc: z.read(arc) for arc in shipped} == shipped
+    cli("apply", "--local", "--root", roots[1], "--lock", out / "lock.yaml", check=0)
+
+    venvs = [(r / "current" / "venv").resolve() for r in roots]
+    assert site_hashes(venvs[0]) == site_hashes(venvs[1])
+    for v in venvs:
+        assert (v / "bin" / "by-env").read_bytes() == shipped["scripts-1.0.data/scripts/by-env"]
+        assert (v / "bin" / "by-installer").read_bytes() == f"#!{v}/bin/python\nprint('by installer')\n".encode()
+    run = subprocess.run([str(venvs[1] / "bin" / "by-installer")], capture_output=True, text=True)
+    assert run.stdout == "by installer\n"

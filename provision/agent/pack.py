@@ -8,6 +8,7 @@ import heapq
 import io
 import os
 import re
+import shlex
 import shutil
 import stat
 import struct
@@ -23,6 +24,8 @@ from .host import AgentError, emit, inside, read_json
 # what installers write into a dist-info (and the signature of the RECORD written anew)
 DROPPED = ("INSTALLER", "REQUESTED", "direct_url.json", "uv_cache.json", "RECORD", "RECORD.jws", "RECORD.p7s")
 SHEBANG_SH = b"'''exec' "          # the /bin/sh trampoline installers write for an over-long interpreter path
+SHEBANG_ARGS = b' "$0" "$@"'
+PYTHON_NAME = re.compile(r"python(\d+(\.\d+)?)?w?\Z")     # bin/python, python3, python3.12
 
 
 def skipped(rel):
@@ -103,15 +106,35 @@ def arcname(venv, site, full, rel, data_dir, scripts, py):
     return "%s/data/%s" % (data_dir, under)
 
 
-def unshebang(data):
-    """A script as a wheel ships it: the installer's interpreter line back to `#!python`."""
-    lines = data.split(b"\n", 3)          # #!/bin/sh, '''exec' PY "$0" "$@", ' ''', the script
-    if lines[0] == b"#!/bin/sh" and len(lines) == 4 and lines[1].startswith(SHEBANG_SH):
-        return b"#!python\n" + lines[3]
-    if data.startswith(b"#!"):
-        first, nl, body = data.partition(b"\n")
-        if b"python" in first:
-            return b"#!python" + (b"w" if first.rstrip().endswith(b"pythonw") else b"") + nl + body
+def installer_interpreter(path, bindirs):
+    """Whether `path` (bytes, from a script's first line) names a Python of the venv whose bin/ is in `bindirs`:
+    what an installer writes in place of `#!python`."""
+    path = os.fsdecode(path)
+    if not PYTHON_NAME.match(os.path.basename(path)):
+        return False
+    d = os.path.dirname(path)
+    return os.path.normpath(d) in bindirs or os.path.realpath(d) in bindirs
+
+
+def unshebang(data, bindirs):
+    """A script as a wheel ships it: an interpreter line the installer wrote (a Python of the venv whose bin/ is
+    in `bindirs`, directly or through the /bin/sh trampoline for an over-long path) back to `#!python`; any
+    other script byte for byte."""
+    first, nl, rest = data.partition(b"\n")
+    if first == b"#!/bin/sh":             # #!/bin/sh, '''exec' PY "$0" "$@", ' ''', the script
+        second, _, rest = rest.partition(b"\n")
+        third, nl, body = rest.partition(b"\n")
+        if third != b"' '''" or not second.startswith(SHEBANG_SH) or not second.endswith(SHEBANG_ARGS):
+            return data
+        try:
+            words = shlex.split(second[len(SHEBANG_SH):-len(SHEBANG_ARGS)].decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            return data
+        if len(words) == 1 and installer_interpreter(os.fsencode(words[0]), bindirs):
+            return b"#!python" + nl + body
+        return data
+    if first.startswith(b"#!") and installer_interpreter(first[2:], bindirs):
+        return b"#!python" + (b"w" if first.endswith(b"pythonw") else b"") + nl + rest
     return data
 
 
@@ -123,6 +146,7 @@ def plan_dist(venv, site, name, version, info, drift, restored, py):
     tags, build = wheel_meta(site, info)
     data_dir = info[:-len(".dist-info")] + ".data"
     scripts = entry_point_scripts(site, info)
+    bindirs = {os.path.normpath(os.path.join(venv, "bin")), os.path.realpath(os.path.join(venv, "bin"))}
     items, seen = [], set()
     for rel, full, algo, digest, size in record.entries(site, info, venv):
         if full is None or skipped(rel):
@@ -139,7 +163,7 @@ def plan_dist(venv, site, name, version, info, drift, restored, py):
         data = restored.get(full)
         if arc.startswith(data_dir + "/scripts/"):
             with open(full, "rb") as f:
-                data = unshebang(f.read())
+                data = unshebang(f.read(), bindirs)
         known = None
         if data is None and algo == "sha256" and digest and rel not in drift and size is not None:
             known = (digest, size)      # checked against RECORD just now: its digest stands
