@@ -1,11 +1,13 @@
 """Host agent (stdlib only): a generation back into stored wheels, each file first checked against its RECORD
 (`record.check`, as `verify` checks).
-Payload {op: pack, venv, out, root?, gen_dir?, allow_drift?, series?, jobs?, workers?} or {op: clean, root, dir};
+Payload {op: pack, venv, out, root?, gen_dir?, allow_drift?, series?, filenames?, jobs?, workers?} or
+{op: clean, root, dir};
 `arcname` says where each installed file goes; patched files go back as shipped (`shipped_from_cache`)."""
 import csv
 import hashlib
 import heapq
 import io
+import itertools
 import os
 import re
 import shlex
@@ -13,6 +15,7 @@ import shutil
 import stat
 import struct
 import time
+import urllib.parse
 import zipfile
 import zlib
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
@@ -64,12 +67,32 @@ def compress_tags(tags):
     return "-".join(".".join(p) for p in parts)
 
 
-def wheel_name(name, version, tags, build=None):
+def source_tags(filename, tags):
+    """The compressed tag set as `filename` (the wheel a distribution was installed from) spells it, when it
+    stands for exactly `tags`; else None."""
+    parts = filename[:-len(".whl")].split("-") if filename and filename.endswith(".whl") else []
+    if len(parts) not in (5, 6):
+        return None
+    spelled = parts[-3:]
+    expanded = {"-".join(t) for t in itertools.product(*(c.split(".") for c in spelled))}
+    return "-".join(spelled) if expanded == set(tags) else None
+
+
+def wheel_name(name, version, tags, build=None, source=None):
     """<name>-<version>[-<build>]-<tags>.whl with PEP 427/491 escaping: runs of -_. in the name become _, a
-    lowercase name; - in the version (never in a normalized one) becomes _."""
+    lowercase name; - in the version (never in a normalized one) becomes _. The tags are spelled as in `source`,
+    the file the distribution was installed from, where it names the same tags; else in WHEEL's order."""
     escaped = re.sub(r"[-_.]+", "_", name).lower()
-    parts = [escaped, version.replace("-", "_")] + ([build] if build else []) + [compress_tags(tags)]
-    return "-".join(parts) + ".whl"
+    tagged = source_tags(source, tags) or compress_tags(tags)
+    return "-".join([escaped, version.replace("-", "_")] + ([build] if build else []) + [tagged]) + ".whl"
+
+
+def installed_from(site, info):
+    """The file name of the wheel the installer recorded in direct_url.json (None when it recorded none)."""
+    url = (read_json(os.path.join(site, info, "direct_url.json"), {}) or {}).get("url")
+    if not isinstance(url, str):
+        return None
+    return os.path.basename(urllib.parse.unquote(urllib.parse.urlsplit(url).path)) or None
 
 
 # ------------------------------------------------------------------ where each installed file goes
@@ -140,9 +163,10 @@ def unshebang(data, bindirs):
 
 # ------------------------------------------------------------------ one distribution
 
-def plan_dist(venv, site, name, version, info, drift, restored, py):
+def plan_dist(venv, site, name, version, info, drift, restored, py, source=None):
     """([(arcname, source path, bytes or None, (digest, size) or None, mode)], wheel file name) of one
-    distribution; missing files and paths outside the venv (named in the drift) are left out."""
+    distribution; missing files and paths outside the venv (named in the drift) are left out. `source`: the
+    file name of the wheel it was installed from (its lock's), for the order of the tags."""
     tags, build = wheel_meta(site, info)
     data_dir = info[:-len(".dist-info")] + ".data"
     scripts = entry_point_scripts(site, info)
@@ -169,7 +193,8 @@ def plan_dist(venv, site, name, version, info, drift, restored, py):
             known = (digest, size)      # checked against RECORD just now: its digest stands
         items.append((arc, full, data, known, mode))
     items.sort(key=lambda it: (it[0].startswith(info + "/"), it[0].startswith(data_dir + "/"), it[0]))
-    return items, wheel_name(name, version, tags, build)
+    spelled = [f for f in (source, installed_from(site, info)) if source_tags(f, tags)]
+    return items, wheel_name(name, version, tags, build, spelled[0] if spelled else None)
 
 
 class StoredZip:
@@ -418,9 +443,10 @@ def op_pack(a):
     results, errors = {}, []
 
     t1 = time.perf_counter()
+    wheel_files = {record.norm(n): f for n, f in (a.get("filenames") or {}).items() if isinstance(f, str)}
     # a file another distribution overwrote goes in as found, hashed afresh (its RECORD digest is the lost copy's)
     todo = [(venv, site, name, d["version"], d["info"], sorted(set(drift.get(name, [])) | set(d["overwritten"])),
-             restored, py) for name, d in dists
+             restored, py, wheel_files.get(name)) for name, d in dists
             if d["info"] + "/RECORD" not in d["missing"]]     # no RECORD: nothing says what the dist is (drift)
     with pool(workers, jobs) as ex:
         plans = dict(zip([t[2] for t in todo], ex.map(plan_one, todo)))
