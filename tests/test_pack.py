@@ -300,3 +300,30 @@ def test_pack_refuses_a_folder_that_is_not_empty(adopted, tmp_path, wheels):
     cli("pack", "--local", "--root", root, "--out", mine, "--with", gamma, check=0)
     assert {q["name"] for q in yaml.safe_load((mine / "lock.yaml").read_text())["packages"]} == \
         {"alpha", "beta", "gamma"}
+
+
+def test_hash_mismatches_name_both_hashes_whole(tmp_path):
+    """A wheel brought back by hash (pack's fetch, the host's cache) and a patched file that changed since apply:
+    each refusal names both sha256 in full (cut short, two different hashes can look the same)."""
+    from provision.agent.build import AgentError, store
+
+    data = b"packed wheel bytes"
+    got = hashlib.sha256(data).hexdigest()
+    want = got[:16] + "0" * 48                      # the same first 16 characters
+    with pytest.raises(AgentError) as e:
+        store(str(tmp_path / "x-1.0-py3-none-any.whl"), want, [data], "x")
+    assert f"file is {got}, the lock says {want};" in str(e.value)
+    assert not list(tmp_path.iterdir())
+
+    house = tmp_path / "src"
+    house.mkdir()
+    series(house)
+    lk = write_lock(house / "stack.yaml", "stack", [rich_wheel(house)], patches=["patches/tool-1.0"])
+    root = tmp_path / "root"
+    cli("apply", "--local", "--root", root, "--lock", lk, check=0)
+    patched = Path(record.site_packages(str(root / "current" / "venv"))) / "tool" / "target.py"
+    before = hashlib.sha256(patched.read_bytes()).hexdigest()
+    patched.write_text("SUPPORTED = ()\n")
+    p = cli("probe", "--local", "--root", root, "--only", "patches", "--json", check=1)
+    now = hashlib.sha256(b"SUPPORTED = ()\n").hexdigest()
+    assert f"sha256 {now} ≠ manifest {before}" in json.dumps(json.loads(p.stdout), ensure_ascii=False), p.stdout
