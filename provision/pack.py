@@ -46,9 +46,20 @@ def extra_wheels(paths: list[Path]) -> list[dict]:
     return out
 
 
-def out_dir(out: Path) -> Path:
-    """DIR, created if needed, refused (one line) when it cannot be written."""
+def out_dir(out: Path, force: bool = False, keep: list[Path] = ()) -> Path:
+    """DIR, created if needed, refused (one line) when it cannot be written, or holds anything but the `keep`
+    files (the `--with` wheels) and `force` is not given."""
     out = out.expanduser().resolve()
+    try:
+        there = sorted(p.name for p in out.iterdir() if p.resolve() not in {k.resolve() for k in keep})
+    except FileNotFoundError:
+        there = []
+    except OSError as e:
+        raise InputError(f"cannot read {out}: {e.strerror or e}", where="--out") from None
+    if there and not force:
+        more = f" and {len(there) - 3} more" if len(there) > 3 else ""
+        raise InputError(f"{out} is not empty ({', '.join(there[:3])}{more}): pack into an empty folder, or "
+                         f"`--force` to write over it", where="--out")
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".pack-probe-{os.getpid()}"
@@ -109,10 +120,11 @@ def copy_series(lock: lockmod.Lock, out: Path) -> list[str]:
 
 def pack(transport: Transport, out: Path, generation: str | None = None, *, allow_drift: bool = False,
          base: Path | None = None, extra: list[Path] = (), name: str | None = None, jobs: int | None = None,
-         progress=None) -> dict:
-    """Pack a generation of the host into the wheelhouse `out`; returns the report (what was packed, sizes,
-    seconds, drift, the lock written and its check). `progress(event)` sees the agent's events."""
-    out = out_dir(out)
+         force: bool = False, progress=None) -> dict:
+    """Pack a generation of the host into the wheelhouse `out` (an empty folder, unless `force`); returns the
+    report (what was packed, sizes, seconds, drift, the lock written and its check). `progress(event)` sees the
+    agent's events."""
+    out = out_dir(out, force, list(extra))
     base_lock = lockmod.load(base) if base else None
     extras = extra_wheels(list(extra))
     host = transport.target.name
@@ -133,6 +145,7 @@ def pack(transport: Transport, out: Path, generation: str | None = None, *, allo
     remote = str(out) if transport.target.local else lay.scratch(f"pack-{gen_id}-{os.getpid()}-{int(time.time())}")
     payload = {"op": "pack", "venv": venv, "out": remote, "root": lay.root, "allow_drift": allow_drift,
                "series": series_payload(source, base_lock, host), "jobs": jobs,
+               "filenames": {p.name: p.filename for p in source.packages if p.filename},
                "workers": os.environ.get("PROVISION_PACK_WORKERS", "processes")}
     if not manifest.get("adopted_from"):
         payload["gen_dir"] = lay.gen(gen_id).dir

@@ -19,7 +19,7 @@ from provision.agent.pack import compress_tags, unshebang, wheel_name
 from provision.loopback import LoopbackHost
 from provision.transport import trust_host
 from test_core import cli, host_args
-from wheelhouse import write_lock
+from wheelhouse import make_wheel, sha256, write_lock
 
 PY = "cp%d%d" % sys.version_info[:2]
 PLATFORM_TAGS = [f"{PY}-{PY}-manylinux_2_17_x86_64", f"{PY}-{PY}-manylinux2014_x86_64"]
@@ -81,10 +81,25 @@ def test_wheel_names_follow_pep_425_and_427():
         "cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64"
     assert wheel_name("Foo.Bar-baz", "2.9.1+cu130", ["py3-none-any"], "7") == \
         "foo_bar_baz-2.9.1+cu130-7-py3-none-any.whl"
-    assert unshebang(b"#!/opt/x/venv/bin/python\nprint(1)\n") == b"#!python\nprint(1)\n"
-    assert unshebang(b"#!/bin/sh\n'''exec' /very/long/bin/python \"$0\" \"$@\"\n' '''\nprint(1)\n") == \
-        b"#!python\nprint(1)\n"
-    assert unshebang(b"#!/bin/bash\necho hi\n") == b"#!/bin/bash\necho hi\n"
+    two = ["py3-none-any", "py2-none-any"]                            # WHEEL's order
+    assert wheel_name("x", "1", two) == "x-1-py3.py2-none-any.whl"
+    assert wheel_name("x", "1", two, source="X-1-py2.py3-none-any.whl") == "x-1-py2.py3-none-any.whl"
+    assert wheel_name("x", "1", two, source="x-1-py3-none-any.whl") == "x-1-py3.py2-none-any.whl"  # not these tags
+
+
+def test_only_the_installers_interpreter_line_goes_back_to_python():
+    venv = {"/opt/x/venv/bin"}
+    assert unshebang(b"#!/opt/x/venv/bin/python\nprint(1)\n", venv) == b"#!python\nprint(1)\n"
+    assert unshebang(b"#!/opt/x/venv/bin/python3.12\nprint(1)\n", venv) == b"#!python\nprint(1)\n"
+    long = {"/very/long/bin"}
+    assert unshebang(b"#!/bin/sh\n'''exec' /very/long/bin/python \"$0\" \"$@\"\n' '''\nprint(1)\n", long) == \
+        b"#!python\nprint(1)\n"                                   # pip's trampoline
+    assert unshebang(b"#!/bin/sh\n'''exec' '/very/long/bin/python' \"$0\" \"$@\"\n' '''\nprint(1)\n", long) == \
+        b"#!python\nprint(1)\n"                                   # uv's
+    for shipped in (b"#!/usr/bin/env python3\nprint(1)\n", b"#!/usr/bin/python3\nprint(1)\n",
+                    b"#!/opt/other/bin/python\nprint(1)\n", b"#!/opt/x/venv/bin/pip\n", b"#!/bin/bash\necho hi\n",
+                    b"#!/bin/sh\n'''exec' /elsewhere/bin/python \"$0\" \"$@\"\n' '''\nprint(1)\n", b"\x7fELF\x02"):
+        assert unshebang(shipped, venv | long) == shipped             # not the installer's: byte for byte
 
 
 @pytest.fixture
@@ -122,7 +137,7 @@ def test_pack_managed_generation_and_rebuild_offline(target, tmp_path, wheels, o
         assert z.read("tool/target.py") == shipped
     for cached in (src_root / "cache" / "wheels").glob(f"*/{tool.name}"):
         cached.unlink()                                             # gone: the series, reversed, brings it back
-    p = cli("pack", *host_args(target), "--out", out, "--base", lk, check=0)   # the lock it was applied from
+    p = cli("pack", *host_args(target), "--out", out, "--base", lk, "--force", check=0)   # the lock it was applied from
     assert "Packed" in p.stdout and "÷ read" in p.stdout, p.stdout
     packed = yaml.safe_load((out / "lock.yaml").read_text())
     assert packed["patches"] == ["patches/tool-1.0"] and (out / "patches" / "tool-1.0" / "series.yaml").is_file()
@@ -171,6 +186,7 @@ def adopted(tmp_path, wheels):
     venv = tmp_path / "env"
     subprocess.run(["uv", "venv", "-q", "--python", sys.executable, str(venv)], check=True)
     subprocess.run(["uv", "pip", "install", "-q", "--offline", "--no-index", "--python", str(venv / "bin" / "python"),
+                    "--link-mode", "copy", "--cache-dir", str(tmp_path / "uv-cache"),   # an edit reaches no other venv
                     str(wheels["alpha-1.0"]), str(wheels["beta-1.0"])], check=True)
     root = tmp_path / "root"
     cli("adopt", "--local", venv, "--root", root, check=0)
@@ -223,3 +239,91 @@ def test_adopted_drift_refused_then_recorded_with_base_and_extra(adopted, tmp_pa
     assert rep["distributions"] == 2 and rep["seconds"]["read"] > 0 and rep["ratio"] > 0
     beta = pk["beta"]["filename"]
     assert (tmp_path / "h2" / beta).read_bytes() == (out / beta).read_bytes()   # the same env packs to the same bytes
+
+
+def test_scripts_rebuild_as_shipped(tmp_path):
+    """A script the wheel ships with its own interpreter line is packed byte for byte; only the line the installer
+    wrote for `#!python` goes back to `#!python`: packed, rebuilt elsewhere, every file hashes the same."""
+    shipped = {"scripts-1.0.data/scripts/by-env": b"#!/usr/bin/env python3\nprint('by env')\n",
+               "scripts-1.0.data/scripts/by-installer": b"#!python\nprint('by installer')\n"}
+    whl = make_wheel(tmp_path / "src", "scripts", "1.0", extra=shipped)
+    lk = write_lock(tmp_path / "src" / "lock.yaml", "scripts", [whl])
+    roots = tmp_path / "a", tmp_path / "b"
+    cli("apply", "--local", "--root", roots[0], "--lock", lk, check=0)
+    out = tmp_path / "house"
+    cli("pack", "--local", "--root", roots[0], "--out", out, check=0)
+    with zipfile.ZipFile(out / whl.name) as z:
+        assert {arc: z.read(arc) for arc in shipped} == shipped
+    cli("apply", "--local", "--root", roots[1], "--lock", out / "lock.yaml", check=0)
+
+    venvs = [(r / "current" / "venv").resolve() for r in roots]
+    assert site_hashes(venvs[0]) == site_hashes(venvs[1])
+    for v in venvs:
+        assert (v / "bin" / "by-env").read_bytes() == shipped["scripts-1.0.data/scripts/by-env"]
+        assert (v / "bin" / "by-installer").read_bytes() == f"#!{v}/bin/python\nprint('by installer')\n".encode()
+    run = subprocess.run([str(venvs[1] / "bin" / "by-installer")], capture_output=True, text=True)
+    assert run.stdout == "by installer\n"
+
+
+def test_packed_wheel_names_spell_tags_as_the_source_wheel(tmp_path):
+    tags = ["cp311-none-any", "py2-none-any", "py3-none-any"]
+    whl = make_wheel(tmp_path / "src", "order", "1.0", tag="py3.py2.cp311-none-any", wheel_tags=tags)
+    lk = write_lock(tmp_path / "src" / "lock.yaml", "order", [whl])
+    root = tmp_path / "root"
+    cli("apply", "--local", "--root", root, "--lock", lk, check=0)
+    out = tmp_path / "house"
+    cli("pack", "--local", "--root", root, "--out", out, check=0)
+    packed = yaml.safe_load((out / "lock.yaml").read_text())["packages"]
+    assert [q["filename"] for q in packed] == [whl.name] and (out / whl.name).is_file()
+
+
+def test_pack_refuses_a_folder_that_is_not_empty(adopted, tmp_path, wheels):
+    venv, root = adopted
+    out = tmp_path / "house"
+    out.mkdir()
+    alpha = wheels["alpha-1.0"].name
+    (out / "lock.yaml").write_text("mine\n")
+    (out / alpha).write_bytes(b"another alpha")
+    p = cli("pack", "--local", "--root", root, "--out", out, check=2)
+    assert len(p.stderr.strip().splitlines()) == 1 and f"{out} is not empty (" in p.stderr and "--force" in p.stderr
+    assert (out / "lock.yaml").read_text() == "mine\n" and (out / alpha).read_bytes() == b"another alpha"
+    assert sorted(x.name for x in out.iterdir()) == sorted(["lock.yaml", alpha])     # nothing written
+
+    cli("pack", "--local", "--root", root, "--out", out, "--force", check=0)
+    packed = {q["name"]: q for q in yaml.safe_load((out / "lock.yaml").read_text())["packages"]}
+    assert packed["alpha"]["sha256"] == sha256(out / alpha)
+
+    mine = tmp_path / "with"             # the --with wheels already in DIR are what it was meant to hold
+    mine.mkdir()
+    gamma = mine / wheels["gamma-1.0"].name
+    gamma.write_bytes(wheels["gamma-1.0"].read_bytes())
+    cli("pack", "--local", "--root", root, "--out", mine, "--with", gamma, check=0)
+    assert {q["name"] for q in yaml.safe_load((mine / "lock.yaml").read_text())["packages"]} == \
+        {"alpha", "beta", "gamma"}
+
+
+def test_hash_mismatches_name_both_hashes_whole(tmp_path):
+    """A wheel brought back by hash (pack's fetch, the host's cache) and a patched file that changed since apply:
+    each refusal names both sha256 in full (cut short, two different hashes can look the same)."""
+    from provision.agent.build import AgentError, store
+
+    data = b"packed wheel bytes"
+    got = hashlib.sha256(data).hexdigest()
+    want = got[:16] + "0" * 48                      # the same first 16 characters
+    with pytest.raises(AgentError) as e:
+        store(str(tmp_path / "x-1.0-py3-none-any.whl"), want, [data], "x")
+    assert f"file is {got}, the lock says {want};" in str(e.value)
+    assert not list(tmp_path.iterdir())
+
+    house = tmp_path / "src"
+    house.mkdir()
+    series(house)
+    lk = write_lock(house / "stack.yaml", "stack", [rich_wheel(house)], patches=["patches/tool-1.0"])
+    root = tmp_path / "root"
+    cli("apply", "--local", "--root", root, "--lock", lk, check=0)
+    patched = Path(record.site_packages(str(root / "current" / "venv"))) / "tool" / "target.py"
+    before = hashlib.sha256(patched.read_bytes()).hexdigest()
+    patched.write_text("SUPPORTED = ()\n")
+    p = cli("probe", "--local", "--root", root, "--only", "patches", "--json", check=1)
+    now = hashlib.sha256(b"SUPPORTED = ()\n").hexdigest()
+    assert f"sha256 {now} ≠ manifest {before}" in json.dumps(json.loads(p.stdout), ensure_ascii=False), p.stdout

@@ -14,8 +14,10 @@ def _record_hash(data: bytes) -> str:
 
 
 def make_wheel(outdir: Path, name: str, version: str, requires: list[str] = (), body: str = "",
-               tag: str = "py3-none-any", extra: dict[str, bytes] | None = None) -> Path:
-    """A real wheel of `name`; `extra`: more files, by their path in the wheel."""
+               tag: str = "py3-none-any", extra: dict[str, bytes] | None = None,
+               wheel_tags: list[str] | None = None) -> Path:
+    """A real wheel of `name`, its file name tagged `tag`; `extra`: more files, by their path in the wheel;
+    `wheel_tags`: WHEEL's Tag lines, in this order (default: `tag`)."""
     mod = name.replace("-", "_")
     dist = f"{mod}-{version}.dist-info"
     files = {
@@ -23,7 +25,8 @@ def make_wheel(outdir: Path, name: str, version: str, requires: list[str] = (), 
         f"{mod}/__init__.py": (body or f"__version__ = {version!r}\n").encode(),
         f"{dist}/METADATA": ("Metadata-Version: 2.1\n" f"Name: {name}\nVersion: {version}\n"
                              + "".join(f"Requires-Dist: {r}\n" for r in requires)).encode(),
-        f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: provision-tests\nRoot-Is-Purelib: true\nTag: " + tag.encode() + b"\n",
+        f"{dist}/WHEEL": ("Wheel-Version: 1.0\nGenerator: provision-tests\nRoot-Is-Purelib: true\n"
+                          + "".join(f"Tag: {t}\n" for t in wheel_tags or [tag])).encode(),
     }
     record = "".join(f"{p},{_record_hash(d)},{len(d)}\n" for p, d in files.items()) + f"{dist}/RECORD,,\n"
     files[f"{dist}/RECORD"] = record.encode()

@@ -103,8 +103,8 @@ def store(path, sha256, chunks, label):
                 f.write(chunk)
                 n += len(chunk)
         if h.hexdigest() != sha256:
-            raise AgentError("%s: sha256 mismatch for %s: file is %s…, the lock says %s…; refusing"
-                             % (label, os.path.basename(path), h.hexdigest()[:16], sha256[:16]))
+            raise AgentError("%s: sha256 mismatch for %s: file is %s, the lock says %s; refusing"
+                             % (label, os.path.basename(path), h.hexdigest(), sha256))
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -530,9 +530,9 @@ class Download:
                 if self.size is not None and self.hashed != self.size:
                     raise AgentError("%s: %d of %d bytes arrived" % (self.label, self.hashed, self.size))
                 if self.hash.hexdigest() != self.sha256:
-                    raise AgentError("%s: sha256 mismatch for %s: file is %s…, the lock says %s…; refusing%s"
-                                     % (self.label, os.path.basename(self.path), self.hash.hexdigest()[:16],
-                                        self.sha256[:16], " (the first %d bytes came from an earlier run's "
+                    raise AgentError("%s: sha256 mismatch for %s: file is %s, the lock says %s; refusing%s"
+                                     % (self.label, os.path.basename(self.path), self.hash.hexdigest(),
+                                        self.sha256, " (the first %d bytes came from an earlier run's "
                                         "partial file, now removed)" % self.base if self.base else ""))
                 os.replace(self.tmp, self.path)
                 ok = True

@@ -1,17 +1,21 @@
 """Host agent (stdlib only): a generation back into stored wheels, each file first checked against its RECORD
 (`record.check`, as `verify` checks).
-Payload {op: pack, venv, out, root?, gen_dir?, allow_drift?, series?, jobs?, workers?} or {op: clean, root, dir};
+Payload {op: pack, venv, out, root?, gen_dir?, allow_drift?, series?, filenames?, jobs?, workers?} or
+{op: clean, root, dir};
 `arcname` says where each installed file goes; patched files go back as shipped (`shipped_from_cache`)."""
 import csv
 import hashlib
 import heapq
 import io
+import itertools
 import os
 import re
+import shlex
 import shutil
 import stat
 import struct
 import time
+import urllib.parse
 import zipfile
 import zlib
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
@@ -23,6 +27,8 @@ from .host import AgentError, emit, inside, read_json
 # what installers write into a dist-info (and the signature of the RECORD written anew)
 DROPPED = ("INSTALLER", "REQUESTED", "direct_url.json", "uv_cache.json", "RECORD", "RECORD.jws", "RECORD.p7s")
 SHEBANG_SH = b"'''exec' "          # the /bin/sh trampoline installers write for an over-long interpreter path
+SHEBANG_ARGS = b' "$0" "$@"'
+PYTHON_NAME = re.compile(r"python(\d+(\.\d+)?)?w?\Z")     # bin/python, python3, python3.12
 
 
 def skipped(rel):
@@ -61,12 +67,32 @@ def compress_tags(tags):
     return "-".join(".".join(p) for p in parts)
 
 
-def wheel_name(name, version, tags, build=None):
+def source_tags(filename, tags):
+    """The compressed tag set as `filename` (the wheel a distribution was installed from) spells it, when it
+    stands for exactly `tags`; else None."""
+    parts = filename[:-len(".whl")].split("-") if filename and filename.endswith(".whl") else []
+    if len(parts) not in (5, 6):
+        return None
+    spelled = parts[-3:]
+    expanded = {"-".join(t) for t in itertools.product(*(c.split(".") for c in spelled))}
+    return "-".join(spelled) if expanded == set(tags) else None
+
+
+def wheel_name(name, version, tags, build=None, source=None):
     """<name>-<version>[-<build>]-<tags>.whl with PEP 427/491 escaping: runs of -_. in the name become _, a
-    lowercase name; - in the version (never in a normalized one) becomes _."""
+    lowercase name; - in the version (never in a normalized one) becomes _. The tags are spelled as in `source`,
+    the file the distribution was installed from, where it names the same tags; else in WHEEL's order."""
     escaped = re.sub(r"[-_.]+", "_", name).lower()
-    parts = [escaped, version.replace("-", "_")] + ([build] if build else []) + [compress_tags(tags)]
-    return "-".join(parts) + ".whl"
+    tagged = source_tags(source, tags) or compress_tags(tags)
+    return "-".join([escaped, version.replace("-", "_")] + ([build] if build else []) + [tagged]) + ".whl"
+
+
+def installed_from(site, info):
+    """The file name of the wheel the installer recorded in direct_url.json (None when it recorded none)."""
+    url = (read_json(os.path.join(site, info, "direct_url.json"), {}) or {}).get("url")
+    if not isinstance(url, str):
+        return None
+    return os.path.basename(urllib.parse.unquote(urllib.parse.urlsplit(url).path)) or None
 
 
 # ------------------------------------------------------------------ where each installed file goes
@@ -103,26 +129,48 @@ def arcname(venv, site, full, rel, data_dir, scripts, py):
     return "%s/data/%s" % (data_dir, under)
 
 
-def unshebang(data):
-    """A script as a wheel ships it: the installer's interpreter line back to `#!python`."""
-    lines = data.split(b"\n", 3)          # #!/bin/sh, '''exec' PY "$0" "$@", ' ''', the script
-    if lines[0] == b"#!/bin/sh" and len(lines) == 4 and lines[1].startswith(SHEBANG_SH):
-        return b"#!python\n" + lines[3]
-    if data.startswith(b"#!"):
-        first, nl, body = data.partition(b"\n")
-        if b"python" in first:
-            return b"#!python" + (b"w" if first.rstrip().endswith(b"pythonw") else b"") + nl + body
+def installer_interpreter(path, bindirs):
+    """Whether `path` (bytes, from a script's first line) names a Python of the venv whose bin/ is in `bindirs`:
+    what an installer writes in place of `#!python`."""
+    path = os.fsdecode(path)
+    if not PYTHON_NAME.match(os.path.basename(path)):
+        return False
+    d = os.path.dirname(path)
+    return os.path.normpath(d) in bindirs or os.path.realpath(d) in bindirs
+
+
+def unshebang(data, bindirs):
+    """A script as a wheel ships it: an interpreter line the installer wrote (a Python of the venv whose bin/ is
+    in `bindirs`, directly or through the /bin/sh trampoline for an over-long path) back to `#!python`; any
+    other script byte for byte."""
+    first, nl, rest = data.partition(b"\n")
+    if first == b"#!/bin/sh":             # #!/bin/sh, '''exec' PY "$0" "$@", ' ''', the script
+        second, _, rest = rest.partition(b"\n")
+        third, nl, body = rest.partition(b"\n")
+        if third != b"' '''" or not second.startswith(SHEBANG_SH) or not second.endswith(SHEBANG_ARGS):
+            return data
+        try:
+            words = shlex.split(second[len(SHEBANG_SH):-len(SHEBANG_ARGS)].decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            return data
+        if len(words) == 1 and installer_interpreter(os.fsencode(words[0]), bindirs):
+            return b"#!python" + nl + body
+        return data
+    if first.startswith(b"#!") and installer_interpreter(first[2:], bindirs):
+        return b"#!python" + (b"w" if first.endswith(b"pythonw") else b"") + nl + rest
     return data
 
 
 # ------------------------------------------------------------------ one distribution
 
-def plan_dist(venv, site, name, version, info, drift, restored, py):
+def plan_dist(venv, site, name, version, info, drift, restored, py, source=None):
     """([(arcname, source path, bytes or None, (digest, size) or None, mode)], wheel file name) of one
-    distribution; missing files and paths outside the venv (named in the drift) are left out."""
+    distribution; missing files and paths outside the venv (named in the drift) are left out. `source`: the
+    file name of the wheel it was installed from (its lock's), for the order of the tags."""
     tags, build = wheel_meta(site, info)
     data_dir = info[:-len(".dist-info")] + ".data"
     scripts = entry_point_scripts(site, info)
+    bindirs = {os.path.normpath(os.path.join(venv, "bin")), os.path.realpath(os.path.join(venv, "bin"))}
     items, seen = [], set()
     for rel, full, algo, digest, size in record.entries(site, info, venv):
         if full is None or skipped(rel):
@@ -139,13 +187,14 @@ def plan_dist(venv, site, name, version, info, drift, restored, py):
         data = restored.get(full)
         if arc.startswith(data_dir + "/scripts/"):
             with open(full, "rb") as f:
-                data = unshebang(f.read())
+                data = unshebang(f.read(), bindirs)
         known = None
         if data is None and algo == "sha256" and digest and rel not in drift and size is not None:
             known = (digest, size)      # checked against RECORD just now: its digest stands
         items.append((arc, full, data, known, mode))
     items.sort(key=lambda it: (it[0].startswith(info + "/"), it[0].startswith(data_dir + "/"), it[0]))
-    return items, wheel_name(name, version, tags, build)
+    spelled = [f for f in (source, installed_from(site, info)) if source_tags(f, tags)]
+    return items, wheel_name(name, version, tags, build, spelled[0] if spelled else None)
 
 
 class StoredZip:
@@ -394,9 +443,10 @@ def op_pack(a):
     results, errors = {}, []
 
     t1 = time.perf_counter()
+    wheel_files = {record.norm(n): f for n, f in (a.get("filenames") or {}).items() if isinstance(f, str)}
     # a file another distribution overwrote goes in as found, hashed afresh (its RECORD digest is the lost copy's)
     todo = [(venv, site, name, d["version"], d["info"], sorted(set(drift.get(name, [])) | set(d["overwritten"])),
-             restored, py) for name, d in dists
+             restored, py, wheel_files.get(name)) for name, d in dists
             if d["info"] + "/RECORD" not in d["missing"]]     # no RECORD: nothing says what the dist is (drift)
     with pool(workers, jobs) as ex:
         plans = dict(zip([t[2] for t in todo], ex.map(plan_one, todo)))

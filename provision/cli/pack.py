@@ -26,6 +26,8 @@ def pack(hosts: Hosts,
          jobs: Optional[int] = typer.Option(None, "--jobs", min=1, max=256,
                                             help="workers on the host: the check's threads, the wheels' "
                                                  "processes (default: two threads, one process per core)"),
+         force: bool = typer.Option(False, "--force", help="pack into DIR even when it is not empty (its "
+                                                          "lock.yaml and wheels of the same names are replaced)"),
          json_out: bool = JsonOpt):
     """Pack a generation (managed or adopted) into DIR: one stored wheel per distribution, rebuilt from its
     installed files after each was checked against its RECORD, and DIR/lock.yaml naming each by sha256."""
@@ -43,7 +45,7 @@ def pack(hosts: Hosts,
         if status is not None:
             status.start()
         rep = packmod.pack(tr, out, generation, allow_drift=allow_drift, base=base, extra=with_, name=name,
-                           jobs=jobs, progress=progress)
+                           jobs=jobs, force=force, progress=progress)
     finally:
         if status is not None:
             status.stop()

@@ -148,7 +148,7 @@ def _probe_patches(transport: Transport, lock: Lock, manifest: dict, python: str
     figs = {"files": len(files), "mismatches": bad}
     if bad:
         b = bad[0]
-        what = "missing" if b["actual"] is None else f"sha256 {b['actual'][:12]}… ≠ manifest {b['expected'][:12]}…"
+        what = "missing" if b["actual"] is None else f"sha256 {b['actual']} ≠ manifest {b['expected']}"
         return _res("patches", "fail", f"{len(bad)} patched file(s) changed since apply: {b['path']} {what}", **figs)
     return _res("patches", "pass", f"{len(files)} patched file(s) match the manifest's sha256", **figs)
 
