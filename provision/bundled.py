@@ -1,4 +1,5 @@
-"""Files that ship inside the package: the build playbooks, the patch series and the demo locks.
+"""Files that ship inside the package: the playbooks (with their modules and module_utils), the patch series and the
+demo locks.
 
 A lock names a series as `patches/<name>`; a path not found beside the lock is looked up here.
 """
@@ -18,3 +19,12 @@ def find(rel: str) -> Path | None:
     if p != PKG and PKG in p.parents and p.exists():
         return p
     return None
+
+
+def playbooks() -> list[tuple[str, str]]:
+    """(file name, its first comment line) of each playbook operators can run themselves."""
+    out = []
+    for f in sorted(PLAYBOOKS.glob("*.yml")):
+        first = next((ln[1:].strip() for ln in f.read_text().splitlines() if ln.startswith("#")), "")
+        out.append((f.name, first))
+    return out

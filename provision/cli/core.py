@@ -523,8 +523,17 @@ def demo(keep: bool = typer.Option(False, "--keep", help="leave the sandbox for 
              show_probes=_print_probes, keep=keep, torch_wheel=torch_wheel)
 
 
+def playbooks(path: bool = typer.Option(False, "--path", help="print only the directory")) -> None:
+    """The playbooks operators run with their own ansible-playbook, inventory, become and bastion: the same host
+    steps as the CLI's verbs (`ansible-playbook -i INV DIR/rollback.yml`); their modules and module_utils beside."""
+    from .. import bundled
+
+    typer.echo(str(bundled.PLAYBOOKS) if path else "\n".join(
+        [f"{bundled.PLAYBOOKS}:", *(f"  {name:<14} {what}" for name, what in bundled.playbooks())]))
+
+
 def register(app: typer.Typer) -> None:
-    for verb in (plan, apply, adopt, rollback, history, status, diff, gc, logs, demo):
+    for verb in (plan, apply, adopt, rollback, history, status, diff, gc, logs, demo, playbooks):
         app.command()(verb)
 
 

@@ -1,0 +1,38 @@
+#!/usr/bin/python
+"""Ansible module: a host's generations and history events (read-only), as `provision history` shows them."""
+
+DOCUMENTATION = r"""
+module: provision_history
+short_description: The generations of a provision host root and its latest history events
+description: Reads the host root only; never changes it.
+options:
+  root:
+    description: The host root (the inventory's provision_root).
+    type: path
+    default: /opt/provision
+  limit:
+    description: How many of the latest history events to return.
+    type: int
+    default: 200
+"""
+
+RETURN = r"""
+current: {description: the generation `current` names, or null, type: str}
+generations: {description: each generation's manifest with its id and number, oldest first, type: list}
+events: {description: the latest history events, oldest first, type: list}
+"""
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.provision import step
+
+
+def main():
+    module = AnsibleModule(argument_spec={"root": {"type": "path", "default": "/opt/provision"},
+                                          "limit": {"type": "int", "default": 200}},
+                           supports_check_mode=True)
+    step.finish(module, step.run("state", "history", {"root": module.params["root"],
+                                                      "limit": module.params["limit"]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+#!/usr/bin/python
+"""Ansible module: switch a host's `current` back, as `provision rollback` does (the same agent, the same checks)."""
+
+DOCUMENTATION = r"""
+module: provision_rollback
+short_description: Switch `current` back to the generation current before the last switch, or to a given one
+description:
+  - Under the host lock, settles what an interrupted run left, checks the target generation against its build's
+    stamp and refuses one that drifted (unless force), then renames `current` (the commit point) and records it.
+  - Check mode names the target without switching.
+options:
+  root:
+    description: The host root (the inventory's provision_root).
+    type: path
+    default: /opt/provision
+  to:
+    description: The generation to switch to (its number or id); default the one current before the last switch.
+    type: str
+  force:
+    description: Switch to a generation that fails its check.
+    type: bool
+    default: false
+"""
+
+RETURN = r"""
+from: {description: the generation current before, type: str}
+to: {description: the generation current now (check mode - the one it would be), type: str}
+forward: {description: whether `to` is newer than `from`, type: bool}
+check: {description: the target's check against its stamp (verdict, files, figures), type: dict}
+skipped: {description: newer-to-older generations passed over, with why, type: list}
+"""
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.provision import step
+
+
+def main():
+    module = AnsibleModule(argument_spec={"root": {"type": "path", "default": "/opt/provision"},
+                                          "to": {"type": "str"},
+                                          "force": {"type": "bool", "default": False}},
+                           supports_check_mode=True)
+    p = module.params
+    reply = step.run("state", "rollback", {"root": p["root"], "to": p["to"], "force": p["force"],
+                                           "dry_run": module.check_mode, "take_lock": not module.check_mode})
+    step.finish(module, reply, changed=not module.check_mode and reply.get("from") != reply.get("to"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""The playbooks operators run themselves: `ansible-playbook -i INV <provision playbooks --path>/rollback.yml` on a
+loopback fleet rolls each host back through the same agent as `provision rollback`, and `provision status` then
+shows that state; status and history read it back; check mode switches nothing. Ansible reaches the hosts over
+its own ssh connection, host keys checked against the known_hosts the tool manages."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from provision import apply as applymod, lock as lockmod
+from provision.inventory import load_inventory
+from test_core import cli
+from wheelhouse import write_lock
+
+HOSTS = ["p1", "p2", "p3"]
+
+
+def playbook_dir() -> Path:
+    return Path(cli("playbooks", "--path", check=0).stdout.strip())
+
+
+def ansible_playbook(inv: Path, name: str, *args: str) -> subprocess.CompletedProcess:
+    """ansible-playbook as an operator runs it (from the tool's environment); each result one JSON line (-v)."""
+    bindir = os.path.dirname(sys.executable)
+    env = {**os.environ, "ANSIBLE_CALLBACK_RESULT_FORMAT": "json", "ANSIBLE_CALLBACK_FORMAT_PRETTY": "false",
+           "ANSIBLE_NOCOLOR": "1", "ANSIBLE_HOME": str(inv.parent / "ansible-home"),
+           "ANSIBLE_LOCAL_TEMP": str(inv.parent / "ansible-tmp"), "PATH": bindir + os.pathsep + os.environ["PATH"]}
+    return subprocess.run([os.path.join(bindir, "ansible-playbook"), "-i", str(inv),
+                           str(playbook_dir() / name), "-v", *args], env=env, capture_output=True, text=True, timeout=300)
+
+
+def results(p: subprocess.CompletedProcess, task: str) -> dict:
+    """Each host's result of `task`, as the default callback printed it (`ok: [HOST] => {json}`)."""
+    out, in_task = {}, False
+    for line in p.stdout.splitlines():
+        if line.startswith("TASK ["):
+            in_task = line.startswith(f"TASK [{task}]")
+        m = re.match(r"^(ok|changed|fatal|failed): \[([^\]]+)\](?: => | \(.*?\) => |: [A-Z]+! => )(\{.*\})$", line)
+        if in_task and m:
+            out[m.group(2)] = dict(json.loads(m.group(3)), _said=m.group(1))
+    assert out, f"no result of task {task!r}: {p.stdout[-2000:]} {p.stderr[-2000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def fleet(sshd, wheels, tmp_path_factory):
+    """Three hosts on stack-b (0002), stack-a before it; the inventory as an operator writes it for ansible."""
+    d = tmp_path_factory.mktemp("playbooks")
+    t = sshd.target
+    roots = {h: d / f"root-{h}" for h in HOSTS}
+    inv = d / "inv.yml"
+    inv.write_text(
+        f"all:\n  vars:\n    ansible_host: {t.host}\n    ansible_port: {t.port}\n    ansible_user: {t.user}\n"
+        f"    ansible_ssh_private_key_file: {t.key_file}\n    ansible_python_interpreter: /usr/bin/python3\n"
+        f"    ansible_ssh_common_args: -o UserKnownHostsFile={t.known_hosts} -o StrictHostKeyChecking=yes\n"
+        "  hosts:\n" + "".join(f"    {h}: {{provision_root: {roots[h]}}}\n" for h in HOSTS))
+    a = write_lock(d / "a.yaml", "stack-a", [wheels["alpha-1.0"]])
+    b = write_lock(d / "b.yaml", "stack-b", [wheels["alpha-2.0"]])
+    for lk in (a, b):
+        run = applymod.apply_fleet(load_inventory(inv, t.known_hosts), lockmod.load(lk))
+        assert {r.status for r in run.reports} == {"applied"}, [r.error for r in run.reports]
+    return inv, roots, ["-i", str(inv), "--known-hosts", str(t.known_hosts)]
+
+
+def current(roots, h) -> str:
+    return os.readlink(roots[h] / "current").removeprefix("generations/")
+
+
+def test_playbooks_ship_with_their_modules():
+    d = playbook_dir()
+    for name in ("status", "history", "rollback"):
+        assert (d / f"{name}.yml").is_file() and (d / "library" / f"provision_{name}.py").is_file()
+    assert (d / "module_utils" / "provision" / "agent" / "state.py").read_text() == \
+        (d.parent / "agent" / "state.py").read_text()         # the very host code the CLI's agents run
+    listing = cli("playbooks", check=0).stdout
+    assert "rollback.yml" in listing and "status.yml" in listing
+
+
+def test_ansible_playbook_rollback_then_provision_status_agrees(fleet):
+    inv, roots, common = fleet
+    p = ansible_playbook(inv, "status.yml")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    st = results(p, "status")
+    assert {h: (st[h]["current"], st[h]["lock"]) for h in HOSTS} == {h: ("0002-stack-b", "stack-b") for h in HOSTS}
+    assert all(st[h]["changed"] is False and st[h]["probe"]["status"] == "pass" for h in HOSTS)
+
+    p = ansible_playbook(inv, "rollback.yml", "--check")                 # check mode: the target, nothing switched
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    dry = results(p, "rollback")
+    assert {h: (dry[h]["from"], dry[h]["to"], dry[h]["changed"]) for h in HOSTS} == \
+        {h: ("0002-stack-b", "0001-stack-a", False) for h in HOSTS}
+    assert [current(roots, h) for h in HOSTS] == ["0002-stack-b"] * 3
+
+    p = ansible_playbook(inv, "rollback.yml", "--limit", "p1:p2")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    done = results(p, "rollback")
+    assert {h: (done[h]["to"], done[h]["changed"]) for h in done} == {"p1": ("0001-stack-a", True),
+                                                                      "p2": ("0001-stack-a", True)}
+    assert [current(roots, h) for h in HOSTS] == ["0001-stack-a", "0001-stack-a", "0002-stack-b"]
+
+    rows = {r["host"]: r["result"] for r in json.loads(cli("status", *common, "--json", check=0).stdout)}
+    assert {h: rows[h]["current"] for h in HOSTS} == {"p1": "0001-stack-a", "p2": "0001-stack-a",
+                                                      "p3": "0002-stack-b"}
+    hist = json.loads(cli("history", "p1", *common, "--json", check=0).stdout)
+    events = hist[0]["result"]["events"] if isinstance(hist, list) else hist["events"]
+    assert events[-1]["event"] == "rollback" and events[-1]["to"] == "0001-stack-a", events[-1]
+
+    p = ansible_playbook(inv, "history.yml", "--limit", "p1")
+    assert p.returncode == 0 and results(p, "history")["p1"]["current"] == "0001-stack-a"
+
+    p = ansible_playbook(inv, "rollback.yml", "-e", "to=2", "--limit", "p1")   # and forward again, by number
+    assert p.returncode == 0 and results(p, "rollback")["p1"]["to"] == "0002-stack-b"
+    assert current(roots, "p1") == "0002-stack-b"
+
+
+def test_a_refused_rollback_is_a_failed_task_with_the_agents_line(fleet):
+    inv, roots, _ = fleet
+    p = ansible_playbook(inv, "rollback.yml", "-e", "to=99", "--limit", "p3")
+    assert p.returncode == 2, p.stdout[-2000:]
+    r = results(p, "rollback")["p3"]
+    assert r["_said"] == "fatal" and "99" in r["msg"], r
+    assert current(roots, "p3") == "0002-stack-b"
