@@ -3,6 +3,7 @@ files against the hashes their series produced) and the installed distributions 
 judged here, by distribution. The build's seal and `provision verify` both end in `judge`."""
 from __future__ import annotations
 
+import re
 import time
 
 from packaging.utils import canonicalize_name
@@ -30,11 +31,17 @@ def named(files: list[str], few: int = FEW) -> str:
     return shown + (f" and {len(files) - few} more" if len(files) > few else "")
 
 
+def _short(path: str) -> str:
+    """A path under a venv as its site-packages-relative tail (lib/pythonX.Y/site-packages/ dropped)."""
+    return re.sub(r"^lib/python[0-9.]+/site-packages/", "", path)
+
+
 def judge(found: dict, lock: Lock, installer: str | None = None) -> dict:
-    """The verdict on an agent's check (`agent/verify.full`): {verdict: clean|drift, rows: [{dist, version, what,
-    files}], counts}. One row per distribution that drifted: changed, missing and outside files; missing,
-    extra and other-version distributions against the lock; then files no RECORD lists, and patched files no
-    RECORD lists."""
+    """The verdict on an agent's check (`agent/verify.full`, and `drift` against the seal under `sealed`):
+    {verdict: clean|drift, rows: [{dist, version, what, files}], counts}. One row per distribution that drifted:
+    changed, missing and outside files; missing, extra and other-version distributions against the lock; then
+    files no RECORD lists, patched files no RECORD lists, what else differs from the seal (bin/, pyvenv.cfg,
+    files RECORD lists without a hash) and bytecode that is not its source's compile."""
     want = {canonicalize_name(p.name): p.version for p in lock.packages}
     have = {name: d for name, d in found["dists"].items()}
     tolerated = INSTALLER_OWN.get(installer or "", set())
@@ -73,6 +80,21 @@ def judge(found: dict, lock: Lock, installer: str | None = None) -> dict:
         rows.append({"dist": "(patches)", "version": None, "files": un,
                      "what": f"{len(un)} patched files no RECORD lists ({named(un)})"})
         counts["missing"] += len(un)
+    sealed = found.get("sealed") or {}
+    for key, label in (("changed", "changed since the build sealed it"), ("missing", "gone since the build sealed it"),
+                       ("extra", "not installed by the build")):
+        files = [_short(f) for f in sealed.get(key) or []]
+        if files:
+            rows.append({"dist": "(venv)", "version": None, "files": files,
+                         "what": f"{len(files)} {label} ({named(files)})"})
+            counts["changed" if key == "changed" else key] += len(files)
+    bytecode = sealed.get("bytecode") or {}
+    if bytecode:
+        files = [_short(f) for f in bytecode]
+        rows.append({"dist": "(bytecode)", "version": None, "files": files,
+                     "what": f"{len(files)} not the interpreter's compile of their source "
+                             f"({named([f'{_short(f)}: {why}' for f, why in bytecode.items()])})"})
+        counts["changed"] += len(files)
     return {"verdict": "drift" if rows else "clean", "rows": rows, "counts": counts}
 
 
