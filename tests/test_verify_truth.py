@@ -162,3 +162,22 @@ def test_what_rollback_refuses_verify_calls_drift(host, case):
             else:
                 writable(path).write_bytes(old)
     assert cli(root, "verify", gen).returncode == 0
+
+
+@pytest.mark.parametrize("arg", ["99", "abc", "../x"])
+def test_a_bad_generation_argument_is_exit_2_naming_it(host, arg):
+    _, root, _ = host
+    p = cli(root, "verify", arg)
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and arg in lines[0], p.stderr
+    assert "no generation 99 (have: " in lines[0] if arg == "99" else "not a generation number or id" in lines[0]
+
+
+def test_timing_line_says_what_it_measured(host):
+    _, root, gen = host
+    p = cli(root, "verify", gen)
+    assert p.returncode == 0 and "read and hashed in" in p.stdout, p.stdout          # without --baseline: no read
+    assert "--baseline times a plain read of the same bytes" in p.stdout                # time of its own to compare
+    p = cli(root, "verify", gen, "--baseline")
+    assert p.returncode == 0 and "reading the same bytes without hashing" in p.stdout, p.stdout
