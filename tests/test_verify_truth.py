@@ -27,7 +27,8 @@ def unhashed_wheel(outdir: Path) -> Path:
     """A real wheel whose RECORD lists `plain/data.py` without a hash (as some build backends write it)."""
     files = {"plain/__init__.py": b"from .data import VALUE\n", "plain/data.py": b"VALUE = 1\n",
              "plain-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: plain\nVersion: 1.0\n",
-             "plain-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: t\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+             "plain-1.0.dist-info/WHEEL":
+                 b"Wheel-Version: 1.0\nGenerator: t\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
     rows = "".join(f"{p},{'' if p == 'plain/data.py' else _record_hash(d)},{len(d)}\n" for p, d in files.items())
     files["plain-1.0.dist-info/RECORD"] = (rows + "plain-1.0.dist-info/RECORD,,\n").encode()
     outdir.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Host agent (stdlib only): a generation against what it was built from. `seal` (the build's last step: files
-read-only, a stamp of every file, a full check), `verify` (every file against its RECORD hash, patched files
-against the hashes their series produced) and `quick` (rollback's check: every file's stat against the stamp).
+read-only, a stamp of every file, a full check), `verify` (RECORD hashes, patched files' hashes, every file against
+the stamp) and `quick` (rollback's check: stats against the stamp); `drift` is the one judgement both share.
 """
 import json
 import os
@@ -231,15 +231,20 @@ def drift(gen, jobs=None, every=False, known=None):
     __pycache__ among them, where the interpreter never writes one); and `bytecode` {rel: why}: __pycache__
     files, unsealed or since rewritten, that are not the interpreter's compile of their source. `every`: hash
     every file (verify), not only those whose stat differs (rollback); `known`: {absolute path: digest} hashed
-    already. Without a stamp (adopted, or built before stamps; how=record) only bytecode is judged here and the
-    caller checks RECORD. Returns {how, changed, missing, extra, bytecode, files, hashed, bytes, seconds}."""
+    already. Without a stamp (adopted, or built before stamps; how=record) only site-packages' bytecode is judged
+    here and the caller checks RECORD. Returns {how, changed, missing, extra, bytecode, files, hashed, bytes,
+    hash_seconds, bytecode_checked, seconds}."""
     t0 = time.monotonic()
     venv = gen.venv
     stamp = read_json(gen.stamp, None)
     sealed = isinstance(stamp, dict) and stamp.get("venv") == venv and isinstance(stamp.get("files"), dict)
     want = stamp["files"] if sealed else {}
+    # unsealed: the bytecode under site-packages (an adopted prefix's own stdlib is not what RECORD checks)
+    top = venv if sealed else record.site_packages(venv)
+    under = "" if sealed or top is None else os.path.relpath(top, venv) + "/"
     changed, extra, suspects, cached, seen = [], [], [], {}, set()
-    for rel, st in walk(venv):
+    for rel, st in walk(top) if top else ():
+        rel = under + rel
         seen.add(rel)
         w = want.get(rel)
         if w is None and cache_file(rel):
