@@ -3,17 +3,19 @@ files against the hashes their series produced) and the installed distributions 
 judged here, by distribution. The build's seal and `provision verify` both end in `judge`."""
 from __future__ import annotations
 
+import re
 import time
 
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 from . import generations
-from .errors import HostError
+from .errors import HostError, InputError, ProvisionError
 from .layout import root_of
 from .lock import Lock, loads
 from .transport import Transport
 
+GENERATION_RE = re.compile(r"[0-9]{1,9}(-[A-Za-z0-9][A-Za-z0-9._+-]{0,99})?")   # a number, or NNNN-<lock name>
 FEW = 3          # files named per distribution before "and N more"
 INSTALLER_OWN = {"pip": {"pip", "setuptools", "wheel"}}    # what `python -m venv` seeds before the lock
 
@@ -30,11 +32,17 @@ def named(files: list[str], few: int = FEW) -> str:
     return shown + (f" and {len(files) - few} more" if len(files) > few else "")
 
 
+def _short(path: str) -> str:
+    """A path under a venv as its site-packages-relative tail (lib/pythonX.Y/site-packages/ dropped)."""
+    return re.sub(r"^lib/python[0-9.]+/site-packages/", "", path)
+
+
 def judge(found: dict, lock: Lock, installer: str | None = None) -> dict:
-    """The verdict on an agent's check (`agent/verify.full`): {verdict: clean|drift, rows: [{dist, version, what,
-    files}], counts}. One row per distribution that drifted: changed, missing and outside files; missing,
-    extra and other-version distributions against the lock; then files no RECORD lists, and patched files no
-    RECORD lists."""
+    """The verdict on an agent's check (`agent/verify.full`, and `drift` against the seal under `sealed`):
+    {verdict: clean|drift, rows: [{dist, version, what, files}], counts}. One row per distribution that drifted:
+    changed, missing and outside files; missing, extra and other-version distributions against the lock; then
+    files no RECORD lists, patched files no RECORD lists, what else differs from the seal (bin/, pyvenv.cfg,
+    files RECORD lists without a hash) and bytecode that is not its source's compile."""
     want = {canonicalize_name(p.name): p.version for p in lock.packages}
     have = {name: d for name, d in found["dists"].items()}
     tolerated = INSTALLER_OWN.get(installer or "", set())
@@ -73,6 +81,21 @@ def judge(found: dict, lock: Lock, installer: str | None = None) -> dict:
         rows.append({"dist": "(patches)", "version": None, "files": un,
                      "what": f"{len(un)} patched files no RECORD lists ({named(un)})"})
         counts["missing"] += len(un)
+    sealed = found.get("sealed") or {}
+    for key, label in (("changed", "changed since the build sealed it"), ("missing", "gone since the build sealed it"),
+                       ("extra", "not installed by the build")):
+        files = [_short(f) for f in sealed.get(key) or []]
+        if files:
+            rows.append({"dist": "(venv)", "version": None, "files": files,
+                         "what": f"{len(files)} {label} ({named(files)})"})
+            counts["changed" if key == "changed" else key] += len(files)
+    bytecode = sealed.get("bytecode") or {}
+    if bytecode:
+        files = [_short(f) for f in bytecode]
+        rows.append({"dist": "(bytecode)", "version": None, "files": files,
+                     "what": f"{len(files)} not the interpreter's compile of their source "
+                             f"({named([f'{_short(f)}: {why}' for f, why in bytecode.items()])})"})
+        counts["changed"] += len(files)
     return {"verdict": "drift" if rows else "clean", "rows": rows, "counts": counts}
 
 
@@ -97,12 +120,26 @@ def _lock_of(t: Transport, gen_id: str) -> tuple[Lock, dict]:
     return loads(info["lock_text"], f"{t.target.name}:{gen_id}/lock.yaml"), info.get("manifest") or {}
 
 
+def generation_arg(generation: str | None) -> None:
+    """A GENERATION argument that cannot name one (not a number, nor NNNN-<lock name>): InputError naming it."""
+    if generation is not None and not GENERATION_RE.fullmatch(str(generation)):
+        raise InputError(f"{generation!r} is not a generation number or id (NNNN-<lock name>)", where="GENERATION")
+
+
 def verify(t: Transport, generation: str | None = None, baseline: bool = False, jobs: int | None = None) -> dict:
     """`provision verify HOST [GEN]`: the generation (default current) checked on the host, judged against its
     lock, the verdict recorded (manifest `verify`, history event `verify`). Returns the verdict with the
     figures: bytes hashed, seconds, and (baseline) the seconds to merely read the same bytes, before hashing
     and after it (the ratio is of hashing to the read after it: both from the page cache when they fit)."""
-    gen_id = generations.resolve(t, generation)
+    generation_arg(generation)
+    try:
+        gen_id = generations.resolve(t, generation)
+    except HostError:
+        raise
+    except ProvisionError as e:       # the generation named is not on the host: the argument is wrong
+        if generation is None:
+            raise
+        raise InputError(e.message, where=e.where) from None
     lock, manifest = _lock_of(t, gen_id)
     found = t.run_agent("verify", {"op": "verify", "root": root_of(t.target), "id": gen_id, "baseline": baseline,
                                    "jobs": jobs})
@@ -112,7 +149,8 @@ def verify(t: Transport, generation: str | None = None, baseline: bool = False, 
                                                        "missing", "extra")}}
     generations.mark(t, gen_id, event=event, verify=rec)
     out = dict(verdict, host=t.target.name, generation=gen_id, files=found["files"], bytes=found["bytes"],
-               seconds=found["seconds"], jobs=found.get("jobs"), lines=[line(r) for r in verdict["rows"]])
+               seconds=found["seconds"], jobs=found.get("jobs"), bytecode_checked=found.get("bytecode_checked", 0),
+               lines=[line(r) for r in verdict["rows"]])
     out["rate_gbs"] = found["bytes"] / found["seconds"] / 1e9 if found["seconds"] > 0 else None
     if "read_seconds" in found:
         rs = found["read_seconds"]

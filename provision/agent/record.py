@@ -17,7 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 from .host import norm
 
 CHUNK = 1 << 20
-SKIP_SUFFIXES = (".pyc",)       # written at run time by the interpreter, never installed content
 # What `uv venv` itself writes into site-packages (no distribution's RECORD lists them): not extra.
 UV_WRITES = ("_virtualenv.py", "_virtualenv.pth")
 
@@ -198,11 +197,10 @@ def check(venv, jobs=None, only=None, expect=None, baseline=False, digests=False
     extra = []
     if only is None:
         for dirpath, dirnames, filenames in os.walk(site):
-            dirnames[:] = [x for x in dirnames if x != "__pycache__"]
+            dirnames[:] = [x for x in dirnames if x != "__pycache__"]   # the interpreter's: judged by verify
             for fn in filenames:
                 full = os.path.join(dirpath, fn)
-                if full not in listed and not fn.endswith(SKIP_SUFFIXES) and \
-                        not (dirpath == site and fn in UV_WRITES):
+                if full not in listed and not (dirpath == site and fn in UV_WRITES):
                     extra.append(os.path.relpath(full, site))
     for d in dists.values():
         for k in ("changed", "missing", "outside", "overwritten"):

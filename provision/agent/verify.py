@@ -1,17 +1,58 @@
 """Host agent (stdlib only): a generation against what it was built from. `seal` (the build's last step: files
-read-only, a stamp of every file, a full check), `verify` (every file against its RECORD hash, patched files
-against the hashes their series produced) and `quick` (rollback's check: every file's stat against the stamp).
+read-only, a stamp of every file, a full check), `verify` (RECORD hashes, patched files' hashes, every file against
+the stamp) and `quick` (rollback's check: stats against the stamp); `drift` is the one judgement both share.
 """
 import json
 import os
 import re
 import stat
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from ..layout import Layout
 from . import record
-from .host import AgentError, inside, read_json
+from .host import CLEAN_ENV, AgentError, inside, read_json
+
+# Run by the generation's own interpreter (-I -S -B: no site, no bytecode written) on a JSON list of paths of
+# __pycache__ files: {path: null when it is that interpreter's compile of its source, else why not}. Code objects
+# are compared (marshal's bytes depend on reference counts), with what `==` leaves out that matters to running.
+OWN_BYTECODE = r"""
+import json, marshal, os, sys, types
+from importlib.util import MAGIC_NUMBER
+def same(a, b):
+    if a != b:
+        return False
+    if isinstance(a, types.CodeType):
+        if (a.co_stacksize, a.co_nlocals, getattr(a, "co_qualname", a.co_name)) != \
+                (b.co_stacksize, b.co_nlocals, getattr(b, "co_qualname", b.co_name)):
+            return False
+        return all(same(x, y) for x, y in zip(a.co_consts, b.co_consts))
+    return True
+def why(pyc):
+    d, name = os.path.split(pyc)
+    parts = name.split(".")
+    opt = parts[2] if len(parts) == 4 else "opt-0"
+    if len(parts) not in (3, 4) or parts[1] != sys.implementation.cache_tag or opt not in ("opt-0", "opt-1", "opt-2"):
+        return "not this interpreter's bytecode (%s)" % sys.implementation.cache_tag
+    src = os.path.join(os.path.dirname(d), parts[0] + ".py")
+    try:
+        with open(pyc, "rb") as f:
+            data = f.read()
+        with open(src, "rb") as f:
+            source = f.read()
+    except OSError as e:
+        return "no source %s" % os.path.basename(src) if e.filename == src else "unreadable (%s)" % e.strerror
+    if data[:4] != MAGIC_NUMBER or int.from_bytes(data[4:8], "little") not in (0, 1, 3):
+        return "not this interpreter's bytecode (%s)" % sys.implementation.cache_tag
+    try:
+        code = marshal.loads(data[16:])
+        want = compile(source, src, "exec", dont_inherit=True, optimize=int(opt[4:]))
+    except Exception as e:
+        return "does not load (%s)" % type(e).__name__
+    return None if same(code, want) else "not what its source compiles to"
+print(json.dumps({p: why(p) for p in json.load(sys.stdin)}))
+"""
 
 
 def generation(lay, gen_id):
@@ -27,8 +68,7 @@ def generation(lay, gen_id):
 
 
 def walk(venv):
-    """(path under the venv, lstat) of every file and symlink in the venv; bytecode the interpreter writes at
-    run time (__pycache__, *.pyc) is not installed content and is left out."""
+    """(path under the venv, lstat) of every file and symlink in the venv, bytecode included."""
     stack = [(venv, "")]
     while stack:
         d, prefix = stack.pop()
@@ -39,14 +79,17 @@ def walk(venv):
         for e in entries:
             try:
                 if e.is_dir(follow_symlinks=False):
-                    if e.name != "__pycache__":
-                        stack.append((e.path, prefix + e.name + "/"))
-                    continue
-                if e.name.endswith(record.SKIP_SUFFIXES):
+                    stack.append((e.path, prefix + e.name + "/"))
                     continue
                 yield prefix + e.name, e.stat(follow_symlinks=False)
             except OSError:
                 continue
+
+
+def cache_file(rel):
+    """Whether `rel` is where the interpreter writes its bytecode cache (`__pycache__/NAME.TAG[.opt-N].pyc`):
+    a .pyc anywhere else is never the interpreter's own, and one there may be written at run time."""
+    return rel.endswith(".pyc") and os.path.basename(os.path.dirname(rel)) == "__pycache__"
 
 
 def read_only(venv):
@@ -133,32 +176,153 @@ def full(venv, patched, jobs=None, baseline=False, digests=False):
     return out
 
 
+def _bytecode_cache(gen):
+    """Where a generation keeps the stat of each __pycache__ file its interpreter was found to have compiled from
+    its source (written at run time, after the seal): a file whose stat still matches is not compiled again."""
+    return os.path.join(gen.dir, "bytecode.json")
+
+
+def own_bytecode(gen, found, jobs=None):
+    """{rel: why} of the __pycache__ files `found` ({rel: lstat}) that are not the generation's interpreter's
+    compile of their source: each is compiled again by that interpreter (isolated, without site) and its code
+    compared, unless the cache says it was, with the same stat. Proven ones are cached."""
+    cache_path = _bytecode_cache(gen)
+    cache = read_json(cache_path, {}) or {}
+    cache = cache if isinstance(cache, dict) else {}
+    todo = sorted(rel for rel, st in found.items() if cache.get(rel) != _signature(st))
+    bad = {}
+    if todo:
+        n = max(1, min(jobs or os.cpu_count() or 1, os.cpu_count() or 1, (len(todo) + 99) // 100))
+        chunks = [todo[i::n] for i in range(n)]
+
+        def run(chunk):
+            paths = [os.path.join(gen.venv, rel) for rel in chunk]
+            try:
+                p = subprocess.run([gen.python, "-I", "-S", "-B", "-c", OWN_BYTECODE], input=json.dumps(paths),
+                                   capture_output=True, text=True, env=CLEAN_ENV, cwd="/", timeout=900)
+                got = json.loads(p.stdout) if p.returncode == 0 else p.stderr.strip().splitlines()[-1:]
+            except (OSError, ValueError, subprocess.TimeoutExpired) as e:
+                got = [str(e)]
+            if not isinstance(got, dict):
+                why = "not checked: %s gave no answer (%s)" % (gen.python, (got or ["exit status"])[0][:100])
+                got = {}
+            else:
+                why = "not checked"
+            return {rel: got.get(path, why) for rel, path in zip(chunk, paths)}
+        with ThreadPoolExecutor(max_workers=n) as ex:
+            for res in ex.map(run, chunks):
+                bad.update({rel: w for rel, w in res.items() if w is not None})
+    keep = {rel: _signature(st) for rel, st in found.items() if rel not in bad}
+    if keep != cache:
+        try:
+            tmp = "%s.tmp-%d" % (cache_path, os.getpid())
+            with open(tmp, "w") as f:
+                f.write(json.dumps(keep, separators=(",", ":")))
+            os.replace(tmp, cache_path)
+        except OSError:
+            pass        # a cache: the next check compiles them again
+    return bad
+
+
+def drift(gen, jobs=None, every=False, known=None):
+    """What a generation's venv holds that its seal did not: the one judgement of the files that `verify`,
+    rollback's check and status (through verify's record) share. Against the stamp: bytes that differ from the
+    sealed ones (`changed`), sealed files gone (`missing`), files the seal did not see (`extra`: a .pyc outside
+    __pycache__ among them, where the interpreter never writes one); and `bytecode` {rel: why}: __pycache__
+    files, unsealed or since rewritten, that are not the interpreter's compile of their source. `every`: hash
+    every file (verify), not only those whose stat differs (rollback); `known`: {absolute path: digest} hashed
+    already. Without a stamp (adopted, or built before stamps; how=record) only site-packages' bytecode is judged
+    here and the caller checks RECORD. Returns {how, changed, missing, extra, bytecode, files, hashed, bytes,
+    hash_seconds, bytecode_checked, seconds}."""
+    t0 = time.monotonic()
+    venv = gen.venv
+    stamp = read_json(gen.stamp, None)
+    sealed = isinstance(stamp, dict) and stamp.get("venv") == venv and isinstance(stamp.get("files"), dict)
+    want = stamp["files"] if sealed else {}
+    # unsealed: the bytecode under site-packages (an adopted prefix's own stdlib is not what RECORD checks)
+    top = venv if sealed else record.site_packages(venv)
+    under = "" if sealed or top is None else os.path.relpath(top, venv) + "/"
+    changed, extra, suspects, cached, seen = [], [], [], {}, set()
+    for rel, st in walk(top) if top else ():
+        rel = under + rel
+        seen.add(rel)
+        w = want.get(rel)
+        if w is None and cache_file(rel):
+            cached[rel] = st
+        elif w is None and sealed:
+            extra.append(rel)
+        elif w is not None and (every or _signature(st) != w[:4]):
+            suspects.append((rel, st, w[4]))
+    missing = sorted(set(want) - seen)
+    known = {os.path.normpath(k): v for k, v in (known or {}).items()}
+    todo = [s for s in suspects if os.path.normpath(os.path.join(venv, s[0])) not in known]
+    with ThreadPoolExecutor(max_workers=jobs or record.jobs_default()) as ex:
+        got = dict(zip((s[0] for s in todo), ex.map(lambda s: _safe_digest(os.path.join(venv, s[0]), s[1]), todo)))
+    nbytes = sum(s[1].st_size for s in todo if stat.S_ISREG(s[1].st_mode))
+    for rel, st, d in suspects:
+        g = got[rel] if rel in got else known[os.path.normpath(os.path.join(venv, rel))]
+        if g is not None and g == d:
+            continue
+        if cache_file(rel):      # the interpreter rewrites its cache of a touched source
+            cached[rel] = st
+        else:
+            changed.append(rel)
+    hash_seconds = time.monotonic() - t0
+    moved = [r for r in changed + missing + extra if r == "pyvenv.cfg" or r.startswith("bin/python")]
+    if moved:        # the interpreter itself drifted: it does not judge its bytecode
+        bytecode = {rel: "not checked: %s drifted" % moved[0] for rel in cached}
+    else:
+        bytecode = own_bytecode(gen, cached, jobs)
+    return {"how": "stamp" if sealed else "record", "changed": sorted(changed), "missing": missing,
+            "extra": sorted(extra), "bytecode": dict(sorted(bytecode.items())), "files": len(want),
+            "hashed": len(todo), "bytes": nbytes, "hash_seconds": hash_seconds, "bytecode_checked": len(cached),
+            "seconds": time.monotonic() - t0}
+
+
 def op_verify(lay, a):
-    """Every file of the generation against its RECORD (patched files against their recorded hashes), and the
-    time to merely read the same bytes (`baseline`)."""
+    """Every file of the generation against its RECORD (patched files against their recorded hashes) and against
+    its seal (`drift`: what RECORD does not name, `sealed`), and the time to merely read the same bytes
+    (`baseline`)."""
     gen = generation(lay, a["id"])
     if not os.path.isdir(gen.venv):
         raise AgentError("generation %s has no venv (removed when it failed or was abandoned)" % a["id"])
     man = read_json(gen.manifest, {}) or {}
-    out = full(gen.venv, patched_files(gen), a.get("jobs"), baseline=bool(a.get("baseline")))
-    out.update(id=a["id"], installer=man.get("installer"), jobs=a.get("jobs") or record.jobs_default())
+    out = full(gen.venv, patched_files(gen), a.get("jobs"), baseline=bool(a.get("baseline")), digests=True)
+    d = drift(gen, a.get("jobs"), every=True, known=out.pop("digests"))
+    site = out["site"]
+    said = {os.path.normpath(os.path.join(site, rel)) for dist in out["dists"].values()
+            for k in ("changed", "missing", "outside") for rel in dist[k]}
+    said |= {os.path.normpath(os.path.join(site, rel)) for rel in out["extra"]}
+
+    def unsaid(rels):
+        return [r for r in rels if os.path.normpath(os.path.join(gen.venv, r)) not in said]
+    out["sealed"] = {"how": d["how"], "changed": unsaid(d["changed"]), "missing": unsaid(d["missing"]),
+                     "extra": unsaid(d["extra"]), "bytecode": d["bytecode"]}
+    out["files"] += d["hashed"]
+    out["bytes"] += d["bytes"]
+    out["seconds"] += d["hash_seconds"]
+    out.update(id=a["id"], installer=man.get("installer"), jobs=a.get("jobs") or record.jobs_default(),
+               bytecode_checked=d["bytecode_checked"])
     return out
 
 
 def quick(lay, gen_id, jobs=None):
-    """Rollback's check of one generation: every file's stat against the stamp its build wrote; a file whose stat
-    differs is hashed and compared with the stamp's digest (a touched but unchanged file is clean). A generation
-    without a stamp (adopted, or built before stamps) gets the full RECORD check instead. The last `verify`'s
-    drift counts too. Returns {verdict: clean|drift, how: stamp|record, changed, missing, extra, files, hashed,
-    seconds}."""
+    """Rollback's check of one generation: `drift` with every file's stat against the stamp its build wrote; a
+    file whose stat differs is hashed and compared with the stamp's digest (a touched but unchanged file is
+    clean). A generation without a stamp (adopted, or built before stamps) gets the full RECORD check instead.
+    The last `verify`'s drift counts too. Returns {verdict: clean|drift, how: stamp|record, changed, missing,
+    extra, bytecode, files, hashed, seconds}."""
     t0 = time.monotonic()
     gen = generation(lay, gen_id)
     venv = gen.venv
-    stamp = read_json(gen.stamp, None)
-    changed, missing, extra, hashed = [], [], [], 0
+    changed, missing, extra, bytecode, hashed = [], [], [], {}, 0
     if not os.path.isdir(venv):
         how, files, missing = "record", 0, ["venv"]
-    elif stamp is None or stamp.get("venv") != venv or not isinstance(stamp.get("files"), dict):
+    else:
+        d = drift(gen, jobs)
+        how, files, hashed = d["how"], d["files"], d["hashed"]
+        changed, missing, extra, bytecode = d["changed"], d["missing"], d["extra"], d["bytecode"]
+    if how == "record" and missing != ["venv"]:
         try:
             res = full(venv, patched_files(gen), jobs)
         except OSError as e:
@@ -166,40 +330,26 @@ def quick(lay, gen_id, jobs=None):
         for name, d in sorted(res["dists"].items()):
             changed += d["changed"] + d["outside"]
             missing += d["missing"]
-        extra, missing, how, files = res["extra"], missing + res["unclaimed_patches"], "record", res["files"]
+        extra, missing, files = res["extra"], missing + res["unclaimed_patches"], res["files"]
         hashed = res["files"]
-    else:
-        want, suspects = stamp["files"], []
-        seen = set()
-        for rel, st in walk(venv):
-            seen.add(rel)
-            w = want.get(rel)
-            if w is None:
-                extra.append(rel)
-            elif _signature(st) != w[:4]:
-                suspects.append((rel, st, w[4]))
-        missing = sorted(set(want) - seen)
-        with ThreadPoolExecutor(max_workers=jobs or record.jobs_default()) as ex:
-            got = list(ex.map(lambda s: _safe_digest(os.path.join(venv, s[0]), s[1]), suspects))
-        changed = [rel for (rel, _, d), g in zip(suspects, got) if g is None or g != d]
-        how, files, hashed = "stamp", len(want), len(suspects)
     man = read_json(gen.manifest, {}) or {}
     last = man.get("verify") or {}
-    drift = bool(changed or missing or extra)
+    drifted = bool(changed or missing or extra or bytecode)
     out = {"id": gen_id, "how": how, "changed": sorted(changed), "missing": sorted(missing), "extra": sorted(extra),
-           "files": files, "hashed": hashed, "seconds": time.monotonic() - t0}
-    if last.get("verdict") == "drift" and not drift:      # what hashes found that a stat cannot see (bit rot)
+           "bytecode": bytecode, "files": files, "hashed": hashed, "seconds": time.monotonic() - t0}
+    if last.get("verdict") == "drift" and not drifted:      # what hashes found that a stat cannot see (bit rot)
         out["last_verify"] = {"time": last.get("time"), "named": last.get("named") or []}
-        drift = True
-    out["verdict"] = "drift" if drift else "clean"
-    out["named"] = named(out) if drift else ""
+        drifted = True
+    out["verdict"] = "drift" if drifted else "clean"
+    out["named"] = named(out) if drifted else ""
     return out
 
 
 def named(check, few=3):
     """A quick check's drift in a few words: the first files named, then how many more."""
     items = [f + " changed" for f in check["changed"]] + [f + " missing" for f in check["missing"]] + \
-        [f + " not installed by the build" for f in check["extra"]]
+        [f + " not installed by the build" for f in check["extra"]] + \
+        ["%s: %s" % (f, why) for f, why in sorted((check.get("bytecode") or {}).items())]
     if not items and check.get("last_verify"):
         items = [f for f in check["last_verify"]["named"]]
         lead = "its last verify (%s) found drift: " % check["last_verify"].get("time")

@@ -10,13 +10,18 @@ from .common import Hosts, JsonOpt, console, edge, exit_for, host_options, over_
 
 
 def figures(v: dict) -> str:
-    """bytes hashed, seconds, rate; and the plain read of the same bytes, when measured."""
+    """bytes hashed, seconds, rate; and the plain read of the same bytes when measured, else that the time
+    includes reading them."""
     from ..units import human_size
 
-    text = f"{v['files']} files, {human_size(v['bytes'])} hashed in {v['seconds']:.2f}s"
+    text = f"{v['files']} files, {human_size(v['bytes'])} read and hashed in {v['seconds']:.2f}s"
     if v.get("rate_gbs"):
         text += f" ({human_size(v['bytes'] / v['seconds'])}/s, {v['jobs']} threads)"
-    if v.get("read_seconds") is not None and v.get("ratio"):
+    if v.get("bytecode_checked"):
+        text += f"; {v['bytecode_checked']} cached bytecode files against their source"
+    if v.get("read_seconds") is None:
+        text += "; --baseline times a plain read of the same bytes to compare"
+    elif v.get("ratio"):
         text += (f"; reading the same bytes without hashing {v['first_read_seconds']:.2f}s before, "
                  f"{v['read_seconds']:.2f}s after ({human_size(v['read_bytes'] / v['read_seconds'])}/s): hashing takes "
                  f"{v['ratio']:.1f}x "
@@ -39,6 +44,7 @@ def verify(hosts: Hosts,
     from .. import verify as verifymod
 
     ts, (generation,) = hosts.targets_and_args((generation,))
+    verifymod.generation_arg(generation)
     rows = over_hosts(ts, lambda tr: verifymod.verify(tr, generation, baseline=baseline, jobs=jobs), hosts.forks)
 
     def show(r):
