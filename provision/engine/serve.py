@@ -604,7 +604,7 @@ def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 8000, name:
 
 
 def main(argv=None):
-    from .loading import dtype_of, start_engine
+    from .loading import runs_in, start_engine
     from .settings import add_arguments, from_arguments
 
     ap = argparse.ArgumentParser(description=__doc__)
@@ -618,7 +618,7 @@ def main(argv=None):
         httpd = make_server(eng, a.host, a.port, a.name)
     except (EngineError, OSError) as e:
         raise SystemExit(f"error: {e}")
-    print(f"serving {a.name} on http://{a.host}:{httpd.server_address[1]} ({dtype_of(eng)} on {a.device})", flush=True)
+    print(f"serving {a.name} on http://{a.host}:{httpd.server_address[1]} ({runs_in(eng, a.device)})", flush=True)
     serve_until_interrupted(httpd)
     return 0
 
