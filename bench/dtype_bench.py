@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from provision.engine.bench import encode_prompts  # noqa: E402
-from provision.engine.loading import load_engine  # noqa: E402
+from provision.engine.loading import auto_dtype, load_engine  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
 
@@ -37,7 +37,8 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    engines = {dt: load_engine(a.model, a.draft, a.device, dt, a.max_seq_len, 5, 4, 16) for dt in DTYPES}
+    engines = {dt: load_engine(a.model, a.draft, device=a.device, dtype=dt, max_seq_len=a.max_seq_len)
+               for dt in DTYPES}
     prompts = encode_prompts(engines[DTYPES[0]], a.chat, a.prompts)
     kw = dict(max_new_tokens=a.max_new_tokens, temperature=0.0)
     for eng in engines.values():                     # warm-up: capture, each prompt's shapes, each mode
@@ -46,7 +47,7 @@ def main(argv=None) -> dict:
             for spec in (False, True):
                 eng.generate(ids, max_new_tokens=4, speculative=spec, stop_at_eos=False)
     secs = {(dt, spec): 0.0 for dt in DTYPES for spec in (False, True)}
-    toks = dict.fromkeys(secs, 0)
+    toks, outs = dict.fromkeys(secs, 0), {k: [] for k in secs}
     load0 = os.getloadavg()[0]
     for ids in prompts:                              # interleaved: each prompt by every engine in turn
         for spec in (False, True):
@@ -57,12 +58,15 @@ def main(argv=None) -> dict:
                     torch.cuda.synchronize()
                 secs[dt, spec] += time.perf_counter() - t0
                 toks[dt, spec] += len(r.tokens)
+                outs[dt, spec].append(r.tokens)
     rate = {f"{dt} {'eagle3' if spec else 'plain'}": round(toks[dt, spec] / secs[dt, spec], 2) for dt, spec in secs}
     out = {"device": a.device, "model": a.model or "tiny pair", "prompts": len(prompts), "threads": a.threads,
            "load_average_1min": [round(load0, 2), round(os.getloadavg()[0], 2)], "tok_s": rate,
            "bfloat16_over_float32": {m: round(rate[f"bfloat16 {m}"] / rate[f"float32 {m}"], 3)
                                      for m in ("plain", "eagle3")},
-           "fastest": max(DTYPES, key=lambda dt: rate[f"{dt} eagle3"])}
+           "greedy_identical": {dt: outs[dt, False] == outs[dt, True] for dt in DTYPES},
+           "fastest": max(DTYPES, key=lambda dt: rate[f"{dt} eagle3"]),
+           "auto": auto_dtype(a.device, engines[DTYPES[0]].target.args)}
     if a.json:
         print(json.dumps(out, indent=2))
     else:
@@ -71,6 +75,8 @@ def main(argv=None) -> dict:
             print(f"  {k:<18} {v:>8} tok/s")
         print(f"  bfloat16 / float32: plain {out['bfloat16_over_float32']['plain']}x, "
               f"EAGLE-3 {out['bfloat16_over_float32']['eagle3']}x; fastest: {out['fastest']}")
+        print(f"  greedy EAGLE-3 = plain: {out['greedy_identical']}")
+        print(f"  auto picks {out['auto'][0]} ({out['auto'][1]})")
     return out
 
 

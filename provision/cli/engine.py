@@ -51,7 +51,7 @@ def serve(engine: Engine, host: str = typer.Option("127.0.0.1", "--host"), port:
           name: Optional[str] = typer.Option(None, "--name", help="model id in /v1/models (default: the model "
                                              "directory's name, provision-tiny for the bundled pair)")):
     """Serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics)."""
-    from ..engine.loading import dtype_of
+    from ..engine.loading import runs_in
     from ..engine.serve import make_server, serve_until_interrupted
     eng = engine.start()
     name = name or (engine.model.resolve().name if engine.model else "provision-tiny")
@@ -59,8 +59,8 @@ def serve(engine: Engine, host: str = typer.Option("127.0.0.1", "--host"), port:
         httpd = make_server(eng, host, port, name)
     except OSError as e:
         raise EngineError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    console.print(f"serving {name} on http://{host}:{httpd.server_address[1]} ({dtype_of(eng)} on "
-                  f"{engine.settings.device})")
+    console.print(f"serving {name} on http://{host}:{httpd.server_address[1]} "
+                  f"({runs_in(eng, engine.settings.device)})")
     serve_until_interrupted(httpd)
 
 
@@ -126,6 +126,8 @@ def bench(prompts: int = typer.Option(8, "--prompts", help="held-out prompts"),
     r["threads"] = threads
     if json_out:
         return print_json({k: v for k, v in r.items() if k not in ("outputs", "plain_outputs")})
+    if r["dtype_note"]:
+        console.print(f"{r['dtype']}: {r['dtype_note']}")
     console.print(f"device {r['device']} {r['dtype']}  tree steps={r['steps']} topk={r['topk']} "
                   f"draft tokens={r['num_draft_tokens']}  {r['prompts']} prompts, {r['tokens']} tokens "
                   f"(at most {r['max_new_tokens']} each)  load average {r['load_average_1min']['start']}")

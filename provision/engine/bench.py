@@ -59,6 +59,7 @@ def run_bench(engine: Engine, prompts: list, max_new_tokens: int = 128, repeats:
                 peer_same &= out == (a.tokens if stop_at_eos else a.tokens[: len(out)])   # it stops at end of turn
     base, eagle = n_plain / t_plain, n_spec / t_spec
     r = {"device": str(engine.device), "dtype": str(engine.target.output.weight.dtype).removeprefix("torch."),
+            "dtype_note": engine.dtype_note,
             "prompts": len(enc), "max_new_tokens": max_new_tokens, "stop_at_eos": stop_at_eos,
             "tokens": n_plain, "shared_rows": engine.shared_rows,
             "load_average_1min": {"start": round(load0, 2), "end": round(os.getloadavg()[0], 2)},
@@ -141,6 +142,7 @@ def main(argv=None):
     if a.json:
         print(json.dumps(r))
     else:
+        print(f"{r['dtype']} on {r['device']}" + (f"; {r['dtype_note']}" if r["dtype_note"] else ""))
         print(f"baseline {r['baseline_tok_s']} tok/s  eagle3 {r['eagle3_tok_s']} tok/s  ratio {r['ratio']}  "
               f"accept length {r['accept_length']}  greedy identical {r['greedy_identical']}  "
               f"graphs {r['graphs']} captured in {r['capture_s']} s")

@@ -137,6 +137,7 @@ class Engine:
         eos = getattr(tokenizer, "eos_id", None)
         self.stop_ids = set(stop_ids if stop_ids is not None else [] if eos is None else [eos])   # end of turn
         self.use_graphs = graphs
+        self.dtype_note = ""                          # why the loader chose the dtype (`auto`), else empty
         # shared rows: on CPU below float32 the GEMM kernel (and its rounding) depends on the row count, so
         # plain decoding and verification both run num_draft_tokens rows over the whole cache (see _spec_rows)
         self.shared_rows = self.device.type == "cpu" and target.output.weight.dtype != torch.float32

@@ -302,20 +302,55 @@ def save_draft(draft: Eagle3Draft, d, aux_layer_ids=None, dtype=torch.float32):
     _save(out, Path(d), cfg, dtype)
 
 
-# The dtype the engine is fastest in, per device type (bench/dtype_bench.py measures it): bfloat16 on CUDA;
-# float32 on CPU, where a CPU without bfloat16 instructions ran the tiny pair and SmolLM2 slower in bfloat16,
-# speculation included.
-FASTEST_DTYPE = {"cuda": "bfloat16", "cpu": "float32"}
+# What `auto` means (bench/dtype_bench.py measures both dtypes in one run; docs/engine-dtype.md has the figures):
+# bfloat16 on CUDA. On CPU bfloat16 only with bfloat16 instructions and a target whose weights, read whole every
+# step, are large: SmolLM2-135M (513 MiB in float32) decodes 2.4x faster in bfloat16 with speculation, while the
+# tiny pair (6 MiB), bound by per-step overhead, and any target on a CPU without those instructions run faster in
+# float32.
+AUTO_BF16_MIB = 64
 
 
-def default_dtype(device: str) -> str:
-    """The dtype `auto` means on `device` (cpu, cuda, cuda:1, ...)."""
-    return FASTEST_DTYPE.get(str(device).split(":")[0], "float32")
+def step_weights(a: ModelArgs) -> int:
+    """Parameters a decoding step reads: every layer and the output head (of the embeddings, one row)."""
+    q, kv = a.n_head * a.head_dim, a.n_local_heads * a.head_dim
+    layer = a.dim * (q + 2 * kv) + q * a.dim + 3 * a.dim * a.intermediate_size + 2 * a.dim
+    return a.n_layer * layer + a.vocab_size * a.dim + a.dim
 
 
-def torch_dtype(dtype: str, device: str):
-    """The torch dtype a setting names on `device` (`auto`: default_dtype), or one clear EngineError."""
-    name = default_dtype(device) if dtype == "auto" else dtype
+def cpu_bf16() -> str | None:
+    """This CPU's bfloat16 matrix instructions (AMX-BF16, AVX512-BF16), or None."""
+    for name, probe in (("AMX-BF16", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported")):
+        try:
+            if getattr(torch.cpu, probe)():
+                return name
+        except (AttributeError, RuntimeError):
+            pass
+    return None
+
+
+def auto_dtype(device: str, args: ModelArgs | None = None) -> tuple[str, str]:
+    """(dtype, why) that `auto` means for a target of `args` on `device` (cpu, cuda, cuda:1, ...)."""
+    kind = str(device).split(":")[0]
+    if kind == "cuda":
+        return "bfloat16", "auto: bfloat16 on CUDA"
+    if kind != "cpu":
+        return "float32", f"auto: float32 on {kind}"
+    isa = cpu_bf16()
+    if isa is None:
+        return "float32", "auto: this CPU has no bfloat16 instructions (AMX-BF16, AVX512-BF16)"
+    if args is None:
+        return "float32", "auto: float32 for a target of unknown size"
+    mib = step_weights(args) * 4 / 2 ** 20
+    if mib < AUTO_BF16_MIB:
+        return "float32", (f"auto: a step reads {mib:.0f} MiB of float32 weights, under {AUTO_BF16_MIB} MiB, "
+                           "where float32 is faster")
+    return "bfloat16", (f"auto: {isa} and a step reads {mib:.0f} MiB of float32 weights, {AUTO_BF16_MIB} MiB "
+                        "or more, where bfloat16 is faster")
+
+
+def torch_dtype(dtype: str, device: str, args: ModelArgs | None = None):
+    """The torch dtype a setting names on `device` (`auto`: auto_dtype), or one clear EngineError."""
+    name = auto_dtype(device, args)[0] if dtype == "auto" else dtype
     dt = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(dt, torch.dtype):
         raise EngineError(f"unknown dtype {name!r} (auto, float32, bfloat16, float16)")
@@ -326,10 +361,16 @@ def dtype_of(engine) -> str:
     return str(engine.target.output.weight.dtype).removeprefix("torch.")
 
 
+def runs_in(engine, device: str) -> str:
+    """The dtype and device a server's first line names, and why where `auto` chose the dtype."""
+    return f"{dtype_of(engine)} on {device}" + (f"; {engine.dtype_note}" if engine.dtype_note else "")
+
+
 def load_engine(model=None, draft=None, settings: EngineSettings = DEFAULTS, speculative: bool = True, **changes):
     """Target + draft + tokenizer as one Engine; the bundled tiny pair when no paths are given. `changes`
     override single settings (load_engine(device="cuda", max_seq_len=256)); dtype `auto`: the one the engine is
-    fastest in on the device (default_dtype); `threads` is start_engine's."""
+    fastest in for this target on the device (auto_dtype, its reason kept as `dtype_note`); `threads` is
+    start_engine's."""
     from . import TINY_DIR
     from .generate import Engine
     from .tokenizer import load_tokenizer, stop_ids
@@ -337,15 +378,18 @@ def load_engine(model=None, draft=None, settings: EngineSettings = DEFAULTS, spe
     s = settings.replace(**changes)
     model = Path(model) if model else TINY_DIR
     draft = Path(draft) if draft else (model / "draft" if (model / "draft").exists() else None)
-    dt = torch_dtype(s.dtype, s.device)
+    args = model_args(read_config(model), model)
+    dt = torch_dtype(s.dtype, s.device, args)
     try:
         torch.empty(0, device=s.device)
     except (RuntimeError, AssertionError) as e:
         raise EngineError(f"device {s.device!r} is not usable here: {str(e).splitlines()[0]}") from None
     target = load_target(model, s.device, dt)
     dr = load_draft(draft, target, s.device, dt) if draft is not None and speculative else None
-    return Engine(target, dr, load_tokenizer(model), max_seq_len=s.max_seq_len, steps=s.steps, topk=s.topk,
-                  num_draft_tokens=s.num_draft_tokens, stop_ids=stop_ids(model))
+    eng = Engine(target, dr, load_tokenizer(model), max_seq_len=s.max_seq_len, steps=s.steps, topk=s.topk,
+                 num_draft_tokens=s.num_draft_tokens, stop_ids=stop_ids(model))
+    eng.dtype_note = auto_dtype(s.device, args)[1] if s.dtype == "auto" else ""
+    return eng
 
 
 def start_engine(model=None, draft=None, settings: EngineSettings = DEFAULTS):

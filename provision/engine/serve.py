@@ -60,11 +60,14 @@ def _depth_ok(body: bytes, limit: int = 64) -> bool:
 
 
 class StopText:
-    """Cuts generated text at the first stop string; holds back a possible stop prefix while streaming."""
+    """Cuts generated text at the first stop string; holds back a possible stop prefix while streaming. Fed token
+    by token, it also says which ids the text sent so far accounts for: each token that produced at least one
+    character of it (a token that ends the kept text and starts the stop string counts; later ones do not)."""
 
     def __init__(self, stops: list):
         self.stops, self.text, self.sent = stops, "", 0
         self.hold = max((len(x) for x in stops), default=1) - 1
+        self.held: list = []             # (id, where its text starts) of tokens none of whose text is sent yet
 
     def feed(self, delta: str) -> tuple[str, bool]:
         """New text safe to emit, and whether a stop string was reached."""
@@ -77,9 +80,18 @@ class StopText:
         out, self.sent = self.text[self.sent:safe], safe
         return out, False
 
-    def flush(self) -> str:
-        out, self.sent = self.text[self.sent:], len(self.text)
-        return out
+    def feed_token(self, tid: int, piece: str) -> tuple[str, list, bool]:
+        """One token and its text → (new text safe to emit, the ids it accounts for, stop string reached)."""
+        self.held.append((tid, len(self.text)))
+        out, hit = self.feed(piece)
+        n = sum(1 for _, start in self.held if start < self.sent)
+        ids, self.held = [t for t, _ in self.held[:n]], [] if hit else self.held[n:]
+        return out, ids, hit
+
+    def flush(self) -> tuple[str, list]:
+        """The rest of the text and of the ids (no stop string came)."""
+        out, ids, self.sent, self.held = self.text[self.sent:], [t for t, _ in self.held], len(self.text), []
+        return out, ids
 
 
 class Metrics:
@@ -216,8 +228,10 @@ class Service:
         if not 1 <= mt <= S:
             raise BadRequest(400, f"max_tokens must lie in [1, {S}]")
         t, tp = float(req.get("temperature", 1.0)), float(req.get("top_p", 1.0))
-        if not 0.0 <= t <= 100.0 or not 0.0 < tp <= 1.0:
-            raise BadRequest(400, "temperature must lie in [0, 100] and top_p in (0, 1]")
+        if not 0.0 <= t <= 2.0:
+            raise BadRequest(400, f"field 'temperature' must lie in [0, 2] (got {t:g})")
+        if not 0.0 < tp <= 1.0:
+            raise BadRequest(400, f"field 'top_p' must lie in (0, 1] (got {tp:g})")
         seed = req.get("seed")
         if seed is not None and not 0 <= seed < 2 ** 63:
             raise BadRequest(400, "seed must lie in [0, 2^63)")
@@ -400,8 +414,9 @@ class Handler(BaseHTTPRequestHandler):
             return True
 
     def _pieces(self, job, stop: list):
-        """(text delta, new ids) while generating; returns (finish reason, ids, stats). A stop string ends it at
-        the token that completes it: the ids, their count and the verification steps are those up to it."""
+        """(text delta, new ids) while generating; returns (finish reason, ids, stats). A stop string ends it before
+        the stop string: the ids and their count are those of the returned text (StopText.feed_token), the
+        verification steps those up to the token that completed the stop string."""
         tok = self.service.engine.tokenizer
         dec = tok.stream_decoder() if tok else (lambda ids: "")
         cut, out, sent = StopText(stop), [], 0
@@ -416,27 +431,30 @@ class Handler(BaseHTTPRequestHandler):
             if isinstance(item, tuple):
                 if item[0] == "error":
                     raise item[1]
-                tail = cut.flush()
-                if tail:
-                    yield tail, []
+                tail, ids = cut.flush()
+                out.extend(ids)
+                if tail or ids:
+                    yield tail, ids
                 return self._finish(out), out, item[1]
             steps, sent = job.steps[sent], sent + 1
             if not stop:
                 out.extend(item)
                 yield cut.feed(dec(item))[0], item
                 continue
-            text = []
-            for i, t in enumerate(item):
-                piece, hit = cut.feed(dec([t]))
+            text, ids = [], []
+            for t in item:
+                piece, done, hit = cut.feed_token(t, dec([t]))
                 text.append(piece)
+                ids += done
                 if hit:
                     job.finished = job.cancelled = True      # complete: the worker stops, not a cancel
-                    out.extend(item[:i + 1])
-                    if "".join(text):
-                        yield "".join(text), item[:i + 1]
+                    out.extend(ids)
+                    if "".join(text) or ids:
+                        yield "".join(text), ids
                     return "stop", out, job.stats[:steps]
-            out.extend(item)
-            yield "".join(text), item
+            out.extend(ids)
+            if "".join(text) or ids:
+                yield "".join(text), ids
 
     def _finish(self, out):
         return "stop" if out and out[-1] in self.service.engine.stop_ids else "length"
@@ -604,7 +622,7 @@ def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 8000, name:
 
 
 def main(argv=None):
-    from .loading import dtype_of, start_engine
+    from .loading import runs_in, start_engine
     from .settings import add_arguments, from_arguments
 
     ap = argparse.ArgumentParser(description=__doc__)
@@ -618,7 +636,7 @@ def main(argv=None):
         httpd = make_server(eng, a.host, a.port, a.name)
     except (EngineError, OSError) as e:
         raise SystemExit(f"error: {e}")
-    print(f"serving {a.name} on http://{a.host}:{httpd.server_address[1]} ({dtype_of(eng)} on {a.device})", flush=True)
+    print(f"serving {a.name} on http://{a.host}:{httpd.server_address[1]} ({runs_in(eng, a.device)})", flush=True)
     serve_until_interrupted(httpd)
     return 0
 

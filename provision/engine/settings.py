@@ -16,7 +16,8 @@ def _opt(default, help: str):
 @dataclass(frozen=True)
 class EngineSettings:
     device: str = _opt("cpu", "cpu, cuda, cuda:1, ...")
-    dtype: str = _opt("auto", "auto: where the engine is fastest (bfloat16 on CUDA, float32 on CPU); "
+    dtype: str = _opt("auto", "auto: where the engine is fastest (bfloat16 on CUDA; on CPU bfloat16 for a large "
+                              "target where the CPU has bfloat16 instructions, else float32); "
                               "or float32, bfloat16, float16")
     steps: int = _opt(5, "draft steps (tree depth)")
     topk: int = _opt(4, "beams per step (1 = chain)")

@@ -8,7 +8,8 @@ import torch
 
 from conftest import DEVICE, random_pair
 from provision.engine.errors import EngineError
-from provision.engine.loading import load_draft, load_engine, load_target, read_weights, save_draft, save_target
+from provision.engine.loading import (cpu_bf16, load_draft, load_engine, load_target, read_weights, save_draft,
+                                      save_target)
 from provision.engine.model import ModelArgs, Transformer
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -189,23 +190,30 @@ def test_draft_layout_variants(tmp_path):
 
 
 def test_the_default_dtype_is_the_devices_fastest_and_is_said():
-    """`auto` (the default of serve, generate and bench) is bfloat16 on CUDA and float32 on CPU, where the engine
-    measured fastest (bench/dtype_bench.py); `generate` and `serve` say which one they run in."""
+    """`auto` (the default of serve, generate and bench) is bfloat16 on CUDA; on CPU the tiny pair, whose steps
+    are bound by overhead, runs in float32 (bench/dtype_bench.py); `generate` and `serve` say which one they run
+    in, and serve says why."""
     import subprocess
     import sys
 
-    from provision.engine.loading import default_dtype, dtype_of
+    from provision.engine.loading import auto_dtype, dtype_of
 
     want = {"cuda": "bfloat16", "cpu": "float32"}[DEVICE.split(":")[0]]
-    assert default_dtype(DEVICE) == want
-    assert dtype_of(load_engine(device=DEVICE, dtype="auto", max_seq_len=64)) == want
+    why = {"cuda": "auto: bfloat16 on CUDA", "cpu": "auto: a step reads 6 MiB of float32 weights, under 64 MiB, "
+           "where float32 is faster" if cpu_bf16() else "auto: this CPU has no bfloat16 instructions"}
+    why = why[DEVICE.split(":")[0]]
+    assert auto_dtype("cuda:1") == ("bfloat16", "auto: bfloat16 on CUDA")
+    eng = load_engine(device=DEVICE, dtype="auto", max_seq_len=64)
+    assert dtype_of(eng) == want and eng.dtype_note.startswith(why)
+    assert load_engine(device=DEVICE, dtype="float32", max_seq_len=64).dtype_note == ""
     p = subprocess.run([sys.executable, "-m", "provision.cli", "engine", "generate", "the cat", "--max-tokens", "4",
                         "--device", DEVICE, "--json"], capture_output=True, text=True)
     assert p.returncode == 0 and json.loads(p.stdout)["dtype"] == want, p.stderr
     p = subprocess.run([sys.executable, "-m", "provision.cli", "engine", "serve", "--help"], capture_output=True,
                        text=True)
     words = " ".join(p.stdout.split())
-    assert "auto: where the engine is fastest (bfloat16 on CUDA, float32 on CPU)" in words and "[default: auto]" in words
+    assert ("auto: where the engine is fastest (bfloat16 on CUDA; on CPU bfloat16 for a large target where the CPU "
+            "has bfloat16 instructions, else float32)") in words and "[default: auto]" in words
     for argv in (["-m", "provision.engine.serve"], ["-m", "provision.cli", "engine", "serve"]):
         srv = subprocess.Popen([sys.executable, *argv, "--port", "0", "--device", DEVICE], stdout=subprocess.PIPE,
                                text=True)
@@ -214,5 +222,28 @@ def test_the_default_dtype_is_the_devices_fastest_and_is_said():
         finally:
             srv.terminate()
             srv.wait()
-        assert line.startswith("serving provision-tiny on http://127.0.0.1:") and line.endswith(
-            f" ({want} on {DEVICE})\n"), line
+        assert line.startswith("serving provision-tiny on http://127.0.0.1:") and (
+            f" ({want} on {DEVICE}; {why}" in line) and line.endswith(")\n"), line
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU's rule")
+def test_auto_picks_bfloat16_for_a_large_target_on_a_cpu_with_bfloat16_instructions(tmp_path):
+    """A target that reads 64 MiB or more of float32 weights a step (SmolLM2-135M: 513 MiB) runs in bfloat16 where
+    the CPU has bfloat16 instructions (2.4x float32 with speculation, docs/engine-dtype.md), else in float32."""
+    from provision.engine.loading import auto_dtype, dtype_of, step_weights
+
+    torch.manual_seed(0)
+    a = ModelArgs(vocab_size=4096, dim=512, n_layer=6, n_head=8, n_local_heads=8, intermediate_size=1536,
+                  max_position_embeddings=256)
+    assert step_weights(a) * 4 >= 64 << 20
+    save_target(Transformer(a), tmp_path, dtype=torch.bfloat16)
+    eng = load_engine(tmp_path, dtype="auto", max_seq_len=64)
+    isa = cpu_bf16()
+    if isa:
+        assert dtype_of(eng) == "bfloat16" and eng.dtype_note.startswith(f"auto: {isa} and a step reads 86 MiB")
+    else:
+        assert dtype_of(eng) == "float32" and "no bfloat16 instructions" in eng.dtype_note
+    smollm2 = ModelArgs(vocab_size=49152, dim=576, n_layer=30, n_head=9, n_local_heads=3, intermediate_size=1536,
+                        tie_word_embeddings=True)
+    assert step_weights(smollm2) == 134515008            # its parameter count: every one is read each step
+    assert auto_dtype("cpu", smollm2)[0] == ("bfloat16" if isa else "float32")

@@ -195,6 +195,9 @@ def test_content_length_checked(url, head, body, status):
 
 @pytest.mark.parametrize("body,words", [
     ({"prompt": "x", "seed": 2 ** 70}, "seed"),
+    ({"prompt": "x", "temperature": 5}, "field 'temperature' must lie in [0, 2] (got 5)"),
+    ({"prompt": "x", "temperature": -0.1}, "field 'temperature' must lie in [0, 2]"),
+    ({"prompt": "x", "top_p": 0}, "field 'top_p' must lie in (0, 1]"),
     ({"prompt": "x", "max_tokens": 2, "stop": ["a"] * 5}, "stop"),
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
     ({"messages": "hi"}, "messages"),
@@ -206,6 +209,7 @@ def test_content_length_checked(url, head, body, status):
      "only on /v1/completions"),
 ])
 def test_malformed_fields_are_4xx(url, body, words):
+    """Each is refused with a 400 that names the field (temperature: OpenAI's range, 0 to 2)."""
     chat = "messages" in body
     r = requests.post(f"{url}/v1/{'chat/' if chat else ''}completions", json=body, timeout=30)
     assert r.status_code == 400 and words in r.json()["error"]["message"]
@@ -320,12 +324,13 @@ def test_a_request_dripped_byte_by_byte_meets_the_whole_request_deadline():
 
 
 def test_usage_and_metrics_after_a_stop_string(url):
-    """A stop string ends the completion at the token that completes it: completion_tokens and token_ids are
-    those up to it, accept_length and /metrics count the verification steps up to it, and it is no cancel."""
+    """A stop string ends the completion before it: completion_tokens and token_ids are those of the returned text,
+    accept_length and /metrics count the verification steps up to it, and it is no cancel."""
     full = complete(url, prompt=PROMPT, max_tokens=48, temperature=0).json()["choices"][0]
     ids, text = full["token_ids"], full["text"]
     stop = text[20:23]
-    cut = next(i for i in range(len(ids)) if stop in bytes(t for t in ids[:i + 1] if t < 256).decode(errors="replace"))
+    kept = text.index(stop)                       # byte tokens, ASCII text: one token a character
+    assert bytes(ids[:kept]).decode() == text[:kept] and kept + len(stop) < 48
 
     def metric(name):
         lines = requests.get(f"{url}/metrics", timeout=10).text.splitlines()
@@ -345,10 +350,36 @@ def test_usage_and_metrics_after_a_stop_string(url):
         else:
             r = complete(url, **body).json()
             got, usage, finish = r["choices"][0]["token_ids"], r["usage"], r["choices"][0]["finish_reason"]
-        assert finish == "stop" and got == ids[:cut + 1], (got, ids, cut)
-        assert usage["completion_tokens"] == cut + 1 < 48, usage
+        assert finish == "stop" and got == ids[:kept], (got, ids, kept)
+        assert usage["completion_tokens"] == kept, usage
         assert usage["accept_length"] > 1, usage          # the speculative steps that ran, not a 1.0 stand-in
     after = {m: metric(m) for m in before}
     assert after["engine_requests_cancelled_total"] == before["engine_requests_cancelled_total"]
-    assert after["engine_generation_tokens_total"] - before["engine_generation_tokens_total"] == 2 * (cut + 1)
+    assert after["engine_generation_tokens_total"] - before["engine_generation_tokens_total"] == 2 * kept
     assert after["engine_speculative_steps_total"] > before["engine_speculative_steps_total"]
+
+
+def test_stop_string_token_count_follows_the_returned_text():
+    """The ids a stop string leaves are those of the returned text: each token that produced a character of it,
+    the one that ends it and starts the stop string included; a token whose text is still pending (part of a
+    character) goes with that character; streaming releases ids with their text."""
+    from provision.engine.serve import StopText
+
+    def run(pieces, stops):
+        cut, text, ids = StopText(stops), "", []
+        for i, p in enumerate(pieces):
+            t, done, hit = cut.feed_token(i, p)
+            text, ids = text + t, ids + done
+            if hit:
+                return text, ids, True
+        t, done = cut.flush()
+        return text + t, ids + done, False
+
+    assert run(["Hel", "lo wo", "rld", "!"], ["o w"]) == ("Hell", [0, 1], True)        # token 1 straddles
+    assert run(["Hello", " wor", "ld"], [" wor"]) == ("Hello", [0], True)              # stop at a token boundary
+    assert run(["ab", "c"], ["a"]) == ("", [], True)                                     # nothing returned
+    assert run(["x", "", "é", "EN", "D"], ["END"]) == ("xé", [0, 1, 2], True)           # "" : half a character
+    assert run(["x", "y", ""], ["zz"]) == ("xy", [0, 1, 2], False)                      # no stop: every id
+    cut = StopText(["\n\nUser"])
+    assert cut.feed_token(0, "Hi") == ("", [], False)         # held back: could start the stop string
+    assert cut.feed_token(1, " there, friend") == ("Hi there, f", [0, 1], False)
