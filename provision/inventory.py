@@ -135,6 +135,12 @@ def load_inventory(path: Path, known_hosts: Path, limit: str | None = None, host
     return Inventory(path).targets(known_hosts, limit, host)
 
 
+# What Ansible's ssh connection honours and provision's own connection does not yet: a host that needs one of
+# these (a bastion, extra ssh options, an ssh_config file, sudo) is refused, never reached some other way.
+_UNHONOURED = ("ansible_ssh_common_args", "ansible_ssh_extra_args", "ansible_ssh_args", "ansible_become",
+               "ansible_become_user", "ansible_become_method")
+
+
 def _target(name: str, v: dict, known_hosts: Path, where: str) -> Target:
     def value(key: str, default=None):
         x = v.get(key, default)
@@ -143,6 +149,13 @@ def _target(name: str, v: dict, known_hosts: Path, where: str) -> Target:
                                  "write the value itself", where=f"{where}: host {name}")
         return x
 
+    for key in _UNHONOURED:
+        x = value(key)
+        if x not in (None, "") and not (key.startswith("ansible_become") and str(x).lower() in ("false", "no", "0")):
+            raise InventoryError(f"{key} is set ({x!r}): provision's own connection reaches a host only at its "
+                                 "ansible_host, ansible_port and ansible_user and would bypass it; run this host's "
+                                 "steps with ansible-playbook and the playbooks `provision playbooks` lists",
+                                 where=f"{where}: host {name}")
     if value("ansible_connection") == "local":
         t = Target(host="local", known_hosts=known_hosts, alias=name, inventory=where)
     else:

@@ -10,6 +10,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,17 +31,20 @@ class LoopbackHost:
     """`with LoopbackHost() as h:` → h.target (not yet trusted), h.root, h.dir; stops sshd on exit."""
 
     def __init__(self, base: str | Path | None = None, netns_index: int | None = None, login_rc: bool = False,
-                 netns: bool = False, sshd_config: str = ""):
+                 netns: bool = False, sshd_config: str = "", behind: "LoopbackHost | None" = None):
         """`netns=True` puts the host in a network namespace of its own, pv-host-i, reached over a veth
         pair at 10.203.i.2: i is the first index free when it starts (or `netns_index`), so concurrent runs
         never share one (the namespace is the run's own; nothing outside the local host is involved).
         Sessions get an empty HOME, so the login shell reads no rc file: a fresh host's sessions, whatever
         the local user's shell startup does (a startup that a killed session can leave stalled, such as a
         version manager's rehash lock). `login_rc=True` keeps the user's HOME and its rc files.
-        `sshd_config`: more sshd settings (one a line)."""
+        `sshd_config`: more sshd settings (one a line). `behind=jump` (a started host in a namespace): this
+        host's namespace, pv-behind-i at 10.204.i.2, is wired to jump's namespace alone, so only jump reaches it
+        (a host behind a bastion)."""
         self.dir = Path(tempfile.mkdtemp(prefix="provision-host-", dir=base))
         self._index = netns_index
-        self.netns_wanted = netns or netns_index is not None
+        self.behind = behind
+        self.netns_wanted = netns or netns_index is not None or behind is not None
         self.netns: str | None = None
         self.address = "127.0.0.1"
         self.port = 22 if self.netns_wanted else free_port()
@@ -81,12 +85,22 @@ class LoopbackHost:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise ProvisionError(f"sshd exited: {(self.dir / 'sshd.log').read_text().strip()[-300:]}")
-            try:
-                socket.create_connection((self.address, self.port), timeout=0.5).close()
+            if self._listening():
                 return self
-            except OSError:
-                time.sleep(0.05)
+            time.sleep(0.05)
         raise ProvisionError("sshd did not start listening within 10s")
+
+    def _listening(self) -> bool:
+        """Whether sshd accepts connections yet (asked from inside its own namespace when it is behind a jump)."""
+        if self.behind:
+            probe = f"import socket; socket.create_connection(({self.address!r}, {self.port}), timeout=0.5).close()"
+            return subprocess.run(["ip", "netns", "exec", self.netns, sys.executable, "-I", "-c", probe],
+                                  capture_output=True).returncode == 0
+        try:
+            socket.create_connection((self.address, self.port), timeout=0.5).close()
+            return True
+        except OSError:
+            return False
 
     def rekey(self) -> None:
         """Restart on the same port with a new host key (a reinstalled host, or a man in the middle)."""
@@ -115,25 +129,29 @@ class LoopbackHost:
 
     def _make_netns(self) -> None:
         """Claim a namespace (`ip netns add` fails when it exists: another run's), then wire its veth pair."""
+        kind, net = ("pv-behind", "10.204") if self.behind else ("pv-host", "10.203")
+        outer = ["ip", "-n", self.behind.netns] if self.behind else ["ip"]     # where the veth's other end lives
         start = self._index if self._index is not None else os.getpid() % 250 + 1
         candidates = [start] if self._index is not None else [(start + k) % 250 + 1 for k in range(250)]
         for i in candidates:
-            r = subprocess.run(["ip", "netns", "add", f"pv-host-{i}"], capture_output=True, text=True)
+            r = subprocess.run(["ip", "netns", "add", f"{kind}-{i}"], capture_output=True, text=True)
             if r.returncode == 0:
                 break
         else:
-            raise ProvisionError(f"cannot make a network namespace pv-host-{candidates[-1]}: {r.stderr.strip()}")
-        self._index, self.netns, self.address = i, f"pv-host-{i}", f"10.203.{i}.2"
+            raise ProvisionError(f"cannot make a network namespace {kind}-{candidates[-1]}: {r.stderr.strip()}")
+        self._index, self.netns, self.address = i, f"{kind}-{i}", f"{net}.{i}.2"
         veth = f"pvh{i}"
         for cmd in (["ip", "-n", self.netns, "link", "set", "lo", "up"],
-                    ["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", self.netns],
-                    ["ip", "addr", "add", f"10.203.{i}.1/30", "dev", veth], ["ip", "link", "set", veth, "up"],
-                    ["ip", "-n", self.netns, "addr", "add", f"10.203.{i}.2/30", "dev", "eth0"],
-                    ["ip", "-n", self.netns, "link", "set", "eth0", "up"]):
+                    [*outer, "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", self.netns],
+                    [*outer, "addr", "add", f"{net}.{i}.1/30", "dev", veth], [*outer, "link", "set", veth, "up"],
+                    ["ip", "-n", self.netns, "addr", "add", f"{net}.{i}.2/30", "dev", "eth0"],
+                    ["ip", "-n", self.netns, "link", "set", "eth0", "up"],
+                    # behind: nothing here reaches it (not even by this machine's default route), only jump
+                    *([["ip", "route", "add", "unreachable", f"{net}.{i}.0/30"]] if self.behind else [])):
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 self._drop_netns()
-                raise ProvisionError(f"cannot make network namespace pv-host-{i}: {' '.join(cmd)}: {r.stderr.strip()}")
+                raise ProvisionError(f"cannot make network namespace {kind}-{i}: {' '.join(cmd)}: {r.stderr.strip()}")
 
     def sessions(self) -> list[int]:
         """Pids of every process this host's sshd forked (its sessions and what they run), from /proc."""
@@ -177,7 +195,11 @@ class LoopbackHost:
     def _drop_netns(self) -> None:
         if self.netns:
             subprocess.run(["ip", "netns", "del", self.netns], capture_output=True)
-            subprocess.run(["ip", "link", "del", f"pvh{self._index}"], capture_output=True)
+            if self.behind:           # a pair whose ends are both in namespaces goes with them
+                subprocess.run(["ip", "route", "del", "unreachable", f"10.204.{self._index}.0/30"],
+                               capture_output=True)
+            else:
+                subprocess.run(["ip", "link", "del", f"pvh{self._index}"], capture_output=True)
             self.netns = None
 
     def __enter__(self) -> "LoopbackHost":

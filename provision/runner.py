@@ -160,7 +160,7 @@ def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: st
                            suppress_env_files=True, quiet=True, event_handler=handler,
                            cmdline=shlex.join(["-e", f"@{extra}"] + (["--check", "--diff"] if check else [])),
                            settings={"suppress_ansible_output": True})
-    _stop_masters(Path(sock_dir))
+    stop_masters(Path(sock_dir))
     seconds = time.perf_counter() - t0
     error = None
     if r.rc != 0 or r.status != "successful":
@@ -168,7 +168,7 @@ def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: st
     return RunResult(status=r.status, rc=r.rc, run_dir=str(run_dir), seconds=seconds, error=error, tasks=tasks)
 
 
-def _stop_masters(sock_dir: Path) -> None:
+def stop_masters(sock_dir: Path) -> None:
     """Stop the ControlPersist masters this run started (one socket per host), then drop the dir."""
     for sock in sock_dir.glob("*"):
         subprocess.run(["ssh", "-o", f"ControlPath={sock}", "-O", "exit", "dummy"],

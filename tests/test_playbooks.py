@@ -4,17 +4,23 @@ shows that state; status and history read it back; check mode switches nothing. 
 its own ssh connection, host keys checked against the known_hosts the tool manages."""
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from provision import apply as applymod, lock as lockmod
 from provision.inventory import load_inventory
+from provision.loopback import LoopbackHost
+from provision.runner import stop_masters
+from provision.transport import trust_host
 from test_core import cli
 from wheelhouse import write_lock
 
@@ -25,14 +31,21 @@ def playbook_dir() -> Path:
     return Path(cli("playbooks", "--path", check=0).stdout.strip())
 
 
-def ansible_playbook(inv: Path, name: str, *args: str) -> subprocess.CompletedProcess:
-    """ansible-playbook as an operator runs it (from the tool's environment); each result one JSON line (-v)."""
+def ansible_playbook(inv: Path, name: str, *args: str, known_hosts: Path | None = None) -> subprocess.CompletedProcess:
+    """ansible-playbook as an operator runs it (from the tool's environment), host keys checked against
+    `known_hosts` (else the inventory's own ssh options); each result one JSON line (-v)."""
     bindir = os.path.dirname(sys.executable)
-    env = {**os.environ, "ANSIBLE_CALLBACK_RESULT_FORMAT": "json", "ANSIBLE_CALLBACK_FORMAT_PRETTY": "false",
+    ssh = {"ANSIBLE_SSH_COMMON_ARGS": f"-o UserKnownHostsFile={known_hosts} -o StrictHostKeyChecking=yes"} \
+        if known_hosts else {}
+    cp = Path(tempfile.mkdtemp(prefix="pv-", dir="/tmp"))       # this run's ssh masters (ControlPersist), stopped after
+    env = {**os.environ, **ssh, "ANSIBLE_SSH_CONTROL_PATH_DIR": str(cp), "ANSIBLE_CALLBACK_RESULT_FORMAT": "json", "ANSIBLE_CALLBACK_FORMAT_PRETTY": "false",
            "ANSIBLE_NOCOLOR": "1", "ANSIBLE_HOME": str(inv.parent / "ansible-home"),
            "ANSIBLE_LOCAL_TEMP": str(inv.parent / "ansible-tmp"), "PATH": bindir + os.pathsep + os.environ["PATH"]}
-    return subprocess.run([os.path.join(bindir, "ansible-playbook"), "-i", str(inv),
-                           str(playbook_dir() / name), "-v", *args], env=env, capture_output=True, text=True, timeout=300)
+    try:
+        return subprocess.run([os.path.join(bindir, "ansible-playbook"), "-i", str(inv), str(playbook_dir() / name),
+                               "-v", *args], env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        stop_masters(cp)
 
 
 def results(p: subprocess.CompletedProcess, task: str) -> dict:
@@ -58,7 +71,6 @@ def fleet(sshd, wheels, tmp_path_factory):
     inv.write_text(
         f"all:\n  vars:\n    ansible_host: {t.host}\n    ansible_port: {t.port}\n    ansible_user: {t.user}\n"
         f"    ansible_ssh_private_key_file: {t.key_file}\n    ansible_python_interpreter: /usr/bin/python3\n"
-        f"    ansible_ssh_common_args: -o UserKnownHostsFile={t.known_hosts} -o StrictHostKeyChecking=yes\n"
         "  hosts:\n" + "".join(f"    {h}: {{provision_root: {roots[h]}}}\n" for h in HOSTS))
     a = write_lock(d / "a.yaml", "stack-a", [wheels["alpha-1.0"]])
     b = write_lock(d / "b.yaml", "stack-b", [wheels["alpha-2.0"]])
@@ -84,20 +96,20 @@ def test_playbooks_ship_with_their_modules():
 
 def test_ansible_playbook_rollback_then_provision_status_agrees(fleet):
     inv, roots, common = fleet
-    p = ansible_playbook(inv, "status.yml")
+    p = ansible_playbook(inv, "status.yml", known_hosts=common[-1])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     st = results(p, "status")
     assert {h: (st[h]["current"], st[h]["lock"]) for h in HOSTS} == {h: ("0002-stack-b", "stack-b") for h in HOSTS}
     assert all(st[h]["changed"] is False and st[h]["probe"]["status"] == "pass" for h in HOSTS)
 
-    p = ansible_playbook(inv, "rollback.yml", "--check")                 # check mode: the target, nothing switched
+    p = ansible_playbook(inv, "rollback.yml", "--check", known_hosts=common[-1])   # the target; nothing switched
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     dry = results(p, "rollback")
     assert {h: (dry[h]["from"], dry[h]["to"], dry[h]["changed"]) for h in HOSTS} == \
         {h: ("0002-stack-b", "0001-stack-a", False) for h in HOSTS}
     assert [current(roots, h) for h in HOSTS] == ["0002-stack-b"] * 3
 
-    p = ansible_playbook(inv, "rollback.yml", "--limit", "p1:p2")
+    p = ansible_playbook(inv, "rollback.yml", "--limit", "p1:p2", known_hosts=common[-1])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     done = results(p, "rollback")
     assert {h: (done[h]["to"], done[h]["changed"]) for h in done} == {"p1": ("0001-stack-a", True),
@@ -111,18 +123,120 @@ def test_ansible_playbook_rollback_then_provision_status_agrees(fleet):
     events = hist[0]["result"]["events"] if isinstance(hist, list) else hist["events"]
     assert events[-1]["event"] == "rollback" and events[-1]["to"] == "0001-stack-a", events[-1]
 
-    p = ansible_playbook(inv, "history.yml", "--limit", "p1")
+    p = ansible_playbook(inv, "history.yml", "--limit", "p1", known_hosts=common[-1])
     assert p.returncode == 0 and results(p, "history")["p1"]["current"] == "0001-stack-a"
 
-    p = ansible_playbook(inv, "rollback.yml", "-e", "to=2", "--limit", "p1")   # and forward again, by number
+    p = ansible_playbook(inv, "rollback.yml", "-e", "to=2", "--limit", "p1", known_hosts=common[-1])   # forward
     assert p.returncode == 0 and results(p, "rollback")["p1"]["to"] == "0002-stack-b"
     assert current(roots, "p1") == "0002-stack-b"
 
 
 def test_a_refused_rollback_is_a_failed_task_with_the_agents_line(fleet):
-    inv, roots, _ = fleet
-    p = ansible_playbook(inv, "rollback.yml", "-e", "to=99", "--limit", "p3")
+    inv, roots, common = fleet
+    p = ansible_playbook(inv, "rollback.yml", "-e", "to=99", "--limit", "p3", known_hosts=common[-1])
     assert p.returncode == 2, p.stdout[-2000:]
     r = results(p, "rollback")["p3"]
     assert r["_said"] == "fatal" and "99" in r["msg"], r
     assert current(roots, "p3") == "0002-stack-b"
+
+
+@pytest.fixture(scope="module")
+def sudo_user():
+    """A user who logs in with the loopback host's client key and may run anything as root through sudo, without a
+    password (as on a cloud GPU image); removed at the end."""
+    name = "pv-sudo"
+    if subprocess.run(["id", name], capture_output=True).returncode != 0:
+        subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", name], check=True)
+    subprocess.run(["usermod", "-p", "*", name], check=True)     # not locked: sshd without PAM refuses a locked one
+    sudoers = Path("/etc/sudoers.d/pv-sudo")
+    sudoers.write_text(f"{name} ALL=(ALL) NOPASSWD: ALL\n")
+    sudoers.chmod(0o440)
+    yield name
+    sudoers.unlink(missing_ok=True)
+    subprocess.run(["userdel", name], capture_output=True)
+
+
+def test_a_sudo_user_rolls_back_with_become(sudo_user, wheels, tmp_path):
+    """The same playbooks reach a host as a non-root user: its root is root's, so without `become` the user's
+    module can read nothing there; with `--become` (sudo) the rollback goes through, and provision status (as
+    root) agrees. The host is an sshd of its own whose key files the user may read."""
+    host = LoopbackHost().start()
+    try:
+        os.chmod(host.dir, 0o755)
+        os.chmod(host.dir / "authorized_keys", 0o644)
+        t = host.target
+        trust_host(t)
+        root = tmp_path / "root"
+        inv = tmp_path / "inv.yml"
+        inv.write_text(
+            f"all:\n  vars:\n    ansible_host: {t.host}\n    ansible_port: {t.port}\n    ansible_user: {t.user}\n"
+            f"    ansible_ssh_private_key_file: {t.key_file}\n    ansible_python_interpreter: /usr/bin/python3\n"
+            f"  hosts:\n    gpu: {{provision_root: {root}}}\n")
+        for name, wheel in (("stack-a", "alpha-1.0"), ("stack-b", "alpha-2.0")):   # as root, as before
+            run = applymod.apply_fleet(load_inventory(inv, t.known_hosts),
+                                       lockmod.load(write_lock(tmp_path / f"{name}.yaml", name, [wheels[wheel]])))
+            assert {r.status for r in run.reports} == {"applied"}, [r.error for r in run.reports]
+        as_user = tmp_path / "as-user.yml"
+        as_user.write_text(inv.read_text().replace(f"    ansible_user: {t.user}\n",
+                                                   f"    ansible_user: {sudo_user}\n"
+                                                   f"    ansible_remote_tmp: /tmp/.ansible-{sudo_user}\n"))
+        p = ansible_playbook(as_user, "rollback.yml", "--check", known_hosts=t.known_hosts)
+        said = results(p, "rollback")["gpu"]
+        assert p.returncode == 2 and said["_said"] == "fatal" and not said.get("unreachable"), p.stdout[-2000:]
+        assert said["msg"] == f"cannot read the host root {root} (Permission denied): run as its owner (root: " \
+            "Ansible's become, sudo)", said                           # in the module, on the root itself
+        assert (root / "current").readlink() == Path("generations/0002-stack-b")
+
+        p = ansible_playbook(as_user, "rollback.yml", "--become", known_hosts=t.known_hosts)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        done = results(p, "rollback")["gpu"]
+        assert (done["from"], done["to"], done["changed"]) == ("0002-stack-b", "0001-stack-a", True)
+        assert (root / "current").readlink() == Path("generations/0001-stack-a")
+        rows = json.loads(cli("status", "-i", inv, "--known-hosts", t.known_hosts, "--json", check=0).stdout)
+        assert rows[0]["result"]["current"] == "0001-stack-a"
+    finally:
+        host.cleanup()
+
+
+def test_a_host_behind_a_jump_host_named_by_its_ssh_config_alias(tmp_path, wheels):
+    """gpu-behind sits in a network namespace that only the jump host's namespace reaches. The operator's ssh config
+    names it by an alias with ProxyJump; the inventory names the alias and that config. ansible-playbook reaches it
+    through the jump host and rolls it back; provision's own connection, which cannot go through a jump host yet,
+    refuses that inventory in one line before contacting anything, instead of going around the bastion."""
+    jump = LoopbackHost(netns=True).start()
+    behind = LoopbackHost(behind=jump).start()
+    try:
+        with pytest.raises(OSError):                                   # no route from here: only through the jump
+            socket.create_connection((behind.address, behind.port), timeout=2).close()
+        kh = tmp_path / "known_hosts"
+        kh.write_text("".join(f"{h.address} {(h.dir / 'host_ed25519.pub').read_text().split(' ')[0]} "
+                              f"{(h.dir / 'host_ed25519.pub').read_text().split(' ')[1]}\n" for h in (jump, behind)))
+        cfg = tmp_path / "ssh_config"
+        cfg.write_text(f"Host bastion\n  HostName {jump.address}\n  User {jump.target.user}\n"
+                       f"  IdentityFile {jump.dir / 'client_ed25519'}\n"
+                       f"Host gpu-behind\n  HostName {behind.address}\n  User {behind.target.user}\n"
+                       f"  IdentityFile {behind.dir / 'client_ed25519'}\n  ProxyJump bastion\n"
+                       f"Host *\n  UserKnownHostsFile {kh}\n  StrictHostKeyChecking yes\n  BatchMode yes\n")
+        root = tmp_path / "root"               # the namespaces share this machine's files: built with --local
+        for name, wheel in (("stack-a", "alpha-1.0"), ("stack-b", "alpha-2.0")):
+            cli("apply", "--local", "--root", root, "--lock",
+                write_lock(tmp_path / f"{name}.yaml", name, [wheels[wheel]]), check=0)
+        inv = tmp_path / "inv.yml"
+        inv.write_text(f"all:\n  hosts:\n    gpu-behind:\n      provision_root: {root}\n"
+                       f"      ansible_python_interpreter: /usr/bin/python3\n"
+                       f"      ansible_ssh_common_args: -F {cfg}\n")
+
+        p = ansible_playbook(inv, "rollback.yml")
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        done = results(p, "rollback")["gpu-behind"]
+        assert (done["from"], done["to"], done["changed"]) == ("0002-stack-b", "0001-stack-a", True)
+        assert (root / "current").readlink() == Path("generations/0001-stack-a")
+
+        refused = cli("status", "-i", inv, "--known-hosts", kh, check=2)
+        assert refused.stderr == (f"error: {inv}: host gpu-behind: ansible_ssh_common_args is set ('-F {cfg}'): "
+                                  "provision's own connection reaches a host only at its ansible_host, ansible_port "
+                                  "and ansible_user and would bypass it; run this host's steps with ansible-playbook "
+                                  "and the playbooks `provision playbooks` lists\n"), refused.stderr
+    finally:
+        behind.cleanup()
+        jump.cleanup()

@@ -758,6 +758,9 @@ def on_root(op):
     reported as one line naming the file."""
     def run(a):
         lay, held = Layout(a["root"]), None
+        denied = unreadable(lay.root)
+        if denied:
+            return {"error": denied}
         if a.get("take_lock"):
             held, holder = try_lock(lay.root)
             if held is None:
@@ -770,6 +773,21 @@ def on_root(op):
             if held is not None:
                 held.close()
     return run
+
+
+def unreadable(root):
+    """Why this user cannot read the host root that is there (another user's, e.g. root's: `become`), else None;
+    never "no generations" for a root it cannot see into."""
+    try:
+        os.listdir(root)
+    except FileNotFoundError:
+        return None
+    except PermissionError as e:
+        return "cannot read the host root %s (%s): run as its owner (root: Ansible's become, sudo)" % (
+            root, e.strerror)
+    except OSError:
+        return None
+    return None
 
 
 OPS = {name: on_root(op) for name, op in {
