@@ -50,3 +50,37 @@ def test_stale_override_warned_beside_unreadable_metadata(tmp_path):
     out = cli("lock", "check", lk, check=1).stdout
     assert "[metadata] lib: cannot read its METADATA" in out
     assert "[override] gone: override for gone, which is not in the closure  (%s:" % lk in out
+
+
+@pytest.fixture
+def locks(tmp_path, wheels):
+    return [write_lock(tmp_path / f"{n}.yaml", f"stack-{n}", ws) for n, ws in
+            (("a", [wheels["alpha-1.0"]]), ("b", [wheels["alpha-2.0"]]))]
+
+
+def current(root: Path) -> str:
+    return os.readlink(root / "current").rsplit("/", 1)[-1]
+
+
+def test_cut_off_history_line_is_reported_and_the_next_event_kept(target, locks):
+    """history.jsonl's last line cut off mid-line (a crash during its write): the next rollback's event starts on
+    a line of its own, the broken line is named (history.jsonl:LINE) and skipped, and a second rollback returns
+    to the generation the first one left."""
+    a, b = locks
+    root = Path(target.vars["provision_root"])
+    for lk in (a, b):
+        cli("apply", *host_args(target), "--lock", lk, check=0)
+    hist = root / "history.jsonl"
+    text = hist.read_bytes()
+    hist.write_bytes(text[:-20])                                 # the last event loses its end and its newline
+    broken = text[:-20].count(b"\n") + 1
+    p = cli("rollback", *host_args(target), check=0)
+    assert current(root) == "0001-stack-a"
+    assert f"warning: " in p.stderr and f"{hist}:{broken} is not an event" in p.stderr, p.stderr
+    lines = hist.read_bytes().split(b"\n")
+    assert json.loads(lines[broken])["event"] == "rollback"      # its own line, right after the broken one
+    p = cli("rollback", *host_args(target), check=0)
+    assert current(root) == "0002-stack-b", p.stdout
+    h = json.loads(cli("history", *host_args(target), "--json").stdout)
+    h = h[0] if isinstance(h, list) else h
+    assert any(f"{hist}:{broken}" in w for w in (h.get("value") or h).get("warnings")), h

@@ -42,26 +42,45 @@ def write_atomic(path, text):
     fsync_dir(os.path.dirname(path))
 
 
-def events(lay):
-    """The events of the host's history, oldest first (a line that is not JSON is skipped; no history: none)."""
+def read_history(lay):
+    """(the events of the host's history, oldest first; a warning for each line that is not one JSON object,
+    naming history.jsonl:LINE, which is skipped). No history: none."""
     try:
-        with open(lay.history) as f:
-            lines = f.readlines()
+        with open(lay.history, "rb") as f:
+            lines = f.read().split(b"\n")
     except OSError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
+        return [], []
+    out, broken = [], []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
             continue
-    return out
+        try:
+            ev = json.loads(line.decode("utf-8"))
+        except ValueError:
+            ev = None
+        if isinstance(ev, dict):
+            out.append(ev)
+        else:
+            broken.append(n)
+    return out, ["%s:%d is not an event (cut off or damaged: %d bytes); skipped" % (lay.history, n, len(lines[n - 1]))
+                 for n in broken]
+
+
+def events(lay):
+    """The events of the host's history, oldest first (see `read_history`)."""
+    return read_history(lay)[0]
 
 
 def record(lay, event):
+    """Append one event as one line; a history whose last line was cut off gets its newline first, so that the
+    event is a line of its own."""
     event = dict(event, time=now())
-    with open(lay.history, "a") as f:
-        f.write(json.dumps(event, sort_keys=True) + "\n")
+    with open(lay.history, "a+b") as f:
+        start = b""
+        if f.seek(0, 2) > 0:
+            f.seek(-1, 2)
+            start = b"" if f.read(1) == b"\n" else b"\n"
+        f.write(start + json.dumps(event, sort_keys=True).encode() + b"\n")
         f.flush()
         os.fsync(f.fileno())
     return event
@@ -382,7 +401,7 @@ def op_gc(lay, a):
         dists |= {wheel_dist(f) for f in re.findall(r"/([^/\s]+\.whl) --hash=", text)}
     out = {"dry_run": bool(a.get("dry_run")), "current": cur, "rollback_target": back[1] if back else None,
            "generations": [], "cache": [], "uv_cache": [], "bytes": 0, "shared_bytes": 0, "errors": [],
-           "recovered": recovered}
+           "recovered": recovered, "warnings": read_history(lay)[1]}
     items = []    # (the list in `out` it is reported in, its entry, its path, its name in the trash)
     for _, gen_id, man in doomed:
         entry = {"id": gen_id, "status": man.get("status"), "run_dir": man.get("run_dir")}
@@ -620,20 +639,22 @@ def op_rollback(lay, a):
         if target is None:
             why = "; history names %s" % ", ".join("%s (%s)" % s for s in skipped) if skipped else ""
             return {"error": "no earlier runnable generation to roll back to from %s%s" % (before, why)}
+    warnings = read_history(lay)[1]
     if target[1] == before:
-        return {"from": before, "to": before, "noop": True}
+        return {"from": before, "to": before, "noop": True, "warnings": warnings}
     forward = target[0] > int(before.split("-", 1)[0])
     check = None if a.get("force") else quick(lay, target[1])
     if check and check["verdict"] == "drift":
         return {"error": "generation %s fails verification (%s); not switched to it (--force switches anyway)"
                 % (target[1], check["named"]), "check": check}
     if a.get("dry_run"):
-        return {"from": before, "to": target[1], "forward": forward, "dry_run": True, "check": check}
+        return {"from": before, "to": target[1], "forward": forward, "dry_run": True, "check": check,
+                "warnings": warnings}
     ev, failed, seconds = commit(lay, target[1], target[2], {
         "event": "rollback", "from": before, "to": target[1], "lock": target[2].get("lock_name"),
         "forward": forward, "forced": bool(a.get("force"))})
     return {"from": before, "to": target[1], "forward": forward, "switch_seconds": seconds, "switched": True,
-            "event": ev, "check": check, "bookkeeping_failed": failed, "recovered": recovered}
+            "event": ev, "check": check, "bookkeeping_failed": failed, "recovered": recovered, "warnings": warnings}
 
 
 def op_adopt(lay, a):
@@ -658,7 +679,8 @@ def op_adopt(lay, a):
 
 
 def op_history(lay, a):
-    return {"current": current(lay), "events": events(lay)[-int(a.get("limit", 200)):],
+    evs, warnings = read_history(lay)
+    return {"current": current(lay), "events": evs[-int(a.get("limit", 200)):], "warnings": warnings,
             "generations": [dict(m, id=name, number=n) for n, name, m in gens(lay)]}
 
 

@@ -402,8 +402,8 @@ def rollback(to: Optional[str] = typer.Option(None, "--to", help="generation num
         else:
             console.print(f"{_switched(out, to)} {r.host}: current {out['from']} → {out['to']} "
                           f"in {out['seconds']:.2f}s{_checked(out.get('check'))}.", markup=False)
-            for w in out.get("warnings") or []:
-                err_console.print(f"warning: {r.host}: {w}", markup=False)
+        for w in out.get("warnings") or []:
+            err_console.print(f"warning: {r.host}: {w}", markup=False)
     print_rows(rows, show, json_out)
     exit_for(rows)
 
@@ -419,6 +419,8 @@ def history(json_out: bool = JsonOpt, hosts: Hosts = HOSTS,
 
     def show(r):
         console.print(history_table(r.value, r.host))
+        for w in r.value.get("warnings") or []:
+            err_console.print(f"warning: {r.host}: {w}", markup=False)
         if events:
             for e in r.value["events"]:
                 console.print(json.dumps(e, sort_keys=True), markup=False)
@@ -548,6 +550,7 @@ def gc_text(host: str, out: dict) -> str:
                  + f"; kept current {out['current'] or '(none)'} and rollback target "
                    f"{out['rollback_target'] or '(none)'}.")
     lines += [f"error: {host}: {e}" for e in out.get("errors") or []]
+    lines += [f"warning: {host}: {w}" for w in out.get("warnings") or []]
     return "\n".join(lines)
 
 
