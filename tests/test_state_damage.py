@@ -84,3 +84,27 @@ def test_cut_off_history_line_is_reported_and_the_next_event_kept(target, locks)
     h = json.loads(cli("history", *host_args(target), "--json").stdout)
     h = h[0] if isinstance(h, list) else h
     assert any(f"{hist}:{broken}" in w for w in (h.get("value") or h).get("warnings")), h
+
+
+def test_cut_off_manifest_of_a_ready_generation_is_kept_and_named(target, locks):
+    """0001's manifest.json cut off (its venv, stamp, probes and lock intact): the recovery that rollback and gc
+    run first keeps it as it is and names it with what is wrong; rollback refuses it in one line saying why;
+    gc keeps it."""
+    a, b = locks
+    root = Path(target.vars["provision_root"])
+    for lk in (a, b):
+        cli("apply", *host_args(target), "--lock", lk, check=0)
+    g1 = root / "generations" / "0001-stack-a"
+    man = g1 / "manifest.json"
+    cut = man.read_bytes()[:-40]
+    man.write_bytes(cut)
+    err = cli("rollback", *host_args(target), check=1).stderr
+    assert err.count("\n") == 1 and "0001-stack-a (manifest.json cannot be read (cut off or not JSON" in err, err
+    err = cli("rollback", *host_args(target), "--to", "1", check=1).stderr
+    assert "generation 0001-stack-a: manifest.json cannot be read" in err and "not switched to it" in err, err
+    gc = cli("gc", *host_args(target), "--keep", "1", check=0)
+    assert "warning: " in gc.stdout + gc.stderr and "generation 0001-stack-a: manifest.json cannot be read" in \
+        gc.stdout + gc.stderr and "kept as it is" in gc.stdout + gc.stderr, gc
+    assert (g1 / "venv" / "bin" / "python").exists() and man.read_bytes() == cut and current(root) == "0002-stack-b"
+    assert not [e for e in map(json.loads, (root / "history.jsonl").read_text().splitlines())
+                if e.get("event") == "abandoned"]

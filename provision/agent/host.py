@@ -245,14 +245,33 @@ def current(lay):
 
 
 def generations(lay):
-    """[(number, id, manifest)] of the generation directories, oldest first."""
+    """[(number, id, manifest)] of the generation directories, oldest first. A manifest that cannot be read
+    (cut off, not a JSON object, or missing beside a venv) is {"status": "unreadable", "unreadable": what is
+    wrong}: nothing says what that generation is, so nothing treats it as incomplete. A directory with neither
+    manifest nor venv is a `prepare` that was cut short: its manifest is {}."""
     gdir = lay.generations
     out = []
     for name in sorted(os.listdir(gdir)) if os.path.isdir(gdir) else []:
         m = re.match(r"^(\d{4})-(.+)$", name)
         if m:
-            out.append((int(m.group(1)), name, read_json(lay.gen(name).manifest, {}) or {}))
+            out.append((int(m.group(1)), name, manifest_of(lay.gen(name))))
     return out
+
+
+def manifest_of(gen):
+    """A generation's manifest (see `generations`)."""
+    try:
+        with open(gen.manifest) as f:
+            man = json.load(f)
+    except FileNotFoundError:
+        return {"status": "unreadable", "unreadable": "manifest.json is missing"} \
+            if os.path.lexists(gen.venv) else {}
+    except (OSError, ValueError) as e:
+        return {"status": "unreadable", "unreadable": "manifest.json cannot be read (%s)" % (
+            e.strerror if isinstance(e, OSError) else "cut off or not JSON: %s" % e)}
+    if not isinstance(man, dict):
+        return {"status": "unreadable", "unreadable": "manifest.json is not a JSON object"}
+    return man
 
 
 # ------------------------------------------------------------------ host lock

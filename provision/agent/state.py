@@ -11,7 +11,7 @@ import stat
 import time
 
 from ..layout import Layout, cache_entry, venv_python
-from .host import AgentError, current, ensure_root, generations as gens, read_json, try_lock
+from .host import AgentError, current, ensure_root, generations as gens, manifest_of, read_json, try_lock
 from .verify import quick
 
 
@@ -116,8 +116,11 @@ def oserr(e):
 
 
 def update_manifest(lay, gen_id, fields):
+    """Write `fields` into a generation's manifest; one that cannot be read is never overwritten (AgentError)."""
     path = lay.gen(gen_id).manifest
-    man = read_json(path, {})
+    man = manifest_of(lay.gen(gen_id))
+    if man.get("status") == "unreadable":
+        raise AgentError("generation %s: %s; it is left as it is" % (gen_id, man["unreadable"]))
     man.update(fields)
     write_atomic(path, json.dumps(man, indent=2, sort_keys=True))
     return man
@@ -203,9 +206,11 @@ def op_switch(lay, a):
     gen_id = a["id"]
     before = current(lay)
     gen = lay.gen(gen_id)
-    man = read_json(gen.manifest, None)
-    if man is None:
+    man = manifest_of(gen) if os.path.isdir(gen.dir) else None
+    if not man:
         return {"error": "no generation %s under %s" % (gen_id, lay.root)}
+    if man.get("status") == "unreadable":
+        return {"error": "generation %s: %s; never switched to" % (gen_id, man["unreadable"])}
     if man.get("status") in ("failed", "abandoned", "building", "built", "removing"):
         return {"error": "generation %s is %s: never switched to" % (gen_id, man.get("status"))}
     if not os.path.exists(gen.python):
@@ -259,9 +264,11 @@ def op_recover(lay, a):
     """Settle what an interrupted run left (the caller holds the host lock): a generation `switching` that
     `current` names is committed (manifest and history repaired); one left building/built/verified, or
     switching but not current, is abandoned and its venv removed; failed ones lose their venv; temp
-    files, partial downloads in the cache (`.part-`) and what an interrupted gc set aside (.trash) go."""
+    files, partial downloads in the cache (`.part-`) and what an interrupted gc set aside (.trash) go. A generation
+    whose manifest cannot be read is not known to be incomplete: it is kept as it is and named in `unreadable`."""
     cur = current(lay)
-    out = {"abandoned": [], "repaired": [], "freed": [], "removed_tmp": [], "removed_partial": [], "errors": []}
+    out = {"abandoned": [], "repaired": [], "freed": [], "removed_tmp": [], "removed_partial": [], "errors": [],
+           "unreadable": unreadable(gens(lay))}
     for d in [lay.root] + [lay.gen(g).dir for _, g, _ in gens(lay)]:
         for f in os.listdir(d) if os.path.isdir(d) else []:
             if re.search(r"\.tmp-\d+$", f) or f.endswith(".tmp"):
@@ -334,6 +341,12 @@ def partial_dirs(lay):
 
 
 RUNNABLE = ("ready", "adopted")
+
+
+def unreadable(all_gens):
+    """One line for each generation whose manifest cannot be read: what is wrong, and that it is kept."""
+    return ["generation %s: %s; kept as it is (repair or remove it by hand)" % (g, m["unreadable"])
+            for _, g, m in all_gens if m.get("status") == "unreadable"]
 SWITCHES = ("apply", "switch", "rollback")     # the events of a rename of `current` (op_switch's kinds, rollback)
 
 
@@ -366,7 +379,7 @@ def rollback_target(lay, all_gens, cur):
         if g is not None and runnable(lay, g):
             return g, skipped
         skipped.append((frm, "removed" if g is None else "no venv/bin/python" if g[2].get("status") in RUNNABLE
-                        else g[2].get("status") or "incomplete"))
+                        else g[2].get("unreadable") or g[2].get("status") or "incomplete"))
     return None, skipped
 
 
@@ -389,7 +402,8 @@ def op_gc(lay, a):
     spare = [g for g in all_gens if g[2].get("status") in RUNNABLE and g[1] not in protected]
     keep = max(0, int(a.get("keep", 3)) - len([p for p in protected if p]))
     kept_runnable = {g[1] for g in spare[len(spare) - keep:]} if keep else set()
-    doomed = [g for g in all_gens if g[1] not in protected and g[1] not in kept_runnable]
+    doomed = [g for g in all_gens if g[1] not in protected and g[1] not in kept_runnable
+              and g[2].get("status") != "unreadable"]
     kept = [g for g in all_gens if g not in doomed]
     needed, dists = set(), set()
     for _, gen_id, _ in kept:
@@ -401,7 +415,7 @@ def op_gc(lay, a):
         dists |= {wheel_dist(f) for f in re.findall(r"/([^/\s]+\.whl) --hash=", text)}
     out = {"dry_run": bool(a.get("dry_run")), "current": cur, "rollback_target": back[1] if back else None,
            "generations": [], "cache": [], "uv_cache": [], "bytes": 0, "shared_bytes": 0, "errors": [],
-           "recovered": recovered, "warnings": read_history(lay)[1]}
+           "recovered": recovered, "warnings": read_history(lay)[1] + unreadable(all_gens)}
     items = []    # (the list in `out` it is reported in, its entry, its path, its name in the trash)
     for _, gen_id, man in doomed:
         entry = {"id": gen_id, "status": man.get("status"), "run_dir": man.get("run_dir")}
@@ -632,6 +646,8 @@ def op_rollback(lay, a):
         if not match:
             return {"error": "no generation %s (have: %s)" % (to, ", ".join(g[1] for g in all_gens))}
         target = match[0]
+        if target[2].get("status") == "unreadable":
+            return {"error": "generation %s: %s; not switched to it" % (target[1], target[2]["unreadable"])}
         if target[2].get("status") not in ("ready", "adopted"):
             return {"error": "generation %s is %s, not runnable" % (target[1], target[2].get("status"))}
     else:
@@ -639,7 +655,7 @@ def op_rollback(lay, a):
         if target is None:
             why = "; history names %s" % ", ".join("%s (%s)" % s for s in skipped) if skipped else ""
             return {"error": "no earlier runnable generation to roll back to from %s%s" % (before, why)}
-    warnings = read_history(lay)[1]
+    warnings = read_history(lay)[1] + unreadable(all_gens)
     if target[1] == before:
         return {"from": before, "to": before, "noop": True, "warnings": warnings}
     forward = target[0] > int(before.split("-", 1)[0])
@@ -680,8 +696,10 @@ def op_adopt(lay, a):
 
 def op_history(lay, a):
     evs, warnings = read_history(lay)
-    return {"current": current(lay), "events": evs[-int(a.get("limit", 200)):], "warnings": warnings,
-            "generations": [dict(m, id=name, number=n) for n, name, m in gens(lay)]}
+    all_gens = gens(lay)
+    return {"current": current(lay), "events": evs[-int(a.get("limit", 200)):],
+            "warnings": warnings + unreadable(all_gens),
+            "generations": [dict(m, id=name, number=n) for n, name, m in all_gens]}
 
 
 def files(path):
