@@ -108,3 +108,35 @@ def test_cut_off_manifest_of_a_ready_generation_is_kept_and_named(target, locks)
     assert (g1 / "venv" / "bin" / "python").exists() and man.read_bytes() == cut and current(root) == "0002-stack-b"
     assert not [e for e in map(json.loads, (root / "history.jsonl").read_text().splitlines())
                 if e.get("event") == "abandoned"]
+
+
+@pytest.mark.parametrize("what", ["link to /usr", "directory"])
+def test_current_outside_the_generations(target, locks, what):
+    """`current` pointing at /usr, or replaced by a real directory, with two ready generations: rollback says in one
+    line what `current` is and offers `rollback --to`, which works (a directory is kept aside, never deleted)."""
+    a, b = locks
+    root = Path(target.vars["provision_root"])
+    for lk in (a, b):
+        cli("apply", *host_args(target), "--lock", lk, check=0)
+    link = root / "current"
+    link.unlink()
+    if what == "directory":
+        link.mkdir()
+        (link / "note").write_text("kept")
+        said = f"{link} is a directory, not a link to a generation under {root}/generations"
+    else:
+        link.symlink_to("/usr")
+        said = f"{link} points at /usr, not at a generation under {root}/generations"
+    err = cli("rollback", *host_args(target), check=1).stderr
+    assert err.count("\n") == 1 and said in err and "rollback --to GEN (have: 0001-stack-a, 0002-stack-b)" in err, err
+    st = json.loads(cli("status", *host_args(target), "--json").stdout)[0]
+    assert said in json.dumps(st), st
+    p = cli("rollback", *host_args(target), "--to", "1", check=0)
+    assert "→ 0001-stack-a" in p.stdout and said in p.stderr, (p.stdout, p.stderr)
+    assert current(root) == "0001-stack-a"
+    if what == "directory":
+        kept = [d for d in root.iterdir() if d.name.startswith("current.set-aside-")]
+        assert len(kept) == 1 and (kept[0] / "note").read_text() == "kept" and str(kept[0]) in p.stderr
+    assert said not in cli("status", *host_args(target), "--json").stdout
+    cli("rollback", *host_args(target), "--to", "2", check=0)
+    assert current(root) == "0002-stack-b"

@@ -239,9 +239,31 @@ def read_json(path, default=None):
 
 
 def current(lay):
-    """The id of the generation `current` names (None: no link)."""
+    """The id of the generation `current` names (None: no link, or one that names no generation: see
+    `current_problem`)."""
+    return current_link(lay)[0]
+
+
+def current_problem(lay):
+    """What is wrong with `current`, in a few words (None: it is absent or names a generation)."""
+    return current_link(lay)[1]
+
+
+def current_link(lay):
+    """(id of the generation `current` names, None) or (None, what `current` is instead)."""
     link = lay.current
-    return os.path.basename(os.readlink(link).rstrip("/")) if os.path.islink(link) else None
+    if not os.path.lexists(link):
+        return None, None
+    if not os.path.islink(link):
+        what = "a directory" if os.path.isdir(link) else "a file"
+        return None, "%s is %s, not a link to a generation under %s" % (link, what, lay.generations)
+    target = os.readlink(link)
+    full = os.path.normpath(os.path.join(lay.root, target))
+    name = os.path.basename(full)
+    if re.match(r"^\d{4}-.+$", name) and \
+            os.path.realpath(os.path.dirname(full)) == os.path.realpath(lay.generations):
+        return name, None
+    return None, "%s points at %s, not at a generation under %s" % (link, target, lay.generations)
 
 
 def generations(lay):

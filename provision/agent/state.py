@@ -11,7 +11,8 @@ import stat
 import time
 
 from ..layout import Layout, cache_entry, venv_python
-from .host import AgentError, current, ensure_root, generations as gens, manifest_of, read_json, try_lock
+from .host import (AgentError, current, current_link, current_problem, ensure_root, generations as gens,
+                   manifest_of, read_json, try_lock)
 from .verify import quick
 
 
@@ -87,19 +88,29 @@ def record(lay, event):
 
 
 def switch_link(lay, gen_id):
-    """The commit point: rename(2) of a fresh symlink over `current`, then fsync of the root."""
+    """The commit point: rename(2) of a fresh symlink over `current`, then fsync of the root. A `current` that is
+    a directory (which a rename cannot replace) is first renamed aside, never deleted: returns where it went."""
     if not os.path.isdir(lay.gen(gen_id).dir):
         raise AgentError("no generation %s under %s" % (gen_id, lay.root))
-    tmp = lay.current_tmp(os.getpid())
+    tmp, aside = lay.current_tmp(os.getpid()), None
     try:
         if os.path.lexists(tmp):
             os.unlink(tmp)
         os.symlink(lay.link_target(gen_id), tmp)
-        os.replace(tmp, lay.current)   # rename(2): atomic
+        if os.path.isdir(lay.current) and not os.path.islink(lay.current):
+            aside = "%s.set-aside-%s" % (lay.current, time.strftime("%Y%m%dT%H%M%S", time.gmtime()))
+            os.rename(lay.current, aside)
+        try:
+            os.replace(tmp, lay.current)   # rename(2): atomic
+        except OSError:
+            if aside and not os.path.lexists(lay.current):
+                os.rename(aside, lay.current)
+            raise
     finally:
         if os.path.lexists(tmp):
             os.unlink(tmp)
     fsync_dir(lay.root)
+    return aside
 
 
 def remove_venv(lay, gen_id):
@@ -231,7 +242,9 @@ def commit(lay, gen_id, man, event):
     update_manifest(lay, gen_id, {"status": "switching", "switch_event": event, "runnable_as": runnable})
     t0 = time.perf_counter()
     try:
-        switch_link(lay, gen_id)                   # ---- the commit ----
+        aside = switch_link(lay, gen_id)           # ---- the commit ----
+        if aside:
+            event["current_set_aside"] = aside
     except OSError:
         if current(lay) != gen_id:
             update_manifest(lay, gen_id, {"status": runnable, "switch_event": None})
@@ -415,7 +428,8 @@ def op_gc(lay, a):
         dists |= {wheel_dist(f) for f in re.findall(r"/([^/\s]+\.whl) --hash=", text)}
     out = {"dry_run": bool(a.get("dry_run")), "current": cur, "rollback_target": back[1] if back else None,
            "generations": [], "cache": [], "uv_cache": [], "bytes": 0, "shared_bytes": 0, "errors": [],
-           "recovered": recovered, "warnings": read_history(lay)[1] + unreadable(all_gens)}
+           "recovered": recovered, "warnings": read_history(lay)[1] + unreadable(all_gens) +
+           [p for p in [current_problem(lay)] if p]}
     items = []    # (the list in `out` it is reported in, its entry, its path, its name in the trash)
     for _, gen_id, man in doomed:
         entry = {"id": gen_id, "status": man.get("status"), "run_dir": man.get("run_dir")}
@@ -635,11 +649,14 @@ def op_rollback(lay, a):
     """Switch back to generation `to` (a number or id), or to the newest ready one below current. Settles
     what an interrupted run left first (the caller holds the host lock, except for a dry run)."""
     recovered = None if a.get("dry_run") else op_recover(lay, a)
-    before = current(lay)
+    before, broken = current_link(lay)
     all_gens = gens(lay)
-    if not all_gens or before is None:
+    if not all_gens:
         return {"error": "no managed generations on this host: nothing to roll back to"}
     to = a.get("to")
+    if before is None and to is None:   # no history to follow from here: the operator names the generation
+        return {"error": "%s; name the generation to switch to: rollback --to GEN (have: %s)" % (
+            broken or "no current generation under %s" % lay.root, ", ".join(g[1] for g in all_gens))}
     if to is not None:
         match = [g for g in all_gens if str(g[0]) == str(to).lstrip("0") or g[1] == str(to) or
                  (str(to).isdigit() and g[0] == int(to))]
@@ -655,10 +672,10 @@ def op_rollback(lay, a):
         if target is None:
             why = "; history names %s" % ", ".join("%s (%s)" % s for s in skipped) if skipped else ""
             return {"error": "no earlier runnable generation to roll back to from %s%s" % (before, why)}
-    warnings = read_history(lay)[1] + unreadable(all_gens)
+    warnings = read_history(lay)[1] + unreadable(all_gens) + ([broken] if broken else [])
     if target[1] == before:
         return {"from": before, "to": before, "noop": True, "warnings": warnings}
-    forward = target[0] > int(before.split("-", 1)[0])
+    forward = before is not None and target[0] > id_number(before)
     check = None if a.get("force") else quick(lay, target[1])
     if check and check["verdict"] == "drift":
         return {"error": "generation %s fails verification (%s); not switched to it (--force switches anyway)"
@@ -668,7 +685,9 @@ def op_rollback(lay, a):
                 "warnings": warnings}
     ev, failed, seconds = commit(lay, target[1], target[2], {
         "event": "rollback", "from": before, "to": target[1], "lock": target[2].get("lock_name"),
-        "forward": forward, "forced": bool(a.get("force"))})
+        "forward": forward, "forced": bool(a.get("force")), "current_was": broken})
+    if ev and ev.get("current_set_aside"):
+        warnings.append("what was at %s is kept at %s" % (lay.current, ev["current_set_aside"]))
     return {"from": before, "to": target[1], "forward": forward, "switch_seconds": seconds, "switched": True,
             "event": ev, "check": check, "bookkeeping_failed": failed, "recovered": recovered, "warnings": warnings}
 
@@ -689,7 +708,7 @@ def op_adopt(lay, a):
     man = dict(a.get("manifest", {}), id=gen_id, number=0, status="adopted", created=now(), adopted_from=prefix)
     write_atomic(gen.manifest, json.dumps(man, indent=2, sort_keys=True))
     record(lay, {"event": "adopt", "generation": gen_id, "path": prefix, "lock": a["lock_name"]})
-    if current(lay) is None:
+    if not os.path.lexists(lay.current):
         switch_link(lay, gen_id)
     return {"id": gen_id, "dir": gen.dir}
 
@@ -698,7 +717,7 @@ def op_history(lay, a):
     evs, warnings = read_history(lay)
     all_gens = gens(lay)
     return {"current": current(lay), "events": evs[-int(a.get("limit", 200)):],
-            "warnings": warnings + unreadable(all_gens),
+            "warnings": warnings + unreadable(all_gens) + [p for p in [current_problem(lay)] if p],
             "generations": [dict(m, id=name, number=n) for n, name, m in all_gens]}
 
 
@@ -769,7 +788,7 @@ def op_status(lay, a):
                        "summary": ev.get("summary")}
             if ev.get("generation") == cur:
                 probe = {k: v for k, v in attempt.items() if k != "generation"}
-    broken = None
+    broken = current_problem(lay)
     if cur and not any(name == cur for _, name, _ in all_gens):
         broken = "its directory generations/%s is missing" % cur
     elif cur and not os.path.exists(lay.gen(cur).python):

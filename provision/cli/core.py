@@ -397,10 +397,11 @@ def rollback(to: Optional[str] = typer.Option(None, "--to", help="generation num
             console.print(f"{r.host} is already on {out['to']}.", markup=False)
         elif out.get("dry_run"):
             verb = "switch forward" if out.get("forward") and to is not None else "roll back"
-            console.print(f"Would {verb} {r.host}: current {out['from']} → {out['to']} (dry run: nothing changed).",
+            console.print(f"Would {verb} {r.host}: current {out['from'] or '(none)'} → {out['to']} "
+                          "(dry run: nothing changed).",
                           markup=False)
         else:
-            console.print(f"{_switched(out, to)} {r.host}: current {out['from']} → {out['to']} "
+            console.print(f"{_switched(out, to)} {r.host}: current {out['from'] or '(none)'} → {out['to']} "
                           f"in {out['seconds']:.2f}s{_checked(out.get('check'))}.", markup=False)
         for w in out.get("warnings") or []:
             err_console.print(f"warning: {r.host}: {w}", markup=False)
