@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,35 @@ def test_current_outside_the_generations(target, locks, what):
     assert said not in cli("status", *host_args(target), "--json").stdout
     cli("rollback", *host_args(target), "--to", "2", check=0)
     assert current(root) == "0002-stack-b"
+
+
+@contextmanager
+def read_only(path: Path):
+    """`path` bind-mounted onto itself read-only (a real read-only filesystem); skips where mounting is refused."""
+    p = subprocess.run(["mount", "--bind", str(path), str(path)], capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot bind-mount here (a read-only root needs it): {p.stderr.strip()}")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(path)], check=True, capture_output=True)
+        yield
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_read_only_root(target, locks):
+    """The host root remounted read-only: verify gives its verdict (and says it is not recorded); rollback and gc
+    say in one line that the root is read-only, exit 1, and change nothing."""
+    a, b = locks
+    root = Path(target.vars["provision_root"])
+    for lk in (a, b):
+        cli("apply", *host_args(target), "--lock", lk, check=0)
+    said = f"host root {root} is read-only"
+    with read_only(root):
+        p = cli("verify", *host_args(target), check=0)
+        assert "0002-stack-b on" in p.stdout and "clean" in p.stdout, p.stdout
+        assert "the verdict is not recorded: " + said in p.stderr, p.stderr
+        for verb in (["rollback"], ["gc", "--keep", "1"]):
+            err = cli(*verb, *host_args(target), check=1).stderr
+            assert err.count("\n") == 1 and said in err and "nothing was written" in err, err
+        assert "Would roll back" in cli("rollback", *host_args(target), "--dry-run", check=0).stdout
+    assert current(root) == "0002-stack-b" and (root / "generations" / "0001-stack-a" / "venv").is_dir()

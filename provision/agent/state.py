@@ -3,6 +3,7 @@
 Payload: {op, root, ...}; returns one JSON object. `current` is only ever changed by
 rename(2) of a freshly made symlink, so it always points at a complete generation.
 """
+import errno
 import json
 import os
 import re
@@ -814,21 +815,32 @@ def op_read(lay, a):
 
 def on_root(op):
     """An operation on the payload's root: under the host lock when the payload asks (`take_lock`), an OSError
-    reported as one line naming the file."""
+    reported as one line naming the file (a root on a read-only filesystem: naming the root and that)."""
     def run(a):
         lay, held = Layout(a["root"]), None
-        if a.get("take_lock"):
-            held, holder = try_lock(lay.root)
-            if held is None:
-                return {"error": "another run holds the host lock %s (%s)" % (lay.lock_file, holder)}
         try:
+            if a.get("take_lock"):
+                held, holder = try_lock(lay.root)
+                if held is None:
+                    return {"error": "another run holds the host lock %s (%s)" % (lay.lock_file, holder)}
             return op(lay, a)
         except OSError as e:
+            if e.errno == errno.EROFS or read_only(lay.root):
+                return {"error": "host root %s is read-only (%s: %s); nothing was written" % (
+                    lay.root, e.filename or lay.root, e.strerror)}
             return {"error": "%s: %s" % (e.filename or lay.root, e.strerror)}
         finally:
             if held is not None:
                 held.close()
     return run
+
+
+def read_only(root):
+    """Whether the filesystem holding `root` is mounted read-only."""
+    try:
+        return bool(os.statvfs(root).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 OPS = {name: on_root(op) for name, op in {
