@@ -173,3 +173,89 @@ def test_read_only_root(target, locks):
             assert err.count("\n") == 1 and said in err and "nothing was written" in err, err
         assert "Would roll back" in cli("rollback", *host_args(target), "--dry-run", check=0).stdout
     assert current(root) == "0002-stack-b" and (root / "generations" / "0001-stack-a" / "venv").is_dir()
+
+
+@contextmanager
+def tmpfs(path: Path, size: str):
+    """A real small filesystem at `path` (tmpfs); skips where mounting is refused."""
+    path.mkdir(parents=True, exist_ok=True)
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                       text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (a full disk needs one): {p.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def fill(root: Path, leave: int) -> Path:
+    """Write a filler file under `root` until only about `leave` bytes are free."""
+    st = os.statvfs(root)
+    filler = root / "filler"
+    with open(filler, "wb") as f:
+        left = st.f_bavail * st.f_frsize - leave
+        try:
+            while left > 0:
+                left -= f.write(b"\0" * min(left, 1 << 20))
+            f.flush()
+        except OSError:
+            pass
+    return filler
+
+
+def bulky_wheel(tmp_path: Path, name: str, mib: int, inner: str = "blob.bin") -> Path:
+    """A real wheel whose one file of `mib` MiB of zeros is deflated: a few KiB to download, `mib` MiB installed."""
+    import zipfile
+
+    w = make_wheel(tmp_path / "src", name, "1.0", extra={f"{name}/{inner}": b"\0" * (mib << 20)})
+    out = tmp_path / "w" / w.name
+    out.parent.mkdir(exist_ok=True)
+    with zipfile.ZipFile(w) as zi, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as zo:
+        for i in zi.infolist():
+            zo.writestr(i.filename, zi.read(i))
+    return out
+
+
+def test_full_disk(tmp_path, wheels):
+    """A 16 MiB root: plan counts a wheel's installed size (10 MiB of zeros in an 11 KiB wheel: in the venv and in
+    uv's cache), not twice its download, and refuses; a disk that fills up during the install, or right after the
+    build, fails the apply with a message that names what failed, starts on a whole word, says the disk under the
+    root is full and where `current` is (unchanged)."""
+    from provision import apply as applymod
+    from provision import lock as lockmod
+    from provision.errors import ProvisionError
+    from provision.plan import plan_host
+    from provision.transport import Local, Target
+
+    with tmpfs(tmp_path / "a-rather-long-directory-name-for-the-host-root" / "root", "16m") as root:
+        tr = Local(Target(host="local", vars={"provision_root": str(root)}))
+        a = lockmod.load(write_lock(tmp_path / "a.yaml", "stack-a", [wheels["alpha-1.0"]]))
+        assert applymod.apply(tr, a).status == "applied"
+        big = lockmod.load(write_lock(tmp_path / "big.yaml", "stack-big", [bulky_wheel(tmp_path, "bulky", 10)]))
+        planned = plan_host(tr, big)
+        assert any("free under" in e and "this build needs about 20.0 MiB" in e for e in planned.errors), planned
+        assert planned.download["installed"] >= 10 << 20 and planned.download["disk_needed"] >= 20 << 20
+
+        deep = "/".join(["d" * 200] * 2 + ["b" * 200])      # a long path: the install's error is long
+        c = lockmod.load(write_lock(tmp_path / "c.yaml", "stack-c", [bulky_wheel(tmp_path, "roomy", 4, deep)]))
+        assert not plan_host(tr, c).errors
+        for when, leave, said in (("plan", 2 << 20, "build: install failed (exit "),
+                                  ("build", 0, "recording generation 0003-stack-c as built failed: ")):
+            def progress(step, state, detail, when=when, leave=leave):
+                if (step, state) == (when, "done"):
+                    fill(root, leave)
+            with pytest.raises(ProvisionError) as e:
+                applymod.apply(tr, c, progress=progress)
+            msg = e.value.message
+            assert said in msg and f"the disk under host root {root} is full" in msg, msg
+            assert msg.endswith("; current is 0001-stack-a"), msg
+            assert current(root) == "0001-stack-a"
+            if when == "plan":
+                text = msg.split(said, 1)[1].split(": ", 1)[1]
+                log = (root / "generations" / "0002-stack-c" / "build.log").read_text()
+                first = (text[2:] if text.startswith("… ") else text).split()[0]
+                assert first in log.split(), text                   # a whole word of what the install said
+            else:
+                assert e.value.report.steps[-1].name == "build" and e.value.report.steps[-1].status == "done"
+            (root / "filler").unlink()

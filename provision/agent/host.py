@@ -249,6 +249,16 @@ def current_problem(lay):
     return current_link(lay)[1]
 
 
+def disk_full(lay):
+    """What an error caused by a full disk adds: the root, what is free there, and where `current` is."""
+    try:
+        st = os.statvfs(lay.root)
+        free = "%.1f MiB free" % (st.f_bavail * st.f_frsize / float(1 << 20))
+    except OSError:
+        free = "free space unknown"
+    return "the disk under host root %s is full (%s); current is %s" % (lay.root, free, current(lay) or "(none)")
+
+
 def current_link(lay):
     """(id of the generation `current` names, None) or (None, what `current` is instead)."""
     link = lay.current

@@ -12,7 +12,7 @@ import stat
 import time
 
 from ..layout import Layout, cache_entry, venv_python
-from .host import (AgentError, current, current_link, current_problem, ensure_root, generations as gens,
+from .host import (AgentError, current, current_link, current_problem, disk_full, ensure_root, generations as gens,
                    manifest_of, read_json, try_lock)
 from .verify import quick
 
@@ -828,11 +828,24 @@ def on_root(op):
             if e.errno == errno.EROFS or read_only(lay.root):
                 return {"error": "host root %s is read-only (%s: %s); nothing was written" % (
                     lay.root, e.filename or lay.root, e.strerror)}
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                return {"error": "%s failed: %s; %s" % (
+                    doing(a), "%s: %s" % (e.filename, e.strerror) if e.filename else e.strerror, disk_full(lay))}
             return {"error": "%s: %s" % (e.filename or lay.root, e.strerror)}
         finally:
             if held is not None:
                 held.close()
     return run
+
+
+def doing(a):
+    """The operation of payload `a`, in a few words (for an error)."""
+    fields = a.get("fields") or {}
+    if a.get("op") == "mark" and fields.get("status"):
+        return "recording generation %s as %s" % (a.get("id"), fields["status"])
+    if a.get("id"):
+        return "%s of generation %s" % (a.get("op"), a["id"])
+    return str(a.get("op"))
 
 
 def read_only(root):
