@@ -408,7 +408,8 @@ def _marked_failed(report: ApplyReport, gen_id: str, out: dict) -> None:
 
 def _recover(transport: Transport) -> dict:
     out = generations.recover(transport)
-    parts = [f"{len(out[k])} {k}" for k in ("abandoned", "repaired", "settled", "freed", "removed_tmp") if out.get(k)]
+    parts = [f"{len(out[k])} {k}" for k in ("abandoned", "repaired", "settled", "freed", "removed_tmp", "unreadable")
+             if out.get(k)]
     out["detail"] = ", ".join(parts) if parts else "nothing to settle"
     return out
 

@@ -67,8 +67,9 @@ def rollback(t: Transport, to: str | None = None, dry_run: bool = False, force: 
     t0 = time.perf_counter()
     out = call(t, "rollback", to=to, take_lock=not dry_run, dry_run=dry_run, force=force)
     out["seconds"] = time.perf_counter() - t0
-    out["warnings"] = [f"switched to {out['to']}; recording it failed ({what}); the next run repairs it"
-                       for what in out.get("bookkeeping_failed") or []]
+    out["warnings"] = list(out.get("warnings") or []) + [
+        f"switched to {out['to']}; recording it failed ({what}); the next run repairs it"
+        for what in out.get("bookkeeping_failed") or []]
     return out
 
 

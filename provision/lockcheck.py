@@ -320,12 +320,11 @@ class _Checker:
     def report_overrides(self):
         stale = {i for i, _ in self.lock.stale_overrides()}
         for i, o in enumerate(self.lock.overrides):
-            if i in self.used_overrides:
-                continue
-            if o.package in self.unresolved or canonicalize_name(Requirement(o.use).name) in self.unresolved:
-                continue
-            if i in stale:
+            if i in stale:      # whatever else could be read: the package it overrides is not there
                 msg = f"override for {o.package}, which is not in the closure"
+            elif i in self.used_overrides or o.package in self.unresolved or \
+                    canonicalize_name(Requirement(o.use).name) in self.unresolved:
+                continue
             else:
                 msg = f"override for {o.package} ({o.pins} → {o.use}) covers no failing requirement; remove it?"
             self.add("warning", "override", o.package, o.pins, msg, self.lock.where("overrides", i))

@@ -28,7 +28,8 @@ ORDER = ("lock", "python", "toolkit", "driver", "package", "hash", "index", "pat
 HEADINGS = {"package": "  packages", "patch": "  patches", "hash": "  wheel hashes (same version)",
             "index": "  indexes", "probe": "  probe expectations"}
 MIN_FREE_BYTES = 1 << 30   # what a build should leave free under the root (less is a warning, not a refusal)
-UNPACK_FACTOR = 2   # disk estimate: an installed wheel takes about twice its download (uv links, no copy)
+UNPACK_FACTOR = 3   # disk estimate of a wheel not at hand to read: installed, it takes about 3 times its download
+BLOCK = 4096        # an installed file takes whole blocks
 
 
 @dataclass
@@ -443,15 +444,52 @@ def _local_size(lock: Lock, url: str | None) -> int | None:
         return None
 
 
+def _wheel_at_hand(lock: Lock, p) -> Path | None:
+    """The wheel file of package `p` on this machine: its file URL (or a path the lock names), else the
+    controller's wheel cache."""
+    from urllib.parse import unquote, urlparse
+
+    from .wheelcache import CACHE
+
+    paths = []
+    if p.url and urlparse(p.url).scheme not in ("http", "https"):
+        parsed = urlparse(p.url)
+        paths.append(Path(unquote(parsed.path)) if parsed.scheme == "file" else lock.resolve_path(p.url))
+    if p.sha256 and p.filename and "/" not in p.filename:
+        paths.append(CACHE / p.sha256 / p.filename)
+    return next((x for x in paths if x.is_file()), None)
+
+
+def installed_size(lock: Lock, p, size: int | None) -> tuple[int, bool]:
+    """(bytes package `p` takes installed, whether that is exact): the sum of its files' sizes, each in whole
+    blocks, from the wheel's own listing where the wheel is at hand; else UNPACK_FACTOR times its download."""
+    import zipfile
+
+    path = _wheel_at_hand(lock, p)
+    if path is not None:
+        try:
+            with zipfile.ZipFile(path) as z:
+                return sum(-(-i.file_size // BLOCK) * BLOCK for i in z.infolist() if not i.is_dir()), True
+        except (OSError, zipfile.BadZipFile):
+            pass
+    return UNPACK_FACTOR * (size or 0), False
+
+
 def download_estimate(facts: Facts, lock: Lock) -> dict:
-    """Wheels the host's cache lacks, their bytes (where known), and the disk a build needs."""
+    """Wheels the host's cache lacks, their bytes (where known), and the disk a build needs: those downloads, the
+    whole install (a generation owns a copy of every file, cached wheels or not) and, for each wheel not cached
+    yet, its unpacked copy in uv's cache. `installed` is the install's bytes; `estimated`, how many packages'
+    installed size is a guess (their wheels are not at hand to read)."""
     cached = set(facts.cached_wheels)
     need = [p for p in lock.packages if p.sha256 not in cached]
     sizes = {p.name: p.size if p.size is not None else _local_size(lock, p.url) for p in lock.packages}
     known = sum(sizes[p.name] or 0 for p in need)
-    total = sum(v or 0 for v in sizes.values())
+    inst = {p.name: installed_size(lock, p, sizes[p.name]) for p in lock.packages}
+    installed = sum(b for b, _ in inst.values())
+    unpacked = sum(inst[p.name][0] for p in need)
     return {"wheels": len(need), "bytes": known, "unknown": sum(sizes[p.name] is None for p in need),
-            "disk_needed": known + UNPACK_FACTOR * total, "disk_free": facts.disk_free_bytes}
+            "installed": installed, "estimated": sum(not exact for _, exact in inst.values()),
+            "disk_needed": known + installed + unpacked, "disk_free": facts.disk_free_bytes}
 
 
 def make_plan(facts: Facts, lock: Lock) -> Plan:

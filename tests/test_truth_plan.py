@@ -189,7 +189,9 @@ def test_disk_check_of_a_build_from_cached_wheels_counts_only_the_install(tmp_pa
     """Every wheel already in the host's cache: the disk a build needs is the install alone (nothing to
     fetch); free space that holds it is enough, one byte less is refused; the reserve is only a warning."""
     from provision.facts import gather
-    from provision.plan import MIN_FREE_BYTES, UNPACK_FACTOR, download_estimate
+    import zipfile
+
+    from provision.plan import BLOCK, MIN_FREE_BYTES, download_estimate
 
     tr = Local(Target(host="local", vars={"provision_root": str(tmp_path / "root")}))
     ws = [wheels["alpha-1.0"], wheels["beta-1.0"]]
@@ -197,7 +199,7 @@ def test_disk_check_of_a_build_from_cached_wheels_counts_only_the_install(tmp_pa
     cached = lockmod.load(write_lock(tmp_path / "b.yaml", "b", ws))     # the same wheels, another build
     facts = gather(tr, python=cached.platform.python)
     dl = download_estimate(facts, cached)
-    install = UNPACK_FACTOR * sum(w.stat().st_size for w in ws)
+    install = sum(-(-i.file_size // BLOCK) * BLOCK for w in ws for i in zipfile.ZipFile(w).infolist())
     assert (dl["wheels"], dl["bytes"], dl["disk_needed"]) == (0, 0, install), dl
     for free, refused in ((install, False), (install - 1, True)):
         plan = make_plan(replace(facts, disk_free_bytes=free), cached)

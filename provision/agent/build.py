@@ -29,7 +29,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from ..layout import Generation, cache_entry
-from .host import AgentError, ensure_root, event, inside
+from .host import AgentError, disk_full, ensure_root, event, inside
 from .verify import read_only
 
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -854,9 +854,19 @@ def _run(argv, env, what, log, where=None):
         quiet.set()
     if p.wait() != 0:
         log("%s failed (exit %d)" % (what, p.returncode))
-        raise AgentError("%s failed (exit %d): %s" % (what, p.returncode, " | ".join(tail[-3:])[-600:]))
+        raise AgentError("%s failed (exit %d): %s" % (what, p.returncode, last_words(" | ".join(tail[-3:]))))
     log("%s: %.1fs" % (what, time.monotonic() - t0))
     return time.monotonic() - t0
+
+
+def last_words(text, limit=600):
+    """The end of `text` in at most about `limit` characters, cut between words (an ellipsis says where); a
+    word longer than 160 characters (a deep path) keeps its start and its end."""
+    text = " ".join(w if len(w) <= 160 else w[:60] + "…" + w[-90:] for w in text.split(" "))
+    if len(text) <= limit:
+        return text
+    cut = text[-limit:]
+    return "… " + (cut.split(None, 1)[1] if len(cut.split(None, 1)) > 1 else cut)
 
 
 def _disk(path):
@@ -897,6 +907,8 @@ def op_build(a):
         return _build(a, lay, gen, python, installer, log)
     except Exception as e:
         log("build failed: %s" % e)
+        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(e):
+            raise AgentError("build: %s; %s" % (e, disk_full(lay)))
         raise
     finally:
         log.close()

@@ -239,20 +239,71 @@ def read_json(path, default=None):
 
 
 def current(lay):
-    """The id of the generation `current` names (None: no link)."""
+    """The id of the generation `current` names (None: no link, or one that names no generation: see
+    `current_problem`)."""
+    return current_link(lay)[0]
+
+
+def current_problem(lay):
+    """What is wrong with `current`, in a few words (None: it is absent or names a generation)."""
+    return current_link(lay)[1]
+
+
+def disk_full(lay):
+    """What an error caused by a full disk adds: the root, what is free there, and where `current` is."""
+    try:
+        st = os.statvfs(lay.root)
+        free = "%.1f MiB free" % (st.f_bavail * st.f_frsize / float(1 << 20))
+    except OSError:
+        free = "free space unknown"
+    return "the disk under host root %s is full (%s); current is %s" % (lay.root, free, current(lay) or "(none)")
+
+
+def current_link(lay):
+    """(id of the generation `current` names, None) or (None, what `current` is instead)."""
     link = lay.current
-    return os.path.basename(os.readlink(link).rstrip("/")) if os.path.islink(link) else None
+    if not os.path.lexists(link):
+        return None, None
+    if not os.path.islink(link):
+        what = "a directory" if os.path.isdir(link) else "a file"
+        return None, "%s is %s, not a link to a generation under %s" % (link, what, lay.generations)
+    target = os.readlink(link)
+    full = os.path.normpath(os.path.join(lay.root, target))
+    name = os.path.basename(full)
+    if re.match(r"^\d{4}-.+$", name) and \
+            os.path.realpath(os.path.dirname(full)) == os.path.realpath(lay.generations):
+        return name, None
+    return None, "%s points at %s, not at a generation under %s" % (link, target, lay.generations)
 
 
 def generations(lay):
-    """[(number, id, manifest)] of the generation directories, oldest first."""
+    """[(number, id, manifest)] of the generation directories, oldest first. A manifest that cannot be read
+    (cut off, not a JSON object, or missing beside a venv) is {"status": "unreadable", "unreadable": what is
+    wrong}: nothing says what that generation is, so nothing treats it as incomplete. A directory with neither
+    manifest nor venv is a `prepare` that was cut short: its manifest is {}."""
     gdir = lay.generations
     out = []
     for name in sorted(os.listdir(gdir)) if os.path.isdir(gdir) else []:
         m = re.match(r"^(\d{4})-(.+)$", name)
         if m:
-            out.append((int(m.group(1)), name, read_json(lay.gen(name).manifest, {}) or {}))
+            out.append((int(m.group(1)), name, manifest_of(lay.gen(name))))
     return out
+
+
+def manifest_of(gen):
+    """A generation's manifest (see `generations`)."""
+    try:
+        with open(gen.manifest) as f:
+            man = json.load(f)
+    except FileNotFoundError:
+        return {"status": "unreadable", "unreadable": "manifest.json is missing"} \
+            if os.path.lexists(gen.venv) else {}
+    except (OSError, ValueError) as e:
+        return {"status": "unreadable", "unreadable": "manifest.json cannot be read (%s)" % (
+            e.strerror if isinstance(e, OSError) else "cut off or not JSON: %s" % e)}
+    if not isinstance(man, dict):
+        return {"status": "unreadable", "unreadable": "manifest.json is not a JSON object"}
+    return man
 
 
 # ------------------------------------------------------------------ host lock

@@ -3,6 +3,7 @@
 Payload: {op, root, ...}; returns one JSON object. `current` is only ever changed by
 rename(2) of a freshly made symlink, so it always points at a complete generation.
 """
+import errno
 import json
 import os
 import re
@@ -11,7 +12,8 @@ import stat
 import time
 
 from ..layout import Layout, cache_entry, venv_python
-from .host import AgentError, current, ensure_root, generations as gens, read_json, try_lock
+from .host import (AgentError, current, current_link, current_problem, disk_full, ensure_root, generations as gens,
+                   manifest_of, read_json, try_lock)
 from .verify import quick
 
 
@@ -42,45 +44,74 @@ def write_atomic(path, text):
     fsync_dir(os.path.dirname(path))
 
 
-def events(lay):
-    """The events of the host's history, oldest first (a line that is not JSON is skipped; no history: none)."""
+def read_history(lay):
+    """(the events of the host's history, oldest first; a warning for each line that is not one JSON object,
+    naming history.jsonl:LINE, which is skipped). No history: none."""
     try:
-        with open(lay.history) as f:
-            lines = f.readlines()
+        with open(lay.history, "rb") as f:
+            lines = f.read().split(b"\n")
     except OSError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
+        return [], []
+    out, broken = [], []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
             continue
-    return out
+        try:
+            ev = json.loads(line.decode("utf-8"))
+        except ValueError:
+            ev = None
+        if isinstance(ev, dict):
+            out.append(ev)
+        else:
+            broken.append(n)
+    return out, ["%s:%d is not an event (cut off or damaged: %d bytes); skipped" % (lay.history, n, len(lines[n - 1]))
+                 for n in broken]
+
+
+def events(lay):
+    """The events of the host's history, oldest first (see `read_history`)."""
+    return read_history(lay)[0]
 
 
 def record(lay, event):
+    """Append one event as one line; a history whose last line was cut off gets its newline first, so that the
+    event is a line of its own."""
     event = dict(event, time=now())
-    with open(lay.history, "a") as f:
-        f.write(json.dumps(event, sort_keys=True) + "\n")
+    with open(lay.history, "a+b") as f:
+        start = b""
+        if f.seek(0, 2) > 0:
+            f.seek(-1, 2)
+            start = b"" if f.read(1) == b"\n" else b"\n"
+        f.write(start + json.dumps(event, sort_keys=True).encode() + b"\n")
         f.flush()
         os.fsync(f.fileno())
     return event
 
 
 def switch_link(lay, gen_id):
-    """The commit point: rename(2) of a fresh symlink over `current`, then fsync of the root."""
+    """The commit point: rename(2) of a fresh symlink over `current`, then fsync of the root. A `current` that is
+    a directory (which a rename cannot replace) is first renamed aside, never deleted: returns where it went."""
     if not os.path.isdir(lay.gen(gen_id).dir):
         raise AgentError("no generation %s under %s" % (gen_id, lay.root))
-    tmp = lay.current_tmp(os.getpid())
+    tmp, aside = lay.current_tmp(os.getpid()), None
     try:
         if os.path.lexists(tmp):
             os.unlink(tmp)
         os.symlink(lay.link_target(gen_id), tmp)
-        os.replace(tmp, lay.current)   # rename(2): atomic
+        if os.path.isdir(lay.current) and not os.path.islink(lay.current):
+            aside = "%s.set-aside-%s" % (lay.current, time.strftime("%Y%m%dT%H%M%S", time.gmtime()))
+            os.rename(lay.current, aside)
+        try:
+            os.replace(tmp, lay.current)   # rename(2): atomic
+        except OSError:
+            if aside and not os.path.lexists(lay.current):
+                os.rename(aside, lay.current)
+            raise
     finally:
         if os.path.lexists(tmp):
             os.unlink(tmp)
     fsync_dir(lay.root)
+    return aside
 
 
 def remove_venv(lay, gen_id):
@@ -97,8 +128,11 @@ def oserr(e):
 
 
 def update_manifest(lay, gen_id, fields):
+    """Write `fields` into a generation's manifest; one that cannot be read is never overwritten (AgentError)."""
     path = lay.gen(gen_id).manifest
-    man = read_json(path, {})
+    man = manifest_of(lay.gen(gen_id))
+    if man.get("status") == "unreadable":
+        raise AgentError("generation %s: %s; it is left as it is" % (gen_id, man["unreadable"]))
     man.update(fields)
     write_atomic(path, json.dumps(man, indent=2, sort_keys=True))
     return man
@@ -184,9 +218,11 @@ def op_switch(lay, a):
     gen_id = a["id"]
     before = current(lay)
     gen = lay.gen(gen_id)
-    man = read_json(gen.manifest, None)
-    if man is None:
+    man = manifest_of(gen) if os.path.isdir(gen.dir) else None
+    if not man:
         return {"error": "no generation %s under %s" % (gen_id, lay.root)}
+    if man.get("status") == "unreadable":
+        return {"error": "generation %s: %s; never switched to" % (gen_id, man["unreadable"])}
     if man.get("status") in ("failed", "abandoned", "building", "built", "removing"):
         return {"error": "generation %s is %s: never switched to" % (gen_id, man.get("status"))}
     if not os.path.exists(gen.python):
@@ -207,7 +243,9 @@ def commit(lay, gen_id, man, event):
     update_manifest(lay, gen_id, {"status": "switching", "switch_event": event, "runnable_as": runnable})
     t0 = time.perf_counter()
     try:
-        switch_link(lay, gen_id)                   # ---- the commit ----
+        aside = switch_link(lay, gen_id)           # ---- the commit ----
+        if aside:
+            event["current_set_aside"] = aside
     except OSError:
         if current(lay) != gen_id:
             update_manifest(lay, gen_id, {"status": runnable, "switch_event": None})
@@ -240,9 +278,11 @@ def op_recover(lay, a):
     """Settle what an interrupted run left (the caller holds the host lock): a generation `switching` that
     `current` names is committed (manifest and history repaired); one left building/built/verified, or
     switching but not current, is abandoned and its venv removed; failed ones lose their venv; temp
-    files, partial downloads in the cache (`.part-`) and what an interrupted gc set aside (.trash) go."""
+    files, partial downloads in the cache (`.part-`) and what an interrupted gc set aside (.trash) go. A generation
+    whose manifest cannot be read is not known to be incomplete: it is kept as it is and named in `unreadable`."""
     cur = current(lay)
-    out = {"abandoned": [], "repaired": [], "freed": [], "removed_tmp": [], "removed_partial": [], "errors": []}
+    out = {"abandoned": [], "repaired": [], "freed": [], "removed_tmp": [], "removed_partial": [], "errors": [],
+           "unreadable": unreadable(gens(lay))}
     for d in [lay.root] + [lay.gen(g).dir for _, g, _ in gens(lay)]:
         for f in os.listdir(d) if os.path.isdir(d) else []:
             if re.search(r"\.tmp-\d+$", f) or f.endswith(".tmp"):
@@ -315,6 +355,12 @@ def partial_dirs(lay):
 
 
 RUNNABLE = ("ready", "adopted")
+
+
+def unreadable(all_gens):
+    """One line for each generation whose manifest cannot be read: what is wrong, and that it is kept."""
+    return ["generation %s: %s; kept as it is (repair or remove it by hand)" % (g, m["unreadable"])
+            for _, g, m in all_gens if m.get("status") == "unreadable"]
 SWITCHES = ("apply", "switch", "rollback")     # the events of a rename of `current` (op_switch's kinds, rollback)
 
 
@@ -347,7 +393,7 @@ def rollback_target(lay, all_gens, cur):
         if g is not None and runnable(lay, g):
             return g, skipped
         skipped.append((frm, "removed" if g is None else "no venv/bin/python" if g[2].get("status") in RUNNABLE
-                        else g[2].get("status") or "incomplete"))
+                        else g[2].get("unreadable") or g[2].get("status") or "incomplete"))
     return None, skipped
 
 
@@ -370,7 +416,8 @@ def op_gc(lay, a):
     spare = [g for g in all_gens if g[2].get("status") in RUNNABLE and g[1] not in protected]
     keep = max(0, int(a.get("keep", 3)) - len([p for p in protected if p]))
     kept_runnable = {g[1] for g in spare[len(spare) - keep:]} if keep else set()
-    doomed = [g for g in all_gens if g[1] not in protected and g[1] not in kept_runnable]
+    doomed = [g for g in all_gens if g[1] not in protected and g[1] not in kept_runnable
+              and g[2].get("status") != "unreadable"]
     kept = [g for g in all_gens if g not in doomed]
     needed, dists = set(), set()
     for _, gen_id, _ in kept:
@@ -382,7 +429,8 @@ def op_gc(lay, a):
         dists |= {wheel_dist(f) for f in re.findall(r"/([^/\s]+\.whl) --hash=", text)}
     out = {"dry_run": bool(a.get("dry_run")), "current": cur, "rollback_target": back[1] if back else None,
            "generations": [], "cache": [], "uv_cache": [], "bytes": 0, "shared_bytes": 0, "errors": [],
-           "recovered": recovered}
+           "recovered": recovered, "warnings": read_history(lay)[1] + unreadable(all_gens) +
+           [p for p in [current_problem(lay)] if p]}
     items = []    # (the list in `out` it is reported in, its entry, its path, its name in the trash)
     for _, gen_id, man in doomed:
         entry = {"id": gen_id, "status": man.get("status"), "run_dir": man.get("run_dir")}
@@ -602,17 +650,22 @@ def op_rollback(lay, a):
     """Switch back to generation `to` (a number or id), or to the newest ready one below current. Settles
     what an interrupted run left first (the caller holds the host lock, except for a dry run)."""
     recovered = None if a.get("dry_run") else op_recover(lay, a)
-    before = current(lay)
+    before, broken = current_link(lay)
     all_gens = gens(lay)
-    if not all_gens or before is None:
+    if not all_gens:
         return {"error": "no managed generations on this host: nothing to roll back to"}
     to = a.get("to")
+    if before is None and to is None:   # no history to follow from here: the operator names the generation
+        return {"error": "%s; name the generation to switch to: rollback --to GEN (have: %s)" % (
+            broken or "no current generation under %s" % lay.root, ", ".join(g[1] for g in all_gens))}
     if to is not None:
         match = [g for g in all_gens if str(g[0]) == str(to).lstrip("0") or g[1] == str(to) or
                  (str(to).isdigit() and g[0] == int(to))]
         if not match:
             return {"error": "no generation %s (have: %s)" % (to, ", ".join(g[1] for g in all_gens))}
         target = match[0]
+        if target[2].get("status") == "unreadable":
+            return {"error": "generation %s: %s; not switched to it" % (target[1], target[2]["unreadable"])}
         if target[2].get("status") not in ("ready", "adopted"):
             return {"error": "generation %s is %s, not runnable" % (target[1], target[2].get("status"))}
     else:
@@ -620,20 +673,24 @@ def op_rollback(lay, a):
         if target is None:
             why = "; history names %s" % ", ".join("%s (%s)" % s for s in skipped) if skipped else ""
             return {"error": "no earlier runnable generation to roll back to from %s%s" % (before, why)}
+    warnings = read_history(lay)[1] + unreadable(all_gens) + ([broken] if broken else [])
     if target[1] == before:
-        return {"from": before, "to": before, "noop": True}
-    forward = target[0] > int(before.split("-", 1)[0])
+        return {"from": before, "to": before, "noop": True, "warnings": warnings}
+    forward = before is not None and target[0] > id_number(before)
     check = None if a.get("force") else quick(lay, target[1])
     if check and check["verdict"] == "drift":
         return {"error": "generation %s fails verification (%s); not switched to it (--force switches anyway)"
                 % (target[1], check["named"]), "check": check}
     if a.get("dry_run"):
-        return {"from": before, "to": target[1], "forward": forward, "dry_run": True, "check": check}
+        return {"from": before, "to": target[1], "forward": forward, "dry_run": True, "check": check,
+                "warnings": warnings}
     ev, failed, seconds = commit(lay, target[1], target[2], {
         "event": "rollback", "from": before, "to": target[1], "lock": target[2].get("lock_name"),
-        "forward": forward, "forced": bool(a.get("force"))})
+        "forward": forward, "forced": bool(a.get("force")), "current_was": broken})
+    if ev and ev.get("current_set_aside"):
+        warnings.append("what was at %s is kept at %s" % (lay.current, ev["current_set_aside"]))
     return {"from": before, "to": target[1], "forward": forward, "switch_seconds": seconds, "switched": True,
-            "event": ev, "check": check, "bookkeeping_failed": failed, "recovered": recovered}
+            "event": ev, "check": check, "bookkeeping_failed": failed, "recovered": recovered, "warnings": warnings}
 
 
 def op_adopt(lay, a):
@@ -652,14 +709,17 @@ def op_adopt(lay, a):
     man = dict(a.get("manifest", {}), id=gen_id, number=0, status="adopted", created=now(), adopted_from=prefix)
     write_atomic(gen.manifest, json.dumps(man, indent=2, sort_keys=True))
     record(lay, {"event": "adopt", "generation": gen_id, "path": prefix, "lock": a["lock_name"]})
-    if current(lay) is None:
+    if not os.path.lexists(lay.current):
         switch_link(lay, gen_id)
     return {"id": gen_id, "dir": gen.dir}
 
 
 def op_history(lay, a):
-    return {"current": current(lay), "events": events(lay)[-int(a.get("limit", 200)):],
-            "generations": [dict(m, id=name, number=n) for n, name, m in gens(lay)]}
+    evs, warnings = read_history(lay)
+    all_gens = gens(lay)
+    return {"current": current(lay), "events": evs[-int(a.get("limit", 200)):],
+            "warnings": warnings + unreadable(all_gens) + [p for p in [current_problem(lay)] if p],
+            "generations": [dict(m, id=name, number=n) for n, name, m in all_gens]}
 
 
 def files(path):
@@ -729,7 +789,7 @@ def op_status(lay, a):
                        "summary": ev.get("summary")}
             if ev.get("generation") == cur:
                 probe = {k: v for k, v in attempt.items() if k != "generation"}
-    broken = None
+    broken = current_problem(lay)
     if cur and not any(name == cur for _, name, _ in all_gens):
         broken = "its directory generations/%s is missing" % cur
     elif cur and not os.path.exists(lay.gen(cur).python):
@@ -755,19 +815,25 @@ def op_read(lay, a):
 
 def on_root(op):
     """An operation on the payload's root: under the host lock when the payload asks (`take_lock`), an OSError
-    reported as one line naming the file."""
+    reported as one line naming the file (a root on a read-only filesystem: naming the root and that)."""
     def run(a):
         lay, held = Layout(a["root"]), None
         denied = unreadable(lay.root)
         if denied:
             return {"error": denied}
-        if a.get("take_lock"):
-            held, holder = try_lock(lay.root)
-            if held is None:
-                return {"error": "another run holds the host lock %s (%s)" % (lay.lock_file, holder)}
         try:
+            if a.get("take_lock"):
+                held, holder = try_lock(lay.root)
+                if held is None:
+                    return {"error": "another run holds the host lock %s (%s)" % (lay.lock_file, holder)}
             return op(lay, a)
         except OSError as e:
+            if e.errno == errno.EROFS or read_only(lay.root):
+                return {"error": "host root %s is read-only (%s: %s); nothing was written" % (
+                    lay.root, e.filename or lay.root, e.strerror)}
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                return {"error": "%s failed: %s; %s" % (
+                    doing(a), "%s: %s" % (e.filename, e.strerror) if e.filename else e.strerror, disk_full(lay))}
             return {"error": "%s: %s" % (e.filename or lay.root, e.strerror)}
         finally:
             if held is not None:
@@ -788,6 +854,24 @@ def unreadable(root):
     except OSError:
         return None
     return None
+
+
+def doing(a):
+    """The operation of payload `a`, in a few words (for an error)."""
+    fields = a.get("fields") or {}
+    if a.get("op") == "mark" and fields.get("status"):
+        return "recording generation %s as %s" % (a.get("id"), fields["status"])
+    if a.get("id"):
+        return "%s of generation %s" % (a.get("op"), a["id"])
+    return str(a.get("op"))
+
+
+def read_only(root):
+    """Whether the filesystem holding `root` is mounted read-only."""
+    try:
+        return bool(os.statvfs(root).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 OPS = {name: on_root(op) for name, op in {

@@ -397,13 +397,14 @@ def rollback(to: Optional[str] = typer.Option(None, "--to", help="generation num
             console.print(f"{r.host} is already on {out['to']}.", markup=False)
         elif out.get("dry_run"):
             verb = "switch forward" if out.get("forward") and to is not None else "roll back"
-            console.print(f"Would {verb} {r.host}: current {out['from']} → {out['to']} (dry run: nothing changed).",
+            console.print(f"Would {verb} {r.host}: current {out['from'] or '(none)'} → {out['to']} "
+                          "(dry run: nothing changed).",
                           markup=False)
         else:
-            console.print(f"{_switched(out, to)} {r.host}: current {out['from']} → {out['to']} "
+            console.print(f"{_switched(out, to)} {r.host}: current {out['from'] or '(none)'} → {out['to']} "
                           f"in {out['seconds']:.2f}s{_checked(out.get('check'))}.", markup=False)
-            for w in out.get("warnings") or []:
-                err_console.print(f"warning: {r.host}: {w}", markup=False)
+        for w in out.get("warnings") or []:
+            err_console.print(f"warning: {r.host}: {w}", markup=False)
     print_rows(rows, show, json_out)
     exit_for(rows)
 
@@ -419,6 +420,8 @@ def history(json_out: bool = JsonOpt, hosts: Hosts = HOSTS,
 
     def show(r):
         console.print(history_table(r.value, r.host))
+        for w in r.value.get("warnings") or []:
+            err_console.print(f"warning: {r.host}: {w}", markup=False)
         if events:
             for e in r.value["events"]:
                 console.print(json.dumps(e, sort_keys=True), markup=False)
@@ -557,6 +560,7 @@ def gc_text(host: str, out: dict) -> str:
                  + f"; kept current {out['current'] or '(none)'} and rollback target "
                    f"{out['rollback_target'] or '(none)'}.")
     lines += [f"error: {host}: {e}" for e in out.get("errors") or []]
+    lines += [f"warning: {host}: {w}" for w in out.get("warnings") or []]
     return "\n".join(lines)
 
 

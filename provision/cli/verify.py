@@ -54,6 +54,10 @@ def verify(hosts: Hosts,
         mark = ("clean", "green") if v["verdict"] == "clean" else ("drift", "red")
         what = "" if v["verdict"] == "clean" else f" in {len(v['rows'])} distribution(s)"
         console.print(styled(f"{v['generation']} on {r.host}: ", mark, f"{what} — {figures(v)}"), soft_wrap=True)
+        from .common import err_console
+
+        for w in v.get("warnings") or []:
+            err_console.print(f"warning: {r.host}: {w}", markup=False)
     print_rows(rows, show, json_out)
     exit_for(rows, bad=lambda v: v["verdict"] != "clean")
 
