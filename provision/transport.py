@@ -317,7 +317,8 @@ class Transport:
             self.watch = watch
         if not out.get("ended"):
             return None
-        return f"its host agent (pid {pid}{', stopped' if out.get('stopped') else ''}) did not end with its session: ended it"
+        how = ", stopped" if out.get("stopped") else ""
+        return f"its host agent (pid {pid}{how}) did not end with its session: ended it"
 
     def spawn(self, argv: list[str]):
         """Start a long-running process; returns an object with .send(), .readline(), .close()."""
@@ -376,7 +377,8 @@ class HeldLock:
                             where=self.transport.target.name)
         if not state["held"]:
             self.proc.close()
-            raise HostLockedError(f"another run holds the host lock {self.path}: {state['by'] or 'unknown'}; "
+            by = _printable(state["by"]) if isinstance(state.get("by"), str) else "unknown"
+            raise HostLockedError(f"another run holds the host lock {self.path}: {by}; "
                                   "`provision unlock` ends it if its controller is gone",
                                   where=self.transport.target.name)
         threading.Thread(target=self._beat, args=(beat,), name=f"heartbeat {self.transport.target.name}",

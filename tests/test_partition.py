@@ -68,7 +68,8 @@ class Stalling:
     def requested(self, timeout: float) -> bool:
         import select
 
-        return bool(select.select([self.proc.stdout], [], [], timeout)[0]) and "requested" in self.proc.stdout.readline()
+        ready = select.select([self.proc.stdout], [], [], timeout)[0]
+        return bool(ready) and "requested" in self.proc.stdout.readline()
 
     def release(self) -> None:
         self.proc.stdin.write("go\n")

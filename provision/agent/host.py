@@ -48,6 +48,7 @@ provision.agent.host.serve(m)
 MESSAGE = {}            # the message this process was started with (to start sibling agents)
 AT_END = []             # what `end` does once this agent's process tree is gone (the host lock waits for work)
 ON_PULSE = []           # what each heartbeat from the controller does (the host lock notes its holder is heard)
+STDIN_OPS = {("host", "hold"), ("build", "push")}    # the operations that read stdin after their message
 
 
 class AgentError(Exception):
@@ -63,7 +64,8 @@ def serve(message):
     os.environ.update({str(k): str(v) for k, v in (message.get("env") or {}).items()})
     payload = message.get("input") if isinstance(message.get("input"), dict) else {}
     guard(working=not (message.get("agent") == "host" and payload.get("op") in ("hold", "end", "unlock")),
-          root=payload.get("root"), heartbeat=message.get("heartbeat"))
+          root=payload.get("root"), heartbeat=message.get("heartbeat"),
+          reads_stdin=(message.get("agent"), payload.get("op")) in STDIN_OPS)
     try:
         try:
             result = dispatch(message["agent"], payload)
@@ -87,7 +89,7 @@ def dispatch(agent, payload):
 
 # ------------------------------------------------------------------ an agent's work dies with its controller
 
-def guard(working, root, heartbeat=None):
+def guard(working, root, heartbeat=None, reads_stdin=False):
     """Tie this agent's work to its controller. Every process it starts, at any depth, stays its descendant
     (it is their subreaper), and when the controller goes (its end of our stdout closes: the ssh channel or
     the local pipe is gone), or falls silent for `heartbeat` seconds (a network partition closes nothing), or
@@ -110,18 +112,21 @@ def guard(working, root, heartbeat=None):
         signal.signal(s, lambda signum, frame: end(128 + signum))
     threading.Thread(target=_watch_controller, daemon=True).start()
     if isinstance(heartbeat, (int, float)) and not isinstance(heartbeat, bool) and heartbeat > 0:
-        _listen(float(heartbeat))
+        _listen(float(heartbeat), reads_stdin)
         emit({"_agent": {"pid": os.getpid(), "start": proc_start(os.getpid())}})
 
 
-def _listen(bound):
-    """Hear the controller's heartbeat: stdin is relayed through a pipe (readers see the same bytes), and each
-    chunk that comes is a sign of life (ON_PULSE). No byte for `bound` seconds ends this agent as a closed
-    channel does; the end of stdin ends the listening (the controller is done sending, not gone)."""
+def _listen(bound, forward):
+    """Hear the controller's heartbeat: each chunk that comes on stdin is a sign of life (ON_PULSE). No byte for
+    `bound` seconds ends this agent as a closed channel does; the end of stdin ends the listening (the controller
+    is done sending, not gone). Stdin becomes a pipe that gets what came (`forward`: an operation that reads its
+    stdin) or nothing, so the programs an agent starts read an ended stdin, not heartbeats."""
     src = os.dup(0)
     r, w = os.pipe()
     os.dup2(r, 0)
     os.close(r)
+    if not forward:
+        os.close(w)
     heard, closed = [time.monotonic()], threading.Event()
 
     def relay():
@@ -130,11 +135,13 @@ def _listen(bound):
                 heard[0] = time.monotonic()
                 for f in ON_PULSE:
                     f()
-                os.write(w, chunk)
+                if forward:
+                    os.write(w, chunk)
         except OSError:
             pass
         closed.set()
-        os.close(w)
+        if forward:
+            os.close(w)
 
     def watch():
         while not closed.wait(min(1.0, bound / 4)):
