@@ -2,7 +2,8 @@
 
 Both offer run / run_agent / put / hold / spawn; remote command lines are quoted here and
 nowhere else (`shlex.join`). Hosts are named `[user@]host[:port]` or `local`. A host command that shows no
-progress is said so after `notice` seconds and stopped after `deadline` (its host work ends with it).
+progress is said so after `notice` seconds and stopped after `deadline` (its host work ends with it); agents
+hear a heartbeat and end their work when it stops (a cut-off controller), and `unlock` frees an orphaned run's lock.
 """
 from __future__ import annotations
 
