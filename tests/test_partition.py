@@ -220,8 +220,8 @@ def test_unlock_refuses_a_live_holder_and_breaks_an_orphaned_one(target, tmp_pat
     p = cli("unlock", *host_args(t), check=0)
     assert p.stdout.strip() == f"{t.name}: {root}/.lock is not held", p.stdout
     inv = tmp_path / "inv.yml"
-    inv.write_text(f"all:\n  hosts:\n    gpu0: {{ansible_host: {t.host}, ansible_port: {t.port}, ansible_user: {t.user}, "
-                   f"ansible_ssh_private_key_file: {t.key_file}, provision_root: {root}}}\n"
+    inv.write_text(f"all:\n  hosts:\n    gpu0: {{ansible_host: {t.host}, ansible_port: {t.port}, "
+                   f"ansible_user: {t.user}, ansible_ssh_private_key_file: {t.key_file}, provision_root: {root}}}\n"
                    f"    gpu1: {{ansible_host: {t.host}, ansible_port: {t.port}, provision_root: {tmp_path / 'r1'}}}\n")
     p = cli("unlock", "-i", inv, "--limit", "gpu0", "--known-hosts", t.known_hosts, "--json", check=0)
     assert json.loads(p.stdout) == {"state": "free", "lock": f"{root}/.lock", "ended": []}, p.stdout
