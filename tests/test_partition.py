@@ -109,6 +109,16 @@ def lock_free_within(root: str, seconds: float) -> None:
                 time.sleep(0.05)
 
 
+def record(root: str) -> dict:
+    """The holder record in the host lock file (read again when caught mid-write)."""
+    for _ in range(50):
+        try:
+            return json.loads((Path(root) / ".lock").read_text())
+        except ValueError:
+            time.sleep(0.02)
+    raise AssertionError((Path(root) / ".lock").read_text())
+
+
 @pytest.fixture
 def cut_host(tmp_path, wheels):
     """A host in its own network namespace on generation A, and lock B whose second wheel hangs mid-download
@@ -149,6 +159,10 @@ def test_a_partition_mid_build_says_it_waits_and_frees_the_host_lock(cut_host):
     worker.start()
     assert slow.requested(60)
     assert working_agents(h.root)
+    deadline = time.monotonic() + 10
+    while record(h.root)["step"] != "build":      # the holder's heartbeat names the step the run is in
+        assert time.monotonic() < deadline, record(h.root)
+        time.sleep(0.1)
     link(h, "down")
     try:
         lock_free_within(h.root, 15)      # its agents heard no heartbeat for 3 s: they ended and the lock went
@@ -207,10 +221,6 @@ def test_a_stopped_agent_is_ended_at_the_step_deadline(target, wheels, tmp_path)
         slow.close()
     assert report.status == "applied", report
     assert_settled(target, report.generation)
-
-
-def record(root: str) -> dict:
-    return json.loads((Path(root) / ".lock").read_text())
 
 
 def test_unlock_refuses_a_live_holder_and_breaks_an_orphaned_one(target, tmp_path, wheels):

@@ -307,7 +307,7 @@ def try_lock(root, step=None):
     the heartbeat bound it hears that controller by, and the step (`step`, else this agent's op); each
     heartbeat heard sets the file's mtime, so `op_unlock` can tell a holder that still hears its controller."""
     path = ensure_root(root).lock_file
-    f = open(path, "a+")
+    f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o640), "r+")    # not O_APPEND: the record is rewritten
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -331,10 +331,10 @@ def try_lock(root, step=None):
 
 
 def write_record(f, record):
-    f.seek(0)
-    f.truncate()
-    f.write(json.dumps(record))
-    f.flush()
+    """Write the holder record over the lock file's text in one write, then cut what is left of the old one."""
+    data = json.dumps(record).encode()
+    os.pwrite(f.fileno(), data, 0)
+    os.ftruncate(f.fileno(), len(data))
 
 
 def read_record(text):
