@@ -2,7 +2,8 @@
 
 Both offer run / run_agent / put / hold / spawn; remote command lines are quoted here and
 nowhere else (`shlex.join`). Hosts are named `[user@]host[:port]` or `local`. A host command that shows no
-progress is said so after `notice` seconds and stopped after `deadline` (its host work ends with it).
+progress is said so after `notice` seconds and stopped after `deadline` (its host work ends with it); agents
+hear a heartbeat and end their work when it stops (a cut-off controller), and `unlock` frees an orphaned run's lock.
 """
 from __future__ import annotations
 
@@ -36,6 +37,11 @@ KEEPALIVE_COUNT = 3  # keepalives a host may leave unanswered in a row before it
 # shows progress every few seconds, so only a step that does nothing meets it.
 NOTICE = 30.0
 DEADLINE = 600.0
+# An agent hears its controller: a byte on its stdin every HEARTBEAT seconds. One that hears none for HEARTBEAT_MISSES
+# periods ends its work (and lets the host lock go): a network partition closes no channel, and sshd's own TCP
+# keepalive takes hours to notice one.
+HEARTBEAT = 10.0
+HEARTBEAT_MISSES = 3
 
 
 def parse_port(text, where: str) -> int:
@@ -90,6 +96,7 @@ class Target:
     timeout: float = TIMEOUT                   # connect, banner, handshake and authentication; keepalive period
     notice: float = NOTICE                     # seconds without progress before a step says what it waits for
     deadline: float = DEADLINE                 # seconds without progress before a step is stopped
+    heartbeat: float = HEARTBEAT               # seconds between heartbeats to an agent (HEARTBEAT_MISSES ends it)
 
     @property
     def local(self) -> bool:
@@ -211,9 +218,10 @@ class Transport:
     watch: Watch | None = None      # the step the next host commands belong to (apply sets it per step)
 
     def run(self, argv: list[str], *, stdin: bytes | Iterable[bytes] | None = None, timeout: float | None = None,
-            on_line: Callable[[str], None] | None = None) -> Result:
+            on_line: Callable[[str], None] | None = None, beat: float | None = None) -> Result:
         """Run argv (no shell on Local; quoted by `quote` on SSH) with stdin (bytes, or chunks streamed);
-        `on_line` sees stdout lines as they come."""
+        `on_line` sees stdout lines as they come. `beat`: after stdin, a newline every `beat` seconds until the
+        command ends (an agent's heartbeat; not progress)."""
         raise NotImplementedError
 
     def check(self, argv: list[str], **kw) -> str:
@@ -234,26 +242,38 @@ class Transport:
         """Run host agent `name` on `payload` (one JSON line on stdin; `extra_stdin` streams after it) with
         interpreter `python`; returns the agent's result (its last stdout line). Earlier lines
         {"_event": {...}} go to `on_event` (progress); agent errors become HostError. `python` defaults to
-        the host's (`self.python`), which runs stdlib agents only and so starts without site (`-S`)."""
+        the host's (`self.python`), which runs stdlib agents only and so starts without site (`-S`).
+        The agent hears a heartbeat (`target.heartbeat`); a step stopped at its deadline or cancelled also ends
+        the agent's process tree over a fresh session, when closing its own did not (a stopped agent)."""
         from . import agent
 
+        started: dict = {}
+
         def line(text: str) -> None:
-            if on_event and text.startswith("{"):
+            if text.startswith("{"):
                 try:
                     ev = json.loads(text)
                 except ValueError:
                     return
-                if isinstance(ev, dict) and isinstance(ev.get("_event"), dict):
+                if isinstance(ev, dict) and isinstance(ev.get("_agent"), dict) and not started:
+                    started.update(ev["_agent"])
+                elif on_event and isinstance(ev, dict) and isinstance(ev.get("_event"), dict):
                     step = ev["_event"].get("step")
                     if self.watch and isinstance(step, str) and STEP_RE.match(step):   # a host's word, checked
                         self.watch.phase = step
                     on_event(ev["_event"])
 
-        msg = agent.message(name, payload, env)
-        r = self.run(agent.command(python or self.python, site=python is not None),
-                     stdin=itertools.chain([msg], extra_stdin) if extra_stdin else msg,
-                     timeout=timeout,
-                     on_line=line if on_event else None)
+        beat = self.target.heartbeat
+        msg = agent.message(name, payload, env, heartbeat=beat * HEARTBEAT_MISSES)
+        try:
+            r = self.run(agent.command(python or self.python, site=python is not None),
+                         stdin=itertools.chain([msg], extra_stdin) if extra_stdin else msg,
+                         timeout=timeout, on_line=line, beat=beat)
+        except (StepStalled, Cancelled) as e:
+            said = self._end_agent(started)
+            if said:
+                e.message += f"; {said}"
+            raise
         try:
             data = json.loads(r.stdout.strip().splitlines()[-1]) if r.stdout.strip() else None
         except (json.JSONDecodeError, IndexError):
@@ -283,6 +303,24 @@ class Transport:
         """Take the host's flock for one mutating run; released when the run ends or dies."""
         return HeldLock(self, layout.of(self))
 
+    def _end_agent(self, started: dict) -> str | None:
+        """End a stopped step's agent (`started`: the pid and start time it said) and its tree over a fresh
+        session, unless it ends by itself within a few seconds; what was done, in words, or None."""
+        pid, start = started.get("pid"), started.get("start")
+        if not isinstance(pid, int) or isinstance(pid, bool) or not isinstance(start, int):
+            return None
+        watch, self.watch = self.watch, None      # the step's cancel flag and deadline are not this command's
+        try:
+            out = self.run_agent("host", {"op": "end", "pid": pid, "start": start, "grace": END_GRACE})
+        except HostError as e:
+            return f"its host agent (pid {pid}) could not be ended: {e.message}"
+        finally:
+            self.watch = watch
+        if not out.get("ended"):
+            return None
+        how = ", stopped" if out.get("stopped") else ""
+        return f"its host agent (pid {pid}{how}) did not end with its session: ended it"
+
     def spawn(self, argv: list[str]):
         """Start a long-running process; returns an object with .send(), .readline(), .close()."""
         raise NotImplementedError
@@ -292,6 +330,7 @@ class Transport:
 
 
 STEP_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}\Z")
+END_GRACE = 3.0     # seconds a step's agent has to end by itself once its session is closed, before it is ended
 
 
 def _no_answer(name: str, payload: dict, r: Result, last) -> str:
@@ -312,17 +351,22 @@ CAT = "import shutil,sys\nwith open(sys.argv[1],'rb') as f: shutil.copyfileobj(f
 
 
 class HeldLock:
-    """A host flock (the layout's lock file) held by the `host` agent (op hold) whose stdin we keep open."""
+    """A host flock (the layout's lock file) held by the `host` agent (op hold) whose stdin we keep open, with a
+    heartbeat on it that names the step the run is in (the lock file records it)."""
 
     def __init__(self, transport: Transport, lay: layout.Layout):
         self.transport, self.root, self.path, self.proc = transport, lay.root, lay.lock_file, None
+        self.done = threading.Event()
 
     def __enter__(self):
         from . import agent
 
+        beat = self.transport.target.heartbeat
         self.proc = self.transport.spawn(agent.command(self.transport.python, site=False))
-        self.proc.send(agent.message("host", {"op": "hold", "root": self.root}))
+        self.proc.send(agent.message("host", {"op": "hold", "root": self.root}, heartbeat=beat * HEARTBEAT_MISSES))
         line = self.proc.readline()
+        if line.startswith('{"_agent"'):     # its pid; the lock file records it
+            line = self.proc.readline()
         try:
             state = json.loads(line)
         except json.JSONDecodeError:
@@ -334,12 +378,46 @@ class HeldLock:
                             where=self.transport.target.name)
         if not state["held"]:
             self.proc.close()
-            raise HostLockedError(f"another run holds the host lock {self.path} ({state['by'] or 'unknown'})",
+            by = _printable(state["by"]) if isinstance(state.get("by"), str) else "unknown"
+            raise HostLockedError(f"another run holds the host lock {self.path}: {by}; "
+                                  "`provision unlock` ends it if its controller is gone",
                                   where=self.transport.target.name)
+        threading.Thread(target=self._beat, args=(beat,), name=f"heartbeat {self.transport.target.name}",
+                         daemon=True).start()
         return self
 
+    def _beat(self, beat: float) -> None:
+        said = None
+        while not self.done.wait(beat):
+            watch = self.transport.watch
+            step = watch.step if watch else None
+            try:
+                self.proc.send(b"\n" if step == said else json.dumps({"step": step}).encode() + b"\n")
+            except Exception:  # noqa: BLE001 - the session is gone: the run's own commands say so
+                return
+            said = step
+
     def __exit__(self, *exc):
+        self.done.set()
         self.proc.close()
+
+
+def unlock(transport: Transport) -> dict:
+    """Break the host lock when its run is orphaned: its holder has heard no heartbeat from its controller for
+    longer than its own bound (the controller is gone or cut off, or the holder is stopped). Then the holder and
+    the agents of its run are ended. Returns {state: free | held | broken, holder, heard (seconds since the
+    holder last heard its controller), bound, ended (pids), why}; `held`: the lock was left alone."""
+    out = transport.run_agent("host", {"op": "unlock", "root": layout.of(transport).root})
+    state = out.get("state") if out.get("state") in ("free", "held", "broken") else "held"
+    said = {k: out.get(k) for k in ("heard", "bound") if isinstance(out.get(k), (int, float))}
+    return {"state": state, "lock": layout.of(transport).lock_file, **said,
+            **{k: _printable(out[k]) for k in ("holder", "why") if isinstance(out.get(k), str)},
+            "ended": [p for p in out.get("ended") or [] if isinstance(p, int)]}
+
+
+def _printable(text: str) -> str:
+    """A host's words made safe to print on one line."""
+    return "".join(c if c.isprintable() else "?" for c in text)[:300]
 
 
 class _LocalProc:
@@ -383,7 +461,7 @@ class Local(Transport):
     def __init__(self, target: Target | None = None):
         self.target = target or Target(host="local")
 
-    def run(self, argv, *, stdin=None, timeout=None, on_line=None) -> Result:
+    def run(self, argv, *, stdin=None, timeout=None, on_line=None, beat=None) -> Result:
         try:
             p = subprocess.Popen([str(a) for a in argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE)
@@ -393,7 +471,7 @@ class Local(Transport):
         err_box: list[bytes] = []
         t = threading.Thread(target=lambda: err_box.append(_drain(p.stderr, None, dog.touch)), daemon=True)
         t.start()
-        feeder = threading.Thread(target=_feed, args=(p.stdin, stdin, dog.touch), daemon=True)
+        feeder = threading.Thread(target=_feed, args=(p.stdin, stdin, dog.touch, beat, dog.done), daemon=True)
         feeder.start()
         expired: list[bool] = []
         timer = threading.Timer(timeout, lambda: (expired.append(True), p.kill())) if timeout else None
@@ -442,23 +520,29 @@ def _chunks(data) -> Iterable[bytes]:
     return [] if data is None else [data] if isinstance(data, (bytes, bytearray)) else data
 
 
-def _feed(pipe, data, touch=None) -> None:
+def _feed(pipe, data, touch=None, beat=None, done=None) -> None:
     try:
         for chunk in _chunks(data):
             pipe.write(chunk)
             if touch:
                 touch()
+        pipe.flush()
+        while beat and not done.wait(beat):     # the heartbeat: not progress
+            pipe.write(b"\n")
+            pipe.flush()
         pipe.close()
-    except OSError:
+    except (OSError, ValueError):
         pass   # the process exited without reading all of it
 
 
-def _send(chan, data, touch=None) -> None:
+def _send(chan, data, touch=None, beat=None, done=None) -> None:
     try:
         for chunk in _chunks(data):
             chan.sendall(chunk)
             if touch:
                 touch()
+        while beat and not done.wait(beat):     # the heartbeat: not progress
+            chan.sendall(b"\n")
         chan.shutdown_write()
     except Exception:  # noqa: BLE001 - the remote end exited or the connection went; the reader reports it
         pass
@@ -568,15 +652,24 @@ class SSH(Transport):
                     return
                 answered.set()
             threading.Thread(target=ask, daemon=True).start()
-            if not answered.wait(period * KEEPALIVE_COUNT) and not self._closed.is_set():
+            if not answered.wait(period) and not self._closed.is_set():
+                self._say_wait(period)
+            if not answered.wait(period * (KEEPALIVE_COUNT - 1)) and not self._closed.is_set():
                 self.lost = f"the host answered no keepalive for {period * KEEPALIVE_COUNT:g}s"
                 tr.close()
                 return
 
+    def _say_wait(self, seconds: float) -> None:
+        """A keepalive unanswered for a period: the step waits on a silent host (said before the connection is
+        given up, however recent the step's last progress)."""
+        w = self.watch
+        if w and w.on_wait:
+            w.on_wait(w.name, seconds)
+
     def _gone(self, e: BaseException | None = None) -> HostError:
         return HostError(f"connection lost: {self.lost or e or type(e).__name__}", where=self.target.name)
 
-    def run(self, argv, *, stdin=None, timeout=None, on_line=None) -> Result:
+    def run(self, argv, *, stdin=None, timeout=None, on_line=None, beat=None) -> Result:
         chan = dog = None
         try:
             chan = self.client.get_transport().open_session()
@@ -587,7 +680,7 @@ class SSH(Transport):
             t = threading.Thread(target=lambda: err_box.append(_drain(chan.makefile_stderr("rb"), None, dog.touch)),
                                  daemon=True)
             t.start()
-            feeder = threading.Thread(target=_send, args=(chan, stdin, dog.touch), daemon=True)
+            feeder = threading.Thread(target=_send, args=(chan, stdin, dog.touch, beat, dog.done), daemon=True)
             feeder.start()
             out = _drain(chan.makefile("rb"), on_line, dog.touch)
             t.join(timeout)

@@ -7,7 +7,10 @@ env}; an agent that starts workers of its own (one per GPU, a JIT compile) start
 from __future__ import annotations
 
 import base64
+import getpass
 import json
+import os
+import socket
 import zlib
 from functools import lru_cache
 from pathlib import Path
@@ -37,9 +40,23 @@ def command(python: str = "python3", site: bool = True) -> list[str]:
     return [python, "-I", *([] if site else ["-S"]), "-c", BOOT]
 
 
-def message(name: str, payload: dict, env: dict | None = None) -> bytes:
-    """The one stdin line that tells the loader which agent to run on what."""
-    msg = {"bundle": bundle(), "agent": name, "input": payload}
+def message(name: str, payload: dict, env: dict | None = None, heartbeat: float | None = None) -> bytes:
+    """The one stdin line that tells the loader which agent to run on what. `heartbeat`: the agent ends its work
+    when no byte comes on its stdin for this many seconds (the controller sends one every few: see transport).
+    `controller` names who started it (recorded with the host lock it takes)."""
+    msg = {"bundle": bundle(), "agent": name, "input": payload, "controller": controller()}
     if env:
         msg["env"] = {str(k): str(v) for k, v in env.items()}
+    if heartbeat:
+        msg["heartbeat"] = heartbeat
     return (json.dumps(msg) + "\n").encode()
+
+
+@lru_cache(maxsize=None)
+def controller() -> str:
+    """This controller process, as a host lock records its holder's controller: `user@machine pid N`."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    return f"{user}@{socket.gethostname()} pid {os.getpid()}"

@@ -47,6 +47,8 @@ provision.agent.host.serve(m)
 """.strip()
 MESSAGE = {}            # the message this process was started with (to start sibling agents)
 AT_END = []             # what `end` does once this agent's process tree is gone (the host lock waits for work)
+ON_PULSE = []           # what each heartbeat from the controller does (the host lock notes its holder is heard)
+STDIN_OPS = {("host", "hold"), ("build", "push")}    # the operations that read stdin after their message
 
 
 class AgentError(Exception):
@@ -61,7 +63,9 @@ def serve(message):
     os.umask(UMASK)
     os.environ.update({str(k): str(v) for k, v in (message.get("env") or {}).items()})
     payload = message.get("input") if isinstance(message.get("input"), dict) else {}
-    guard(working=not (message.get("agent") == "host" and payload.get("op") == "hold"), root=payload.get("root"))
+    guard(working=not (message.get("agent") == "host" and payload.get("op") in ("hold", "end", "unlock")),
+          root=payload.get("root"), heartbeat=message.get("heartbeat"),
+          reads_stdin=(message.get("agent"), payload.get("op")) in STDIN_OPS)
     try:
         try:
             result = dispatch(message["agent"], payload)
@@ -85,12 +89,13 @@ def dispatch(agent, payload):
 
 # ------------------------------------------------------------------ an agent's work dies with its controller
 
-def guard(working, root):
+def guard(working, root, heartbeat=None, reads_stdin=False):
     """Tie this agent's work to its controller. Every process it starts, at any depth, stays its descendant
     (it is their subreaper), and when the controller goes (its end of our stdout closes: the ssh channel or
-    the local pipe is gone) or SIGHUP/SIGTERM comes, `end` kills them all, waits until they are gone, then
-    exits. A `working` agent holds <root>/.work shared while it lives; the host lock's holder takes it
-    exclusive before letting the lock go, so the next run never races what this one started."""
+    the local pipe is gone), or falls silent for `heartbeat` seconds (a network partition closes nothing), or
+    SIGHUP/SIGTERM comes, `end` kills them all, waits until they are gone, then exits. A `working` agent holds
+    <root>/.work shared while it lives; the host lock's holder takes it exclusive before letting the lock go,
+    so the next run never races what this one started. An agent the controller started says its pid first."""
     try:
         import ctypes
         ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)     # PR_SET_CHILD_SUBREAPER
@@ -106,6 +111,45 @@ def guard(working, root):
     for s in (signal.SIGHUP, signal.SIGTERM):
         signal.signal(s, lambda signum, frame: end(128 + signum))
     threading.Thread(target=_watch_controller, daemon=True).start()
+    if isinstance(heartbeat, (int, float)) and not isinstance(heartbeat, bool) and heartbeat > 0:
+        _listen(float(heartbeat), reads_stdin)
+        emit({"_agent": {"pid": os.getpid(), "start": proc_start(os.getpid())}})
+
+
+def _listen(bound, forward):
+    """Hear the controller's heartbeat: each chunk that comes on stdin is a sign of life (ON_PULSE). No byte for
+    `bound` seconds ends this agent as a closed channel does; the end of stdin ends the listening (the controller
+    is done sending, not gone). Stdin becomes a pipe that gets what came (`forward`: an operation that reads its
+    stdin) or nothing, so the programs an agent starts read an ended stdin, not heartbeats."""
+    src = os.dup(0)
+    r, w = os.pipe()
+    os.dup2(r, 0)
+    os.close(r)
+    if not forward:
+        os.close(w)
+    heard, closed = [time.monotonic()], threading.Event()
+
+    def relay():
+        try:
+            for chunk in iter(lambda: os.read(src, 65536), b""):
+                heard[0] = time.monotonic()
+                for f in ON_PULSE:
+                    f()
+                if forward:
+                    os.write(w, chunk)
+        except OSError:
+            pass
+        closed.set()
+        if forward:
+            os.close(w)
+
+    def watch():
+        while not closed.wait(min(1.0, bound / 4)):
+            if time.monotonic() - heard[0] > bound:
+                end(1)
+
+    threading.Thread(target=relay, daemon=True).start()
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def _watch_controller():
@@ -308,22 +352,63 @@ def manifest_of(gen):
 
 # ------------------------------------------------------------------ host lock
 
-def try_lock(root):
-    """Take the host's flock without waiting: (file, None) when held, (None, holder) when another run has it."""
+def try_lock(root, step=None):
+    """Take the host's flock without waiting: (file, None) when held, (None, holder) when another run has it
+    (`holder`: who, in words). The file records its holder: pid and start time, since when, its controller,
+    the heartbeat bound it hears that controller by, and the step (`step`, else this agent's op); each
+    heartbeat heard sets the file's mtime, so `op_unlock` can tell a holder that still hears its controller."""
     path = ensure_root(root).lock_file
-    f = open(path, "a+")
+    f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o640), "r+")    # not O_APPEND: the record is rewritten
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         f.seek(0)
-        holder = f.read().strip() or "unknown"
+        holder = holder_text(f.read(4096))
         f.close()
         return None, holder
-    f.seek(0)
-    f.truncate()
-    f.write(json.dumps({"pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
-    f.flush()
+    op = (MESSAGE.get("input") or {}).get("op") if isinstance(MESSAGE.get("input"), dict) else None
+    record = {"pid": os.getpid(), "start": proc_start(os.getpid()),
+              "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "controller": MESSAGE.get("controller"), "heartbeat": MESSAGE.get("heartbeat"), "step": step or op}
+    write_record(f, record)
+
+    def heard():
+        try:
+            os.utime(f.fileno())
+        except (OSError, ValueError):     # let go already
+            pass
+    ON_PULSE.append(heard)
     return f, None
+
+
+def write_record(f, record):
+    """Write the holder record over the lock file's text in one write, then cut what is left of the old one."""
+    data = json.dumps(record).encode()
+    os.pwrite(f.fileno(), data, 0)
+    os.ftruncate(f.fileno(), len(data))
+
+
+def read_record(text):
+    """The holder record of a lock file's text ({} when it has none)."""
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def holder_text(text):
+    """Who holds a lock, in words: `pid N (CONTROLLER, since T, step S)`, from the record in the lock file."""
+    r = read_record(text)
+    if not isinstance(r.get("pid"), int):
+        return "unknown"
+    said = ", ".join(printable(v) for v in (r.get("controller"), r.get("since") and "since %s" % r["since"],
+                                            r.get("step") and "step %s" % r["step"]) if v)
+    return "pid %d%s" % (r["pid"], " (%s)" % said if said else "")
+
+
+def printable(v):
+    return "".join(c if c.isprintable() else "?" for c in str(v))[:120]
 
 
 # ------------------------------------------------------------------ processes, GPUs, distributions
@@ -439,15 +524,156 @@ def run_agent(python, agent, payload, timeout=120):
 # ------------------------------------------------------------------ this module as an agent
 
 def op_hold(a):
-    """Take the host lock and keep it until stdin closes."""
-    f, holder = try_lock(a["root"])
+    """Take the host lock and keep it until stdin closes. Lines on stdin are the controller's heartbeat; one that
+    is {"step": NAME} records the step the run is in."""
+    f, holder = try_lock(a["root"], step="hold")
     if f is None:
         return {"held": False, "by": holder}
     AT_END.append(lambda: wait_for_work(a["root"]))
     emit({"held": True})
-    sys.stdin.buffer.read()   # held until the controller closes stdin or its connection dies,
+    f.seek(0)
+    record = read_record(f.read(4096))
+    for line in sys.stdin.buffer:   # held until the controller closes stdin or its connection dies,
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(step, str) and re.match(r"^[a-z][a-z0-9_-]{0,31}\Z", step) and step != record.get("step"):
+            record["step"] = step
+            write_record(f, record)
     wait_for_work(a["root"])  # and then until the work it started under the root is gone
     return {"released": True}
+
+
+# ------------------------------------------------------------------ ending another run's host work
+
+def proc_stat(pid):
+    """(state, start time in clock ticks) of a live process, else None."""
+    try:
+        with open("/proc/%d/stat" % int(pid)) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def proc_start(pid):
+    st = proc_stat(pid)
+    return st[1] if st else None
+
+
+def is_agent(pid, start):
+    """Whether `pid` is still the agent that started at `start` (not a pid used again, not another program)."""
+    st = proc_stat(pid)
+    if st is None or st[0] == "Z" or st[1] != start:
+        return False
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            return BOOT.encode() in f.read()
+    except OSError:
+        return False
+
+
+def kill_tree(pid):
+    """Stop `pid` and every process below it (so none starts another), then SIGKILL them all; works on a stopped
+    process too. Returns the pids ended."""
+    seen, tried = [], set()
+    todo = [pid]
+    while todo:
+        for p in todo:
+            tried.add(p)
+            try:
+                os.kill(p, signal.SIGSTOP)
+                seen.append(p)
+            except OSError:
+                pass
+        todo = [p for p in descendants(pid) if p not in tried]
+    for p in seen:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
+    deadline = time.monotonic() + 10
+    while any(proc_stat(p) and proc_stat(p)[0] != "Z" for p in seen) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return seen
+
+
+def op_end(a):
+    """{pid, start, grace}: end the agent `pid` (started at `start`) and its tree, unless it ends by itself within
+    `grace` seconds (the controller closed its session: it should). -> {ended, stopped}."""
+    pid, start = int(a["pid"]), a.get("start")
+    deadline = time.monotonic() + float(a.get("grace") or 0)
+    while is_agent(pid, start) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not is_agent(pid, start):
+        return {"ended": False}
+    stopped = (proc_stat(pid) or ("?",))[0] == "T"
+    kill_tree(pid)
+    return {"ended": True, "stopped": stopped}
+
+
+def open_by(path):
+    """Pids of the processes that have `path` open."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                fds = os.listdir("/proc/%s/fd" % name)
+                if any(os.readlink("/proc/%s/fd/%s" % (name, fd)) == path for fd in fds):
+                    out.append(int(name))
+            except OSError:
+                continue
+    return out
+
+
+def parent(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def op_unlock(a):
+    """{root} -> {state: free | held | broken, holder, heard}: break the host lock of an orphaned run.
+
+    A holder is orphaned when it has heard no heartbeat from its controller for longer than its own bound (the
+    controller is gone or cut off, or the holder is stopped): then the holder and the agents of its run (those
+    working under the root from the same session as the holder) are ended, and the lock is free. A holder
+    that hears its controller is left alone (`held`)."""
+    lay = Layout(a["root"])
+    if not os.path.isfile(lay.lock_file):
+        return {"state": "free"}
+    with open(lay.lock_file, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return {"state": "free"}
+        except OSError:
+            pass
+        f.seek(0)
+        text = f.read(4096)
+        record, heard = read_record(text), round(time.time() - os.fstat(f.fileno()).st_mtime, 1)
+        out = {"holder": holder_text(text), "heard": heard, "bound": record.get("heartbeat")}
+        pid, start, bound = record.get("pid"), record.get("start"), record.get("heartbeat")
+        if not isinstance(pid, int) or not is_agent(pid, start):
+            return dict(out, state="held", why="its recorded holder is not the process that holds it")
+        if not isinstance(bound, (int, float)) or heard <= bound:
+            return dict(out, state="held", why="it hears its controller" if bound else "it has no heartbeat")
+        session = parent(pid)
+        run = [pid] + [p for p in open_by(os.path.realpath(lay.work)) if p != os.getpid() and p != pid
+                       and parent(p) == session and is_agent(p, proc_start(p))]
+        ended = [p for p in run for p in kill_tree(p)]
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    return dict(out, state="held", why="it still holds the lock after its run was ended")
+                time.sleep(0.05)
+        return dict(out, state="broken", ended=sorted(set(ended)))
 
 
 def op_dists(a):
@@ -456,4 +682,4 @@ def op_dists(a):
             "executable": sys.executable}
 
 
-OPS = {"hold": op_hold, "dists": op_dists}
+OPS = {"hold": op_hold, "dists": op_dists, "end": op_end, "unlock": op_unlock}

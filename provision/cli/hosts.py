@@ -44,11 +44,38 @@ def facts(json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
     exit_for(rows)
 
 
+@edge
+@host_options()
+def unlock(json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
+    """Break the host lock of a run whose controller is gone. The lock's holder hears its controller's heartbeat;
+    a holder that has heard none for longer than its own bound (about 30 s: the controller was killed, the network
+    was cut, or the holder is stopped) is orphaned, and unlock ends it and the agents of its run, then the lock is
+    free. While the holder still hears its controller, unlock refuses (exit 1) and names it."""
+    from ..transport import unlock as unlock_host
+
+    rows = over_hosts(hosts.targets(), unlock_host, hosts.forks)
+    print_rows(rows, lambda r: console.print(unlock_text(r.host, r.value), markup=False, soft_wrap=True), json_out)
+    exit_for(rows, bad=lambda v: v["state"] == "held")
+
+
+def unlock_text(host: str, out: dict) -> str:
+    heard = f"{out['heard']:g} s ago" if "heard" in out else "at an unknown time"
+    bound = f" (its bound: {out['bound']:g} s)" if "bound" in out else ""
+    if out["state"] == "free":
+        return f"{host}: {out['lock']} is not held"
+    if out["state"] == "broken":
+        return (f"{host}: broke {out['lock']}: its holder {out.get('holder', 'unknown')} last heard its controller "
+                f"{heard}{bound}; ended pids {', '.join(map(str, out['ended'])) or '-'}")
+    return (f"{host}: {out['lock']} is held by {out.get('holder', 'unknown')}, which last heard its controller "
+            f"{heard}{bound}: {out.get('why') or 'left alone'}; not unlocked")
+
+
 def register(app: typer.Typer) -> None:
     hosts = typer.Typer(no_args_is_help=True, help="Host keys and facts.")
     app.add_typer(hosts, name="hosts")
     for verb in (trust, facts):
         hosts.command()(verb)
+    app.command()(unlock)
 
 
 def _trust(t: Target, yes: bool, say) -> dict | None:
