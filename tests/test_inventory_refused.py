@@ -97,7 +97,7 @@ HOST_VERBS = {        # every verb that takes a host, given the misspelled host 
     "hosts trust": ["hosts", "trust", "h9", "--yes"], "hosts facts": ["hosts", "facts", "h9"],
     "lock capture": ["lock", "capture", "h9", "--out", "{out}.yaml"],
     **{f"patches {m}": ["patches", m, "h9"] for m in ("check", "apply", "revert")},
-    "contract": ["contract", "LlamaForCausalLMEagle3", "h9"],
+    "contract": ["contract", "LlamaForCausalLMEagle3", "h9"], "unlock": ["unlock", "h9"],
 }
 
 
