@@ -818,7 +818,7 @@ def on_root(op):
     reported as one line naming the file (a root on a read-only filesystem: naming the root and that)."""
     def run(a):
         lay, held = Layout(a["root"]), None
-        denied = unreadable(lay.root)
+        denied = root_unreadable(lay.root)
         if denied:
             return {"error": denied}
         try:
@@ -841,7 +841,7 @@ def on_root(op):
     return run
 
 
-def unreadable(root):
+def root_unreadable(root):
     """Why this user cannot read the host root that is there (another user's, e.g. root's: `become`), else None;
     never "no generations" for a root it cannot see into."""
     try:
