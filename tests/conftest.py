@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import copy
+import socket
+import threading
 import sys
 from pathlib import Path
 
@@ -108,3 +110,24 @@ def pytest_xdist_make_scheduler(config, log):
 
     config.option.loadscopereorder = False
     return ByFile(config, log)
+
+
+@pytest.fixture
+def silent():
+    """A TCP listener that accepts connections and never says a word (an SSH port behind a hung daemon)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    held: list[socket.socket] = []
+
+    def accept():
+        try:
+            while True:
+                held.append(srv.accept()[0])
+        except OSError:       # closed at the end of the test
+            pass
+    threading.Thread(target=accept, daemon=True).start()
+    yield srv.getsockname()[1]
+    srv.close()
+    for c in held:
+        c.close()

@@ -5,9 +5,7 @@ answering after its first query (nvidia-smi's recorded real output, then its err
 from __future__ import annotations
 
 import os
-import socket
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -79,28 +77,7 @@ def test_two_failures_in_a_batch_and_no_partner_switches(quad):
     assert run.still_switched == []
 
 
-@pytest.fixture
-def hung():
-    """A host that accepts the connection and never says a word (a hung sshd)."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(8)
-    held: list[socket.socket] = []
-
-    def accept():
-        try:
-            while True:
-                held.append(srv.accept()[0])
-        except OSError:
-            pass
-    threading.Thread(target=accept, daemon=True).start()
-    yield srv.getsockname()[1]
-    srv.close()
-    for c in held:
-        c.close()
-
-
-def test_fleet_rollback_goes_past_a_dead_and_a_hung_host(quad, hung, wheels):
+def test_fleet_rollback_goes_past_a_dead_and_a_hung_host(quad, silent, wheels):
     d, inv, roots, kh, b, smi = quad
     for s in smi.values():                            # every host on a second generation to go back from
         (s.parent / "fault").unlink(missing_ok=True)
@@ -111,7 +88,7 @@ def test_fleet_rollback_goes_past_a_dead_and_a_hung_host(quad, hung, wheels):
     with_dead = d / "with-dead.yml"
     with_dead.write_text(inv.read_text().replace("  hosts:\n", "  hosts:\n"
                                                  f"    dead: {{ansible_port: {free_port()}, provision_root: /x}}\n"
-                                                 f"    hung: {{ansible_port: {hung}, provision_root: /x}}\n", 1))
+                                                 f"    hung: {{ansible_port: {silent}, provision_root: /x}}\n", 1))
     for dry in (True, False):
         p = cli("rollback", "-i", with_dead, "--known-hosts", kh, "--timeout", "3", *(["--dry-run"] if dry else []),
                 check=1)

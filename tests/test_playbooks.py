@@ -4,7 +4,6 @@ shows that state; status and history read it back; check mode switches nothing. 
 its own ssh connection, host keys checked against the known_hosts the tool manages."""
 from __future__ import annotations
 
-import getpass
 import json
 import os
 import re

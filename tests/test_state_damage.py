@@ -6,30 +6,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import yaml
 
+from test_core import cli, host_args
 from wheelhouse import make_wheel, sha256, write_lock
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def cli(*args, check=None):
-    p = subprocess.run([sys.executable, "-m", "provision.cli", *map(str, args)], capture_output=True, text=True,
-                       cwd=ROOT, env={**os.environ, "COLUMNS": "200"})
-    assert "Traceback" not in p.stderr, p.stderr
-    if check is not None:
-        assert p.returncode == check, (p.returncode, p.stdout, p.stderr)
-    return p
-
-
-def host_args(t):
-    return [f"{t.user}@{t.host}:{t.port}", "--key", t.key_file, "--known-hosts", t.known_hosts,
-            "--root", t.vars["provision_root"]]
 
 
 def test_stale_override_warned_beside_unreadable_metadata(tmp_path):

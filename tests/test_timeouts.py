@@ -6,36 +6,12 @@ import copy
 import json
 import os
 import signal
-import socket
 import threading
-
-import pytest
 
 from provision.errors import HostError
 from provision.loopback import LoopbackHost
 from provision.transport import connect, trust_host
 from test_core import cli
-
-
-@pytest.fixture
-def silent():
-    """A TCP listener that accepts connections and never says a word (an SSH port behind a hung daemon)."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen()
-    held: list[socket.socket] = []
-
-    def accept():
-        try:
-            while True:
-                held.append(srv.accept()[0])
-        except OSError:       # closed at the end of the test
-            pass
-    threading.Thread(target=accept, daemon=True).start()
-    yield srv.getsockname()[1]
-    srv.close()
-    for c in held:
-        c.close()
 
 
 def test_a_host_that_never_speaks_ssh_is_one_line_within_the_timeout(silent, tmp_path):
