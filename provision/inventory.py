@@ -38,6 +38,10 @@ class Inventory:
                 raise InventoryError(f"Ansible cannot read it: {failed[0]}" if failed else "inventory names no hosts",
                                      where=self.where)
 
+    def matches(self, pattern: str) -> bool:
+        """Whether `pattern` (a host, a group or an Ansible pattern) names a host of the inventory."""
+        return bool(self._matching(pattern))
+
     def targets(self, known_hosts: Path, limit: str | None = None, host: str | None = None) -> list[Target]:
         """The hosts in inventory order, narrowed by the pattern `limit` and by `host` (a host, group or pattern
         named on the command line): the hosts both match."""
@@ -90,9 +94,10 @@ def select(host: str | None, args: tuple = (), *, local: bool = False, inventory
     its positionals after HOST (`args`, in order), as meant; `local_by_default`: no HOST and no -i is this machine.
 
     The first positional is HOST. With --local there is no HOST: the first positional is the verb's first
-    argument after HOST. With -i, HOST narrows like --limit and may be left out when no argument follows it; a
-    first positional is always HOST, and one that names no host of the inventory is an error before any host is
-    contacted (never taken for the verb's next argument: `all` names every host).
+    argument after HOST. With -i, HOST narrows like --limit. Without --limit a first positional is always HOST,
+    and one that names no host of the inventory is an error before any host is contacted, never the verb's next
+    argument (which would act on every host; `all` names every host). With --limit naming the hosts, HOST may be
+    left out: a first positional that names no inventory host is then the verb's first argument after HOST.
     """
     if limit and not inventory:
         raise InventoryError("--limit narrows an inventory: give -i INVENTORY", where="--limit")
@@ -100,7 +105,8 @@ def select(host: str | None, args: tuple = (), *, local: bool = False, inventory
         raise InputError("give --local (this machine) or -i (an inventory's hosts), not both", where="--local")
     local = local or (local_by_default and not (host or inventory))
     inv = Inventory(inventory) if inventory else None
-    if host is not None and args and args[-1] is None and local:
+    if host is not None and args and args[-1] is None and (
+            local or (limit and inv is not None and not inv.matches(host))):
         host, args = None, (host, *args[:-1])
     if local:
         if host is not None:

@@ -85,7 +85,7 @@ def current(roots, h) -> str:
 
 def test_playbooks_ship_with_their_modules():
     d = playbook_dir()
-    for name in ("status", "history", "rollback"):
+    for name in ("status", "history", "rollback", "gc"):
         assert (d / f"{name}.yml").is_file() and (d / "library" / f"provision_{name}.py").is_file()
     assert (d / "module_utils" / "provision" / "agent" / "state.py").read_text() == \
         (d.parent / "agent" / "state.py").read_text()         # the very host code the CLI's agents run
@@ -128,6 +128,11 @@ def test_ansible_playbook_rollback_then_provision_status_agrees(fleet):
     p = ansible_playbook(inv, "rollback.yml", "-e", "to=2", "--limit", "p1", known_hosts=common[-1])   # forward
     assert p.returncode == 0 and results(p, "rollback")["p1"]["to"] == "0002-stack-b"
     assert current(roots, "p1") == "0002-stack-b"
+
+    p = ansible_playbook(inv, "gc.yml", "-e", "keep=1", "--check", "--limit", "p1", known_hosts=common[-1])
+    would = results(p, "gc")["p1"]                       # current and the rollback target are kept, whatever keep
+    assert p.returncode == 0 and would["generations"] == [] and would["changed"] is False, would
+    assert sorted(os.listdir(roots["p1"] / "generations")) == ["0001-stack-a", "0002-stack-b"]
 
 
 def test_a_refused_rollback_is_a_failed_task_with_the_agents_line(fleet):
