@@ -74,6 +74,10 @@ def test_ctrl_c_mid_fetch_with_json_prints_one_object_and_says_where_the_host_is
         assert slow.requested.wait(120), "the host never asked for the slow wheel"
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+        raise AssertionError(f"still running 120 s after Ctrl-C; it said: {out[-1500:]} {err[-1500:]}") from None
     finally:
         p.kill()
     assert p.returncode == 130 and "Traceback" not in err, err
