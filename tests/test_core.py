@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -30,6 +31,12 @@ def cli(*args, check=None):
     if check is not None:
         assert p.returncode == check, (p.returncode, p.stdout, p.stderr)
     return p
+
+
+def ctrl_c_as_at_a_terminal() -> None:
+    """preexec_fn of a command a test interrupts: SIGINT handled as a terminal's Ctrl-C finds it (a test run
+    started in the background ignores SIGINT, and its children would inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def host_args(t):

@@ -17,6 +17,7 @@ import pytest
 from provision import apply as applymod
 from provision import lock as lockmod
 from provision.transport import connect
+from test_core import ctrl_c_as_at_a_terminal
 from test_faults import ROOT, StalledWheel, applied, assert_settled, host_state, lock_free, root_processes
 from wheelhouse import make_wheel, write_lock
 
@@ -69,7 +70,8 @@ def test_a_stalled_download_is_said_then_stopped_at_the_step_deadline(target, st
 def test_ctrl_c_mid_fetch_with_json_prints_one_object_and_says_where_the_host_is(target, stalled):
     a, lk, slow = stalled
     p = subprocess.Popen([sys.executable, "-m", "provision.cli", "apply", *host_args(target), "--lock", str(lk),
-                          "--json"], cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          "--json"], cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=ctrl_c_as_at_a_terminal)
     try:
         assert slow.requested.wait(120), "the host never asked for the slow wheel"
         p.send_signal(signal.SIGINT)
@@ -166,7 +168,7 @@ def test_ctrl_c_in_a_fleet_apply_stops_the_hosts_and_prints_the_summary(two_host
     gens = [applied(t, lockmod.load(lk.with_name("a.yaml"))).generation for t in two_hosts]
     p = subprocess.Popen([sys.executable, "-m", "provision.cli", "apply", "-i", str(inv), "--lock", str(lk),
                           "--known-hosts", str(t0.known_hosts)], cwd=ROOT, env=env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_as_at_a_terminal)
     try:
         assert slow.requested.wait(120), "no host asked for the slow wheel"
         p.send_signal(signal.SIGINT)

@@ -486,11 +486,12 @@ def root_processes(root: str) -> list[str]:
     return out
 
 
-def lock_free(root: str) -> None:
-    """Wait until the host lock can be taken (the killed run's holder let it go), then let it go."""
+def lock_free(root: str, seconds: float = 120) -> None:
+    """Wait until the host lock can be taken (the killed run's holder let it go), then let it go; `seconds`: how
+    long it may take (by default a guard against a hang, not a figure under test)."""
     import fcntl
 
-    deadline = time.time() + 120     # a guard against a hang, not a figure under test
+    deadline = time.monotonic() + seconds
     with open(Path(root) / ".lock", "a+") as f:
         while True:
             try:
@@ -498,7 +499,8 @@ def lock_free(root: str) -> None:
                 fcntl.flock(f, fcntl.LOCK_UN)
                 return
             except OSError:
-                assert time.time() < deadline, root_processes(root)
+                assert time.monotonic() < deadline, \
+                    f"the host lock is still held after {seconds} s: {root_processes(root)}"
                 time.sleep(0.05)
 
 

@@ -22,7 +22,7 @@ from provision.errors import HostError, HostLockedError, StepStalled
 from provision.loopback import LoopbackHost
 from provision.transport import connect, trust_host
 from test_core import cli, host_args
-from test_faults import StalledWheel, applied, assert_settled, root_processes
+from test_faults import StalledWheel, applied, assert_settled, lock_free, root_processes
 from wheelhouse import make_wheel, write_lock
 
 
@@ -93,20 +93,13 @@ def working_agents(root: str) -> list[int]:
     return out
 
 
-def lock_free_within(root: str, seconds: float) -> None:
-    """The host lock can be taken within `seconds` (taken and let go at once)."""
-    import fcntl
-
-    deadline = time.monotonic() + seconds
-    with open(Path(root) / ".lock", "a+") as f:
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                fcntl.flock(f, fcntl.LOCK_UN)
-                return
-            except OSError:
-                assert time.monotonic() < deadline, f"the host lock is still held after {seconds} s"
-                time.sleep(0.05)
+def resume(pids) -> None:
+    """SIGCONT to each process a test stopped (those still there)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
 
 
 def record(root: str) -> dict:
@@ -165,7 +158,7 @@ def test_a_partition_mid_build_says_it_waits_and_frees_the_host_lock(cut_host):
         time.sleep(0.1)
     link(h, "down")
     try:
-        lock_free_within(h.root, 15)      # its agents heard no heartbeat for 3 s: they ended and the lock went
+        lock_free(h.root, 15)      # its agents heard no heartbeat for 3 s: they ended and the lock went
         assert not working_agents(h.root) and not root_processes(h.root)
         worker.join(60)                   # a hang guard: the keepalives give up after 6 s
         assert not worker.is_alive()
@@ -205,14 +198,10 @@ def test_a_stopped_agent_is_ended_at_the_step_deadline(target, wheels, tmp_path)
         assert stopped
         assert (f"fetch made no progress for 4 s (the step deadline): stopped; its host agent (pid {stopped[0]}, "
                 f"stopped) did not end with its session: ended it; current left at {a.generation}") in str(e.value)
-        lock_free_within(root, 10)      # without SIGCONT
+        lock_free(root, 10)      # without SIGCONT
         assert not root_processes(root)
     finally:
-        for pid in stopped:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+        resume(stopped)
         tr.close()
         slow.release.set()
     try:
@@ -258,7 +247,7 @@ def test_unlock_refuses_a_live_holder_and_breaks_an_orphaned_one(target, tmp_pat
         p = cli("unlock", *host_args(t), check=0)
         assert p.stdout.startswith(f"{t.name}: broke {root}/.lock: its holder pid {holder['pid']} "), p.stdout
         assert f"ended pids {holder['pid']}" in p.stdout, p.stdout
-        lock_free_within(root, 1)
+        lock_free(root, 1)
     finally:
         try:
             os.kill(holder["pid"], signal.SIGCONT)
@@ -292,18 +281,14 @@ def test_unlock_ends_the_stopped_work_of_a_gone_controller(target, wheels, tmp_p
     try:
         assert record(root)["pid"] == holder["pid"]
         with pytest.raises(AssertionError):
-            lock_free_within(root, 2)      # the holder waits for the stopped agent
+            lock_free(root, 2)      # the holder waits for the stopped agent
         p = cli("unlock", *host_args(t), check=0)
         assert p.stdout.startswith(f"{t.name}: broke {root}/.lock"), p.stdout
         for pid in [holder["pid"], *stopped]:
             assert str(pid) in p.stdout.rsplit("ended pids", 1)[1], p.stdout
-        lock_free_within(root, 1)
+        lock_free(root, 1)
         assert not working_agents(root)
     finally:
-        for pid in stopped:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+        resume(stopped)
         slow.close()
 

@@ -17,6 +17,7 @@ from provision import generations, lock as lockmod
 from provision.agent import probes as agentprobes
 from provision.probes import REGISTRY, run_probes
 from provision.transport import Local, Target, connect
+from test_core import ctrl_c_as_at_a_terminal
 from wheelhouse import write_lock
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -552,7 +553,8 @@ def test_ctrl_c_stops_the_engine(tmp_path):
     assert cli("adopt", "--local", sys.prefix, "--root", root).returncode == 0
     p = subprocess.Popen([sys.executable, "-m", "provision.cli", "probe", "--local", "--root", str(root), "--lock",
                           str(ROOT / "lockfiles" / "h200-cuda13.yaml"), "--only", "engine"], cwd=ROOT,
-                         start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                         start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         preexec_fn=ctrl_c_as_at_a_terminal)
     marker = (str(root), "provision.engine.serve")
     t0 = time.time()
     while not engine_procs(*marker) and time.time() - t0 < 60:
