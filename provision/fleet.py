@@ -160,9 +160,9 @@ def rollout(targets: list[Target], fn: Callable[[Transport, Callable[[], None]],
     row; unreachable ones too) counts against its batch's tolerance; once a batch has more failures than
     `max_fail` allows it has failed. `gate()`, which fn calls just before its commit point, is the batch's barrier:
     it returns once every host of the batch has reached its gate or ended, and raises Halted (that host is a
-    "halted" row) when the batch has failed; its hosts not yet started are not attempted, and once its hosts have finished
-    `undo(transport, row)` runs on each whose row `changed` says it changed something; the batches after it are
-    not attempted. `on_row` sees each row as it is known (an unreachable host at once), `on_batch` each batch
+    "halted" row) when the batch has failed; its hosts not yet started are not attempted, and once its hosts have
+    finished `undo(transport, row)` runs on each whose row `changed` says it changed something; the batches after
+    it are not attempted. `on_row` sees each row as it is known (an unreachable host at once), `on_batch` each batch
     as it starts."""
     spec = serial if isinstance(serial, list) else parse_serial(serial)
     groups = batches(targets, spec)
