@@ -84,7 +84,7 @@ def fetch_alone(lk: lockmod.Lock, biggest, work: Path, jobs: int) -> dict:
     events = io.StringIO()
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(events):         # the agent's progress events
-        res = agentbuild.fetch({"wheels": str(work / "cache")}, pkgs, jobs)
+        res = agentbuild.fetch(str(work / "cache"), pkgs, jobs)
     secs = time.perf_counter() - t0
     c2 = cpu_seconds()
     after, _ = line_rate(biggest.url)
