@@ -113,21 +113,28 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 @pytest.fixture
-def silent():
-    """A TCP listener that accepts connections and never says a word (an SSH port behind a hung daemon)."""
+def listener():
+    """A TCP port that accepts connections, counts them and never says a word: (port, the connections accepted).
+    A host that would be contacted, or an SSH port behind a hung daemon."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
-    srv.listen()
-    held: list[socket.socket] = []
+    srv.listen(16)
+    accepted: list[socket.socket] = []
 
     def accept():
         try:
             while True:
-                held.append(srv.accept()[0])
+                accepted.append(srv.accept()[0])
         except OSError:       # closed at the end of the test
             pass
     threading.Thread(target=accept, daemon=True).start()
-    yield srv.getsockname()[1]
+    yield srv.getsockname()[1], accepted
     srv.close()
-    for c in held:
+    for c in accepted:
         c.close()
+
+
+@pytest.fixture
+def silent(listener):
+    """The port of a listener that never says a word (an SSH port behind a hung daemon)."""
+    return listener[0]

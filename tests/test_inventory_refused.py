@@ -2,34 +2,9 @@
 group, hosts as a list) are refused before any host is contacted, in one line naming the file and line."""
 from __future__ import annotations
 
-import socket
-import threading
-
 import pytest
 
 from test_core import cli
-
-
-@pytest.fixture
-def listener():
-    """A TCP port that counts the connections made to it (a host that would be contacted)."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(16)
-    accepted: list[socket.socket] = []
-
-    def accept():
-        try:
-            while True:
-                accepted.append(srv.accept()[0])
-        except OSError:      # closed at the end of the test
-            pass
-    threading.Thread(target=accept, daemon=True).start()
-    yield srv.getsockname()[1], accepted
-    srv.close()
-    for c in accepted:
-        c.close()
-
 
 CASES = {
     "port-twice.ini": ("[a]\nh1 ansible_host=127.0.0.1 ansible_port={port}\n[b]\nh1 ansible_host=127.0.0.1 "
