@@ -16,6 +16,7 @@ import pytest
 
 from provision import lock as lockmod
 from provision.agent import kernels, probes as agentprobes
+from provision.engine.settings import kernel_cache
 from provision.layout import Layout
 from provision.probes import run_probes
 from provision.transport import Local, Target, Watch
@@ -71,6 +72,8 @@ def test_generations_with_one_key_share_its_entry_and_gc_removes_only_unused_one
         f"{var}={lay.kernels}/{shared}/{kind}" for var, kind in
         sorted((v, k) for k, v in kernels.KINDS.items())]
 
+    assert kernel_cache(str(root / "generations" / gens[2] / "venv")) == recs[2]["env"]   # what the engine takes
+    assert kernel_cache(str(tmp_path / "not-a-generation" / "venv")) == {}
     lk = lockmod.load(tmp_path / "a.yaml")
     rep = run_probes(tr, _with_capability(lk, "12.0"), generation=gens[0], only=["packages"])
     other = rep["kernels"]["key"]
