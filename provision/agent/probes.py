@@ -20,7 +20,7 @@ import urllib.request
 
 from . import allreduce, kernels
 from .build import driver_libcuda
-from .host import AgentError, answer, event, installed_dists, norm, query_gpus, sh, start_agent
+from .host import AgentError, answer, event, installed_dists, norm, query_gpus, read_json, sh, start_agent
 
 # NVLink multicast stays off everywhere a probe starts GPU work (it can wedge shared hosts).
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -480,6 +480,7 @@ def op_jit(a):
 JIT_BUILD = {"decode": "decode attention", "norm": "norm", "silu-and-mul": "silu-and-mul"}
 JIT_CHECK = {"allreduce-fusion": "trtllm allreduce fusion"}
 JIT_TIMEOUT = 1200      # seconds per build
+JIT_DONE = "provision-jit.json"   # in flashinfer's cache dir: {arch: [the builds it holds]}
 COMPILE_MEMORY = 2 << 30   # bytes one nvcc of a flashinfer module may take (cicc on the norm module: about 1.5 GiB)
 
 
@@ -574,7 +575,13 @@ def jit_builds(ccs, cuda_home, python=sys.executable, build=tuple(JIT_BUILD), ch
     linked), failed, refused (flashinfer rejects the capability) or accepted (only checked). The `_workers` key
     says how many ran at once. `said(running, done, total)` hears each build start and end."""
     bindirs = [os.path.dirname(python), os.path.join(cuda_home, "bin")]   # ninja, nvcc
-    jobs = [(cc, (name,), ()) for cc in ccs for name in build] + [(cc, (), tuple(check)) for cc in ccs if check]
+    ready = (read_json(os.path.join(workspace, JIT_DONE)) or {}) if workspace else {}
+    jobs = []
+    for cc in ccs:   # a build not yet in the cache: a process of its own; those that are, and the checks: one
+        warm = [n for n in build if n in (ready.get(sm(specific(cc))) or ())]
+        jobs += [(cc, (n,), ()) for n in build if n not in warm]
+        if warm or check:
+            jobs.append((cc, tuple(warm), tuple(check)))
     workers, each = compile_slots(len(jobs) or 1)
     with tempfile.TemporaryDirectory(prefix="provision-flashinfer-jit-") as scratch:
         base = workspace or scratch
@@ -603,6 +610,16 @@ def jit_builds(ccs, cuda_home, python=sys.executable, build=tuple(JIT_BUILD), ch
         for name in b:      # the build's process from start to end (the interpreter and flashinfer's import too)
             got.setdefault(name, {"status": "failed", "error": "no result"})["process_seconds"] = seconds
         per.update(got)
+    if workspace:    # what this cache now holds, for the next run's grouping (ninja still decides what is stale)
+        held = {arch: sorted(n for n, r in mods.items() if r.get("status") in ("built", "compiled"))
+                for arch, mods in out.items() if arch != "_workers"}
+        try:
+            tmp = os.path.join(workspace, "%s.tmp-%d" % (JIT_DONE, os.getpid()))
+            with open(tmp, "w") as f:
+                json.dump(held, f)
+            os.replace(tmp, os.path.join(workspace, JIT_DONE))
+        except OSError:
+            pass
     return out
 
 
