@@ -61,6 +61,7 @@ class Layout:
         <root>/current -> generations/…   switched by rename(2) of a fresh link
         <root>/history.jsonl  last-number  .lock (the host lock)  .work (held by working agents)  .trash (gc)
         <root>/cache/wheels/<sha256>/  cache/uv-bin/<sha256>/  cache/uv/  tool/<digest>/  tmp/  runs/
+        <root>/cache/kernels/<key>/{flashinfer,triton,inductor}/   compiled kernels (agent/kernels.py)
     """
 
     def __init__(self, root):
@@ -77,6 +78,7 @@ class Layout:
         self.uv_bin = join(root, "cache", "uv-bin")      # the controller's uv, pushed by hash
         self.uv_cache = join(root, "cache", "uv")
         self.uv_archives = join(self.uv_cache, "archive-v0")
+        self.kernels = join(root, "cache", "kernels")    # compiled kernels by content key: agent/kernels.py
         self.tool = join(root, "tool")
         self.tmp = join(root, "tmp")
         self.runs = join(root, "runs")

@@ -151,10 +151,18 @@ class Watch:
     on_wait: Callable[[str, float], None] | None = None     # (what it waits for, seconds without progress)
     cancel: threading.Event | None = None
     phase: str | None = None
+    doing: str | None = None        # what the host said it does within its phase (e.g. the probe that runs)
 
     @property
     def name(self) -> str:
-        return self.phase or self.step
+        return (self.phase or self.step) + (f" {self.doing}" if self.doing else "")
+
+    def heard(self, ev: dict) -> None:
+        """A progress event from the host: its phase (`step`) and what it does there (`doing`), both checked."""
+        step, doing = ev.get("step"), ev.get("doing")
+        if isinstance(step, str) and STEP_RE.match(step):   # a host's word, checked
+            self.phase = step
+            self.doing = _printable(doing)[:160] if isinstance(doing, str) and doing.strip() else None
 
 
 class _Watchdog:
@@ -257,11 +265,11 @@ class Transport:
                     return
                 if isinstance(ev, dict) and isinstance(ev.get("_agent"), dict) and not started:
                     started.update(ev["_agent"])
-                elif on_event and isinstance(ev, dict) and isinstance(ev.get("_event"), dict):
-                    step = ev["_event"].get("step")
-                    if self.watch and isinstance(step, str) and STEP_RE.match(step):   # a host's word, checked
-                        self.watch.phase = step
-                    on_event(ev["_event"])
+                elif isinstance(ev, dict) and isinstance(ev.get("_event"), dict):
+                    if self.watch:
+                        self.watch.heard(ev["_event"])
+                    if on_event:
+                        on_event(ev["_event"])
 
         beat = self.target.heartbeat
         msg = agent.message(name, payload, env, heartbeat=beat * HEARTBEAT_MISSES)

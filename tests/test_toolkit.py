@@ -137,7 +137,7 @@ def test_flashinfer_jit_compiles_for_sm120_without_a_gpu_and_reports_what_it_ref
 
 # What the JIT worker printed for flashinfer 0.7.2's silu-and-mul on this CPU-only machine (no driver), with a
 # home that is a toolkit (only -lcuda missing at the link) and with one that lacks lib64/libcudart.so too.
-COMPILED_NO_LIBCUDA = {"status": "compiled", "module": "silu_and_mul", "seconds": 31.79, "missing": ["cuda"],
+COMPILED_NO_LIBCUDA = {"status": "compiled", "module": "silu_and_mul", "seconds": 31.79, "missing": ["cuda"], "compiled": 2,
                        "error": "/usr/bin/ld: cannot find -lcuda: No such file or directory"}
 COMPILED_NO_CUDART = dict(COMPILED_NO_LIBCUDA, missing=["cuda", "cudart"],
                           error="/usr/bin/ld: cannot find -lcudart: No such file or directory")
@@ -158,7 +158,7 @@ def test_a_jit_link_that_only_lacks_the_drivers_libcuda_skips_and_nothing_else_p
     error, fails. (The compiler's output is recorded; the driver's presence is what is stood in for.)"""
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "nvcc").write_text("")
-    monkeypatch.setattr(agentprobes, "flashinfer_jit", lambda *a, **k: {"silu-and-mul": out})
+    monkeypatch.setattr(agentprobes, "jit_builds", lambda *a, **k: {"_workers": 1, "sm_120a": {"silu-and-mul": out}})
     monkeypatch.setattr(agentprobes, "driver_libcuda", lambda: driver)
     st, reason, figs = agentprobes.jit_part({"ccs": ["12.0"], "cuda_home": str(tmp_path)}, build=("silu-and-mul",),
                                             check=())

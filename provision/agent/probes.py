@@ -18,9 +18,9 @@ import time
 import urllib.error
 import urllib.request
 
-from . import allreduce
+from . import allreduce, kernels
 from .build import driver_libcuda
-from .host import answer, installed_dists, norm, query_gpus, sh, start_agent
+from .host import AgentError, answer, event, installed_dists, norm, query_gpus, read_json, sh, start_agent
 
 # NVLink multicast stays off everywhere a probe starts GPU work (it can wedge shared hosts).
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -409,7 +409,7 @@ def op_jit(a):
     """flashinfer's JIT for one capability, without a GPU, in a process of its own ({op: jit, build, check}: lists
     of module names; FLASHINFER_CUDA_ARCH_LIST set by `flashinfer_jit`). Each module's JitSpec is generated
     (flashinfer refuses a capability there: RuntimeError) and, unless it is only checked, built with nvcc and
-    ninja into a .so (JitSpec.build)."""
+    ninja into a .so (JitSpec.build). `compiled`: the objects this build wrote (0: all were in the cache)."""
     import torch
     from flashinfer.jit import activation, comm, norm
     from flashinfer.jit.attention import modules as att
@@ -438,10 +438,19 @@ def op_jit(a):
             m = None
         return [spec.build_dir / o for o in m.group(1).split()] if m else spec.get_object_paths()
 
+    def written(paths, since):
+        n = 0
+        for p in paths:
+            try:
+                n += os.stat(p).st_mtime >= since
+            except OSError:
+                pass
+        return n
+
     build, check = list(a["build"]), list(a["check"])
     out = {}
     for name in build + check:
-        t0 = time.perf_counter()
+        t0, since = time.perf_counter(), time.time() - 0.05   # the filesystem's clock may lag this one a tick
         try:
             spec = gen[name]()
         except Exception as e:  # noqa: BLE001 - flashinfer's refusal of the capability is the finding
@@ -458,6 +467,7 @@ def op_jit(a):
             done = bool(objs) and all(p.exists() for p in objs)
             out[name] = {"status": "compiled" if done else "failed", "module": spec.name, "error": why(str(e)),
                          "missing": sorted(set(re.findall(r"cannot find -l([A-Za-z0-9_+.-]+)", str(e))))}
+        out[name]["compiled"] = written(objects(spec), since)
         out[name]["seconds"] = round(time.perf_counter() - t0, 2)
     return out
 
@@ -469,30 +479,153 @@ def op_jit(a):
 # a refusal is a finding.
 JIT_BUILD = {"decode": "decode attention", "norm": "norm", "silu-and-mul": "silu-and-mul"}
 JIT_CHECK = {"allreduce-fusion": "trtllm allreduce fusion"}
-JIT_TIMEOUT = 1200      # seconds per capability
+JIT_TIMEOUT = 1200      # seconds per build
+JIT_DONE = "provision-jit.json"   # in flashinfer's cache dir: {arch: [the builds it holds]}
+COMPILE_MEMORY = 2 << 30   # bytes one nvcc of a flashinfer module may take (cicc on the norm module: about 1.5 GiB)
+
+
+def cores():
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def mem_available():
+    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def compile_slots(jobs, per=COMPILE_MEMORY):
+    """(workers, compiles each) for `jobs` builds: at most one compiler per core and as many as the available
+    memory holds at `per` bytes each, shared among min(jobs, slots) builds that run at once."""
+    mem = mem_available()
+    slots = max(1, min(cores(), mem // per if mem else cores()))
+    workers = max(1, min(jobs, slots))
+    return workers, max(1, slots // workers)
+
+
+def run_parallel(jobs, workers, timeout, said=None):
+    """Run `jobs` [(label, start)], `start()` starting one process (stdout and stderr piped), at most `workers` at
+    a time, each within `timeout` seconds: {label: (process, stdout, stderr, seconds)}, a process that overran
+    killed (its stdout then b''). `said(running labels, done, total)` hears each start and end. A process still
+    running when this ends early (an error, the agent stopped) is killed."""
+    lock, running, started, out = threading.Lock(), [], [], {}
+    queue = list(jobs)
+
+    def tell():
+        if said:
+            said(list(running), len(out), len(jobs))
+
+    def one():
+        while True:
+            with lock:
+                if not queue:
+                    return
+                label, start = queue.pop(0)
+                t0 = time.perf_counter()
+                p = start()
+                started.append(p)
+                running.append(label)
+                tell()
+            try:
+                stdout, stderr = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                stdout, stderr = b"", p.communicate()[1]
+            with lock:
+                running.remove(label)
+                out[label] = (p, stdout, stderr, round(time.perf_counter() - t0, 2))
+                tell()
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(max(1, min(workers, len(jobs))))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        with lock:
+            queue.clear()
+            for p in started:
+                if p.poll() is None:
+                    p.kill()
+    return out
 
 
 def flashinfer_jit(cc, cuda_home, python=sys.executable, build=tuple(JIT_BUILD), check=tuple(JIT_CHECK),
-                   timeout=JIT_TIMEOUT):
-    """flashinfer's JIT modules generated (and `build` ones compiled) for capability `cc` by `python`'s
-    flashinfer with the nvcc of `cuda_home`, in a scratch workspace, no GPU visible: {module: {status,
-    seconds, error}}; status built, compiled (objects, not linked), failed, refused (flashinfer rejects
-    the capability) or accepted (only checked)."""
+                   timeout=JIT_TIMEOUT, workspace=None):
+    """flashinfer's JIT modules generated (and `build` ones compiled) for capability `cc`; see `jit_builds`."""
+    return jit_builds([cc], cuda_home, python, build, check, timeout, workspace)[sm(specific(cc))]
+
+
+def jit_builds(ccs, cuda_home, python=sys.executable, build=tuple(JIT_BUILD), check=tuple(JIT_CHECK),
+               timeout=JIT_TIMEOUT, workspace=None, said=None):
+    """flashinfer's JIT modules generated (and `build` ones compiled) for each capability in `ccs` by `python`'s
+    flashinfer with the nvcc of `cuda_home`, no GPU visible, each build in a process of its own, all at once as far
+    as cores and memory allow (`compile_slots`), in `workspace` (flashinfer's base: the kernel cache; default a
+    scratch one): {arch: {module: {status, seconds, compiled, error}}}; status built, compiled (objects, not
+    linked), failed, refused (flashinfer rejects the capability) or accepted (only checked). The `_workers` key
+    says how many ran at once. `said(running, done, total)` hears each build start and end."""
     bindirs = [os.path.dirname(python), os.path.join(cuda_home, "bin")]   # ninja, nvcc
-    with tempfile.TemporaryDirectory(prefix="provision-flashinfer-jit-") as d:
-        env = dict(os.environ, CUDA_HOME=cuda_home, CUDA_PATH=cuda_home, CUDA_VISIBLE_DEVICES="",
-                   FLASHINFER_CUDA_ARCH_LIST=specific(cc), FLASHINFER_WORKSPACE_BASE=d,
-                   PATH=os.pathsep.join(bindirs + [os.environ.get("PATH", "")]))
-        env.pop("FLASHINFER_DISABLE_JIT", None)
+    ready = (read_json(os.path.join(workspace, JIT_DONE)) or {}) if workspace else {}
+    jobs = []
+    for cc in ccs:   # a build not yet in the cache: a process of its own; those that are, and the checks: one
+        warm = [n for n in build if n in (ready.get(sm(specific(cc))) or ())]
+        jobs += [(cc, (n,), ()) for n in build if n not in warm]
+        if warm or check:
+            jobs.append((cc, tuple(warm), tuple(check)))
+    workers, each = compile_slots(len(jobs) or 1)
+    with tempfile.TemporaryDirectory(prefix="provision-flashinfer-jit-") as scratch:
+        base = workspace or scratch
+
+        def starter(cc, b, c):
+            env = dict(os.environ, CUDA_HOME=cuda_home, CUDA_PATH=cuda_home, CUDA_VISIBLE_DEVICES="",
+                       FLASHINFER_CUDA_ARCH_LIST=specific(cc), FLASHINFER_WORKSPACE_BASE=base, MAX_JOBS=str(each),
+                       PATH=os.pathsep.join(bindirs + [os.environ.get("PATH", "")]))
+            env.pop("FLASHINFER_DISABLE_JIT", None)
+            return lambda: start_agent(python, "probes", {"op": "jit", "build": list(b), "check": list(c)},
+                                       env=env, cwd=base)
+
+        labelled = [("%s %s" % (" ".join(b) or "check", sm(specific(cc))), starter(cc, b, c)) for cc, b, c in jobs]
+        done = run_parallel(labelled, workers, timeout, said)
+    out = {"_workers": workers}
+    for (cc, b, c), (label, _) in zip(jobs, labelled):
+        arch = sm(specific(cc))
+        per = out.setdefault(arch, {})
+        p, stdout, stderr, seconds = done[label]
         try:
-            return wait_agents([start_agent(python, "probes", {"op": "jit", "build": list(build), "check": list(check)},
-                                          env=env, cwd=d)], timeout)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError("not done within %ds" % timeout)
+            got = answer(p, stdout, stderr) if stdout else {"error": "not done within %ds" % timeout}
+        except RuntimeError as e:
+            got = {"error": str(e)[:300]}
+        if isinstance(got.get("error"), str):
+            got = {name: {"status": "failed", "error": got["error"][:300]} for name in b + c}
+        for name in b:      # the build's process from start to end (the interpreter and flashinfer's import too)
+            got.setdefault(name, {"status": "failed", "error": "no result"})["process_seconds"] = seconds
+        per.update(got)
+    if workspace:    # what this cache now holds, for the next run's grouping (ninja still decides what is stale)
+        held = {arch: sorted(n for n, r in mods.items() if r.get("status") in ("built", "compiled"))
+                for arch, mods in out.items() if arch != "_workers"}
+        try:
+            tmp = os.path.join(workspace, "%s.tmp-%d" % (JIT_DONE, os.getpid()))
+            with open(tmp, "w") as f:
+                json.dump(held, f)
+            os.replace(tmp, os.path.join(workspace, JIT_DONE))
+        except OSError:
+            pass
+    return out
 
 
 def jit_part(a, python=sys.executable, build=tuple(JIT_BUILD), check=tuple(JIT_CHECK)):
-    """(status, reason, figures) of JIT-compiling flashinfer for every capability the lock targets."""
+    """(status, reason, figures) of JIT-compiling flashinfer for every capability the lock targets, into the
+    kernel cache where the probe run has one (`jit_compiled`: the builds that compiled anything; 0: all warm)."""
     ccs = sorted(a.get("ccs") or [], key=vtuple)
     home = a.get("cuda_home")
     nvcc = os.path.join(home, "bin", "nvcc") if home else None
@@ -500,16 +633,17 @@ def jit_part(a, python=sys.executable, build=tuple(JIT_BUILD), check=tuple(JIT_C
         return "skip", "JIT not compiled: the lock names no compute capability", {}
     if not nvcc or not os.path.exists(nvcc):
         return "skip", "JIT not compiled: no nvcc at %s" % nvcc, {}
-    per, ok, bad, refused, unlinked = {}, [], [], [], []
+    ok, bad, refused, unlinked = [], [], [], []
     driver = driver_libcuda()
-    for cc in ccs:
-        arch = sm(specific(cc))
-        try:
-            per[arch] = got = flashinfer_jit(cc, home, python, build, check)
-        except (RuntimeError, ValueError, OSError) as e:
-            per[arch] = {}
-            bad.append("%s: %s" % (arch, e))
-            continue
+    t0 = time.perf_counter()
+
+    def said(running, done, total):
+        event(step="probe", doing="flashinfer (jit %s; %d of %d done)" % (", ".join(running) or "-", done, total))
+
+    cache = (KERNEL_CACHE.get("env") or {}).get(kernels.KINDS["flashinfer"])
+    per = jit_builds(ccs, home, python, build, check, workspace=cache, said=said)
+    workers = per.pop("_workers")
+    for arch, got in per.items():
         for name, r in got.items():
             what = JIT_BUILD.get(name) or JIT_CHECK.get(name)
             if name in JIT_CHECK:
@@ -521,7 +655,10 @@ def jit_part(a, python=sys.executable, build=tuple(JIT_BUILD), check=tuple(JIT_C
                 unlinked.append("%s %s (%.0fs)" % (what, arch, r["seconds"]))
             else:
                 bad.append("%s %s %s: %s" % (what, arch, r["status"], r.get("error")))
-    figs = {"jit": per, "jit_refused": refused, "jit_unlinked": unlinked}
+    builds = [r for got in per.values() for n, r in got.items() if n not in JIT_CHECK and "compiled" in r]
+    figs = {"jit": per, "jit_refused": refused, "jit_unlinked": unlinked, "jit_workers": workers,
+            "jit_seconds": round(time.perf_counter() - t0, 2), "jit_builds": len(builds),
+            "jit_compiled": sum(1 for r in builds if r["compiled"]), "jit_cache": cache}
     tail = "; refused: %s" % ", ".join(refused) if refused else ""
     if bad:
         return "fail", "JIT failed: %s%s" % ("; ".join(bad), tail), figs
@@ -722,7 +859,8 @@ def cuda_of_path(text):
 
 def p_jit_cache(a):
     want = major_minor(a.get("cuda_version"))
-    base = os.environ.get("FLASHINFER_WORKSPACE_BASE") or os.path.expanduser("~")
+    var = kernels.KINDS["flashinfer"]    # where an engine started outside provision looks: not the kernel cache
+    base = (OPERATOR_ENV[var] if var in OPERATOR_ENV else os.environ.get(var)) or os.path.expanduser("~")
     cache = os.path.join(base, ".cache", "flashinfer")
     if not os.path.isdir(cache):
         return result("jit-cache", "pass", "no flashinfer JIT cache at %s" % cache, path=cache)
@@ -1131,12 +1269,37 @@ def _stop(signum, frame):
     raise SystemExit(128 + signum)   # unwinds through `finally`, which stops any engine
 
 
+KERNEL_CACHE = {}       # this run's entry of the host's kernel cache (kernels.prepare); its variables are set here
+OPERATOR_ENV = {}       # what the probe's environment said for those variables before
+
+
+def use_kernel_cache(a):
+    """{kernels: {root, generation}}: the generation's entry of the kernel cache, for every capability it
+    compiles for (the lock's and the GPUs'), made and put in this process's environment, so that the JIT builds,
+    the smoke tests and the engine launched here all compile into it; None without; {error} when it cannot be."""
+    k = a.get("kernels")
+    if not isinstance(k, dict):
+        return None
+    try:
+        rec = kernels.prepare(k.get("root"), k.get("generation"), a.get("cuda_home"),
+                              [specific(cc) for cc in targets(a)])
+    except (OSError, AgentError) as e:
+        return {"error": "kernel cache: %s" % e}
+    OPERATOR_ENV.update({v: os.environ.get(v) for v in rec["env"]})
+    os.environ.update(rec["env"])
+    KERNEL_CACHE.update(rec)
+    return rec
+
+
 def op_run(a):
-    """{op: run, probes: [name], ...what they need} -> {results, python, version, dists}."""
+    """{op: run, probes: [name], kernels: {root, generation}, ...what they need} -> {results, python, version,
+    dists, kernels}. Each probe is announced as it starts (an event: the controller names it while it waits)."""
     for s in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, _stop)
+    cache = use_kernel_cache(a)
     out = []
     for name in a.get("probes", []):
+        event(step="probe", doing=name)
         t0 = time.perf_counter()
         try:
             r = PROBES[name](a)
@@ -1145,7 +1308,7 @@ def op_run(a):
         r["seconds"] = round(time.perf_counter() - t0, 2)
         out.append(r)
     return {"results": out, "python": sys.executable, "version": "%d.%d.%d" % sys.version_info[:3],
-            "dists": installed_dists()}
+            "dists": installed_dists(), "kernels": cache}
 
 
 OPS = {"run": op_run, "collective": op_collective, "jit": op_jit}

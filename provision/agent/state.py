@@ -14,6 +14,7 @@ import time
 from ..layout import Layout, cache_entry, venv_python
 from .host import (AgentError, current, current_link, current_problem, disk_full, ensure_root, generations as gens,
                    manifest_of, read_json, try_lock)
+from . import kernels
 from .verify import quick
 
 
@@ -444,6 +445,7 @@ def op_gc(lay, a):
                       "uv-" + name))
     for kind, entry, _, _ in items:
         out[kind].append(entry)
+    out["kernels"] = kernels.collect(lay, [g[1] for g in kept], dry_run=bool(a.get("dry_run")))
     if a.get("dry_run"):
         account(out, items, survey([path for _, _, path, _ in items]))
         return out

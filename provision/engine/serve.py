@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import queue
 import select
 import socket
@@ -623,8 +624,10 @@ def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 8000, name:
 
 def main(argv=None):
     from .loading import runs_in, start_engine
-    from .settings import add_arguments, from_arguments
+    from .settings import add_arguments, from_arguments, kernel_cache
 
+    for k, v in kernel_cache().items():   # the generation's compiled kernels, unless the caller names others
+        os.environ.setdefault(k, v)
     ap = argparse.ArgumentParser(description=__doc__)
     add_arguments(ap)
     ap.add_argument("--host", default="127.0.0.1")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
 from dataclasses import dataclass, field
 
 
@@ -50,3 +52,17 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def from_arguments(a: argparse.Namespace) -> EngineSettings:
     return EngineSettings(**{f.name: getattr(a, f.name) for f in dataclasses.fields(EngineSettings)})
+
+
+KERNEL_VARS = ("FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+
+
+def kernel_cache(prefix: str = sys.prefix) -> dict:
+    """The host's kernel cache for the generation whose venv is `prefix`: the variables its probes wrote to
+    <generation>/kernels.env (agent/kernels.py), so the engine finds what they compiled; {} outside a generation."""
+    try:
+        with open(os.path.join(os.path.dirname(os.path.abspath(prefix)), "kernels.env")) as f:
+            pairs = [line.rstrip("\n").split("=", 1) for line in f if "=" in line]
+    except OSError:
+        return {}
+    return {k: v for k, v in pairs if k in KERNEL_VARS and os.path.isabs(v)}

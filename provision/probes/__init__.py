@@ -225,7 +225,8 @@ def run_probes(transport: Transport, lock: Lock | None = None, *, generation: st
                "packages": against.versions(),
                "packages_source": f"{against.name} ({'captured at adoption' if against is gen_lock and adopted else 'lock'})",
                "nvidia_smi": transport.target.vars.get("provision_nvidia_smi") or facts.nvidia_smi,
-               "gpus": [asdict(g) for g in facts.gpus], "timeout": lock.probes.get("collective_timeout")}
+               "gpus": [asdict(g) for g in facts.gpus], "timeout": lock.probes.get("collective_timeout"),
+               "kernels": {"root": lay.root, "generation": gen_id}}    # the host's kernel cache: agent/kernels.py
     if "engine" in to_host:
         try:
             payload["engine"] = dict(_engine_spec(transport, lock, python, facts), log=lay.gen(gen_id).engine_log)
@@ -233,10 +234,11 @@ def run_probes(transport: Transport, lock: Lock | None = None, *, generation: st
             to_host.remove("engine")
             results["engine"] = _res("engine", "fail", str(e))
     dists: dict = {}
-    host_python = None
+    host_python = kernels = None
     if to_host:
         out = _run_host(transport, to_host, payload, python, float(lock.probes.get("timeout", 3600)))
         host_python = out.get("python")
+        kernels = out.get("kernels") if isinstance(out.get("kernels"), dict) else None
         for r in out.get("results", []):
             results[r["name"]] = r
         dists = out.get("dists") or {}
@@ -267,7 +269,7 @@ def run_probes(transport: Transport, lock: Lock | None = None, *, generation: st
               "lock": lock.name, "python": host_python or python, "during_apply": during_apply,
               "gpus": len(facts.gpus), "driver": facts.driver,
               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "results": ordered, "summary": summary, "failed": failed,
+              "results": ordered, "summary": summary, "failed": failed, "kernels": kernels,
               "skipped_by_operator": [n for n in skip or () if n in results],
               "seconds": round(time.perf_counter() - t0, 2)}
     record(transport, report)

@@ -1,0 +1,209 @@
+"""Compiled kernels once per host: the cache key (flashinfer, torch, CUDA, capabilities; nothing else), one entry
+shared by the generations whose key matches, gc of the entries no kept generation records, the JIT builds run side
+by side within cores and memory, the controller naming the probe it waits for, and (slow) flashinfer's real JIT
+cold then warm into the cache, with HOME untouched."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from provision import lock as lockmod
+from provision.agent import kernels, probes as agentprobes
+from provision.engine.settings import kernel_cache
+from provision.layout import Layout
+from provision.probes import run_probes
+from provision.transport import Local, Target, Watch
+from test_gc_truth import gc_cli, three_generations
+from test_toolkit import _nvcc_home, flashinfer_python  # noqa: F401 - the fixture
+
+FI = {"flashinfer-python": "0.6.4", "torch": "2.9.1+cu130", "sglang": "0.5.9", "numpy": "2.1.0"}
+
+
+def test_the_key_changes_with_flashinfer_torch_cuda_and_capability_and_with_nothing_else(tmp_path, monkeypatch):
+    home, release = _nvcc_home()
+    base = kernels.inputs(home, ["12.0a"], dists=FI)
+    assert base["cuda"].startswith(release + ".") and base["flashinfer"] == "0.6.4"   # the real nvcc's own word
+    k = kernels.key(base)
+    changed = {
+        "flashinfer": kernels.inputs(home, ["12.0a"], dists=dict(FI, **{"flashinfer-python": "0.6.3"})),
+        "torch": kernels.inputs(home, ["12.0a"], dists=dict(FI, torch="2.9.1+cu128")),
+        "cuda": kernels.inputs(str(tmp_path / "no-toolkit"), ["12.0a"], dists=FI),
+        "capability": kernels.inputs(home, ["12.0a", "9.0a"], dists=FI),
+    }
+    keys = {what: kernels.key(inp) for what, inp in changed.items()}
+    assert k not in keys.values() and len(set(keys.values())) == 4, keys
+    # other distributions, the order of the capabilities and the caller's environment change nothing
+    monkeypatch.setenv("FLASHINFER_WORKSPACE_BASE", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "other-cuda"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    same = kernels.inputs(home, ["12.0a", "12.0a"], dists=dict(FI, sglang="0.5.23", numpy="2.2.0"))
+    assert kernels.key(same) == k and kernels.key(kernels.inputs(home, ["9.0a", "12.0a"], dists=FI)) == \
+        keys["capability"]
+    assert kernels.env_of("/r/cache/kernels/" + k) == {
+        "FLASHINFER_WORKSPACE_BASE": f"/r/cache/kernels/{k}/flashinfer",
+        "TRITON_CACHE_DIR": f"/r/cache/kernels/{k}/triton", "TORCHINDUCTOR_CACHE_DIR": f"/r/cache/kernels/{k}/inductor"}
+
+
+def _with_capability(lk: lockmod.Lock, *ccs: str) -> lockmod.Lock:
+    data = copy.deepcopy(lk.raw)
+    data["platform"]["gpus"] = {"compute_capability": list(ccs)}
+    return lockmod.from_data(data, lk.name)
+
+
+def test_generations_with_one_key_share_its_entry_and_gc_removes_only_unused_ones(tmp_path, wheels):
+    """Three real applies (their probes record each generation's key): one entry for the three. Probing the oldest
+    for another capability moves it to a second key; gc --keep 1 removes that generation, and with it the entry no
+    kept generation uses (a dry run first names it and leaves it), and keeps the shared one."""
+    root, tr, gens = three_generations(tmp_path, wheels)
+    lay = Layout(str(root))
+    recs = [json.loads((root / "generations" / g / "kernels.json").read_text()) for g in gens]
+    shared = recs[0]["key"]
+    assert [r["key"] for r in recs] == [shared] * 3
+    assert sorted(os.listdir(lay.kernels)) == [shared]
+    assert sorted(os.listdir(Path(lay.kernels) / shared)) == ["flashinfer", "inductor", "triton"]
+    assert (root / "generations" / gens[2] / "kernels.env").read_text().splitlines() == [
+        f"{var}={lay.kernels}/{shared}/{kind}" for var, kind in
+        sorted((v, k) for k, v in kernels.KINDS.items())]
+
+    assert kernel_cache(str(root / "generations" / gens[2] / "venv")) == recs[2]["env"]   # what the engine takes
+    assert kernel_cache(str(tmp_path / "not-a-generation" / "venv")) == {}
+    lk = lockmod.load(tmp_path / "a.yaml")
+    rep = run_probes(tr, _with_capability(lk, "12.0"), generation=gens[0], only=["packages"])
+    other = rep["kernels"]["key"]
+    assert other != shared and rep["kernels"]["created"] and rep["kernels"]["inputs"]["archs"] == ["12.0a"]
+    assert sorted(os.listdir(lay.kernels)) == sorted([shared, other])
+    (Path(lay.kernels) / other / "triton" / "k.cubin").write_bytes(os.urandom(1 << 20))
+
+    dry = gc_cli(root, "--keep", "1", "--dry-run")["kernels"]
+    assert [e["key"] for e in dry["removed"]] == [other] and dry["kept"] == [shared]
+    assert dry["removed"][0]["bytes"] >= 1 << 20 and (Path(lay.kernels) / other).is_dir()
+    out = gc_cli(root, "--keep", "1")
+    assert [g["id"] for g in out["generations"]] == [gens[0]]
+    assert [e["key"] for e in out["kernels"]["removed"]] == [other] and not out["kernels"]["errors"]
+    assert sorted(os.listdir(lay.kernels)) == [shared]
+    assert not gc_cli(root, "--keep", "1")["kernels"]["removed"]         # the shared entry stays while it is used
+
+
+def test_builds_run_side_by_side_within_the_workers_given_and_an_overrun_is_killed(tmp_path):
+    """Real compiles (cc), four jobs over two workers: never more than two at once, two at once at some point,
+    each object built; a job that overruns its time is killed and says so (no output)."""
+    src = tmp_path / "k.c"
+    src.write_text("int f(int x) { int s = 0; for (int i = 0; i < x; i++) s += i * x; return s; }\n")
+    seen, lock = [], threading.Lock()
+
+    def said(running, done, total):
+        with lock:
+            seen.append((len(running), done, total))
+
+    def job(i):
+        return (f"k{i}", lambda: subprocess.Popen(["sh", "-c", 'cc -O2 -c "$1" -o "$2" && sleep 0.3', "sh", str(src),
+                                                   str(tmp_path / f"k{i}.o")],
+                                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+
+    out = agentprobes.run_parallel([job(i) for i in range(4)], 2, 60, said)
+    assert sorted(out) == ["k0", "k1", "k2", "k3"]
+    assert all(p.returncode == 0 for p, _, _, _ in out.values()) and all((tmp_path / f"k{i}.o").exists()
+                                                                          for i in range(4))
+    assert max(n for n, _, _ in seen) == 2 and seen[-1] == (0, 4, 4)
+    slow = agentprobes.run_parallel([("slow", lambda: subprocess.Popen(["sleep", "30"], stdout=subprocess.PIPE,
+                                                                       stderr=subprocess.PIPE))], 4, 0.5)
+    p, stdout, _, seconds = slow["slow"]
+    assert stdout == b"" and p.returncode != 0 and seconds < 10
+
+
+def test_workers_are_bounded_by_cores_and_memory():
+    cores, mem = agentprobes.cores(), agentprobes.mem_available()
+    assert agentprobes.compile_slots(6) == (min(6, cores, mem // agentprobes.COMPILE_MEMORY),
+                                            max(1, min(cores, mem // agentprobes.COMPILE_MEMORY) // min(6, cores)))
+    assert agentprobes.compile_slots(6, per=mem)[0] == 1                  # memory for one compile: one at a time
+    assert agentprobes.compile_slots(1) == (1, min(cores, mem // agentprobes.COMPILE_MEMORY))
+
+
+@pytest.fixture
+def adopted(tmp_path):
+    """This interpreter's environment adopted as generation 0 of a fresh local root."""
+    from provision import apply as applymod
+
+    tr = Local(Target(host="local", vars={"provision_root": str(tmp_path / "root")}))
+    applymod.adopt(tr, sys.prefix)
+    return tr
+
+
+def test_the_notice_names_the_probe_that_runs(adopted, tmp_path):
+    """The real nvcc probe compiling for four capabilities is silent for seconds: with the notice lowered (the
+    setting --wait-notice gives), the controller's wait names it."""
+    home, release = _nvcc_home()
+    waits = []
+    adopted.target.notice = 0.3
+    adopted.watch = Watch("probe", lambda what, s: waits.append(what))
+    lk = lockmod.loads(f"lock: 1\nname: k\nplatform:\n  python: '{sys.version_info[0]}.{sys.version_info[1]}'\n"
+                       f"  cuda: {{version: '{release}', source: host, home: {home}}}\n"
+                       "  gpus: {compute_capability: ['8.9', '9.0', '10.0', '12.0']}\npackages: []\n", "k.yaml")
+    rep = run_probes(adopted, lk, only=["nvcc"])
+    assert rep["results"][0]["status"] == "pass", rep["results"][0]
+    assert waits and set(waits) == {"probe nvcc"}, waits
+
+
+# ---------------------------------------------------------------- flashinfer's real JIT into the cache (slow)
+
+def toolkit_with_cublas(tmp_path) -> tuple[str, str]:
+    """(CUDA home, release): the nvcc on PATH's toolkit, its include dir joined with NVIDIA's cuBLAS wheel's
+    headers and cuRAND's (flashinfer's norm module includes cublasLt.h and curand_kernel.h), as a generation's toolkit from wheels has them."""
+    import zipfile
+
+    from sglang_wheel import wheel
+
+    real, release = _nvcc_home()
+    home = tmp_path / "cuda"
+    (home / "include").mkdir(parents=True)
+    for entry in os.listdir(real):
+        if entry != "include":
+            (home / entry).symlink_to(Path(real) / entry)
+    for entry in os.listdir(Path(real) / "include"):
+        (home / "include" / entry).symlink_to(Path(real) / "include" / entry)
+    for version, dist in (("13.1.1.3", "nvidia-cublas"), ("10.4.0.35", "nvidia-curand")):
+        with zipfile.ZipFile(wheel(version, dist)) as z:
+            for name in z.namelist():
+                if name.startswith("nvidia/cu13/include/") and name.endswith(".h"):
+                    (home / "include" / Path(name).name).write_bytes(z.read(name))
+    return str(home), release
+
+
+@pytest.mark.slow
+def test_flashinfer_probe_compiles_into_the_cache_once_then_finds_it_warm(tmp_path, flashinfer_python):
+    """flashinfer 0.6.4's JIT by the real nvcc for 12.0a, through the probe of a generation (the venv with
+    flashinfer adopted): the first run compiles into <root>/cache/kernels/<key>/flashinfer, the second compiles
+    nothing; the controller heard which build ran; HOME stays untouched."""
+    from provision import apply as applymod
+
+    home, release = toolkit_with_cublas(tmp_path)
+    fake_home = tmp_path / "home"
+    fake_home.mkdir()
+    tr = Local(Target(host="local", vars={"provision_root": str(tmp_path / "root"),
+                                          "provision_probe_env": {"HOME": str(fake_home)}}))
+    applymod.adopt(tr, str(Path(flashinfer_python).parent.parent))
+    lk = lockmod.loads(f"lock: 1\nname: k\nplatform:\n  python: '{sys.version_info[0]}.{sys.version_info[1]}'\n"
+                       f"  cuda: {{version: '{release}', source: host, home: {home}}}\n"
+                       "  gpus: {compute_capability: ['12.0']}\npackages: []\n", "k.yaml")
+    heard = []
+    tr.target.notice = 0.5
+    tr.watch = Watch("probe", lambda what, s: heard.append(what))
+    runs = [run_probes(tr, lk, only=["flashinfer"]) for _ in range(2)]
+    cold, warm = [r["results"][0] for r in runs]
+    assert cold["status"] in ("pass", "skip") and warm["status"] == cold["status"], cold["reason"]
+    key = runs[0]["kernels"]["key"]
+    assert runs[1]["kernels"]["key"] == key and runs[0]["kernels"]["inputs"]["flashinfer"] == "0.6.4"
+    assert cold["figures"]["jit_cache"] == str(tmp_path / "root" / "cache" / "kernels" / key / "flashinfer")
+    assert cold["figures"]["jit_builds"] == 3 and cold["figures"]["jit_compiled"] == 3, cold["figures"]
+    assert warm["figures"]["jit_builds"] == 3 and warm["figures"]["jit_compiled"] == 0, warm["figures"]
+    assert (Path(cold["figures"]["jit_cache"]) / ".cache" / "flashinfer" / "0.6.4" / "120a" / "cached_ops" /
+            "norm").is_dir()
+    assert any(h.startswith("probe flashinfer (jit ") and "sm_120a" in h for h in heard), heard
+    assert list(fake_home.iterdir()) == []
