@@ -143,8 +143,8 @@ def verify(t: Transport, generation: str | None = None, baseline: bool = False, 
     lock, manifest = _lock_of(t, gen_id)
     found = t.run_agent("verify", {"op": "verify", "root": root_of(t.target), "id": gen_id, "baseline": baseline,
                                    "jobs": jobs})
-    verdict = judge(found, lock, manifest.get("installer"))
-    rec = summary(found, verdict, "verify")
+    out = verdict_of(found, lock, manifest.get("installer"), gen_id)
+    rec = out.pop("record")
     event = {"event": "verify", **{k: rec[k] for k in ("verdict", "files", "bytes", "seconds", "drifted", "changed",
                                                        "missing", "extra")}}
     warnings = []
@@ -152,9 +152,17 @@ def verify(t: Transport, generation: str | None = None, baseline: bool = False, 
         generations.mark(t, gen_id, event=event, verify=rec)
     except HostError as e:        # a root mounted read-only: the verdict stands, unrecorded
         warnings.append(f"the verdict is not recorded: {e.message}")
-    out = dict(verdict, host=t.target.name, generation=gen_id, files=found["files"], bytes=found["bytes"],
-               seconds=found["seconds"], jobs=found.get("jobs"), bytecode_checked=found.get("bytecode_checked", 0),
-               lines=[line(r) for r in verdict["rows"]], warnings=warnings)
+    return dict(out, host=t.target.name, warnings=warnings)
+
+
+def verdict_of(found: dict, lock: Lock, installer: str | None, gen_id: str) -> dict:
+    """The verdict on the agent's `verify` reply for generation `gen_id` (judged against its lock), with the
+    figures and one line per drifted distribution; `record` is what the manifest keeps of it. The CLI and the
+    playbooks' verify both read the agent's reply here."""
+    verdict = judge(found, lock, installer)
+    out = dict(verdict, generation=gen_id, files=found["files"], bytes=found["bytes"], seconds=found["seconds"],
+               jobs=found.get("jobs"), bytecode_checked=found.get("bytecode_checked", 0),
+               lines=[line(r) for r in verdict["rows"]], record=summary(found, verdict, "verify"))
     out["rate_gbs"] = found["bytes"] / found["seconds"] / 1e9 if found["seconds"] > 0 else None
     if "read_seconds" in found:
         rs = found["read_seconds"]

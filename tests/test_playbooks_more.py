@@ -1,0 +1,60 @@
+"""The read-only playbooks on a loopback fleet, each against the CLI verb it stands beside: verify.yml gives
+`provision verify`'s verdicts (and fails the drifted host, naming its file), facts.yml the facts `provision` reads
+through `Facts.from_reply`, logs.yml the logs `provision logs` shows; and Ansible's own connect timeout ends a
+run against a host that never speaks SSH."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from test_core import cli
+from test_playbooks import HOSTS, ansible_playbook, fleet, results  # noqa: F401 - fleet: the module's fixture
+
+
+def site(root: Path, gen: str) -> Path:
+    return next((root / "generations" / gen / "venv" / "lib").glob("python3*/site-packages"))
+
+
+def test_verify_playbook_fails_the_drifted_host_naming_its_file_as_provision_verify_does(fleet):
+    inv, roots, common = fleet
+    p = ansible_playbook(inv, "verify.yml", "--check", known_hosts=common[-1])     # read-only: check mode runs it
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    clean = results(p, "verify")
+    assert {h: (clean[h]["generation"], clean[h]["verdict"], clean[h]["changed"]) for h in HOSTS} == \
+        {h: ("0002-stack-b", "clean", False) for h in HOSTS}
+
+    victim = site(roots["p2"], "0002-stack-b") / "alpha" / "__init__.py"
+    text = victim.read_text()
+    os.chmod(victim, 0o644)
+    victim.write_text(text + "TAMPERED = 1\n")
+    try:
+        p = ansible_playbook(inv, "verify.yml", known_hosts=common[-1])
+        assert p.returncode == 2, p.stdout[-3000:] + p.stderr[-3000:]
+        said = results(p, "verify")
+        assert said["p2"]["_said"] == "fatal" and said["p2"]["verdict"] == "drift", said["p2"]
+        assert said["p2"]["msg"].startswith("0002-stack-b drifted: alpha 2.0: 1 changed (alpha/__init__.py)") \
+            and "\n" not in said["p2"]["msg"], said["p2"]["msg"]
+        assert {h: (said[h]["_said"], said[h]["verdict"]) for h in ("p1", "p3")} == \
+            {h: ("ok", "clean") for h in ("p1", "p3")}
+
+        p = ansible_playbook(inv, "verify.yml", "-e", "generation=1", "--limit", "p2", known_hosts=common[-1])
+        assert p.returncode == 0 and results(p, "verify")["p2"]["generation"] == "0001-stack-a", p.stdout[-2000:]
+
+        cp = cli("verify", *common, "--json", check=1)
+        rows = {r["host"]: r["result"] for r in json.loads(cp.stdout)}
+        for h in HOSTS:
+            assert (rows[h]["generation"], rows[h]["verdict"], rows[h]["rows"], rows[h]["lines"],
+                    rows[h]["counts"]) == (said[h]["generation"], said[h]["verdict"], said[h]["rows"],
+                                           said[h]["lines"], said[h]["counts"]), h
+    finally:
+        victim.write_text(text)
+        os.chmod(victim, 0o444)
+
+
+def test_verify_playbook_names_an_unknown_generation(fleet):
+    inv, roots, common = fleet
+    p = ansible_playbook(inv, "verify.yml", "-e", "generation=9", "--limit", "p1", known_hosts=common[-1])
+    said = results(p, "verify")["p1"]
+    assert p.returncode == 2 and said["_said"] == "fatal", p.stdout[-2000:]
+    assert said["msg"] == "no generation 9 (have: 0001-stack-a, 0002-stack-b)", said
