@@ -8,8 +8,11 @@ import json
 import os
 from pathlib import Path
 
+from provision.facts import Facts
 from test_core import cli
 from test_playbooks import HOSTS, ansible_playbook, fleet, results  # noqa: F401 - fleet: the module's fixture
+
+VOLATILE = {"disk_free_bytes"}     # what changes between two readings of one host
 
 
 def site(root: Path, gen: str) -> Path:
@@ -58,3 +61,27 @@ def test_verify_playbook_names_an_unknown_generation(fleet):
     said = results(p, "verify")["p1"]
     assert p.returncode == 2 and said["_said"] == "fatal", p.stdout[-2000:]
     assert said["msg"] == "no generation 9 (have: 0001-stack-a, 0002-stack-b)", said
+
+
+def test_facts_playbook_reply_is_what_provision_reads(fleet):
+    inv, roots, common = fleet
+    p = ansible_playbook(inv, "facts.yml", "--check", known_hosts=common[-1])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    got = results(p, "facts")
+    cp = cli("hosts", "facts", *common, "--json", check=0)
+    cli_view = {r["host"]: r["result"] for r in json.loads(cp.stdout)}
+    for h in HOSTS:
+        assert got[h]["changed"] is False and set(got[h]) - {"_said", "changed"} <= {"facts", "invocation"}, got[h]
+        facts = Facts.from_reply(got[h]["facts"], h).to_json()     # the module's return, unchanged
+        assert facts["current"] == "0002-stack-b" and facts["root"] == str(roots[h])
+        assert [g["id"] for g in facts["generations"]] == ["0001-stack-a", "0002-stack-b"]
+        assert facts["current_dists"] == {"alpha": "2.0"}, facts["current_dists"]
+        ours, theirs = ({k: v for k, v in f.items() if k not in VOLATILE} for f in (facts, cli_view[h]))
+        assert ours == theirs, {k: (ours[k], theirs.get(k)) for k in ours if ours[k] != theirs.get(k)}
+
+
+def test_facts_playbook_refuses_a_bad_python_in_one_line(fleet):
+    inv, roots, common = fleet
+    p = ansible_playbook(inv, "facts.yml", "-e", "python=three", "--limit", "p1", known_hosts=common[-1])
+    said = results(p, "facts")["p1"]
+    assert p.returncode == 2 and said["_said"] == "fatal" and said["msg"] == "python must be 3.X, not 'three'", said
