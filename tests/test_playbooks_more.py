@@ -85,3 +85,19 @@ def test_facts_playbook_refuses_a_bad_python_in_one_line(fleet):
     p = ansible_playbook(inv, "facts.yml", "-e", "python=three", "--limit", "p1", known_hosts=common[-1])
     said = results(p, "facts")["p1"]
     assert p.returncode == 2 and said["_said"] == "fatal" and said["msg"] == "python must be 3.X, not 'three'", said
+
+
+def test_logs_playbook_gives_what_provision_logs_gives(fleet):
+    inv, roots, common = fleet
+    p = ansible_playbook(inv, "logs.yml", "-e", "generation=1", "--limit", "p3", known_hosts=common[-1])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    got = results(p, "logs")["p3"]
+    want = json.loads(cli("logs", "p3", "1", *common, "--json", check=0).stdout)
+    assert {k: got[k] for k in want} == want
+    assert got["id"] == "0001-stack-a" and "build.log" in got["logs"] and got["logs"]["build.log"]["text"], got
+    assert got["changed"] is False
+
+    p = ansible_playbook(inv, "logs.yml", "-e", "tail=40", "--limit", "p3", known_hosts=common[-1])   # the newest
+    newest = results(p, "logs")["p3"]
+    assert newest["id"] == "0002-stack-b" and 0 < len(newest["logs"]["build.log"]["text"]) <= 40, newest
+    assert newest["logs"]["build.log"]["bytes"] > 40
