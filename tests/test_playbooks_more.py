@@ -4,11 +4,15 @@ through `Facts.from_reply`, logs.yml the logs `provision logs` shows; and Ansibl
 run against a host that never speaks SSH."""
 from __future__ import annotations
 
+import copy
 import json
 import os
+from datetime import datetime
 from pathlib import Path
 
+from provision import runner
 from provision.facts import Facts
+from provision.transport import KEEPALIVE_COUNT, TIMEOUT
 from test_core import cli
 from test_playbooks import HOSTS, ansible_playbook, fleet, results  # noqa: F401 - fleet: the module's fixture
 
@@ -101,3 +105,26 @@ def test_logs_playbook_gives_what_provision_logs_gives(fleet):
     newest = results(p, "logs")["p3"]
     assert newest["id"] == "0002-stack-b" and 0 < len(newest["logs"]["build.log"]["text"]) <= 40, newest
     assert newest["logs"]["build.log"]["bytes"] > 40
+
+
+def test_a_host_that_never_speaks_ssh_is_unreachable_within_the_connect_timeout(sshd, silent, tmp_path):
+    """A host whose SSH port accepts and then says nothing (a hung daemon): Ansible, run as provision runs it, gives
+    up after the target's connect timeout (Ansible's own default is 10 s), and the run's one line names the host.
+    The wait is read from the run's own events (task start to unreachable), not from the wall clock around it."""
+    t = copy.deepcopy(sshd.target)
+    t.port, t.alias, t.timeout = silent, "mute", 2.0
+    t.vars["provision_root"] = str(tmp_path / "root")
+    res = runner.run_playbook("status", [t], {}, label="mute")
+    assert res.unreachable == ["mute"] and res.rc != 0, res
+    assert res.error.startswith("mute unreachable (status): ") and "timed out" in res.error, res.error
+    events = [json.loads(f.read_text()) for f in Path(res.run_dir).glob("artifacts/*/job_events/*.json")]
+    when = {e["event"]: datetime.fromisoformat(e["created"]) for e in events
+            if e["event"] in ("playbook_on_task_start", "runner_on_unreachable")}
+    waited = (when["runner_on_unreachable"] - when["playbook_on_task_start"]).total_seconds()
+    assert waited < 3 * t.timeout, waited
+
+
+def test_ansible_keeps_the_transports_keepalives():
+    env = runner._env(Path("/tmp/run"), "/tmp/socks", TIMEOUT)
+    assert env["ANSIBLE_TIMEOUT"] == f"{TIMEOUT:g}"
+    assert f"-o ServerAliveInterval={TIMEOUT:g} -o ServerAliveCountMax={KEEPALIVE_COUNT}" in env["ANSIBLE_SSH_ARGS"]
