@@ -37,6 +37,8 @@ class RunResult:
     error: str | None = None
     tasks: list[str] = field(default_factory=list)
     unreachable: list[str] = field(default_factory=list)     # hosts Ansible could not reach, in the order it said
+    results: dict[str, dict[str, dict]] = field(default_factory=dict)   # task → host → its result (ok, failed or
+    #                                                                      unreachable), as the module returned it
 
 
 class Unsafe(str):
@@ -72,13 +74,13 @@ def remote_tmp(t: Target, run_id: str) -> str:
 
 
 def inventory(targets: list[Target], run_id: str, interpreters: dict[str, str] | None = None) -> dict:
-    """Ansible inventory for targets (every value data, never a template); each host gets its own
-    remote temp dir for this run under its provision root. `interpreters`: host name → a python the
+    """Ansible inventory for targets (every value data, never a template): each host's provision_root, and a
+    remote temp dir of its own for this run under it. `interpreters`: host name → a python the
     host's facts found (checked by the caller)."""
     hosts = {}
     for t in targets:
         py = (interpreters or {}).get(t.name) or t.vars.get("python") or "/usr/bin/python3"
-        v = {"ansible_python_interpreter": py,
+        v = {"ansible_python_interpreter": py, "provision_root": root_of(t),
              "ansible_remote_tmp": remote_tmp(t, run_id)}
         if t.local:
             v["ansible_connection"] = "local"
@@ -136,7 +138,8 @@ def _failure(ev: dict) -> str:
 
 
 def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: str = "",
-                 interpreters: dict[str, str] | None = None, on_event: Callable[[str, str, str], None] | None = None, check: bool = False) -> RunResult:
+                 interpreters: dict[str, str] | None = None, on_event: Callable[[str, str, str], None] | None = None,
+                 check: bool = False, forks: int | None = None) -> RunResult:
     import ansible_runner
 
     RUNS.mkdir(parents=True, exist_ok=True)
@@ -148,10 +151,14 @@ def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: st
     failures: list[str] = []
     tasks: list[str] = []
     unreachable: list[str] = []
+    results: dict[str, dict[str, dict]] = {}
 
     def handler(ev: dict) -> bool:
         kind = ev.get("event", "")
         d = ev.get("event_data", {})
+        if kind in ("runner_on_ok", "runner_on_failed", "runner_on_unreachable") and d.get("host"):
+            results.setdefault(d.get("task", ""), {})[d["host"]] = dict(d.get("res") or {},
+                                                                        unreachable=kind == "runner_on_unreachable")
         if kind == "playbook_on_task_start":
             tasks.append(d.get("task", ""))
             if on_event:
@@ -172,6 +179,7 @@ def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: st
     r = ansible_runner.run(private_data_dir=str(run_dir), playbook=str(PLAYBOOKS / f"{name}.yml"),
                            inventory=str(hosts), envvars=env,
                            suppress_env_files=True, quiet=True, event_handler=handler,
+                           **({"forks": forks} if forks else {}),
                            cmdline=shlex.join(["-e", f"@{extra}"] + (["--check", "--diff"] if check else [])),
                            settings={"suppress_ansible_output": True})
     stop_masters(Path(sock_dir))
@@ -180,7 +188,7 @@ def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: st
     if r.rc != 0 or r.status != "successful":
         error = failures[0] if failures else f"ansible run {r.status} (rc {r.rc}); see {run_dir}"
     return RunResult(status=r.status, rc=r.rc, run_dir=str(run_dir), seconds=seconds, error=error, tasks=tasks,
-                     unreachable=unreachable)
+                     unreachable=unreachable, results=results)
 
 
 def stop_masters(sock_dir: Path) -> None:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from provision import runner
 from provision.facts import Facts
+from provision.loopback import free_port
+from provision.runner import RUNS
 from provision.transport import KEEPALIVE_COUNT, TIMEOUT
 from test_core import cli
 from test_playbooks import HOSTS, ansible_playbook, fleet, results  # noqa: F401 - fleet: the module's fixture
@@ -128,3 +130,48 @@ def test_ansible_keeps_the_transports_keepalives():
     env = runner._env(Path("/tmp/run"), "/tmp/socks", TIMEOUT)
     assert env["ANSIBLE_TIMEOUT"] == f"{TIMEOUT:g}"
     assert f"-o ServerAliveInterval={TIMEOUT:g} -o ServerAliveCountMax={KEEPALIVE_COUNT}" in env["ANSIBLE_SSH_ARGS"]
+
+
+def test_provision_verify_of_a_fleet_runs_verify_playbook_and_records_each_verdict(fleet, tmp_path):
+    """`provision verify -i INV` runs verify.yml through Ansible (a run directory of the playbook's events is left
+    for the post-mortem): each reachable host's verdict is printed and recorded as before, and a host where nothing
+    listens is its row, named unreachable, with exit 1."""
+    inv, roots, common = fleet
+    with_dead = tmp_path / "inv.yml"
+    dead_root = tmp_path / "root-dead"
+    with_dead.write_text(inv.read_text() + f"    dead: {{ansible_port: {free_port()}, provision_root: {dead_root}}}\n")
+    before = set(RUNS.glob("*-verify-verify"))
+    p = cli("verify", "-i", with_dead, *common[2:], "--timeout", "3", check=1)
+    assert [ln for ln in p.stdout.splitlines() if " on p" in ln] == [
+        ln for h in HOSTS for ln in p.stdout.splitlines() if ln.startswith(f"0002-stack-b on {h}: clean")], p.stdout
+    assert len([ln for ln in p.stdout.splitlines() if " on p" in ln]) == 3, p.stdout
+    assert p.stderr.startswith("dead: unreachable: ") and len(p.stderr.splitlines()) == 1, p.stderr
+    assert len(set(RUNS.glob("*-verify-verify")) - before) == 1           # one Ansible run for the fleet
+
+    for h in HOSTS:
+        hist = json.loads(cli("history", h, *common, "--json", check=0).stdout)
+        last = hist["events"][-1]
+        assert (last["event"], last["generation"], last["verdict"]) == ("verify", "0002-stack-b", "clean"), last
+        assert not list((roots[h] / "tmp").glob("ansible-*")), "Ansible's remote temp dir was left"
+
+    rows = json.loads(cli("verify", "-i", with_dead, *common[2:], "--timeout", "3", "--json", check=1).stdout)
+    assert [(r["host"], r.get("result", {}).get("verdict"), r.get("stage")) for r in rows] == \
+        [("p1", "clean", None), ("p2", "clean", None), ("p3", "clean", None), ("dead", None, "connect")], rows
+
+    one = json.loads(cli("verify", "p1", "1", *common, "--json", check=0).stdout)   # one host: its result alone
+    assert (one["host"], one["generation"], one["verdict"], one["warnings"]) == ("p1", "0001-stack-a", "clean", [])
+    bad = cli("verify", "p1", "7", *common, check=2)             # a generation the host lacks: the argument is wrong
+    assert bad.stderr == "error: p1: no generation 7 (have: 0001-stack-a, 0002-stack-b)\n", bad.stderr
+
+
+def test_provision_verify_of_a_fleet_with_unknown_host_keys_says_how_to_trust_them(fleet, tmp_path):
+    inv, roots, common = fleet
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    p = cli("verify", "-i", inv, "--known-hosts", empty, "--limit", "p1:p2", check=1)
+    lines = p.stderr.splitlines()
+    assert [ln.split(":")[0] for ln in lines] == ["p1", "p2"] and p.stdout == "", p.stdout + p.stderr
+    for h, ln in zip(("p1", "p2"), lines):
+        assert "unreachable: " in ln and "Host key verification failed" in ln, ln
+        assert ln.endswith(f"then `provision hosts trust -i {inv} --limit {h} --known-hosts {empty}`"), ln
+    assert empty.read_text() == ""                                  # nothing trusted behind the operator's back

@@ -20,7 +20,7 @@ class ActionModule(ActionBase):
     def run(self, tmp=None, task_vars=None):
         from provision.errors import ProvisionError
         from provision.lock import loads
-        from provision.verify import verdict_of
+        from provision.verify import event_of, verdict_of
 
         result = super().run(tmp, task_vars)
         reply = self._execute_module(module_name="provision_verify", module_args=self._task.args,
@@ -35,7 +35,15 @@ class ActionModule(ActionBase):
         except ProvisionError as e:
             return dict(result, failed=True, generation=gen_id, msg=str(e))
         out = verdict_of(reply["found"], lock, reply.get("installer"), gen_id)
-        result.update(out, changed=False)
+        result.update(out, changed=False, recorded=False)
+        if self._task.args.get("record") and not self._task.check_mode:
+            args = {k: v for k, v in self._task.args.items() if k == "root"}
+            done = self._execute_module(module_name="provision_verify", task_vars=task_vars, module_args=dict(
+                args, generation=gen_id, verdict=out["record"], event=event_of(out["record"])))
+            if done.get("failed") or done.get("unreachable"):
+                done["not_recorded"] = done.get("msg") or "no answer"
+            result.update(changed=bool(done.get("recorded")), recorded=bool(done.get("recorded")),
+                          not_recorded=done.get("not_recorded"))
         if out["verdict"] != "clean":
             result.update(failed=True, msg=f"{gen_id} drifted: " + "; ".join(out["lines"]))
         return result

@@ -9,8 +9,9 @@ description:
   - On the host, every file of the generation's venv is hashed and compared with its RECORD (patched files with
     the hashes their series produced) and with the stamp its build sealed; the controller (this module's action
     plugin) judges that against the generation's lock, as `provision verify GEN` does.
-  - A generation that drifted fails the task, naming the changed files. Reads only; check mode runs the same check.
-    Unlike `provision verify`, the verdict is not recorded in the generation's manifest.
+  - A generation that drifted fails the task, naming the changed files. Reads only unless C(record) is set (as
+    `provision verify -i` sets it): then the verdict is recorded in the generation's manifest and the host's
+    history, as `provision verify` records it; check mode never records.
 options:
   root:
     description: The host root (the inventory's provision_root).
@@ -22,6 +23,21 @@ options:
   jobs:
     description: Hashing threads on the host (default 2 per core, at most 32).
     type: int
+  baseline:
+    description: Also time plain reads of the same bytes, before and after hashing (hashing's yardstick).
+    type: bool
+    default: false
+  record:
+    description: Record the verdict (manifest C(verify), history event C(verify)), as `provision verify` does.
+    type: bool
+    default: false
+  verdict:
+    description: Set by this module's action plugin, not by a play - the judged verdict to record (with C(event));
+      the module then records it and checks nothing.
+    type: dict
+  event:
+    description: Set by this module's action plugin with C(verdict) - the history event to append.
+    type: dict
 """
 
 RETURN = r"""
@@ -34,6 +50,9 @@ files: {description: files hashed, type: int}
 bytes: {description: bytes hashed, type: int}
 seconds: {description: seconds the check took on the host, type: float}
 record: {description: what `provision verify` records of the verdict in the manifest, type: dict}
+recorded: {description: whether the verdict was recorded (C(record) set, not check mode), type: bool}
+not_recorded: {description: why a verdict to record was not (a root mounted read-only), type: str}
+unresolved: {description: on failure - the generation named is not on the host, type: bool}
 """
 
 from ansible.module_utils.basic import AnsibleModule
@@ -43,14 +62,27 @@ from ansible.module_utils.provision import step
 def main():
     module = AnsibleModule(argument_spec={"root": {"type": "path", "default": "/opt/provision"},
                                           "generation": {"type": "str"},
-                                          "jobs": {"type": "int"}},
+                                          "jobs": {"type": "int"},
+                                          "baseline": {"type": "bool", "default": False},
+                                          "record": {"type": "bool", "default": False},
+                                          "verdict": {"type": "dict"},
+                                          "event": {"type": "dict"}},
+                           required_together=[("verdict", "event")],
                            supports_check_mode=True)
     p = module.params
     try:
         gen_id = step.generation(p["root"], p["generation"])
     except step.AgentError as e:
-        module.fail_json(msg=str(e))
-    found = step.run("verify", "verify", {"root": p["root"], "id": gen_id, "jobs": p["jobs"]})
+        module.fail_json(msg=str(e), unresolved=p["generation"] is not None)
+    if p["verdict"] is not None:
+        if module.check_mode:
+            module.exit_json(changed=False, recorded=False)
+        done = step.run("state", "mark", {"root": p["root"], "id": gen_id, "fields": {"verify": p["verdict"]},
+                                          "event": p["event"]})
+        module.exit_json(changed=not done.get("error"), recorded=not done.get("error"),
+                         not_recorded=done.get("error"))
+    found = step.run("verify", "verify", {"root": p["root"], "id": gen_id, "jobs": p["jobs"],
+                                          "baseline": p["baseline"]})
     if found.get("error"):
         module.fail_json(msg=found["error"], generation=gen_id)
     info = step.run("state", "read", {"root": p["root"], "id": gen_id})
