@@ -13,12 +13,14 @@ from .agent import facts, host, state, verify
 from .agent.host import AgentError
 
 AGENTS = {"state": state.OPS, "verify": verify.OPS, "facts": facts.OPS}
+STARTS_AGENTS = {("facts", "gather")}     # operations that start an agent in another interpreter (a generation's)
 
 
 def run(agent, op, payload):
     """The agent's reply to `payload` (a dict), `op` given; its progress events are dropped (a module answers once).
     A refusal is the reply's one-line `error`, as the agent's own loader reports it."""
-    host.MESSAGE.setdefault("bundle", _bundle())
+    if (agent, op) in STARTS_AGENTS and "bundle" not in host.MESSAGE:
+        host.MESSAGE["bundle"] = _bundle()
     with tempfile.TemporaryFile() as sink, _stdout_to(sink):
         try:
             return AGENTS[agent][op](dict(payload, op=op))
