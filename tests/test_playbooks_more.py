@@ -38,10 +38,12 @@ def test_verify_playbook_fails_the_drifted_host_naming_its_file_as_provision_ver
     os.chmod(victim, 0o644)
     victim.write_text(text + "TAMPERED = 1\n")
     try:
+        history = (roots["p2"] / "history.jsonl").read_text()
         p = ansible_playbook(inv, "verify.yml", known_hosts=common[-1])
         assert p.returncode == 2, p.stdout[-3000:] + p.stderr[-3000:]
         said = results(p, "verify")
         assert said["p2"]["_said"] == "fatal" and said["p2"]["verdict"] == "drift", said["p2"]
+        assert said["p2"]["recorded"] is False and (roots["p2"] / "history.jsonl").read_text() == history
         assert said["p2"]["msg"].startswith("0002-stack-b drifted: alpha 2.0: 1 changed (alpha/__init__.py)") \
             and "\n" not in said["p2"]["msg"], said["p2"]["msg"]
         assert {h: (said[h]["_said"], said[h]["verdict"]) for h in ("p1", "p3")} == \

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from ansible.module_utils.parsing.convert_bool import boolean
 from ansible.plugins.action import ActionBase
 
 try:
@@ -36,7 +37,7 @@ class ActionModule(ActionBase):
             return dict(result, failed=True, generation=gen_id, msg=str(e))
         out = verdict_of(reply["found"], lock, reply.get("installer"), gen_id)
         result.update(out, changed=False, recorded=False)
-        if self._task.args.get("record") and not self._task.check_mode:
+        if boolean(self._task.args.get("record", False), strict=False) and not self._task.check_mode:
             args = {k: v for k, v in self._task.args.items() if k == "root"}
             done = self._execute_module(module_name="provision_verify", task_vars=task_vars, module_args=dict(
                 args, generation=gen_id, verdict=out["record"], event=event_of(out["record"])))
