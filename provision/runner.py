@@ -7,6 +7,7 @@ the run directory is kept as the run's artifacts for post-mortems.
 """
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import shutil
@@ -22,7 +23,7 @@ import yaml
 
 from .bundled import PLAYBOOKS
 from .layout import Layout, root_of
-from .transport import CONTROLLER_HOME, Target
+from .transport import CONTROLLER_HOME, KEEPALIVE_COUNT, TIMEOUT, Target
 
 RUNS = CONTROLLER_HOME / "runs"
 
@@ -35,6 +36,9 @@ class RunResult:
     seconds: float
     error: str | None = None
     tasks: list[str] = field(default_factory=list)
+    unreachable: list[str] = field(default_factory=list)     # hosts Ansible could not reach, in the order it said
+    results: dict[str, dict[str, dict]] = field(default_factory=dict)   # task → host → its result (ok, failed or
+    #                                                                      unreachable), as the module returned it
 
 
 class Unsafe(str):
@@ -70,13 +74,13 @@ def remote_tmp(t: Target, run_id: str) -> str:
 
 
 def inventory(targets: list[Target], run_id: str, interpreters: dict[str, str] | None = None) -> dict:
-    """Ansible inventory for targets (every value data, never a template); each host gets its own
-    remote temp dir for this run under its provision root. `interpreters`: host name → a python the
+    """Ansible inventory for targets (every value data, never a template): each host's provision_root, and a
+    remote temp dir of its own for this run under it. `interpreters`: host name → a python the
     host's facts found (checked by the caller)."""
     hosts = {}
     for t in targets:
         py = (interpreters or {}).get(t.name) or t.vars.get("python") or "/usr/bin/python3"
-        v = {"ansible_python_interpreter": py,
+        v = {"ansible_python_interpreter": py, "provision_root": root_of(t),
              "ansible_remote_tmp": remote_tmp(t, run_id)}
         if t.local:
             v["ansible_connection"] = "local"
@@ -93,13 +97,19 @@ def inventory(targets: list[Target], run_id: str, interpreters: dict[str, str] |
     return {"all": {"hosts": hosts}}
 
 
-def _env(run_dir: Path, sock_dir: str) -> dict:
+def _env(run_dir: Path, sock_dir: str, timeout: float = TIMEOUT) -> dict:
+    """Ansible's settings for one run. `timeout` (seconds, the transport's: TCP connect, SSH banner and handshake)
+    is Ansible's connect timeout and the SSH keepalive period; a host that leaves KEEPALIVE_COUNT keepalives in a
+    row unanswered is dropped, as the transport drops it."""
+    period = str(max(1, math.ceil(timeout)))
     return {
         "ANSIBLE_HOME": str(run_dir / "ansible"),
         "ANSIBLE_LOCAL_TEMP": str(run_dir / "tmp"),
         "ANSIBLE_PIPELINING": "True",
         "ANSIBLE_HOST_KEY_CHECKING": "True",
-        "ANSIBLE_SSH_ARGS": f"-o ControlMaster=auto -o ControlPersist=60s -o ControlPath={sock_dir}/%C",
+        "ANSIBLE_TIMEOUT": period,
+        "ANSIBLE_SSH_ARGS": f"-o ControlMaster=auto -o ControlPersist=60s -o ControlPath={sock_dir}/%C "
+                            f"-o ServerAliveInterval={period} -o ServerAliveCountMax={KEEPALIVE_COUNT}",
         "ANSIBLE_RETRY_FILES_ENABLED": "False",
         "ANSIBLE_NOCOLOR": "1",
         "ANSIBLE_DEPRECATION_WARNINGS": "False",
@@ -112,6 +122,7 @@ def _env(run_dir: Path, sock_dir: str) -> dict:
 
 
 def _failure(ev: dict) -> str:
+    """One line for a failed or unreachable task: `task: message`, or `HOST unreachable (task): message`."""
     d = ev.get("event_data", {})
     res = d.get("res", {}) or {}
     if isinstance(res.get("results"), list):   # a loop: the first failed item says what went wrong
@@ -121,11 +132,14 @@ def _failure(ev: dict) -> str:
     item = res.get("item")
     label = (item.get("name", "") + ("==" + item["version"] if "version" in item else "")) if isinstance(item, dict) else ""
     msg = " ".join(str(msg).split())[:400]
+    if ev.get("event") == "runner_on_unreachable":
+        return f"{d.get('host', 'host')} unreachable ({d.get('task', 'task')}): {msg or 'no answer'}"
     return f"{d.get('task', 'task')}{' [' + label + ']' if label else ''}: {msg or ev.get('event')}"
 
 
 def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: str = "",
-                 interpreters: dict[str, str] | None = None, on_event: Callable[[str, str, str], None] | None = None, check: bool = False) -> RunResult:
+                 interpreters: dict[str, str] | None = None, on_event: Callable[[str, str, str], None] | None = None,
+                 check: bool = False, forks: int | None = None) -> RunResult:
     import ansible_runner
 
     RUNS.mkdir(parents=True, exist_ok=True)
@@ -136,16 +150,23 @@ def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: st
     extra = write_vars(run_dir / "vars.yml", extravars)
     failures: list[str] = []
     tasks: list[str] = []
+    unreachable: list[str] = []
+    results: dict[str, dict[str, dict]] = {}
 
     def handler(ev: dict) -> bool:
         kind = ev.get("event", "")
         d = ev.get("event_data", {})
+        if kind in ("runner_on_ok", "runner_on_failed", "runner_on_unreachable") and d.get("host"):
+            results.setdefault(d.get("task", ""), {})[d["host"]] = dict(d.get("res") or {},
+                                                                        unreachable=kind == "runner_on_unreachable")
         if kind == "playbook_on_task_start":
             tasks.append(d.get("task", ""))
             if on_event:
                 on_event("task", d.get("task", ""), "")
         elif kind in ("runner_on_failed", "runner_on_unreachable") and not d.get("ignore_errors"):
             failures.append(_failure(ev))
+            if kind == "runner_on_unreachable":
+                unreachable.append(d.get("host", ""))
         elif kind == "runner_item_on_ok" and on_event:
             item = (d.get("res") or {}).get("item")
             if isinstance(item, dict) and "name" in item:
@@ -154,10 +175,11 @@ def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: st
 
     t0 = time.perf_counter()
     sock_dir = tempfile.mkdtemp(prefix="pv-", dir="/tmp")   # ControlPath must stay under 108 bytes
-    env = _env(run_dir, sock_dir)
+    env = _env(run_dir, sock_dir, max((t.timeout for t in targets), default=TIMEOUT))
     r = ansible_runner.run(private_data_dir=str(run_dir), playbook=str(PLAYBOOKS / f"{name}.yml"),
                            inventory=str(hosts), envvars=env,
                            suppress_env_files=True, quiet=True, event_handler=handler,
+                           **({"forks": forks} if forks else {}),
                            cmdline=shlex.join(["-e", f"@{extra}"] + (["--check", "--diff"] if check else [])),
                            settings={"suppress_ansible_output": True})
     stop_masters(Path(sock_dir))
@@ -165,7 +187,8 @@ def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: st
     error = None
     if r.rc != 0 or r.status != "successful":
         error = failures[0] if failures else f"ansible run {r.status} (rc {r.rc}); see {run_dir}"
-    return RunResult(status=r.status, rc=r.rc, run_dir=str(run_dir), seconds=seconds, error=error, tasks=tasks)
+    return RunResult(status=r.status, rc=r.rc, run_dir=str(run_dir), seconds=seconds, error=error, tasks=tasks,
+                     unreachable=unreachable, results=results)
 
 
 def stop_masters(sock_dir: Path) -> None:

@@ -143,18 +143,79 @@ def verify(t: Transport, generation: str | None = None, baseline: bool = False, 
     lock, manifest = _lock_of(t, gen_id)
     found = t.run_agent("verify", {"op": "verify", "root": root_of(t.target), "id": gen_id, "baseline": baseline,
                                    "jobs": jobs})
-    verdict = judge(found, lock, manifest.get("installer"))
-    rec = summary(found, verdict, "verify")
-    event = {"event": "verify", **{k: rec[k] for k in ("verdict", "files", "bytes", "seconds", "drifted", "changed",
-                                                       "missing", "extra")}}
+    out = verdict_of(found, lock, manifest.get("installer"), gen_id)
+    rec = out.pop("record")
     warnings = []
     try:
-        generations.mark(t, gen_id, event=event, verify=rec)
+        generations.mark(t, gen_id, event=event_of(rec), verify=rec)
     except HostError as e:        # a root mounted read-only: the verdict stands, unrecorded
         warnings.append(f"the verdict is not recorded: {e.message}")
-    out = dict(verdict, host=t.target.name, generation=gen_id, files=found["files"], bytes=found["bytes"],
-               seconds=found["seconds"], jobs=found.get("jobs"), bytecode_checked=found.get("bytecode_checked", 0),
-               lines=[line(r) for r in verdict["rows"]], warnings=warnings)
+    return dict(out, host=t.target.name, warnings=warnings)
+
+
+ANSIBLE_KEYS = {"changed", "failed", "msg", "invocation", "skipped", "unreachable", "record", "recorded",
+                "not_recorded", "unresolved"}     # what a verify task's result holds besides `verdict_of`'s
+
+
+def verify_fleet(targets: list, generation: str | None = None, baseline: bool = False, jobs: int | None = None,
+                 forks: int | None = None) -> list:
+    """`provision verify -i INV`: playbooks/verify.yml through Ansible on every host, the verdict recorded as
+    `verify` records it. One fleet.Row per host, in the inventory's order: the verdict as `verify` returns it
+    (clean or drift), or the host's error (unreachable: stage "connect"; a generation named that the host lacks:
+    InputError, as for one host)."""
+    from .fleet import Row
+    from .runner import run_playbook
+
+    generation_arg(generation)
+    given = {"generation": generation, "jobs": jobs, "baseline": baseline, "record": True}
+    res = run_playbook("verify", targets, {k: v for k, v in given.items() if v is not None}, label="verify",
+                       forks=forks)
+    said = res.results.get("verify", {})
+    rows = []
+    for t in targets:
+        r = said.get(t.name)
+        if r is None:
+            rows.append(Row(t.name, error=HostError(res.error or f"no result (see {res.run_dir})", where=t.name),
+                            stage="run"))
+        elif r.get("unreachable"):
+            rows.append(Row(t.name, error=unreachable(t, str(r.get("msg") or "no answer")), stage="connect"))
+        elif "verdict" not in r:
+            err = InputError if r.get("unresolved") else HostError
+            rows.append(Row(t.name, error=err(str(r.get("msg") or "failed"), where=t.name), stage="run"))
+        else:
+            warnings = [f"the verdict is not recorded: {r['not_recorded']}"] if r.get("not_recorded") else []
+            value = {k: v for k, v in r.items() if k not in ANSIBLE_KEYS and not k.startswith("_ansible")}
+            rows.append(Row(t.name, value=dict(value, host=t.name, warnings=warnings)))
+    return rows
+
+
+def unreachable(t, msg: str) -> HostError:
+    """Ansible's word on a host it could not reach, as one line; a key the known_hosts lacks (or that changed) is a
+    HostKeyError that says how to trust it, as provision's own connection says."""
+    from .errors import HostKeyError
+    from .transport import trust_command
+
+    msg = " ".join(msg.split())
+    if "Host key verification failed" in msg:
+        return HostKeyError(f"{msg} (known_hosts {t.known_hosts}); verify the host's key, then "
+                            f"`{trust_command(t)}`", where=t.name)
+    return HostError(msg, where=t.name)
+
+
+def event_of(rec: dict) -> dict:
+    """The history event of a verdict recorded (`summary`'s)."""
+    return {"event": "verify", **{k: rec[k] for k in ("verdict", "files", "bytes", "seconds", "drifted", "changed",
+                                                      "missing", "extra")}}
+
+
+def verdict_of(found: dict, lock: Lock, installer: str | None, gen_id: str) -> dict:
+    """The verdict on the agent's `verify` reply for generation `gen_id` (judged against its lock), with the
+    figures and one line per drifted distribution; `record` is what the manifest keeps of it. The CLI and the
+    playbooks' verify both read the agent's reply here."""
+    verdict = judge(found, lock, installer)
+    out = dict(verdict, generation=gen_id, files=found["files"], bytes=found["bytes"], seconds=found["seconds"],
+               jobs=found.get("jobs"), bytecode_checked=found.get("bytecode_checked", 0),
+               lines=[line(r) for r in verdict["rows"]], record=summary(found, verdict, "verify"))
     out["rate_gbs"] = found["bytes"] / found["seconds"] / 1e9 if found["seconds"] > 0 else None
     if "read_seconds" in found:
         rs = found["read_seconds"]

@@ -85,7 +85,7 @@ def current(roots, h) -> str:
 
 def test_playbooks_ship_with_their_modules():
     d = playbook_dir()
-    for name in ("status", "history", "rollback", "gc"):
+    for name in ("status", "history", "rollback", "gc", "verify", "facts", "logs"):
         assert (d / f"{name}.yml").is_file() and (d / "library" / f"provision_{name}.py").is_file()
     assert (d / "module_utils" / "provision" / "agent" / "state.py").read_text() == \
         (d.parent / "agent" / "state.py").read_text()         # the very host code the CLI's agents run

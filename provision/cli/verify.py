@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from .common import Hosts, JsonOpt, console, edge, exit_for, host_options, over_hosts, print_rows, styled
+from .common import Hosts, JsonOpt, alone, console, edge, exit_for, host_options, over_hosts, print_rows, styled
 
 
 def figures(v: dict) -> str:
@@ -45,7 +45,10 @@ def verify(hosts: Hosts,
 
     ts, (generation,) = hosts.targets_and_args((generation,))
     verifymod.generation_arg(generation)
-    rows = over_hosts(ts, lambda tr: verifymod.verify(tr, generation, baseline=baseline, jobs=jobs), hosts.forks)
+    if hosts.inventory is not None:      # a fleet: verify.yml through Ansible
+        rows = alone(verifymod.verify_fleet(ts, generation, baseline=baseline, jobs=jobs, forks=hosts.forks))
+    else:
+        rows = over_hosts(ts, lambda tr: verifymod.verify(tr, generation, baseline=baseline, jobs=jobs), hosts.forks)
 
     def show(r):
         v = r.value

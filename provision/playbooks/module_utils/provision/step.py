@@ -1,25 +1,79 @@
 """One host step inside an Ansible module: an agent operation on its payload, in this process. What the agent says
 as progress goes to a scratch file, never to the module's stdout, which carries only the module's result."""
+import base64
 import contextlib
+import json
 import os
+import sys
 import tempfile
+import zlib
 
-from .agent import state
+from .layout import Layout
+from .agent import facts, host, state, verify
+from .agent.host import AgentError
 
-AGENTS = {"state": state.OPS}
+AGENTS = {"state": state.OPS, "verify": verify.OPS, "facts": facts.OPS}
+STARTS_AGENTS = {("facts", "gather")}     # operations that start an agent in another interpreter (a generation's)
 
 
 def run(agent, op, payload):
-    """The agent's reply to `payload` (a dict), `op` given; its progress events are dropped (a module answers once)."""
+    """The agent's reply to `payload` (a dict), `op` given; its progress events are dropped (a module answers once).
+    A refusal is the reply's one-line `error`, as the agent's own loader reports it."""
+    if (agent, op) in STARTS_AGENTS and "bundle" not in host.MESSAGE:
+        host.MESSAGE["bundle"] = _bundle()
     with tempfile.TemporaryFile() as sink, _stdout_to(sink):
-        return AGENTS[agent][op](dict(payload, op=op))
+        try:
+            return AGENTS[agent][op](dict(payload, op=op))
+        except AgentError as e:
+            return {"error": str(e)}
+
+
+def generation(root, name=None, default="current"):
+    """A generation's id under `root` from its id or number (None: `current`, or with default "newest" the newest),
+    the CLI's rule; AgentError naming what the root holds when none matches."""
+    denied = state.root_unreadable(root)
+    if denied:
+        raise AgentError(denied)
+    lay = Layout(root)
+    gens = host.generations(lay)
+    if not gens:
+        raise AgentError("no generations under %s: adopt or apply first" % root)
+    if name is None:
+        if default == "newest":
+            return gens[-1][1]
+        cur = host.current(lay)
+        if not cur:
+            raise AgentError("no current generation under %s; name one (generation=N)" % root)
+        return cur
+    for number, gen_id, _ in gens:
+        if gen_id == str(name) or (str(name).isdigit() and int(name) == number):
+            return gen_id
+    raise AgentError("no generation %s (have: %s)" % (name, ", ".join(g[1] for g in gens)))
+
+
+def _bundle():
+    """This module's provision sources as the agents' bundle (what an agent started in another interpreter, e.g. a
+    generation's, imports from memory): the files Ansible shipped with the module, read back from its payload."""
+    pkg = __name__.rsplit(".", 1)[0]         # ansible.module_utils.provision
+    files = {}
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not (name == pkg or name.startswith(pkg + ".")) or name.endswith(".step"):
+            continue
+        try:
+            source = mod.__loader__.get_source(name)
+        except (AttributeError, ImportError, OSError):
+            continue
+        rel = name[len(pkg):].lstrip(".").replace(".", "/")
+        is_pkg = hasattr(mod, "__path__")
+        files["provision/" + (rel + "/__init__.py" if is_pkg and rel else "__init__.py" if is_pkg else rel + ".py")] = \
+            source or ""
+    files["provision/agent/__init__.py"] = '"""Host-side agents."""\n'
+    return base64.b64encode(zlib.compress(json.dumps(files, sort_keys=True).encode(), 9)).decode()
 
 
 @contextlib.contextmanager
 def _stdout_to(f):
     """fd 1 (and sys.stdout with it) into `f` for the duration: also what a thread or child process writes."""
-    import sys
-
     sys.stdout.flush()
     saved = os.dup(1)
     try:
