@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from .layout import root_of
+from .layout import pick_generation, root_of
 from .errors import HostError
 from .transport import Transport
 
@@ -91,20 +91,13 @@ def resolve(t: Transport, generation: str | None, default: str = "current") -> s
     from .errors import ProvisionError
 
     h = history(t)
-    gens = h.get("generations") or []
-    if not gens:
-        raise ProvisionError(f"no generations under {root_of(t.target)}: adopt or apply first", where=t.target.name)
-    if generation is None:
-        if default == "newest":
-            return gens[-1]["id"]
-        if not h.get("current"):
-            raise ProvisionError("no current generation; name one with --generation", where=t.target.name)
-        return h["current"]
-    g = str(generation)
-    for x in gens:
-        if x["id"] == g or (g.isdigit() and int(g) == x["number"]):
-            return x["id"]
-    raise ProvisionError(f"no generation {g} (have: {', '.join(x['id'] for x in gens)})", where=t.target.name)
+    gens = [(x["number"], x["id"]) for x in h.get("generations") or []]
+    try:
+        return pick_generation(gens, h.get("current"), generation, default)
+    except LookupError as e:
+        why = {"none": f"no generations under {root_of(t.target)}: adopt or apply first",
+               "no current": "no current generation; name one with --generation"}.get(str(e), str(e))
+        raise ProvisionError(why, where=t.target.name) from None
 
 
 def read(t: Transport, gen_id: str) -> dict:

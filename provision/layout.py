@@ -26,6 +26,25 @@ def cache_entry(store, sha256, filename):
     return join(store, sha256, filename)
 
 
+def pick_generation(gens, current, name=None, default="current"):
+    """The id of generation `name` (its id, or its number) among `gens` [(number, id)], for the CLI and the
+    playbooks alike; None names `current` (default="newest": the newest). LookupError with the reason otherwise:
+    "none" (no generations), "no current" or "no such" (its text lists the ids held)."""
+    if not gens:
+        raise LookupError("none")
+    if name is None:
+        if default == "newest":
+            return gens[-1][1]
+        if not current:
+            raise LookupError("no current")
+        return current
+    g = str(name)
+    for number, gen_id in gens:
+        if gen_id == g or (g.isdigit() and int(g) == number):
+            return gen_id
+    raise LookupError("no generation %s (have: %s)" % (g, ", ".join(i for _, i in gens)))
+
+
 def venv_python(venv):
     """The interpreter of a venv (a generation's, or an environment being adopted)."""
     return join(venv, "bin", "python")

@@ -6,16 +6,14 @@ env}; an agent that starts workers of its own (one per GPU, a JIT compile) start
 """
 from __future__ import annotations
 
-import base64
 import getpass
 import json
 import os
 import socket
-import zlib
 from functools import lru_cache
 from pathlib import Path
 
-from .host import BOOT
+from .host import BOOT, bundle_of
 
 PKG = Path(__file__).resolve().parent.parent        # the local `provision` package
 SHARED = ("__init__.py", "layout.py")               # what agents import from outside agent/
@@ -30,7 +28,7 @@ def bundle() -> str:
         files[f"provision/agent/{p.name}"] = p.read_text()
     files["provision/agent/__init__.py"] = '"""Host-side agents (this file\'s controller part stays behind)."""\n'
 
-    return base64.b64encode(zlib.compress(json.dumps(files, sort_keys=True).encode(), 9)).decode()
+    return bundle_of(files)
 
 
 def command(python: str = "python3", site: bool = True) -> list[str]:

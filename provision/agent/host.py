@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 
 from ..layout import Layout
 
@@ -56,6 +57,12 @@ class AgentError(Exception):
 
 
 # ------------------------------------------------------------------ entry
+
+def bundle_of(files):
+    """The agents' bundle of `files` {path: source}: what BOOT reads back (zlib, then base64 of the JSON)."""
+    import base64
+    return base64.b64encode(zlib.compress(json.dumps(files, sort_keys=True).encode(), 9)).decode()
+
 
 def serve(message):
     """Run `message["agent"]` on `message["input"]`; print its result as the last stdout line."""

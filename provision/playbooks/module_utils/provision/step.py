@@ -1,14 +1,11 @@
 """One host step inside an Ansible module: an agent operation on its payload, in this process. What the agent says
 as progress goes to a scratch file, never to the module's stdout, which carries only the module's result."""
-import base64
 import contextlib
-import json
 import os
 import sys
 import tempfile
-import zlib
 
-from .layout import Layout
+from .layout import Layout, pick_generation
 from .agent import facts, host, state, verify
 from .agent.host import AgentError
 
@@ -35,20 +32,12 @@ def generation(root, name=None, default="current"):
     if denied:
         raise AgentError(denied)
     lay = Layout(root)
-    gens = host.generations(lay)
-    if not gens:
-        raise AgentError("no generations under %s: adopt or apply first" % root)
-    if name is None:
-        if default == "newest":
-            return gens[-1][1]
-        cur = host.current(lay)
-        if not cur:
-            raise AgentError("no current generation under %s; name one (generation=N)" % root)
-        return cur
-    for number, gen_id, _ in gens:
-        if gen_id == str(name) or (str(name).isdigit() and int(name) == number):
-            return gen_id
-    raise AgentError("no generation %s (have: %s)" % (name, ", ".join(g[1] for g in gens)))
+    try:
+        return pick_generation([(n, i) for n, i, _ in host.generations(lay)], host.current(lay), name, default)
+    except LookupError as e:
+        raise AgentError({"none": "no generations under %s: adopt or apply first" % root,
+                          "no current": "no current generation under %s; name one (generation=N)" % root}
+                         .get(str(e), str(e))) from None
 
 
 def _bundle():
@@ -68,7 +57,7 @@ def _bundle():
         files["provision/" + (rel + "/__init__.py" if is_pkg and rel else "__init__.py" if is_pkg else rel + ".py")] = \
             source or ""
     files["provision/agent/__init__.py"] = '"""Host-side agents."""\n'
-    return base64.b64encode(zlib.compress(json.dumps(files, sort_keys=True).encode(), 9)).decode()
+    return host.bundle_of(files)
 
 
 @contextlib.contextmanager
