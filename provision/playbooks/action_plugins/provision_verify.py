@@ -11,7 +11,7 @@ from ansible.plugins.action import ActionBase
 try:
     import provision  # noqa: F401 - the package these playbooks ship in
 except ImportError:      # an ansible-playbook from another environment: the package beside this directory
-    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+    sys.path.append(str(Path(__file__).resolve().parents[3]))
 
 
 class ActionModule(ActionBase):
