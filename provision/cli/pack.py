@@ -40,7 +40,7 @@ def pack(hosts: Hosts,
 
     def progress(ev: dict) -> None:
         if status is not None and ev.get("step") == "pack":
-            status.update(f"packing {t.name}: {ev['done']}/{ev['total']} wheels")
+            status.update(f"packing {t.name}: {progress_line(ev)}")
     try:
         if status is not None:
             status.start()
@@ -58,18 +58,34 @@ def pack(hosts: Hosts,
         raise typer.Exit(1)
 
 
+def progress_line(ev: dict) -> str:
+    """A host agent's progress event in words: its phase, files and bytes done of their totals, seconds so far."""
+    from ..units import human_size
+
+    words = {"plan": "reading the RECORDs", "pack": "reading, checking and packing", "read": "timing a first read",
+             "hash": "hashing against RECORD", "seal": "comparing with the seal"}
+    text = words.get(ev.get("phase"), str(ev.get("phase") or "working"))
+    if ev.get("files_total"):
+        text += f": {ev.get('files', 0)}/{ev['files_total']} files"
+        if ev.get("bytes_total"):
+            text += f", {human_size(ev.get('bytes', 0))} of {human_size(ev['bytes_total'])}"
+    seconds = ev.get("seconds")
+    return text + (f" ({seconds:.0f}s)" if isinstance(seconds, (int, float)) else "")
+
+
 def render(rep: dict) -> None:
     from ..lockcheck import render_report
     from ..units import human_size
 
-    s = rep["seconds"]
+    s, m = rep["seconds"], rep["members"]
     console.print(f"Packed {rep['host']}:{rep['generation']} ({rep['venv']}) into {rep['out']}: "
-                  f"{rep['distributions']} distributions, {rep['files']} files, {human_size(rep['bytes'])} checked, "
-                  f"{human_size(rep['wheel_bytes'])} of wheels.", markup=False, soft_wrap=True)
+                  f"{rep['distributions']} distributions, {rep['files']} files, {human_size(rep['bytes'])} read, "
+                  f"checked against RECORD and packed in {s['pack']:.2f}s on {rep['jobs']} {rep['workers']}; "
+                  f"{human_size(rep['wheel_bytes'])} of wheels ({m['deflated']} members deflated at level "
+                  f"{rep['level']}, {m['stored']} stored as they are).", markup=False, soft_wrap=True)
     ratio = f"{rep['ratio']:.2f}×" if rep["ratio"] is not None else "n/a"
-    console.print(f"  check {s['check']:.2f}s + pack {s['pack']:.2f}s (wheels on {rep['jobs']} {rep['workers']}); "
-                  f"reading the same {human_size(rep['read_bytes'])} alone {s['read']:.2f}s: "
-                  f"(check + pack) ÷ read {ratio}"
+    console.print(f"  a first read of the same {human_size(rep['read_bytes'])} took {s['read']:.2f}s, {rep['cache']}: "
+                  f"pack ÷ first read {ratio}; reading the RECORDs {s['plan']:.2f}s"
                   + (f"; fetched over the connection {s['fetch']:.2f}s" if s.get("fetch", 0) > 0.01 else "")
                   + f"; total {s['total']:.2f}s.", markup=False, soft_wrap=True)
     for n, paths in sorted(rep["drift"].items()):
