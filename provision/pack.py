@@ -153,7 +153,8 @@ def pack(transport: Transport, out: Path, generation: str | None = None, *, allo
                "series": series_payload(source, base_lock, host), "jobs": jobs,
                "filenames": {p.name: p.filename for p in source.packages if p.filename},
                "workers": os.environ.get("PROVISION_PACK_WORKERS", "processes"),
-               "level": int(setting("PROVISION_PACK_LEVEL", 1, 0, 9)), "progress_every": progress_every()}
+               "level": int(setting("PROVISION_PACK_LEVEL", 1, 0, 9)) if os.environ.get("PROVISION_PACK_LEVEL")
+               else None, "progress_every": progress_every()}
     if not manifest.get("adopted_from"):
         payload["gen_dir"] = lay.gen(gen_id).dir
     try:
@@ -231,7 +232,8 @@ def pack(transport: Transport, out: Path, generation: str | None = None, *, allo
             "name": written.name, "distributions": len(wheels), "extra": [x["filename"] for x in extras],
             "replaced": replaced, "files": res["files"], "bytes": res["bytes"], "read_bytes": res["read_bytes"],
             "wheel_bytes": sum(w["size"] for w in wheels), "jobs": res["jobs"], "workers": res.get("workers"),
-            "seconds": secs, "cache": res.get("cache"), "level": res.get("level"), "members": members,
+            "seconds": secs, "cache": res.get("cache"), "level": res.get("level"), "level_auto": res.get("level_auto"),
+            "members": members,
             "ratio": secs["pack"] / secs["read"] if secs["read"] > 0 else None,
             "drift": res["drift"], "unpacked": res.get("unpacked", []), "not_owned": res.get("extra", 0),
             "missing_series": missing_series, "check": check}

@@ -14,6 +14,7 @@ import shlex
 import shutil
 import stat
 import struct
+import threading
 import time
 import urllib.parse
 import zipfile
@@ -210,12 +211,15 @@ def plan_one(args):
 # ------------------------------------------------------------------ members: stored or deflated
 
 BLOCK = 1 << 16       # the first block of a file that deflate is tried on, to decide how it goes in
-SPLIT = 1 << 24       # a larger file is deflated in pieces of this size, by several workers at once
-PIECE = 1 << 24       # about this many bytes read per task of the pool
+SPLIT = 1 << 24       # a larger file is read by tasks of its own: deflated in pieces of this size at once
 # formats that are compressed already: stored as they are (deflate would spend time and save nothing)
 COMPRESSED = (".gz", ".tgz", ".bz2", ".xz", ".lzma", ".zst", ".lz4", ".zip", ".whl", ".jar", ".egg", ".7z",
               ".png", ".jpg", ".jpeg", ".gif", ".webp", ".ico", ".mp3", ".mp4", ".ogg", ".woff", ".woff2", ".npz")
 STORED, DEFLATED = 0, 8
+# Unless told a level, a host of this many cores deflates (at level 1, about 100 MB/s a core): with fewer, deflate
+# alone would take several times as long as reading the bytes from disk, so every member is stored.
+DEFLATE_CORES = 8
+_BUF = threading.local()
 
 
 def deflate(data, level, last=True):
@@ -228,7 +232,7 @@ def deflate(data, level, last=True):
 def stored(name, head, level):
     """Whether a member goes in as it is: at level 0, in a compressed format (by its name), or when deflate
     takes less than a tenth off its first block `head`. The bytes alone decide: a generation packs the same."""
-    if level == 0 or not head or name.lower().endswith(COMPRESSED):
+    if level == 0 or not len(head) or name.lower().endswith(COMPRESSED):
         return True
     return len(deflate(head[:BLOCK], 1)) > 0.9 * len(head[:BLOCK])
 
@@ -269,51 +273,73 @@ def crc32_combine(crc1, crc2, len2):
     return crc1 ^ crc2
 
 
-def read_piece(part, segments, level):
-    """One task of the pool: each segment read once, and as it is read hashed (sha256 of a whole file: the
-    RECORD check), its CRC-32 taken and it deflated or stored into the file `part`. A segment is
-    (kind, path, offset, length, store, name, last): kind "file" (a whole file), "chunk" (`length` bytes of a
-    larger file from `offset`, `last` or not; `store` decided for the whole file) or "check" (hashed only,
-    nothing written). Returns per segment (digest or None, CRC-32, bytes read, bytes written, offset in `part`,
-    stored, `part`); a file gone has digest None, one that cannot be read "" (the RECORD check names both)."""
-    out, pos = [], 0
-    with open(part, "wb") if part else io.BytesIO() as w:
-        for kind, path, offset, length, store, name, last in segments:
-            if kind == "check":
-                try:
-                    digest, n = record.hash_file(path)
-                except FileNotFoundError:
-                    digest, n = None, 0
-                except OSError:
-                    digest, n = "", 0
-                out.append((digest, 0, n, 0, 0, True, part))
-                continue
-            with open(path, "rb", buffering=0) as f:
-                if kind == "chunk":
-                    data = os.pread(f.fileno(), length, offset)
-                    if len(data) != length:
-                        raise AgentError("%s changed size while it was packed" % path)
-                else:
-                    data = f.read()
-            digest = None
-            if kind == "file":
-                digest = record.b64digest(hashlib.sha256(data).digest())
-                store = stored(name, data[:BLOCK], level)
-            body = data if store else deflate(data, level, last)
-            if kind == "file" and len(body) >= len(data):     # deflate made it no smaller: as it is
-                body, store = data, True
-            w.write(body)
-            out.append((digest, zlib.crc32(data), len(data), len(body), pos, store, part))
-            pos += len(body)
-    return out
+def big_buffer():
+    """This worker's buffer of SPLIT bytes (reused: a fresh one per file would cost its page faults)."""
+    buf = getattr(_BUF, "buf", None)
+    if buf is None:
+        buf = _BUF.buf = bytearray(SPLIT)
+    return buf
+
+
+def read_whole(path):
+    """A file of at most SPLIT bytes, read into this worker's buffer: a view of its bytes."""
+    buf = big_buffer()
+    view, n = memoryview(buf), 0
+    with open(path, "rb", buffering=0) as f:
+        while n < len(buf):
+            k = f.readinto(view[n:])
+            if not k:
+                break
+            n += k
+        if n == len(buf) and f.read(1):
+            raise AgentError("%s grew while it was packed" % path)
+    return view[:n]
+
+
+def deflate_piece(part, path, offset, length, last, level):
+    """One piece of a large file, read once and deflated into the file `part`: (CRC-32, bytes read, bytes
+    written)."""
+    view = memoryview(big_buffer())[:length]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        n = os.preadv(fd, [view], offset)
+    finally:
+        os.close(fd)
+    if n != length:
+        raise AgentError("%s changed size while it was packed" % path)
+    body = deflate(view, level, last)
+    with open(part, "wb") as f:
+        f.write(body)
+    return zlib.crc32(view), n, len(body)
 
 
 def digest_of(path):
-    """sha256 (as RECORD writes it) and size of one large file, read through (its pieces are deflated apart)."""
-    try:
-        return record.hash_file(path)
-    except FileNotFoundError:
-        return None, 0
+    """(sha256 as RECORD writes it, CRC-32, size) of a large file, read through once."""
+    h, crc, n = hashlib.sha256(), 0, 0
+    buf = record.buffer()
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            k = f.readinto(buf)
+            if not k:
+                break
+            h.update(view[:k])
+            crc = zlib.crc32(view[:k], crc)
+            n += k
+    return record.b64digest(h.digest()), crc, n
+
+
+def check_files(paths):
+    """[(digest or None when gone or "" when unreadable, bytes)] of files that are checked but not packed."""
+    out = []
+    for path in paths:
+        try:
+            out.append(record.hash_file(path))
+        except FileNotFoundError:
+            out.append((None, 0))
+        except OSError:
+            out.append(("", 0))
+    return out
 
 
 class Zip:
@@ -372,186 +398,175 @@ class Zip:
         return self.h.hexdigest()
 
 
-def spans(sources):
-    """The bytes of a member's pieces, in order, from the part files the tasks wrote."""
-    for part, offset, length in sources:
-        with open(part, "rb", buffering=0) as f:
-            f.seek(offset)
-            left = length
-            while left:
-                b = f.read(min(left, record.CHUNK))
-                if not b:
-                    raise AgentError("part %s ended early" % part)
-                left -= len(b)
-                yield b
+def copy_file(path, size):
+    """A large stored file's bytes, as read now (the size it had when its CRC-32 was taken, or an error)."""
+    buf = record.buffer()
+    view, n = memoryview(buf), 0
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            k = f.readinto(buf)
+            if not k:
+                break
+            n += k
+            yield view[:k]
+    if n != size:
+        raise AgentError("%s changed size while it was packed" % path)
 
 
-def write_wheel(path, info, members, level):
-    """The wheel at `path`: `members` in order, each (arcname, mode, bytes) to deflate or store here, or
-    (arcname, mode, method, CRC-32, size, stored size, digest, [(part file, offset, length)]) written by the
-    tasks; then a fresh RECORD. Returns (members, bytes of content, sha256 of the wheel, methods used)."""
-    rows, total, used = [], 0, {STORED: 0, DEFLATED: 0}
-    with open(path, "wb") as f:
-        z = Zip(f)
-
-        def add_data(arc, mode, data):
-            store = stored(arc, data[:BLOCK], level)
-            body = data if store else deflate(data, level)
-            if len(body) >= len(data):
-                body, store = data, True
-            method = STORED if store else DEFLATED
-            z.add(arc, method, zlib.crc32(data), len(data), len(body), mode, [body])
-            used[method] += 1
-
-        for m in members:
-            if len(m) == 3:
-                arc, mode, data = m
-                add_data(arc, mode, data)
-                digest, size = record.b64digest(hashlib.sha256(data).digest()), len(data)
-            else:
-                arc, mode, method, crc, size, csize, digest, sources = m
-                z.add(arc, method, crc, size, csize, mode, spans(sources))
-                used[method] += 1
-            rows.append((arc, "sha256=" + digest, str(size)))
-            total += size
-        out = io.StringIO()
-        csv.writer(out, lineterminator="\n").writerows(rows + [(info + "/RECORD", "", "")])
-        add_data(info + "/RECORD", 0o644, out.getvalue().encode("utf-8"))
-        sha = z.close()
-    return len(rows), total, sha, used
+def copy_parts(parts):
+    for part in parts:
+        with open(part, "rb") as f:
+            yield f.read()
 
 
-def build_one(out, name, version, info, members, filename, level):
-    """Write one distribution's wheel into `out` under a temporary name (it takes its own once the whole
-    generation proved clean, or drift is allowed); its row for the reply, with `tmp`."""
+def write_dist(out, name, version, info, items, filename, level, big):
+    """One distribution's wheel, written front to back into `out` under a temporary name (it takes its own once
+    the whole generation proved clean, or drift is allowed): each file of `items` read once here, hashed (the
+    RECORD check), its CRC-32 taken and deflated or stored as it is read; a file larger than SPLIT comes from
+    the tasks that read it (`big`: {path: {digest, crc, size, parts: [part files] when deflated}}); then a
+    fresh RECORD. Returns its row for the reply (with `tmp`) and {path: (digest, bytes)} of the files read."""
+    rows, total, used, found = [], 0, {STORED: 0, DEFLATED: 0}, {}
     tmp = os.path.join(out, ".%s.tmp-%d" % (filename, os.getpid()))
     try:
-        files, size, sha, used = write_wheel(tmp, info, members, level)
+        with open(tmp, "wb") as f:
+            z = Zip(f)
+
+            def add(arc, mode, data):
+                store = stored(arc, data[:BLOCK], level)
+                body = data if store else deflate(data, level)
+                if len(body) >= len(data):         # deflate made it no smaller: as it is
+                    body, store = data, True
+                method = STORED if store else DEFLATED
+                z.add(arc, method, zlib.crc32(data), len(data), len(body), mode, [body])
+                used[method] += 1
+
+            for arc, full, data, mode, size in items:
+                if data is not None:
+                    add(arc, mode, data)
+                    digest, size = record.b64digest(hashlib.sha256(data).digest()), len(data)
+                elif full in big:
+                    b = big[full]
+                    digest, size = b["digest"], b["size"]
+                    if b.get("parts"):
+                        z.add(arc, DEFLATED, b["crc"], size, b["csize"], mode, copy_parts(b["parts"]))
+                        used[DEFLATED] += 1
+                    else:
+                        z.add(arc, STORED, b["crc"], size, size, mode, copy_file(full, size))
+                        used[STORED] += 1
+                else:
+                    data = read_whole(full)
+                    digest, size = record.b64digest(hashlib.sha256(data).digest()), len(data)
+                    found[full] = (digest, size)
+                    add(arc, mode, data)
+                rows.append((arc, "sha256=" + digest, str(size)))
+                total += size
+            text = io.StringIO()
+            csv.writer(text, lineterminator="\n").writerows(rows + [(info + "/RECORD", "", "")])
+            add(info + "/RECORD", 0o644, text.getvalue().encode("utf-8"))
+            sha = z.close()
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
     return {"name": name, "version": version, "filename": filename, "sha256": sha, "size": os.path.getsize(tmp),
-            "files": files, "bytes": size, "stored": used[STORED], "deflated": used[DEFLATED], "tmp": tmp}
+            "files": len(rows), "bytes": total, "stored": used[STORED], "deflated": used[DEFLATED],
+            "tmp": tmp}, found
 
 
-def tasks_of(plans, check_only, level, parts):
-    """The pool's work: per distribution, its members' segments in pieces of about PIECE bytes (a file larger
-    than SPLIT in pieces of its own that several workers deflate at once, and read through once more for its
-    sha256: a "digest" task), and the files only checked. Returns (tasks, segments per distribution: [(member
-    index, segment)]); a task is (dist or None, kind, args)."""
-    tasks, segs_of, n = [], {}, itertools.count()
+def pack_all(ex, plans, dists, check_only, out, parts, level, meter, found):
+    """Every file read once on the pool: each distribution's wheel by one task (`write_dist`), once the tasks
+    that read its files larger than SPLIT are done (their pieces deflated by several workers at once, and the
+    whole file read through for its sha256 and CRC-32), the largest first; and the files only checked. Fills
+    `found` ({path: (digest, bytes read)}); returns {name: wheel row}."""
+    big, waits, futures, results, errors = {}, {}, {}, {}, []
+    n = itertools.count()
 
-    def piece(name, segs):
-        if segs:
-            tasks.append((name, "piece", (os.path.join(parts, "%d" % next(n)) if name else None, segs, level)))
+    def submit(fn, args, what):
+        futures[ex.submit(fn, *args)] = what
 
     for name, (items, _, _) in plans.items():
-        cur, cur_bytes, mine = [], 0, []
-        for i, (arc, full, data, mode, size) in enumerate(items):
-            if data is not None:
-                continue
-            if size > SPLIT:
+        for arc, full, data, mode, size in items:
+            if data is None and size > SPLIT:
                 with open(full, "rb") as f:
                     store = stored(arc, f.read(BLOCK), level)
-                for off in range(0, size, SPLIT):
-                    seg = ("chunk", full, off, min(SPLIT, size - off), store, arc, off + SPLIT >= size)
-                    mine.append((i, seg))
-                    piece(name, [seg])
-                tasks.append((name, "digest", (full,)))
-                continue
-            seg = ("file", full, 0, size, None, arc, True)
-            mine.append((i, seg))
-            cur.append(seg)
-            cur_bytes += size
-            if cur_bytes >= PIECE or len(cur) >= 512:
-                piece(name, cur)
-                cur, cur_bytes = [], 0
-        piece(name, cur)
-        segs_of[name] = mine
+                big[full] = {"store": store, "size": size, "pieces": {}}
+                waits.setdefault(name, set()).add(full)
+    for full in sorted(big, key=lambda p: -big[p]["size"]):
+        submit(digest_of, (full,), ("digest", full))
+        if not big[full]["store"]:
+            size = big[full]["size"]
+            for off in range(0, size, SPLIT):
+                part = os.path.join(parts, "%d" % next(n))
+                submit(deflate_piece, (part, full, off, min(SPLIT, size - off), off + SPLIT >= size, level),
+                       ("piece", full, off, part))
     for share in bins(check_only, max(1, len(check_only) // 256)):
-        piece(None, [("check", p, 0, 0, True, p, True) for p in share])
-    tasks.sort(key=lambda t: -sum(seg[3] for seg in t[2][1]) if t[1] == "piece" else -record.size_of(t[2][0]))
-    return tasks, segs_of
-
-
-def pack_all(ex, tasks, segs_of, plans, dists, out, level, meter, found):
-    """Run the tasks on the pool, the largest first; a distribution's wheel is written (by the pool too) as
-    soon as its segments are all in. Fills `found` ({path: (digest, bytes read)}); returns {name: wheel row}."""
-    left = {name: 0 for name in plans}
-    seg_out, errors, results, futures = {}, [], {}, {}
+        submit(check_files, (share,), ("check", share))
 
     def wheel(name):
-        mine = {seg: seg_out[seg] for _, seg in segs_of[name]}
-        digests = {seg[1]: found[seg[1]][0] for _, seg in segs_of[name] if seg[0] == "chunk"}
-        fut = ex.submit(assemble, out, name, dists[name], plans[name], segs_of[name], mine, digests, level)
-        futures[fut] = (name, "wheel", ())
+        items, filename, _ = plans[name]
+        mine = {full: big[full] for full in {it[1] for it in items} if full in big}
+        submit(write_dist, (out, name, dists[name]["version"], dists[name]["info"], items, filename, level, mine),
+               ("wheel", name))
 
-    for name, kind, args in tasks:
-        futures[ex.submit(read_piece if kind == "piece" else digest_of, *args)] = (name, kind, args)
-        if name:
-            left[name] += 1
-    for name in plans:
-        if not left[name]:
+    for name in sorted(plans, key=lambda x: -dists[x]["bytes"]):
+        if name not in waits:
             wheel(name)
+    owners = {}
+    for name, fulls in waits.items():
+        for full in fulls:
+            owners.setdefault(full, []).append(name)
     while futures:
         done, _ = wait(futures, return_when=FIRST_COMPLETED)
         for fut in done:
-            name, kind, args = futures.pop(fut)
+            what = futures.pop(fut)
             try:
                 got = fut.result()
             except (OSError, AgentError) as e:
-                errors.append("%s: %s" % (name or "check", getattr(e, "strerror", None) or e))
+                errors.append("%s: %s" % (what[1] if isinstance(what[1], str) else "check",
+                                          getattr(e, "strerror", None) or e))
                 continue
+            kind, full = what[0], what[1]
             if kind == "wheel":
-                results[name] = got
+                results[full], files = got
+                found.update(files)
+                meter.add(len(files), sum(k for _, k in files.values()))
                 continue
+            if kind == "check":
+                found.update(zip(full, got))
+                meter.add(len(got), sum(k for _, k in got))
+                continue
+            b = big[full]
             if kind == "digest":
-                found[args[0]] = got
-                meter.add(1, 0)
+                b["digest"], b["crc_whole"], b["read"] = got
+                found[full] = (b["digest"], b["read"])
+                meter.add(1, 0 if not b["store"] else b["read"])
             else:
-                files = 0
-                for seg, res in zip(args[1], got):
-                    seg_out[seg] = res
-                    if seg[0] != "chunk":
-                        found[seg[1]] = (res[0], res[2])
-                        files += 1
-                meter.add(files, sum(r[2] for r in got))
-            if name:
-                left[name] -= 1
-                if not left[name]:
-                    wheel(name)
+                b["pieces"][what[2]] = (what[3],) + got
+                meter.add(0, got[1])
+            if "digest" in b and (b["store"] or sum(p[2] for p in b["pieces"].values()) == b["size"]):
+                if b["read"] != b["size"]:
+                    errors.append("%s: changed size while it was packed" % full)
+                    continue
+                pieces = [b["pieces"][off] for off in sorted(b["pieces"])]
+                b["crc"] = b["crc_whole"]
+                if pieces:
+                    crc = pieces[0][1]
+                    for _, c, k, _ in pieces[1:]:
+                        crc = crc32_combine(crc, c, k)
+                    if crc != b["crc"]:       # its pieces are not the bytes hashed
+                        errors.append("%s: changed while it was packed" % full)
+                        continue
+                    b.update(parts=[p[0] for p in pieces], csize=sum(p[3] for p in pieces))
+                for name in owners.pop(full, []):
+                    waits[name].discard(full)
+                    if not waits[name]:
+                        wheel(name)
     if errors:
         for r in results.values():
             os.unlink(r["tmp"])
         more = " (and %d more)" % (len(errors) - 1) if len(errors) > 1 else ""
         raise AgentError("cannot pack %s%s" % (errors[0], more))
     return results
-
-
-def assemble(out, name, dist, plan, segs, seg_out, digests, level):
-    """One distribution's wheel from its plan and what the tasks made of its segments (`digests`: the sha256 of
-    each file deflated in pieces)."""
-    items, filename, _ = plan
-    by_item = {}
-    for i, seg in segs:
-        by_item.setdefault(i, []).append(seg)
-    members = []
-    for i, (arc, full, data, mode, size) in enumerate(items):
-        if data is not None:
-            members.append((arc, mode, data))
-            continue
-        got = [seg_out[s] for s in by_item[i]]
-        crc, n = got[0][1], got[0][2]
-        for _, c, k, _, _, _, _ in got[1:]:
-            crc = crc32_combine(crc, c, k)
-            n += k
-        digest = digests[full] if full in digests else got[0][0]
-        if not digest:
-            raise AgentError("%s vanished while it was packed" % full)
-        members.append((arc, mode, STORED if got[0][5] else DEFLATED, crc, n, sum(g[3] for g in got), digest,
-                        [(g[6], g[4], g[3]) for g in got]))
-    return build_one(out, name, dist["version"], dist["info"], members, filename, level)
 
 
 def bins(paths, n):
@@ -646,8 +661,9 @@ def op_pack(a):
     workers = a.get("workers") if a.get("workers") in ("threads", "processes") else "processes"
     cores = os.cpu_count() or 1
     jobs = int(a.get("jobs") or (cores if workers == "processes" else min(32, cores * 2)))
-    level = a.get("level")
-    level = level if isinstance(level, int) and not isinstance(level, bool) and 0 <= level <= 9 else 1
+    level, auto = a.get("level"), False
+    if not (isinstance(level, int) and not isinstance(level, bool) and 0 <= level <= 9):
+        level, auto = (1 if cores >= DEFLATE_CORES else 0), True
     site = record.site_packages(venv)
     if site is None:
         raise AgentError("no site-packages under %s" % venv)
@@ -674,13 +690,12 @@ def op_pack(a):
                 found = {p: f for _, _, got in plans.values() for p, f in got.items()}   # read while planning
                 packed = {full for items, _, _ in plans.values() for _, full, data, _, _ in items if data is None}
                 check_only = sorted({w[2] for w in lst["work"] if not skipped(w[1])} - packed - set(found))
-                tasks, segs_of = tasks_of(plans, check_only, level, parts)
                 reads = sorted(packed | set(check_only))
                 t_plan = time.perf_counter() - t0
                 record.drop(reads)                  # the pack reads from disk, as the yardstick will
                 meter.phase("pack", len(reads), sum(map(record.size_of, reads)))
                 t1 = time.perf_counter()
-                results = pack_all(ex, tasks, segs_of, plans, lst["dists"], out, level, meter, found)
+                results = pack_all(ex, plans, lst["dists"], check_only, out, parts, level, meter, found)
                 t_pack = time.perf_counter() - t1
         finally:
             shutil.rmtree(parts, ignore_errors=True)
@@ -699,7 +714,7 @@ def op_pack(a):
             "unpacked": sorted(n for n in lst["dists"] if n not in plans), "drift": drift,
             "extra": len([e for e in record.unlisted(site, lst["listed"]) if not skipped(e)]),
             "files": len(reads), "bytes": sum(found[p][1] for p in reads if p in found), "read_bytes": read_bytes,
-            "cache": how, "level": level, "seconds": {"plan": t_plan, "pack": t_pack, "read": t_read},
+            "cache": how, "level": level, "level_auto": auto, "seconds": {"plan": t_plan, "pack": t_pack, "read": t_read},
             "jobs": jobs, "workers": workers}
 
 

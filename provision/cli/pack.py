@@ -73,6 +73,12 @@ def progress_line(ev: dict) -> str:
     return text + (f" ({seconds:.0f}s)" if isinstance(seconds, (int, float)) else "")
 
 
+def level_words(rep: dict) -> str:
+    how = "chosen by the host's cores; PROVISION_PACK_LEVEL sets it" if rep.get("level_auto") else \
+        "PROVISION_PACK_LEVEL"
+    return f"deflate level {rep['level']}, {how}" if rep["level"] else f"level 0: nothing deflated, {how}"
+
+
 def render(rep: dict) -> None:
     from ..lockcheck import render_report
     from ..units import human_size
@@ -81,8 +87,8 @@ def render(rep: dict) -> None:
     console.print(f"Packed {rep['host']}:{rep['generation']} ({rep['venv']}) into {rep['out']}: "
                   f"{rep['distributions']} distributions, {rep['files']} files, {human_size(rep['bytes'])} read, "
                   f"checked against RECORD and packed in {s['pack']:.2f}s on {rep['jobs']} {rep['workers']}; "
-                  f"{human_size(rep['wheel_bytes'])} of wheels ({m['deflated']} members deflated at level "
-                  f"{rep['level']}, {m['stored']} stored as they are).", markup=False, soft_wrap=True)
+                  f"{human_size(rep['wheel_bytes'])} of wheels ({m['deflated']} members deflated, {m['stored']} "
+                  f"stored as they are; {level_words(rep)}).", markup=False, soft_wrap=True)
     ratio = f"{rep['ratio']:.2f}×" if rep["ratio"] is not None else "n/a"
     console.print(f"  a first read of the same {human_size(rep['read_bytes'])} took {s['read']:.2f}s, {rep['cache']}: "
                   f"pack ÷ first read {ratio}; reading the RECORDs {s['plan']:.2f}s"
