@@ -127,8 +127,9 @@ def pack(transport: Transport, out: Path, generation: str | None = None, *, allo
          base: Path | None = None, extra: list[Path] = (), name: str | None = None, jobs: int | None = None,
          force: bool = False, progress=None) -> dict:
     """Pack a generation of the host into the wheelhouse `out` (an empty folder, unless `force`); returns the
-    report (what was packed, sizes, seconds, drift, the lock written and its check; `ratio`: the pack's seconds
-    over those of a first read of the same files from disk, `cache` says how it was made one). `progress(event)`
+    report (what was packed, sizes, seconds, drift, the lock written and its check; `ratio`: the pack's seconds,
+    its reading of the RECORDs included, over those of a first read of the same files from disk, `cache` says how
+    it was made one). `progress(event)`
     sees the agent's events (one at least every PROVISION_PROGRESS_EVERY seconds)."""
     out = out_dir(out, force, list(extra))
     base_lock = lockmod.load(base) if base else None
@@ -234,7 +235,7 @@ def pack(transport: Transport, out: Path, generation: str | None = None, *, allo
             "wheel_bytes": sum(w["size"] for w in wheels), "jobs": res["jobs"], "workers": res.get("workers"),
             "seconds": secs, "cache": res.get("cache"), "level": res.get("level"), "level_auto": res.get("level_auto"),
             "members": members,
-            "ratio": secs["pack"] / secs["read"] if secs["read"] > 0 else None,
+            "ratio": (secs["plan"] + secs["pack"]) / secs["read"] if secs["read"] > 0 else None,
             "drift": res["drift"], "unpacked": res.get("unpacked", []), "not_owned": res.get("extra", 0),
             "missing_series": missing_series, "check": check}
 

@@ -164,18 +164,18 @@ def unshebang(data, bindirs):
 
 # ------------------------------------------------------------------ one distribution
 
-def plan_dist(venv, site, name, version, info, restored, py, source=None):
+def plan_dist(venv, site, name, version, info, restored, py, source=None, rows=None):
     """([(arcname, source path, bytes or None, mode, size)], wheel file name, {path: (digest, bytes)} of the
     files read here) of one distribution; a file it lists that is not there is left for the RECORD check to
     name. `restored`: {path: bytes as shipped} of patched files, packed (and checked) in their place; a script
     is read here, checked as installed and packed as shipped. `source`: the file name of the wheel it was
-    installed from (its lock's), for the order of the tags."""
+    installed from (its lock's), for the order of the tags; `rows`: its RECORD's `entries`, when read already."""
     tags, build = wheel_meta(site, info)
     data_dir = info[:-len(".dist-info")] + ".data"
     scripts = entry_point_scripts(site, info)
     bindirs = {os.path.normpath(os.path.join(venv, "bin")), os.path.realpath(os.path.join(venv, "bin"))}
     items, seen, found = [], set(), {}
-    for rel, full, algo, digest, size in record.entries(site, info, venv):
+    for rel, full, algo, digest, size in record.entries(site, info, venv) if rows is None else rows:
         if full is None or skipped(rel):
             continue
         if rel.startswith(info + "/") and rel[len(info) + 1:] in DROPPED:
@@ -216,6 +216,7 @@ SPLIT = 1 << 24       # a larger file is read by tasks of its own: deflated in p
 COMPRESSED = (".gz", ".tgz", ".bz2", ".xz", ".lzma", ".zst", ".lz4", ".zip", ".whl", ".jar", ".egg", ".7z",
               ".png", ".jpg", ".jpeg", ".gif", ".webp", ".ico", ".mp3", ".mp4", ".ogg", ".woff", ".woff2", ".npz")
 STORED, DEFLATED = 0, 8
+AHEAD = 4             # threads of each wheel's task that ask the kernel to read its small files ahead
 # Unless told a level, a host of this many cores deflates (at level 1, about 100 MB/s a core): with fewer, deflate
 # alone would take several times as long as reading the bytes from disk, so every member is stored.
 DEFLATE_CORES = 8
@@ -398,6 +399,24 @@ class Zip:
         return self.h.hexdigest()
 
 
+def prefetch(paths):
+    """Ask the kernel to read `paths` ahead (posix_fadvise WILLNEED starts the reads and returns), so that reading
+    many small files one after another waits on the disk once, not once a file."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
 def copy_file(path, size):
     """A large stored file's bytes, as read now (the size it had when its CRC-32 was taken, or an error)."""
     buf = record.buffer()
@@ -427,6 +446,9 @@ def write_dist(out, name, version, info, items, filename, level, big):
     fresh RECORD. Returns its row for the reply (with `tmp`) and {path: (digest, bytes)} of the files read."""
     rows, total, used, found = [], 0, {STORED: 0, DEFLATED: 0}, {}
     tmp = os.path.join(out, ".%s.tmp-%d" % (filename, os.getpid()))
+    small = [it[1] for it in items if it[2] is None and it[1] not in big]
+    for i in range(AHEAD):          # each thread every AHEAD-th file: the disk sees several reads at once
+        threading.Thread(target=prefetch, args=(small[i::AHEAD],), daemon=True).start()
     try:
         with open(tmp, "wb") as f:
             z = Zip(f)
@@ -678,7 +700,7 @@ def op_pack(a):
                                                lst))
         py = os.path.basename(os.path.dirname(site))
         wheel_files = {record.norm(n): f for n, f in (a.get("filenames") or {}).items() if isinstance(f, str)}
-        todo = [(venv, site, name, d["version"], d["info"], restored, py, wheel_files.get(name))
+        todo = [(venv, site, name, d["version"], d["info"], restored, py, wheel_files.get(name), lst["rows"][name])
                 for name, d in sorted(lst["dists"].items())
                 if d["info"] + "/RECORD" not in d["missing"]]     # no RECORD: nothing says what the dist is (drift)
         os.makedirs(out, exist_ok=True)
@@ -714,7 +736,8 @@ def op_pack(a):
             "unpacked": sorted(n for n in lst["dists"] if n not in plans), "drift": drift,
             "extra": len([e for e in record.unlisted(site, lst["listed"]) if not skipped(e)]),
             "files": len(reads), "bytes": sum(found[p][1] for p in reads if p in found), "read_bytes": read_bytes,
-            "cache": how, "level": level, "level_auto": auto, "seconds": {"plan": t_plan, "pack": t_pack, "read": t_read},
+            "cache": how, "level": level, "level_auto": auto,
+            "seconds": {"plan": t_plan, "pack": t_pack, "read": t_read},
             "jobs": jobs, "workers": workers}
 
 

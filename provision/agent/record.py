@@ -120,13 +120,14 @@ def listing(venv, only=None, expect=None):
     """What `check` reads, from every RECORD: {site, dists: {name: {version, info, files, bytes, changed,
     missing, outside, overwritten, unhashed, overridden}}, work: [(name, rel, absolute path, digest, size)] the
     files to hash (largest first, by RECORD's sizes), owners: {path: digests its owners expect}, listed: paths
-    any RECORD names, unclaimed: keys of `expect` no RECORD lists}. `only` and `expect`: as `check` takes them."""
+    any RECORD names, rows: {name: its RECORD's `entries`}, unclaimed: keys of `expect` no RECORD lists}.
+    `only` and `expect`: as `check` takes them."""
     site = site_packages(venv)
     if site is None:
         raise OSError("no site-packages under %s" % venv)
     expect = {os.path.normpath(k): _b64_of_hex(v) for k, v in (expect or {}).items()}
     claimed = set()
-    dists, work, listed, owners = {}, [], set(), {}
+    dists, work, listed, owners, by_dist = {}, [], set(), {}, {}
     for name, version, info in dist_infos(site):
         if only is not None and name not in only:
             continue
@@ -137,6 +138,7 @@ def listing(venv, only=None, expect=None):
         except OSError:
             d["missing"].append(info + "/RECORD")
             continue
+        by_dist[name] = rows
         for rel, full, algo, digest, size in rows:
             if full is None:
                 d["outside"].append(rel)
@@ -153,7 +155,7 @@ def listing(venv, only=None, expect=None):
             work.append((name, rel, full, digest, size or 0))
             owners.setdefault(full, set()).add(digest)
     work.sort(key=lambda w: -w[4])       # largest first (RECORD's sizes): a pool's tail is short
-    return {"site": site, "dists": dists, "work": work, "owners": owners, "listed": listed,
+    return {"site": site, "dists": dists, "work": work, "owners": owners, "listed": listed, "rows": by_dist,
             "unclaimed": sorted(set(expect) - claimed)}
 
 

@@ -86,12 +86,13 @@ def render(rep: dict) -> None:
     s, m = rep["seconds"], rep["members"]
     console.print(f"Packed {rep['host']}:{rep['generation']} ({rep['venv']}) into {rep['out']}: "
                   f"{rep['distributions']} distributions, {rep['files']} files, {human_size(rep['bytes'])} read, "
-                  f"checked against RECORD and packed in {s['pack']:.2f}s on {rep['jobs']} {rep['workers']}; "
+                  f"checked against RECORD and packed in {s['plan'] + s['pack']:.2f}s on {rep['jobs']} "
+                  f"{rep['workers']} (reading the RECORDs {s['plan']:.2f}s of it); "
                   f"{human_size(rep['wheel_bytes'])} of wheels ({m['deflated']} members deflated, {m['stored']} "
                   f"stored as they are; {level_words(rep)}).", markup=False, soft_wrap=True)
     ratio = f"{rep['ratio']:.2f}×" if rep["ratio"] is not None else "n/a"
     console.print(f"  a first read of the same {human_size(rep['read_bytes'])} took {s['read']:.2f}s, {rep['cache']}: "
-                  f"pack ÷ first read {ratio}; reading the RECORDs {s['plan']:.2f}s"
+                  f"pack ÷ first read {ratio}"
                   + (f"; fetched over the connection {s['fetch']:.2f}s" if s.get("fetch", 0) > 0.01 else "")
                   + f"; total {s['total']:.2f}s.", markup=False, soft_wrap=True)
     for n, paths in sorted(rep["drift"].items()):
