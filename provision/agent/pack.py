@@ -732,9 +732,10 @@ def op_pack(a):
             os.replace(r.pop("tmp"), os.path.join(out, r["filename"]))
         meter.phase("read", len(reads), sum(map(record.size_of, reads)))
         t_read, read_bytes, how = record.first_read(reads, a.get("jobs") or record.jobs_default())
+        meter.phase("extra")
+        extra = [e for e in record.unlisted(site, lst["listed"]) if not skipped(e)]
     return {"site": site, "python": py, "wheels": [results[n] for n in sorted(results)],
-            "unpacked": sorted(n for n in lst["dists"] if n not in plans), "drift": drift,
-            "extra": len([e for e in record.unlisted(site, lst["listed"]) if not skipped(e)]),
+            "unpacked": sorted(n for n in lst["dists"] if n not in plans), "drift": drift, "extra": len(extra),
             "files": len(reads), "bytes": sum(found[p][1] for p in reads if p in found), "read_bytes": read_bytes,
             "cache": how, "level": level, "level_auto": auto,
             "seconds": {"plan": t_plan, "pack": t_pack, "read": t_read},

@@ -63,7 +63,8 @@ def progress_line(ev: dict) -> str:
     from ..units import human_size
 
     words = {"plan": "reading the RECORDs", "pack": "reading, checking and packing", "read": "timing a first read",
-             "hash": "hashing against RECORD", "seal": "comparing with the seal"}
+             "hash": "hashing against RECORD", "seal": "comparing with the seal",
+             "extra": "looking for files no RECORD lists"}
     text = words.get(ev.get("phase"), str(ev.get("phase") or "working"))
     if ev.get("files_total"):
         text += f": {ev.get('files', 0)}/{ev['files_total']} files"
