@@ -203,7 +203,7 @@ def check(venv, jobs=None, only=None, expect=None, baseline=False, digests=False
     lists], unclaimed: [keys of `expect` no RECORD lists]}.
     `only`: a set of normalized names to check (default all). `expect`: {path relative to site-packages:
     sha256 hex} that replace RECORD's hash for those files (a patch series' results). `baseline`: hash from
-    disk (the page cache of these files dropped first, where it can be) and then time a first plain read of
+    disk (the page cache of these files dropped first, where it can be) and then time a first read of
     the same files, dropped again (`first_read_seconds`, `read_bytes`, `cache`: how the cache was dropped).
     `digests`: also {absolute path: digest found} of every file hashed (`digests`).
     A path several distributions' RECORDs list is judged as `tally` says (e.g. two wheels that both ship a

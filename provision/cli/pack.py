@@ -24,13 +24,15 @@ def pack(hosts: Hosts,
                                                              "packed distribution of the same name"),
          name: Optional[str] = typer.Option(None, "--name", help="the lock's name (default: the source's)"),
          jobs: Optional[int] = typer.Option(None, "--jobs", min=1, max=256,
-                                            help="workers on the host: the check's threads, the wheels' "
-                                                 "processes (default: two threads, one process per core)"),
+                                            help="worker processes on the host, each reading, checking and "
+                                                 "packing files (default: one per core)"),
          force: bool = typer.Option(False, "--force", help="pack into DIR even when it is not empty (its "
                                                           "lock.yaml and wheels of the same names are replaced)"),
          json_out: bool = JsonOpt):
-    """Pack a generation (managed or adopted) into DIR: one stored wheel per distribution, rebuilt from its
-    installed files after each was checked against its RECORD, and DIR/lock.yaml naming each by sha256."""
+    """Pack a generation (managed or adopted) into DIR: one wheel per distribution, rebuilt from its installed
+    files, each checked against its RECORD as it is read (drift refuses the pack), and DIR/lock.yaml naming each
+    by sha256. Members are deflated (level 1 on hosts of 8 cores or more; PROVISION_PACK_LEVEL sets it), or
+    stored where deflate would not shrink them."""
     from .. import pack as packmod
     from ..transport import connect
 

@@ -12,8 +12,8 @@ from .pack import progress_line
 
 
 def figures(v: dict) -> str:
-    """bytes hashed, seconds, rate; and the plain read of the same bytes when measured, else that the time
-    includes reading them."""
+    """bytes hashed, seconds, rate; and a first read of the same bytes from disk when measured, else that the
+    time includes reading them."""
     from ..units import human_size
 
     text = f"{v['files']} files, {human_size(v['bytes'])} read and hashed in {v['seconds']:.2f}s"
