@@ -14,7 +14,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from .host import emit, norm
+from .host import event, norm
 
 CHUNK = 1 << 20
 # What `uv venv` itself writes into site-packages (no distribution's RECORD lists them): not extra.
@@ -340,7 +340,7 @@ class Meter:
             ev = {"step": self.step, "phase": self.name, "files": self.files, "bytes": self.bytes,
                   "files_total": self.files_total, "bytes_total": self.bytes_total,
                   "seconds": round(time.monotonic() - self.t0, 3), "every": self.every}
-        emit({"_event": ev})
+        event(**ev)
 
     def _run(self):
         while not self.stop.wait(self.every):
