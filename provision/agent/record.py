@@ -321,13 +321,13 @@ class Meter:
         self.step, self.every = step, max(0.01, float(every or 2.0))
         self.lock, self.stop = threading.Lock(), threading.Event()
         self.name, self.files, self.bytes, self.files_total, self.bytes_total = None, 0, 0, None, None
-        self.t0 = self.started = time.monotonic()
+        self.t0 = time.monotonic()
 
     def phase(self, name, files_total=None, bytes_total=None):
         """A new phase (its counts start from zero); told at once."""
         with self.lock:
             self.name, self.files, self.bytes = name, 0, 0
-            self.files_total, self.bytes_total, self.started = files_total, bytes_total, time.monotonic()
+            self.files_total, self.bytes_total = files_total, bytes_total
         self.tell()
 
     def add(self, files, nbytes):
