@@ -13,12 +13,17 @@ from pathlib import Path
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 
 from . import generations, layout, lock as lockmod
-from .build import sha256_file
+from .build import setting, sha256_file
 from .errors import DriftError, HostError, InputError, ProvisionError
 from .transport import Transport
 
 WHEEL_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+!-]{0,250}\.whl\Z")
 SHOWN = 5      # drifted files named in a refusal before "and N more"
+
+
+def progress_every() -> float:
+    """Seconds between a host agent's progress events while it packs or verifies (PROVISION_PROGRESS_EVERY)."""
+    return setting("PROVISION_PROGRESS_EVERY", 2.0, 0.01, 5.0)
 
 
 def drift_line(drift: dict) -> str:
@@ -122,8 +127,10 @@ def pack(transport: Transport, out: Path, generation: str | None = None, *, allo
          base: Path | None = None, extra: list[Path] = (), name: str | None = None, jobs: int | None = None,
          force: bool = False, progress=None) -> dict:
     """Pack a generation of the host into the wheelhouse `out` (an empty folder, unless `force`); returns the
-    report (what was packed, sizes, seconds, drift, the lock written and its check). `progress(event)` sees the
-    agent's events."""
+    report (what was packed, sizes, seconds, drift, the lock written and its check; `ratio`: the pack's seconds,
+    its reading of the RECORDs included, over those of a first read of the same files from disk, `cache` says how
+    it was made one). `progress(event)`
+    sees the agent's events (one at least every PROVISION_PROGRESS_EVERY seconds)."""
     out = out_dir(out, force, list(extra))
     base_lock = lockmod.load(base) if base else None
     extras = extra_wheels(list(extra))
@@ -146,7 +153,9 @@ def pack(transport: Transport, out: Path, generation: str | None = None, *, allo
     payload = {"op": "pack", "venv": venv, "out": remote, "root": lay.root, "allow_drift": allow_drift,
                "series": series_payload(source, base_lock, host), "jobs": jobs,
                "filenames": {p.name: p.filename for p in source.packages if p.filename},
-               "workers": os.environ.get("PROVISION_PACK_WORKERS", "processes")}
+               "workers": os.environ.get("PROVISION_PACK_WORKERS", "processes"),
+               "level": int(setting("PROVISION_PACK_LEVEL", 1, 0, 9)) if os.environ.get("PROVISION_PACK_LEVEL")
+               else None, "progress_every": progress_every()}
     if not manifest.get("adopted_from"):
         payload["gen_dir"] = lay.gen(gen_id).dir
     try:
@@ -219,12 +228,14 @@ def pack(transport: Transport, out: Path, generation: str | None = None, *, allo
 
     check = lockcheck.check(written, offline=True)
     secs = dict(res["seconds"], fetch=t_fetch, total=time.perf_counter() - t0)
+    members = {k: sum(w.get(k, 0) for w in wheels) for k in ("stored", "deflated")}
     return {"host": host, "generation": gen_id, "venv": venv, "out": str(out), "lock": str(lock_path),
             "name": written.name, "distributions": len(wheels), "extra": [x["filename"] for x in extras],
             "replaced": replaced, "files": res["files"], "bytes": res["bytes"], "read_bytes": res["read_bytes"],
             "wheel_bytes": sum(w["size"] for w in wheels), "jobs": res["jobs"], "workers": res.get("workers"),
-            "seconds": secs,
-            "ratio": (secs["check"] + secs["pack"]) / secs["read"] if secs["read"] > 0 else None,
+            "seconds": secs, "cache": res.get("cache"), "level": res.get("level"), "level_auto": res.get("level_auto"),
+            "members": members,
+            "ratio": (secs["plan"] + secs["pack"]) / secs["read"] if secs["read"] > 0 else None,
             "drift": res["drift"], "unpacked": res.get("unpacked", []), "not_owned": res.get("extra", 0),
             "missing_series": missing_series, "check": check}
 

@@ -126,11 +126,14 @@ def generation_arg(generation: str | None) -> None:
         raise InputError(f"{generation!r} is not a generation number or id (NNNN-<lock name>)", where="GENERATION")
 
 
-def verify(t: Transport, generation: str | None = None, baseline: bool = False, jobs: int | None = None) -> dict:
+def verify(t: Transport, generation: str | None = None, baseline: bool = False, jobs: int | None = None,
+           progress=None) -> dict:
     """`provision verify HOST [GEN]`: the generation (default current) checked on the host, judged against its
     lock, the verdict recorded (manifest `verify`, history event `verify`). Returns the verdict with the
-    figures: bytes hashed, seconds, and (baseline) the seconds to merely read the same bytes, before hashing
-    and after it (the ratio is of hashing to the read after it: both from the page cache when they fit)."""
+    figures: bytes hashed, seconds, and (baseline) the seconds of a first read of the same files from disk
+    (`cache` says how: each file's page cache is dropped before the hashing and before the read), the ratio
+    hashing ÷ that read. `progress(event)` sees the host's progress events (one at least every
+    PROVISION_PROGRESS_EVERY seconds)."""
     generation_arg(generation)
     try:
         gen_id = generations.resolve(t, generation)
@@ -141,8 +144,10 @@ def verify(t: Transport, generation: str | None = None, baseline: bool = False, 
             raise
         raise InputError(e.message, where=e.where) from None
     lock, manifest = _lock_of(t, gen_id)
+    from .pack import progress_every
+
     found = t.run_agent("verify", {"op": "verify", "root": root_of(t.target), "id": gen_id, "baseline": baseline,
-                                   "jobs": jobs})
+                                   "jobs": jobs, "progress_every": progress_every()}, on_event=progress)
     out = verdict_of(found, lock, manifest.get("installer"), gen_id)
     rec = out.pop("record")
     warnings = []
@@ -219,7 +224,7 @@ def verdict_of(found: dict, lock: Lock, installer: str | None, gen_id: str) -> d
     out["rate_gbs"] = found["bytes"] / found["seconds"] / 1e9 if found["seconds"] > 0 else None
     if "read_seconds" in found:
         rs = found["read_seconds"]
-        out.update(read_seconds=rs, read_bytes=found["read_bytes"], first_read_seconds=found["first_read_seconds"],
+        out.update(read_seconds=rs, read_bytes=found["read_bytes"], cache=found.get("cache"),
                    read_rate_gbs=found["read_bytes"] / rs / 1e9 if rs > 0 else None,
                    ratio=found["seconds"] / rs if rs > 0 else None)
     return out

@@ -138,7 +138,7 @@ def test_pack_managed_generation_and_rebuild_offline(target, tmp_path, wheels, o
     for cached in (src_root / "cache" / "wheels").glob(f"*/{tool.name}"):
         cached.unlink()                                             # gone: the series, reversed, brings it back
     p = cli("pack", *host_args(target), "--out", out, "--base", lk, "--force", check=0)   # the lock it was applied from
-    assert "Packed" in p.stdout and "÷ read" in p.stdout, p.stdout
+    assert "Packed" in p.stdout and "÷ first read" in p.stdout, p.stdout
     packed = yaml.safe_load((out / "lock.yaml").read_text())
     assert packed["patches"] == ["patches/tool-1.0"] and (out / "patches" / "tool-1.0" / "series.yaml").is_file()
     by_name = {q["name"]: q for q in packed["packages"]}
@@ -153,7 +153,8 @@ def test_pack_managed_generation_and_rebuild_offline(target, tmp_path, wheels, o
         assert {"tool-1.0.data/data/share/tool/notes.txt", "tool-1.0.data/headers/tool.h"} <= names
         assert not any(n.endswith(("INSTALLER", "REQUESTED", "direct_url.json")) or n.endswith("/tool")
                        for n in names)                               # the console script is the installer's
-        assert all(i.compress_type == zipfile.ZIP_STORED for i in z.infolist()) and z.testzip() is None
+        assert z.testzip() is None and z.getinfo("tool/__init__.py").compress_type in (zipfile.ZIP_STORED,
+                                                                                     zipfile.ZIP_DEFLATED)
         assert z.getinfo("tool-1.0.data/scripts/tool-helper").external_attr >> 16 & 0o111
     assert cli("lock", "check", out / "lock.yaml", "--offline", check=0)
 
@@ -201,7 +202,7 @@ def test_adopted_drift_refused_then_recorded_with_base_and_extra(adopted, tmp_pa
     p = cli("pack", "--local", "--root", root, "--out", out, check=1)
     assert "no longer match their RECORD: alpha: alpha/__init__.py" in p.stderr and "--allow-drift" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
-    assert not (out / "lock.yaml").exists()
+    assert not any(out.iterdir())             # the wheels it wrote as it read are gone with the refusal
 
     base = write_lock(tmp_path / "base.yaml", "gpu-base", [], engine={"kind": "none"}, probes={"min_speedup": 1.0},
                       requires=[])

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import marshal
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -179,6 +180,11 @@ def test_timing_line_says_what_it_measured(host):
     _, root, gen = host
     p = cli(root, "verify", gen)
     assert p.returncode == 0 and "read and hashed in" in p.stdout, p.stdout          # without --baseline: no read
-    assert "--baseline times a plain read of the same bytes" in p.stdout                # time of its own to compare
+    assert "--baseline times a first read of the same bytes" in p.stdout                # time of its own to compare
     p = cli(root, "verify", gen, "--baseline")
-    assert p.returncode == 0 and "reading the same bytes without hashing" in p.stdout, p.stdout
+    assert p.returncode == 0 and "a first read of the same bytes without hashing took" in p.stdout, p.stdout
+    assert "the page cache dropped per file first" in p.stdout and "x a first read" in p.stdout, p.stdout
+    assert len(re.findall(r"\d+ files,", p.stdout)) == 1, p.stdout                     # one count of files
+    v = json.loads(cli(root, "verify", gen, "--baseline", "--json").stdout)
+    assert v["read_bytes"] == v["bytes"] > 0 and v["ratio"] == v["seconds"] / v["read_seconds"]   # the same bytes
+    assert "first_read_seconds" not in v and v["cache"].startswith("the page cache dropped")

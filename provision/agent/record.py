@@ -14,7 +14,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from .host import norm
+from .host import event, norm
 
 CHUNK = 1 << 20
 # What `uv venv` itself writes into site-packages (no distribution's RECORD lists them): not extra.
@@ -116,26 +116,18 @@ def jobs_default():
     return min(32, (os.cpu_count() or 1) * 2)
 
 
-def check(venv, jobs=None, only=None, expect=None, baseline=False, digests=False):
-    """Every installed file of the venv against its RECORD. Returns
-    {site, dists: {name: {version, info, files, bytes, changed: [rel], missing: [rel], outside: [rel],
-    unhashed: n, overridden: n}}, files, bytes, seconds, extra: [paths relative to site-packages no RECORD
-    lists], unclaimed: [keys of `expect` no RECORD lists]}.
-    `only`: a set of normalized names to check (default all). `expect`: {path relative to site-packages:
-    sha256 hex} that replace RECORD's hash for those files (a patch series' results). `baseline`: then read the
-    same files without hashing, in parallel, before hashing (`first_read_seconds`: from disk or the page cache,
-    as they were) and after it (`read_seconds`, `read_bytes`): hashing and the second read then both read from
-    the page cache when the files fit in memory, so their ratio is hashing's own cost.
-    `digests`: also {absolute path: digest found} of every file hashed (`digests`).
-    A path several distributions' RECORDs list holds one of their copies (the one installed last): it is
-    judged against each owner's hash and is changed only if it matches none; a distribution whose copy lost
-    lists it under `overwritten` (e.g. two wheels that both ship a top-level build_backend.py)."""
+def listing(venv, only=None, expect=None):
+    """What `check` reads, from every RECORD: {site, dists: {name: {version, info, files, bytes, changed,
+    missing, outside, overwritten, unhashed, overridden}}, work: [(name, rel, absolute path, digest, size)] the
+    files to hash (largest first, by RECORD's sizes), owners: {path: digests its owners expect}, listed: paths
+    any RECORD names, rows: {name: its RECORD's `entries`}, unclaimed: keys of `expect` no RECORD lists}.
+    `only` and `expect`: as `check` takes them."""
     site = site_packages(venv)
     if site is None:
         raise OSError("no site-packages under %s" % venv)
     expect = {os.path.normpath(k): _b64_of_hex(v) for k, v in (expect or {}).items()}
     claimed = set()
-    dists, work, listed, owners = {}, [], set(), {}
+    dists, work, listed, owners, by_dist = {}, [], set(), {}, {}
     for name, version, info in dist_infos(site):
         if only is not None and name not in only:
             continue
@@ -146,6 +138,7 @@ def check(venv, jobs=None, only=None, expect=None, baseline=False, digests=False
         except OSError:
             d["missing"].append(info + "/RECORD")
             continue
+        by_dist[name] = rows
         for rel, full, algo, digest, size in rows:
             if full is None:
                 d["outside"].append(rel)
@@ -161,58 +154,96 @@ def check(venv, jobs=None, only=None, expect=None, baseline=False, digests=False
                 continue
             work.append((name, rel, full, digest, size or 0))
             owners.setdefault(full, set()).add(digest)
+    work.sort(key=lambda w: -w[4])       # largest first (RECORD's sizes): a pool's tail is short
+    return {"site": site, "dists": dists, "work": work, "owners": owners, "listed": listed, "rows": by_dist,
+            "unclaimed": sorted(set(expect) - claimed)}
 
-    def one(item):
-        name, rel, full, digest, _ = item
-        try:
-            got, n = hash_file(full)
-        except FileNotFoundError:
-            return name, rel, full, None, None, 0
-        except OSError:
-            return name, rel, full, None, False, 0
-        return name, rel, full, got, got == digest, n
 
-    def many(items):
-        return [one(item) for item in items]
-
-    work.sort(key=lambda w: -w[4])       # largest first (RECORD's sizes): the pool's tail is short
-    if baseline:      # a first plain read brings the files into the page cache, as it would for hashing
-        first = read_all([w[2] for w in work], jobs)
-    t0 = time.monotonic()
-    with ThreadPoolExecutor(max_workers=jobs or jobs_default()) as ex:
-        found = {}
-        for name, rel, full, got, ok, n in (r for rs in ex.map(many, batches(work, lambda w: w[4])) for r in rs):
-            if got is not None:
-                found[full] = got
-            d = dists[name]
-            d["files"] += 1
-            d["bytes"] += n
-            if ok is None:
-                d["missing"].append(rel)
-            elif not ok and got in owners[full]:
-                d["overwritten"].append(rel)
-            elif not ok:
-                d["changed"].append(rel)
-    seconds = time.monotonic() - t0
-    extra = []
-    if only is None:
-        for dirpath, dirnames, filenames in os.walk(site):
-            dirnames[:] = [x for x in dirnames if x != "__pycache__"]   # the interpreter's: judged by verify
-            for fn in filenames:
-                full = os.path.join(dirpath, fn)
-                if full not in listed and not (dirpath == site and fn in UV_WRITES):
-                    extra.append(os.path.relpath(full, site))
-    for d in dists.values():
+def tally(lst, results):
+    """Judge hashed files into `lst`'s dists: `results` are (work item, digest found or None when the file is
+    missing or "" when it cannot be read, bytes read). A path several distributions' RECORDs list holds one of
+    their copies (the one installed last): changed only if it matches none of their hashes; the distribution
+    whose copy lost lists it under `overwritten`. Returns {path: digest found}."""
+    found = {}
+    for (name, rel, full, digest, _), got, n in results:
+        if got:
+            found[full] = got
+        d = lst["dists"][name]
+        d["files"] += 1
+        d["bytes"] += n
+        if got is None:
+            d["missing"].append(rel)
+        elif got != digest and got in lst["owners"][full]:
+            d["overwritten"].append(rel)
+        elif got != digest:
+            d["changed"].append(rel)
+    for d in lst["dists"].values():
         for k in ("changed", "missing", "outside", "overwritten"):
             d[k].sort()
-    out = {"site": site, "dists": dists, "extra": sorted(extra), "unclaimed": sorted(set(expect) - claimed),
+    return found
+
+
+def unlisted(site, listed):
+    """Files under site-packages no RECORD lists (paths relative to it): bytecode caches and what uv itself
+    writes there are left out."""
+    extra = []
+    for dirpath, dirnames, filenames in os.walk(site):
+        dirnames[:] = [x for x in dirnames if x != "__pycache__"]   # the interpreter's: judged by verify
+        for fn in filenames:
+            full = os.path.join(dirpath, fn)
+            if full not in listed and not (dirpath == site and fn in UV_WRITES):
+                extra.append(os.path.relpath(full, site))
+    return sorted(extra)
+
+
+def check(venv, jobs=None, only=None, expect=None, baseline=False, digests=False):
+    """Every installed file of the venv against its RECORD. Returns
+    {site, dists: {name: {version, info, files, bytes, changed: [rel], missing: [rel], outside: [rel],
+    unhashed: n, overridden: n}}, files, bytes, seconds, extra: [paths relative to site-packages no RECORD
+    lists], unclaimed: [keys of `expect` no RECORD lists]}.
+    `only`: a set of normalized names to check (default all). `expect`: {path relative to site-packages:
+    sha256 hex} that replace RECORD's hash for those files (a patch series' results). `baseline`: hash from
+    disk (the page cache of these files dropped first, where it can be) and then time a first read of
+    the same files, dropped again (`first_read_seconds`, `read_bytes`, `cache`: how the cache was dropped).
+    `digests`: also {absolute path: digest found} of every file hashed (`digests`).
+    A path several distributions' RECORDs list is judged as `tally` says (e.g. two wheels that both ship a
+    top-level build_backend.py)."""
+    lst = listing(venv, only, expect)
+    work = lst["work"]
+
+    def one(item):
+        try:
+            got, n = hash_file(item[2])
+        except FileNotFoundError:
+            return item, None, 0
+        except OSError:
+            return item, "", 0
+        return item, got, n
+
+    def many(items):
+        out = [one(item) for item in items]
+        if meter() is not None:
+            meter().add(len(out), sum(n for _, _, n in out))
+        return out
+
+    if baseline:
+        drop([w[2] for w in work])
+    m = meter()
+    if m is not None:
+        m.phase("hash", len(work), sum(w[4] for w in work))
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max_workers=jobs or jobs_default()) as ex:
+        found = tally(lst, (r for rs in ex.map(many, batches(work, lambda w: w[4])) for r in rs))
+    seconds = time.monotonic() - t0
+    dists = lst["dists"]
+    out = {"site": lst["site"], "dists": dists, "unclaimed": lst["unclaimed"],
+           "extra": unlisted(lst["site"], lst["listed"]) if only is None else [],
            "files": sum(d["files"] for d in dists.values()), "bytes": sum(d["bytes"] for d in dists.values()),
            "seconds": seconds}
     if digests:
         out["digests"] = found
     if baseline:
-        out["first_read_seconds"] = first[0]
-        out["read_seconds"], out["read_bytes"] = read_all([w[2] for w in work], jobs)
+        out["first_read_seconds"], out["read_bytes"], out["cache"] = first_read(list(found), jobs)
     return out
 
 
@@ -232,8 +263,7 @@ def batches(items, size_of, target=1 << 23):
 
 
 def read_all(paths, jobs=None):
-    """(seconds, bytes) to read every file of `paths` in parallel, without hashing: what `verify`'s hashing and
-    `pack`'s check and pack are measured against."""
+    """(seconds, bytes) to read every file of `paths` in parallel, without hashing."""
     def one(path):
         n, buf = 0, buffer()
         try:
@@ -250,11 +280,93 @@ def read_all(paths, jobs=None):
     t0 = time.monotonic()
     with ThreadPoolExecutor(max_workers=jobs or jobs_default()) as ex:
         total = sum(ex.map(lambda group: sum(one(p[0]) for p in group),
-                           batches([(p, _size(p)) for p in paths], lambda p: p[1])))
+                           batches([(p, size_of(p)) for p in paths], lambda p: p[1])))
     return time.monotonic() - t0, total
 
 
-def _size(path):
+def drop(paths):
+    """Drop the page cache of each file (posix_fadvise DONTNEED: any reader may, for the pages no process maps
+    or has dirtied), so that the next read comes from disk. Returns how, in words, or None where it cannot."""
+    if not hasattr(os, "posix_fadvise"):
+        return None
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return "the page cache dropped per file first by posix_fadvise(DONTNEED)"
+
+
+def first_read(paths, jobs=None):
+    """(seconds, bytes, how) of a first read of `paths` from disk: their page cache is dropped before the read
+    and again after it (so whatever is timed next starts from disk too). `how` says what was done; without a
+    way to drop it the read is timed as it comes (from the page cache where the files are in it)."""
+    how = drop(paths) or "the page cache not dropped (no posix_fadvise): it may come from memory"
+    seconds, n = read_all(paths, jobs)
+    drop(paths)
+    return seconds, n, how
+
+
+class Meter:
+    """Work done of a total in one phase, told to the controller as a progress event every `every` seconds
+    (by a thread of its own, so one long file does not hold it up) while the meter is active (`with`)."""
+
+    def __init__(self, step, every=2.0):
+        self.step, self.every = step, max(0.01, float(every or 2.0))
+        self.lock, self.stop = threading.Lock(), threading.Event()
+        self.name, self.files, self.bytes, self.files_total, self.bytes_total = None, 0, 0, None, None
+        self.t0 = time.monotonic()
+
+    def phase(self, name, files_total=None, bytes_total=None):
+        """A new phase (its counts start from zero); told at once."""
+        with self.lock:
+            self.name, self.files, self.bytes = name, 0, 0
+            self.files_total, self.bytes_total = files_total, bytes_total
+        self.tell()
+
+    def add(self, files, nbytes):
+        with self.lock:
+            self.files += files
+            self.bytes += nbytes
+
+    def tell(self):
+        with self.lock:
+            ev = {"step": self.step, "phase": self.name, "files": self.files, "bytes": self.bytes,
+                  "files_total": self.files_total, "bytes_total": self.bytes_total,
+                  "seconds": round(time.monotonic() - self.t0, 3), "every": self.every}
+        event(**ev)
+
+    def _run(self):
+        while not self.stop.wait(self.every):
+            self.tell()
+
+    def __enter__(self):
+        _METERS.append(self)
+        self.thread = threading.Thread(target=self._run, name="progress", daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        _METERS.remove(self)
+
+
+_METERS = []
+
+
+def meter():
+    """The meter of the operation this agent process runs, when it keeps one (else None)."""
+    return _METERS[-1] if _METERS else None
+
+
+def size_of(path):
     try:
         return os.path.getsize(path)
     except OSError:

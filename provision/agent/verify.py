@@ -281,14 +281,27 @@ def drift(gen, jobs=None, every=False, known=None):
 
 def op_verify(lay, a):
     """Every file of the generation against its RECORD (patched files against their recorded hashes) and against
-    its seal (`drift`: what RECORD does not name, `sealed`), and the time to merely read the same bytes
-    (`baseline`)."""
+    its seal (`drift`: what RECORD does not name, `sealed`); with `baseline`, hashed from disk (each file's page
+    cache dropped first) and then a first read of the same files from disk timed (`read_seconds`,
+    `read_bytes`, `cache`: how). A progress event every `progress_every` seconds."""
     gen = generation(lay, a["id"])
     if not os.path.isdir(gen.venv):
         raise AgentError("generation %s has no venv (removed when it failed or was abandoned)" % a["id"])
     man = read_json(gen.manifest, {}) or {}
-    out = full(gen.venv, patched_files(gen), a.get("jobs"), baseline=bool(a.get("baseline")), digests=True)
-    d = drift(gen, a.get("jobs"), every=True, known=out.pop("digests"))
+    baseline = bool(a.get("baseline"))
+    with record.Meter("verify", a.get("progress_every")) as meter:
+        stamped = sealed_files(gen) if baseline else []
+        if baseline:
+            record.drop(stamped)        # what `drift` hashes besides RECORD's files comes from disk too
+        out = full(gen.venv, patched_files(gen), a.get("jobs"), baseline=baseline, digests=True)
+        known = out.pop("digests")
+        meter.phase("seal")
+        d = drift(gen, a.get("jobs"), every=True, known=known)
+        if baseline:
+            meter.phase("read")
+            seconds, n, out["cache"] = record.first_read([p for p in stamped if p not in known], a.get("jobs"))
+            out["read_seconds"] = out.pop("first_read_seconds") + seconds
+            out["read_bytes"] += n
     site = out["site"]
     said = {os.path.normpath(os.path.join(site, rel)) for dist in out["dists"].values()
             for k in ("changed", "missing", "outside") for rel in dist[k]}
@@ -304,6 +317,16 @@ def op_verify(lay, a):
     out.update(id=a["id"], installer=man.get("installer"), jobs=a.get("jobs") or record.jobs_default(),
                bytecode_checked=d["bytecode_checked"])
     return out
+
+
+def sealed_files(gen):
+    """The regular files the generation's stamp names (absolute, normalized paths): those `drift` hashes."""
+    stamp = read_json(gen.stamp, None)
+    files = stamp.get("files") if isinstance(stamp, dict) and stamp.get("venv") == gen.venv else None
+    if not isinstance(files, dict):
+        return []
+    return [os.path.normpath(os.path.join(gen.venv, rel)) for rel, sig in files.items()
+            if isinstance(sig, list) and len(sig) == 5 and isinstance(sig[4], str) and not sig[4].startswith("->")]
 
 
 def quick(lay, gen_id, jobs=None):

@@ -24,13 +24,15 @@ def pack(hosts: Hosts,
                                                              "packed distribution of the same name"),
          name: Optional[str] = typer.Option(None, "--name", help="the lock's name (default: the source's)"),
          jobs: Optional[int] = typer.Option(None, "--jobs", min=1, max=256,
-                                            help="workers on the host: the check's threads, the wheels' "
-                                                 "processes (default: two threads, one process per core)"),
+                                            help="worker processes on the host, each reading, checking and "
+                                                 "packing files (default: one per core)"),
          force: bool = typer.Option(False, "--force", help="pack into DIR even when it is not empty (its "
                                                           "lock.yaml and wheels of the same names are replaced)"),
          json_out: bool = JsonOpt):
-    """Pack a generation (managed or adopted) into DIR: one stored wheel per distribution, rebuilt from its
-    installed files after each was checked against its RECORD, and DIR/lock.yaml naming each by sha256."""
+    """Pack a generation (managed or adopted) into DIR: one wheel per distribution, rebuilt from its installed
+    files, each checked against its RECORD as it is read (drift refuses the pack), and DIR/lock.yaml naming each
+    by sha256. Members are deflated (level 1 on hosts of 8 cores or more; PROVISION_PACK_LEVEL sets it), or
+    stored where deflate would not shrink them."""
     from .. import pack as packmod
     from ..transport import connect
 
@@ -40,7 +42,7 @@ def pack(hosts: Hosts,
 
     def progress(ev: dict) -> None:
         if status is not None and ev.get("step") == "pack":
-            status.update(f"packing {t.name}: {ev['done']}/{ev['total']} wheels")
+            status.update(f"packing {t.name}: {progress_line(ev)}")
     try:
         if status is not None:
             status.start()
@@ -58,18 +60,42 @@ def pack(hosts: Hosts,
         raise typer.Exit(1)
 
 
+def progress_line(ev: dict) -> str:
+    """A host agent's progress event in words: its phase, files and bytes done of their totals, seconds so far."""
+    from ..units import human_size
+
+    words = {"plan": "reading the RECORDs", "pack": "reading, checking and packing", "read": "timing a first read",
+             "hash": "hashing against RECORD", "seal": "comparing with the seal",
+             "extra": "looking for files no RECORD lists"}
+    text = words.get(ev.get("phase"), str(ev.get("phase") or "working"))
+    if ev.get("files_total"):
+        text += f": {ev.get('files', 0)}/{ev['files_total']} files"
+        if ev.get("bytes_total"):
+            text += f", {human_size(ev.get('bytes', 0))} of {human_size(ev['bytes_total'])}"
+    seconds = ev.get("seconds")
+    return text + (f" ({seconds:.0f}s)" if isinstance(seconds, (int, float)) else "")
+
+
+def level_words(rep: dict) -> str:
+    how = "chosen by the host's cores; PROVISION_PACK_LEVEL sets it" if rep.get("level_auto") else \
+        "PROVISION_PACK_LEVEL"
+    return f"deflate level {rep['level']}, {how}" if rep["level"] else f"level 0: nothing deflated, {how}"
+
+
 def render(rep: dict) -> None:
     from ..lockcheck import render_report
     from ..units import human_size
 
-    s = rep["seconds"]
+    s, m = rep["seconds"], rep["members"]
     console.print(f"Packed {rep['host']}:{rep['generation']} ({rep['venv']}) into {rep['out']}: "
-                  f"{rep['distributions']} distributions, {rep['files']} files, {human_size(rep['bytes'])} checked, "
-                  f"{human_size(rep['wheel_bytes'])} of wheels.", markup=False, soft_wrap=True)
+                  f"{rep['distributions']} distributions, {rep['files']} files, {human_size(rep['bytes'])} read, "
+                  f"checked against RECORD and packed in {s['plan'] + s['pack']:.2f}s on {rep['jobs']} "
+                  f"{rep['workers']} (reading the RECORDs {s['plan']:.2f}s of it); "
+                  f"{human_size(rep['wheel_bytes'])} of wheels ({m['deflated']} members deflated, {m['stored']} "
+                  f"stored as they are; {level_words(rep)}).", markup=False, soft_wrap=True)
     ratio = f"{rep['ratio']:.2f}×" if rep["ratio"] is not None else "n/a"
-    console.print(f"  check {s['check']:.2f}s + pack {s['pack']:.2f}s (wheels on {rep['jobs']} {rep['workers']}); "
-                  f"reading the same {human_size(rep['read_bytes'])} alone {s['read']:.2f}s: "
-                  f"(check + pack) ÷ read {ratio}"
+    console.print(f"  a first read of the same {human_size(rep['read_bytes'])} took {s['read']:.2f}s, {rep['cache']}: "
+                  f"pack ÷ first read {ratio}"
                   + (f"; fetched over the connection {s['fetch']:.2f}s" if s.get("fetch", 0) > 0.01 else "")
                   + f"; total {s['total']:.2f}s.", markup=False, soft_wrap=True)
     for n, paths in sorted(rep["drift"].items()):
