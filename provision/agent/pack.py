@@ -217,9 +217,9 @@ COMPRESSED = (".gz", ".tgz", ".bz2", ".xz", ".lzma", ".zst", ".lz4", ".zip", ".w
               ".png", ".jpg", ".jpeg", ".gif", ".webp", ".ico", ".mp3", ".mp4", ".ogg", ".woff", ".woff2", ".npz")
 STORED, DEFLATED = 0, 8
 AHEAD = 4             # threads of each wheel's task that ask the kernel to read its small files ahead
-# Unless told a level, a host of this many cores deflates (at level 1, about 100 MB/s a core): with fewer, deflate
-# alone would take several times as long as reading the bytes from disk, so every member is stored.
-DEFLATE_CORES = 8
+# Unless told a level, every member is stored: the same generation packs to the same bytes on every host, at the
+# speed of reading it (deflate at level 1 costs about 10 CPU-seconds per GB: several times the read on a small host).
+DEFAULT_LEVEL = 0
 _BUF = threading.local()
 
 
@@ -685,7 +685,7 @@ def op_pack(a):
     jobs = int(a.get("jobs") or (cores if workers == "processes" else min(32, cores * 2)))
     level, auto = a.get("level"), False
     if not (isinstance(level, int) and not isinstance(level, bool) and 0 <= level <= 9):
-        level, auto = (1 if cores >= DEFLATE_CORES else 0), True
+        level, auto = DEFAULT_LEVEL, True
     site = record.site_packages(venv)
     if site is None:
         raise AgentError("no site-packages under %s" % venv)

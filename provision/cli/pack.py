@@ -31,8 +31,9 @@ def pack(hosts: Hosts,
          json_out: bool = JsonOpt):
     """Pack a generation (managed or adopted) into DIR: one wheel per distribution, rebuilt from its installed
     files, each checked against its RECORD as it is read (drift refuses the pack), and DIR/lock.yaml naming each
-    by sha256. Members are deflated (level 1 on hosts of 8 cores or more; PROVISION_PACK_LEVEL sets it), or
-    stored where deflate would not shrink them."""
+    by sha256. Members are stored as they are, so a generation packs to the same bytes on any host;
+    PROVISION_PACK_LEVEL=1..9 deflates them (smaller wheels, several times the time on a small host), except
+    where deflate would not shrink them."""
     from .. import pack as packmod
     from ..transport import connect
 
@@ -77,7 +78,7 @@ def progress_line(ev: dict) -> str:
 
 
 def level_words(rep: dict) -> str:
-    how = "chosen by the host's cores; PROVISION_PACK_LEVEL sets it" if rep.get("level_auto") else \
+    how = "the default; PROVISION_PACK_LEVEL sets it" if rep.get("level_auto") else \
         "PROVISION_PACK_LEVEL"
     return f"deflate level {rep['level']}, {how}" if rep["level"] else f"level 0: nothing deflated, {how}"
 
