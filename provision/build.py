@@ -275,9 +275,12 @@ def summary(figs: dict, count: int) -> str:
     if figs.get("install_seconds") is not None:
         parts.append(f"install {figs['install_seconds']:.1f}s")
     if figs.get("isolation"):
+        st = figs.get("store") or {}
         parts.append({"reflink": "own files by reflink (copy-on-write)",
-                      "copy": "own files by copy (no reflinks here)"}.get(figs["isolation"], figs["isolation"])
-                     + ", read-only")
+                      "store": f"{st.get('linked', 0)} files linked from the host's store (immutable; "
+                               f"{st.get('entered', 0)} new there, {human_size(st.get('entered_bytes', 0))})",
+                      "copy": "own files by copy (%s)" % (figs.get("isolation_why") or "no reflinks here")
+                      }.get(figs["isolation"], figs["isolation"]) + ", read-only")
     rc = figs.get("recheck") or {}
     if rc.get("healed"):
         parts.append(f"healed {len(rc['healed'])} changed cache entr{'y' if len(rc['healed']) == 1 else 'ies'}")

@@ -116,7 +116,7 @@ def jobs_default():
     return min(32, (os.cpu_count() or 1) * 2)
 
 
-def check(venv, jobs=None, only=None, expect=None, baseline=False, digests=False):
+def check(venv, jobs=None, only=None, expect=None, baseline=False, digests=False, known=None):
     """Every installed file of the venv against its RECORD. Returns
     {site, dists: {name: {version, info, files, bytes, changed: [rel], missing: [rel], outside: [rel],
     unhashed: n, overridden: n}}, files, bytes, seconds, extra: [paths relative to site-packages no RECORD
@@ -126,7 +126,8 @@ def check(venv, jobs=None, only=None, expect=None, baseline=False, digests=False
     same files without hashing, in parallel, before hashing (`first_read_seconds`: from disk or the page cache,
     as they were) and after it (`read_seconds`, `read_bytes`): hashing and the second read then both read from
     the page cache when the files fit in memory, so their ratio is hashing's own cost.
-    `digests`: also {absolute path: digest found} of every file hashed (`digests`).
+    `digests`: also {absolute path: digest found} of every file hashed (`digests`). `known`: {absolute path:
+    (digest, size)} of files whose bytes are known without reading them (the host store's entries).
     A path several distributions' RECORDs list holds one of their copies (the one installed last): it is
     judged against each owner's hash and is changed only if it matches none; a distribution whose copy lost
     lists it under `overwritten` (e.g. two wheels that both ship a top-level build_backend.py)."""
@@ -162,8 +163,12 @@ def check(venv, jobs=None, only=None, expect=None, baseline=False, digests=False
             work.append((name, rel, full, digest, size or 0))
             owners.setdefault(full, set()).add(digest)
 
+    known = known or {}
+
     def one(item):
         name, rel, full, digest, _ = item
+        if full in known:
+            return name, rel, full, known[full][0], known[full][0] == digest, known[full][1]
         try:
             got, n = hash_file(full)
         except FileNotFoundError:
