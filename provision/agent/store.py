@@ -374,3 +374,55 @@ def entries(files):
                 yield p, os.lstat(p)
             except OSError:
                 continue
+
+
+# ------------------------------------------------------------------ what a build here will get (for the plan)
+
+REFLINK_FS = ("btrfs", "xfs", "bcachefs", "ocfs2")      # clone files copy-on-write (xfs: made with reflink=1)
+IMMUTABLE_FS = ("ext2", "ext3", "ext4", "f2fs", "jfs", "tmpfs", "btrfs", "xfs", "bcachefs")
+CAP_LINUX_IMMUTABLE = 9
+
+
+def fs_type(path):
+    """The filesystem type of the mount holding `path` (or its nearest existing parent), from /proc/self/mounts."""
+    while not os.path.exists(path):
+        path = os.path.dirname(path) or "/"
+    real, best, kind = os.path.realpath(path), "", None
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, kind = mnt, parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+def may_set_immutable():
+    """Whether this process holds CAP_LINUX_IMMUTABLE (its effective capabilities, /proc/self/status)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_LINUX_IMMUTABLE & 1)
+    except (OSError, ValueError):
+        pass
+    return os.geteuid() == 0
+
+
+def expected(root, files):
+    """(isolation, why not the store or None) a build under `root` will get, judged without writing anything: the
+    filesystem's type, this process's capabilities, and the store's entries where there are some. The build
+    probes for itself (build.isolation) and reports what it got."""
+    kind = fs_type(root)
+    if kind in REFLINK_FS:
+        return "reflink", None
+    if not may_set_immutable():
+        return "copy", "no immutable attribute here (%s)" % ("not root" if os.geteuid() else "no CAP_LINUX_IMMUTABLE")
+    if kind not in IMMUTABLE_FS:
+        return "copy", "no immutable attribute on %s" % (kind or "this filesystem")
+    return "store", None
