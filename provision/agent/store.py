@@ -97,7 +97,7 @@ def unavailable(files, gen_dir):
         if e.errno == errno.EXDEV:
             return "no hard links from %s to %s (two filesystems)" % (files, gen_dir)
         if e.errno in (errno.EPERM, errno.EACCES, errno.ENOTTY, errno.EOPNOTSUPP, errno.EINVAL):
-            return "no immutable attribute here (%s)" % (
+            return "no immutable attribute here: %s" % (
                 "not root" if os.geteuid() else "no CAP_LINUX_IMMUTABLE, or the filesystem refuses it")
         return "no store: %s" % (e.strerror or e)
     finally:
@@ -422,7 +422,7 @@ def expected(root, files):
     if kind in REFLINK_FS:
         return "reflink", None
     if not may_set_immutable():
-        return "copy", "no immutable attribute here (%s)" % ("not root" if os.geteuid() else "no CAP_LINUX_IMMUTABLE")
+        return "copy", "no immutable attribute here: %s" % ("not root" if os.geteuid() else "no CAP_LINUX_IMMUTABLE")
     if kind not in IMMUTABLE_FS:
         return "copy", "no immutable attribute on %s" % (kind or "this filesystem")
     return "store", None
