@@ -205,15 +205,23 @@ def _own_copy(path):
             os.unlink(tmp)
 
 
-def _sound(entry, key, size):
-    """Whether an existing entry still is what it was entered as: immutable, its mtime the store's, its size; one
-    that is not (a crash between a flag's clearing and setting, or root's deliberate write) is hashed again."""
-    st = os.lstat(entry)
+def _open(path):
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+
+
+def _sound(fd, entry, key, size):
+    """Whether an existing entry (open as `fd`) still is what it was entered as: immutable, its mtime the store's,
+    its size; one that is not (a crash between a flag's clearing and setting, or root's deliberate write) is
+    hashed again. Returns its flags, or None when its bytes are not `key`'s."""
+    st, fl = os.fstat(fd), flags(fd)
     if st.st_size != size:
-        return False
-    if st.st_mtime_ns == MTIME_NS and immutable(entry):
-        return True
-    return record.hash_file(entry)[0] == record.b64digest(bytes.fromhex(key))
+        return None
+    if st.st_mtime_ns == MTIME_NS and fl & IMMUTABLE:
+        return fl
+    return fl if record.hash_file(entry)[0] == record.b64digest(bytes.fromhex(key)) else None
 
 
 def _enter(entry, src, key, mode):
@@ -237,25 +245,32 @@ def _enter(entry, src, key, mode):
 
 
 def _link_group(entry, key, paths):
-    """Every path of one content (same key and mode) becomes a link to its entry, entered first when needed.
+    """Every path of one content (same key and mode) becomes a link to its entry, entered first when needed:
+    the entry's attribute off, the links made (each a link to a temp name renamed over the path), then on again.
     Returns (entered bytes or 0, linked [(path, size)], own [(path, size)], evicted)."""
     size = paths[0][1].st_size
     mode = stat.S_IMODE(paths[0][1].st_mode) & 0o555
     entered, evicted = 0, 0
-    if os.path.lexists(entry) and not _sound(entry, key, size):
+    fd = _open(entry)
+    fl = None if fd is None else _sound(fd, entry, key, size)
+    if fd is not None and fl is None:
+        os.close(fd)
+        fd = None
         unlink(entry)               # root wrote into it: the generations that link it are drifted, verify names
         evicted = 1                 # them; from here on the store holds the content its key says
-    if not os.path.lexists(entry):
+    if fd is None:
         if not _enter(entry, paths[0][0], key, mode):
             for p, st in paths:     # its bytes are not its RECORD's: the seal names it
                 _own_copy(p)
             return 0, [], [(p, st.st_size) for p, st in paths], evicted
         entered = size
-    fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fl = flags(fd)
     linked = []
     try:
         with _lock(os.fstat(fd)):
-            set_immutable(fd, False)
+            if fl & IMMUTABLE:
+                fcntl.ioctl(fd, SETFLAGS, array.array("l", [fl & ~IMMUTABLE]))
             try:
                 if os.fstat(fd).st_mtime_ns != MTIME_NS:      # sound, hashed again: its mtime back too
                     os.utime(fd, ns=(MTIME_NS, MTIME_NS))
@@ -265,7 +280,7 @@ def _link_group(entry, key, paths):
                     os.replace(tmp, p)
                     linked.append((p, st.st_size))
             finally:
-                set_immutable(fd, True)
+                fcntl.ioctl(fd, SETFLAGS, array.array("l", [fl | IMMUTABLE]))
     finally:
         os.close(fd)
     return entered, linked, [], evicted
@@ -302,12 +317,13 @@ def link_venv(files, venv, jobs=8, every=2.0, progress=None):
     last = [time.monotonic()]
     done = []
 
-    def one(item):
-        entry, (key, paths) = item
-        return _link_group(entry, key, paths)
+    def chunk(items):
+        return [_link_group(entry, key, paths) for entry, (key, paths) in items]
 
+    work = sorted(groups.items())
+    chunks = [work[i:i + 256] for i in range(0, len(work), 256)]      # a pool task per 256 contents, not per file
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        for entered, linked, own, evicted in pool.map(one, sorted(groups.items())):
+        for entered, linked, own, evicted in (r for rs in pool.map(chunk, chunks) for r in rs):
             out["entered"] += bool(entered)
             out["entered_bytes"] += entered
             out["linked"] += len(linked)
