@@ -4,8 +4,8 @@ A lock over every wheel in a directory (real wheels: the default is what `--whee
 the caches and the store; then, all of it cached, one generation is built with the store and one with copies (the
 same CLI without CAP_LINUX_IMMUTABLE, as a host without the attribute builds); `cp -a` copies the store build's
 venv and `uv pip install --link-mode=hardlink` installs the same requirements from the same uv cache into a fresh
-venv; each tree is then removed the way gc removes (set aside, surveyed, unlinked in parallel). The page cache is
-warm for every step (each reads what the first apply read). The root is made under TMPDIR.
+venv; each tree is then removed the way gc removes (set aside, surveyed, unlinked in parallel). The disk is synced
+before each step; the page cache is warm for every step (each reads what the first apply read). The root is made under TMPDIR.
 Usage: python bench/store_bench.py --wheels DIR [--json]
 """
 from __future__ import annotations
@@ -49,6 +49,7 @@ def write_lock(path: Path, name: str, wheels: list[Path]) -> Path:
 
 def apply(root: Path, lock: Path, env: dict, prefix=()) -> dict:
     """`provision apply --local` as an operator runs it; its JSON report and the wall time."""
+    subprocess.run(["sync"], check=True)
     t0 = time.perf_counter()
     p = subprocess.run([*prefix, sys.executable, "-m", "provision.cli", "apply", "--local", "--root", str(root),
                         "--lock", str(lock), "--json"], capture_output=True, text=True, cwd=REPO, env=env)
@@ -62,6 +63,7 @@ def apply(root: Path, lock: Path, env: dict, prefix=()) -> dict:
 
 
 def timed(argv, **kw) -> float:
+    subprocess.run(["sync"], check=True)            # what earlier steps wrote is on disk before the clock starts
     t0 = time.perf_counter()
     subprocess.run(argv, check=True, capture_output=True, **kw)
     return time.perf_counter() - t0
@@ -75,6 +77,7 @@ def du(path: Path) -> int:
 def gc_remove(lay: Layout, path: Path) -> float:
     """Remove one tree as gc does (set aside by one rename, surveyed, unlinked in parallel; store links through
     the attribute), then the store entries nothing links any more; seconds."""
+    subprocess.run(["sync"], check=True)
     t0 = time.perf_counter()
     errors: list[str] = []
     trash, paths = state.set_aside(lay, [("tree", {}, str(path), path.name)], errors)
