@@ -145,6 +145,8 @@ def describe(ev: dict) -> str | None:
         eta = f", {ev['eta']:.0f}s left" if ev.get("eta") is not None else ""
         return (f"fetch {ev['done']}/{ev['total']} · {human_size(ev['bytes'])} of "
                 f"~{human_size(ev['total_bytes'])} · {human_size(ev['rate'])}/s{eta}")
+    if step == "store" and ev.get("total"):
+        return f"store: {ev['done']}/{ev['total']} contents linked ({ev.get('seconds', 0):.0f}s)"
     if step in ("venv", "install") and ev.get("line"):
         secs = f" ({ev['seconds']:.0f}s)" if ev.get("seconds") else ""
         return f"{step}: {ev['line']}{secs}"
