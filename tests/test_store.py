@@ -174,6 +174,8 @@ def test_gc_removes_what_no_kept_generation_links_counts_it_truly_and_is_never_s
     assert [e["phase"] for e in gc_events][:1] == ["survey"] and gc_events[-1]["phase"] == "done", gc_events
     gaps = [y - x for x, y in zip([t0] + stamps, stamps + [t1])]
     assert max(gaps) < 5, gaps
+    p = cli(root, "gc", "--keep", "1")                   # the operator sees each phase (stderr)
+    assert p.returncode == 0 and "local: gc survey" in p.stderr and "local: gc done" in p.stderr, p.stderr
 
 
 def test_without_the_attribute_the_build_copies_and_says_so_in_plan_and_build(tmp_path, wheels):

@@ -267,6 +267,13 @@ def test_patched_generation_verifies_clean_and_a_changed_patched_file_is_caught(
     sp = site(root, rep.generation)
     patched = sorted(rep.patches["files"])
     assert patched and all((sp / f).stat().st_mode & 0o222 == 0 for f in patched)   # read-only after the rename
+    from provision.agent import store
+    with zipfile.ZipFile(sglang_wheel("0.5.9")) as z:                       # the store keeps the wheel's bytes
+        original = z.read("sglang/srt/models/kimi_k25.py")
+    key = hashlib.sha256(original).hexdigest()
+    entry = root / "store" / "files" / key[:2] / key
+    assert entry.read_bytes() == original and store.immutable(entry) and rep.build["isolation"] == "store"
+    assert all((sp / f).stat().st_nlink == 1 and not store.immutable(sp / f) for f in patched)  # the generation's own
     p = cli(target, "verify", "--json")
     v = json.loads(p.stdout)
     assert p.returncode == 0 and v["verdict"] == "clean", p.stdout + p.stderr
