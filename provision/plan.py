@@ -520,7 +520,7 @@ OWN_PER_PACKAGE = 4         # what uv writes for each distribution: INSTALLER, R
 
 def _own(path: str) -> bool:
     """Whether uv writes this wheel member anew (a file of the generation's own, never the store's)."""
-    return path.endswith(".dist-info/RECORD") or ".data/scripts/" in path or path.endswith("entry_points.txt")
+    return path.endswith(".dist-info/RECORD") or ".data/scripts/" in path
 
 
 def _dirs(paths) -> set[str]:

@@ -224,7 +224,7 @@ def op_gather(a):
         facts["adopt"] = dists_of(adopt)
         facts["adopt"]["path"] = adopt
     facts["lock_file"] = lay.lock_file
-    facts["isolation"], facts["isolation_why"] = store.expected(root, lay.file_store)
+    facts["isolation"], facts["isolation_why"] = store.expected(root)
     facts["stored_wheels"] = sorted({sha for g in gens if g.get("isolation") == "store" and g["venv_ok"]
                                      for sha in ((g.get("stack") or {}).get("hashes") or {}).values()})
     return facts

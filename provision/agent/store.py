@@ -17,7 +17,6 @@ from . import record
 
 GETFLAGS, SETFLAGS, IMMUTABLE = 0x80086601, 0x40086602, 0x10     # linux/fs.h: FS_IOC_[GS]ETFLAGS, FS_IMMUTABLE_FL
 MTIME_NS = 1000000000      # every entry's mtime (1 s, as the Nix store's): a write through a cleared flag moves it
-CHUNK = 1 << 20
 TMP = ".part-"             # an entry or a link being made: <name>.part-<pid>-<thread>
 _LOCKS = [threading.Lock() for _ in range(64)]      # one inode's flag is toggled by one thread at a time
 
@@ -247,10 +246,11 @@ def _enter(entry, src, key, mode):
 def _link_group(entry, key, paths):
     """Every path of one content (same key and mode) becomes a link to its entry, entered first when needed:
     the entry's attribute off, the links made (each a link to a temp name renamed over the path), then on again.
-    Returns (entered bytes or 0, linked [(path, size)], own [(path, size)], evicted)."""
+    Returns (entered: its bytes, or None when the entry was there, linked [(path, size)], own [(path, size)],
+    evicted)."""
     size = paths[0][1].st_size
     mode = stat.S_IMODE(paths[0][1].st_mode) & 0o555
-    entered, evicted = 0, 0
+    entered, evicted = None, 0
     fd = _open(entry)
     fl = None if fd is None else _sound(fd, entry, key, size)
     if fd is not None and fl is None:
@@ -262,7 +262,7 @@ def _link_group(entry, key, paths):
         if not _enter(entry, paths[0][0], key, mode):
             for p, st in paths:     # its bytes are not its RECORD's: the seal names it
                 _own_copy(p)
-            return 0, [], [(p, st.st_size) for p, st in paths], evicted
+            return None, [], [(p, st.st_size) for p, st in paths], evicted
         entered = size
         fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         fl = flags(fd)
@@ -324,8 +324,9 @@ def link_venv(files, venv, jobs=8, every=2.0, progress=None):
     chunks = [work[i:i + 256] for i in range(0, len(work), 256)]      # a pool task per 256 contents, not per file
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         for entered, linked, own, evicted in (r for rs in pool.map(chunk, chunks) for r in rs):
-            out["entered"] += bool(entered)
-            out["entered_bytes"] += entered
+            if entered is not None:
+                out["entered"] += 1
+                out["entered_bytes"] += entered
             out["linked"] += len(linked)
             out["linked_bytes"] += sum(n for _, n in linked)
             out["own"] += len(own)
@@ -430,10 +431,10 @@ def may_set_immutable():
     return os.geteuid() == 0
 
 
-def expected(root, files):
+def expected(root):
     """(isolation, why not the store or None) a build under `root` will get, judged without writing anything: the
-    filesystem's type, this process's capabilities, and the store's entries where there are some. The build
-    probes for itself (build.isolation) and reports what it got."""
+    filesystem's type and this process's capabilities. The build probes for itself (build.isolation) and reports
+    what it got."""
     kind = fs_type(root)
     if kind in REFLINK_FS:
         return "reflink", None
