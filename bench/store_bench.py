@@ -1,12 +1,12 @@
 """Benchmark of the host's file store: a cached build that links from the store against today's build that copies
 every file, `cp -a` of the same venv and uv's own hardlink install, and the removal of each, in one run on one disk.
-A lock over every wheel in a directory (real wheels: the default is what `--wheels` names) is applied once to fill
-the caches and the store; then, all of it cached, one generation is built with the store and one with copies (the
-same CLI without CAP_LINUX_IMMUTABLE, as a host without the attribute builds); `cp -a` copies the store build's
-venv and `uv pip install --link-mode=hardlink` installs the same requirements from the same uv cache into a fresh
-venv; each tree is then removed the way gc removes (set aside, surveyed, unlinked in parallel). The disk is synced
-before each step; the page cache is warm for every step (each reads what the first apply read). The root is made under TMPDIR.
-Usage: python bench/store_bench.py --wheels DIR [--json]
+A lock over every wheel in a directory (real wheels, the one `--wheels` names) is applied once to fill the caches
+and the store; then, all of it cached, one generation is built with the store and one with copies (the same CLI
+without CAP_LINUX_IMMUTABLE, as a host without the attribute builds); `cp -a` copies the store build's venv and
+`uv pip install --link-mode=hardlink` installs the same requirements from the same uv cache into a fresh venv;
+each tree is then removed the way gc removes (set aside, surveyed, unlinked in parallel). The disk is synced
+before each step; the page cache is warm for every step (each reads what the first apply read). The root is made
+under TMPDIR. Usage: python bench/store_bench.py --wheels DIR [--json]
 """
 from __future__ import annotations
 

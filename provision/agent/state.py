@@ -13,8 +13,8 @@ import time
 
 from ..layout import Layout, cache_entry, venv_python
 from . import store
-from .host import (AgentError, current, current_link, current_problem, disk_full, ensure_root, event, generations as gens,
-                   manifest_of, read_json, try_lock)
+from .host import (AgentError, current, current_link, current_problem, disk_full, ensure_root, event,
+                   generations as gens, manifest_of, read_json, try_lock)
 from .verify import quick
 
 
@@ -410,8 +410,9 @@ def op_gc(lay, a):
     """Remove failed/abandoned generations, runnable ones beyond the newest `keep`, and cache entries (wheels,
     uv's unpacked wheels) no remaining generation needs; never `current` nor what `rollback` returns to.
     Each is first renamed aside into <root>/.trash (atomic: never a half-deleted generation under
-    generations/), then its files are deleted in parallel. `bytes` is what the removal frees: each inode once,
-    and only when every link it has is among the files removed. Takes the host lock."""
+    generations/), then its files are deleted in parallel, then the store entries no kept generation links
+    (`store`). `bytes` is what the removal frees: each inode once, and only when every link it has is among the
+    files removed. Progress events: each phase, and at least every 2 s within one. Takes the host lock."""
     recovered = op_recover(lay, a) if not a.get("dry_run") else None
     cur = current(lay)
     all_gens = gens(lay)
@@ -611,6 +612,8 @@ def remove_surveyed(sv, jobs, errors, tick=None):
             try:
                 store.unlink(os.path.join(d, name))
                 done.append(key)
+                if tick and len(done) % 1000 == 0:      # a directory of many files: still heard from
+                    tick("remove")
             except FileNotFoundError:
                 done.append(key)
             except OSError as e:
