@@ -404,8 +404,8 @@ def files_line(dl: dict) -> str:
     how = {"store": "linked from the host's immutable store, uv hardlinks from its cache",
            "reflink": "uv clones its cache (copy-on-write): every file the generation's own",
            "copy": f"uv copies every file ({dl.get('isolation_why') or 'no store here'})"}[dl["isolation"]]
-    return (f"{n('linked')} linked from the store, {n('entered')} copied into it, {n('own')} the generation's own, "
-            f"compiled: none at build; isolation {dl['isolation']}: {how}")
+    return (f"{n('linked')} linked from the store, {n('entered')} copied into it, {n('own')} the generation's own "
+            f"(with its directories and stamp), compiled: none at build; isolation {dl['isolation']}: {how}")
 
 
 SEED_PACKAGES = {"pip", "setuptools", "wheel"}   # what `python -m venv` seeds, unless a lock lists them
