@@ -280,7 +280,7 @@ def summary(figs: dict, count: int) -> str:
         st = figs.get("store") or {}
         parts.append({"reflink": "own files by reflink (copy-on-write)",
                       "store": f"{st.get('linked', 0)} files linked from the host's store (immutable; "
-                               f"{st.get('entered', 0)} new there, {human_size(st.get('entered_bytes', 0))})",
+                               f"{st.get('entered', 0)} contents new there, {human_size(st.get('entered_bytes', 0))})",
                       "copy": "own files by copy (%s)" % (figs.get("isolation_why") or "no reflinks here")
                       }.get(figs["isolation"], figs["isolation"]) + ", read-only")
     rc = figs.get("recheck") or {}
