@@ -199,3 +199,24 @@ def test_without_the_attribute_the_build_copies_and_says_so_in_plan_and_build(tm
         if f.is_file() and not f.is_symlink():
             assert f.stat().st_nlink == 1 and f.stat().st_mode & 0o222 == 0 and not store.immutable(f), f
     assert cli(root, "verify").returncode == 0
+
+
+def test_an_entry_left_without_its_attribute_is_hashed_again_and_sealed_by_the_next_build(tmp_path, wheels):
+    """A build killed between clearing an entry's attribute and setting it again leaves the entry writable: the
+    next build that links it hashes it (its bytes are still its key's), links it and makes it immutable again;
+    nothing is evicted."""
+    root = tmp_path / "root"
+    tr = local(root)
+    la = lockmod.load(write_lock(tmp_path / "a.yaml", "a", [wheels["beta-1.0"]]))
+    lb = lockmod.load(write_lock(tmp_path / "b.yaml", "b", [wheels["beta-1.0"], wheels["gamma-1.0"]]))
+    try:
+        ra = applymod.apply(tr, la)
+        shared = site(root, ra.generation) / "beta" / "__init__.py"
+        with open(shared, "rb") as f:
+            store.set_immutable(f.fileno(), False)
+        assert not store.immutable(shared)
+        rb = applymod.apply(tr, lb)
+    finally:
+        tr.close()
+    assert store.immutable(shared) and rb.build["store"]["evicted"] == 0 and rb.verify["verdict"] == "clean"
+    assert (site(root, rb.generation) / "beta" / "__init__.py").stat().st_ino == shared.stat().st_ino
