@@ -1,6 +1,6 @@
-"""What is on a host is what its lock says: generations own their files (a write through one reaches no other,
-nor the cache, nor a later build), `verify` names what drifted, rollback refuses a drifted target, the host's
-cache heals a changed entry and loses partial downloads. Real sshd, real uv, real wheels."""
+"""What is on a host is what its lock says: generations link immutable store entries or own their files (a write
+through one reaches no other, nor the store, the cache or a later build), `verify` names what drifted, rollback
+refuses a drifted target, the host's cache heals a changed entry and loses partial downloads. Real sshd, real uv."""
 from __future__ import annotations
 
 import functools
