@@ -981,7 +981,7 @@ def _build(a, lay, gen, python, installer, log):
     if figs["isolation"] == "store":     # uv's hardlinks become links to the store, or the generation's own copies
         t1 = time.monotonic()
         st = filestore.link_venv(lay.file_store, venv, int(a.get("jobs") or 8),
-                             progress=lambda **k: event(step="store", **k))
+                                 progress=lambda **k: event(step="store", **k))
         inodes = st.pop("inodes")
         figs["store"] = st
         log("store: %(linked)d files linked (%(linked_bytes)d bytes), %(entered)d entered (%(entered_bytes)d "

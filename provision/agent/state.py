@@ -12,7 +12,7 @@ import stat
 import time
 
 from ..layout import Layout, cache_entry, venv_python
-from . import store
+from . import store as filestore
 from .host import (AgentError, current, current_link, current_problem, disk_full, ensure_root, event,
                    generations as gens, manifest_of, read_json, try_lock)
 from .verify import quick
@@ -122,7 +122,7 @@ def remove_venv(lay, gen_id):
         os.unlink(venv)
     elif os.path.isdir(venv):
         try:
-            store.rmtree(venv)      # its links to the host's store included (immutable: see store.unlink)
+            filestore.rmtree(venv)      # its links to the host's store included (immutable: see store.unlink)
         except OSError:
             shutil.rmtree(venv, ignore_errors=True)
 
@@ -336,7 +336,7 @@ def op_recover(lay, a):
                 out["abandoned"].append(gen_id)
                 out["errors"] += ["%s: %s" % (gen_id, f) for f in failed]
             elif status == "removing" and gen_id != cur:   # a gc that could not set it aside, interrupted
-                store.rmtree(lay.gen(gen_id).dir)
+                filestore.rmtree(lay.gen(gen_id).dir)
                 out["freed"].append(gen_id)
             elif status in ("failed", "abandoned") and os.path.lexists(venv) and gen_id != cur:
                 remove_venv(lay, gen_id)
@@ -507,7 +507,7 @@ def store_unlinked(lay, sv):
     is among those files (or there was none). As gc items ("store", {...}, path, None)."""
     inodes = sv["inodes"]
     out = []
-    for path, st in store.entries(lay.file_store):
+    for path, st in filestore.entries(lay.file_store):
         seen = inodes.get((st.st_dev, st.st_ino), (0, 0, 0))[2]
         if st.st_nlink - seen <= 1:
             out.append(("store", {"entry": os.path.basename(path)}, path, None))
@@ -610,7 +610,7 @@ def remove_surveyed(sv, jobs, errors, tick=None):
         done, errs = [], []
         for name, key in names:
             try:
-                store.unlink(os.path.join(d, name))
+                filestore.unlink(os.path.join(d, name))
                 done.append(key)
                 if tick and len(done) % 1000 == 0:      # a directory of many files: still heard from
                     tick("remove")
