@@ -145,6 +145,8 @@ def describe(ev: dict) -> str | None:
         eta = f", {ev['eta']:.0f}s left" if ev.get("eta") is not None else ""
         return (f"fetch {ev['done']}/{ev['total']} · {human_size(ev['bytes'])} of "
                 f"~{human_size(ev['total_bytes'])} · {human_size(ev['rate'])}/s{eta}")
+    if step == "store" and ev.get("total"):
+        return f"store: {ev['done']}/{ev['total']} contents linked ({ev.get('seconds', 0):.0f}s)"
     if step in ("venv", "install") and ev.get("line"):
         secs = f" ({ev['seconds']:.0f}s)" if ev.get("seconds") else ""
         return f"{step}: {ev['line']}{secs}"
@@ -275,9 +277,12 @@ def summary(figs: dict, count: int) -> str:
     if figs.get("install_seconds") is not None:
         parts.append(f"install {figs['install_seconds']:.1f}s")
     if figs.get("isolation"):
+        st = figs.get("store") or {}
         parts.append({"reflink": "own files by reflink (copy-on-write)",
-                      "copy": "own files by copy (no reflinks here)"}.get(figs["isolation"], figs["isolation"])
-                     + ", read-only")
+                      "store": f"{st.get('linked', 0)} files linked from the host's store (immutable; "
+                               f"{st.get('entered', 0)} contents new there, {human_size(st.get('entered_bytes', 0))})",
+                      "copy": "own files by copy (%s)" % (figs.get("isolation_why") or "no reflinks here")
+                      }.get(figs["isolation"], figs["isolation"]) + ", read-only")
     rc = figs.get("recheck") or {}
     if rc.get("healed"):
         parts.append(f"healed {len(rc['healed'])} changed cache entr{'y' if len(rc['healed']) == 1 else 'ies'}")

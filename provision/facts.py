@@ -62,6 +62,7 @@ class Generation:
     created: str | None = None
     adopted_from: str | None = None
     cuda_home: str | None = None
+    isolation: str | None = None      # how its build kept it apart: store | reflink | copy
     probes: dict | None = None
     patches: list[str | None] = field(default_factory=list)   # its patch series' names
 
@@ -116,6 +117,9 @@ class Facts:
     managed: bool = False
     adopt: Environment | None = None
     lock_file: str | None = field(default=None, metadata=PATH)
+    isolation: str | None = None              # what a build here gets: store | reflink | copy (agent/store.py)
+    isolation_why: str | None = None          # why not the store, where it is not
+    stored_wheels: list[str] = field(default_factory=list)    # sha256 of wheels whose files the store holds
 
     def generation(self, gen_id: str | None) -> Generation | None:
         return next((g for g in self.generations if g.id == gen_id), None)

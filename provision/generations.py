@@ -39,16 +39,18 @@ def logs(t: Transport, generation: str | None = None, tail: int = 65536) -> dict
     return call(t, "logs", id=resolve(t, generation, default="newest"), tail=tail)
 
 
-def gc(t: Transport, keep: int = 3, dry_run: bool = False) -> dict:
+def gc(t: Transport, keep: int = 3, dry_run: bool = False, on_event=None) -> dict:
     """Collect old and failed generations and unreferenced cache entries on the host (under its lock),
     then the controller's run directories of the generations removed. `bytes` is what the host freed (each
-    inode once, and only when no link to it is left); `shared_bytes` what stays linked from elsewhere."""
+    inode once, and only when no link to it is left); `shared_bytes` what stays linked from elsewhere;
+    `on_event` hears gc's progress (a phase begins, and at least every 2 s within one)."""
     import shutil
     from pathlib import Path
 
     from .runner import RUNS
 
-    out = call(t, "gc", keep=keep, dry_run=dry_run, take_lock=True)
+    out = t.run_agent("state", {"op": "gc", "root": root_of(t.target), "keep": keep, "dry_run": dry_run,
+                                "take_lock": True}, on_event=on_event)
     out["run_dirs"] = []
     for g in out["generations"]:
         rd = g.get("run_dir")

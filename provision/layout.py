@@ -81,6 +81,7 @@ class Layout:
         <root>/history.jsonl  last-number  .lock (the host lock)  .work (held by working agents)  .trash (gc)
         <root>/cache/wheels/<sha256>/  cache/uv-bin/<sha256>/  cache/uv/  tool/<digest>/  tmp/  runs/
         <root>/cache/kernels/<key>/{flashinfer,triton,inductor}/   compiled kernels (agent/kernels.py)
+        <root>/store/files/<sha256[:2]>/<sha256>[.x]   installed files by content, immutable, linked by generations
     """
 
     def __init__(self, root):
@@ -101,6 +102,7 @@ class Layout:
         self.tool = join(root, "tool")
         self.tmp = join(root, "tmp")
         self.runs = join(root, "runs")
+        self.file_store = join(root, "store", "files")   # installed files by content: see agent/store.py
         self.stores = {"wheels": self.wheel_cache, "uv": self.uv_bin}   # content-addressed: <store>/<sha256>/<file>
 
     def __repr__(self):

@@ -387,12 +387,25 @@ def render_plan(plan: Plan, full: bool = False) -> str:
                              f"{dl['wheels']} wheels, {human_size(dl['bytes'])}{unknown}; disk needed "
                              f"{'≥ ' if dl.get('unknown') else ''}{human_size(dl['disk_needed'])}"
                              + (f" of {human_size(dl['disk_free'])} free" if dl.get("disk_free") is not None else ""))
+                if dl.get("isolation"):
+                    lines.append("  files: " + files_line(dl))
         head = "\n".join([header, *lines])
         text = render(plan.changes, head, plan.summary) if full else \
             render_summary(plan.changes, head, plan.summary, headline_names(plan.lock.get("requires")))
     text += "".join(f"\nerror: {w}" for w in plan.errors)
     text += "".join(f"\nwarning: {w}" for w in plan.warnings if w not in plan.errors)
     return text
+
+
+def files_line(dl: dict) -> str:
+    """What the build does with each file, with sizes, and how generations are kept apart."""
+    def n(part: str) -> str:
+        return f"{dl[part]['files']} ({human_size(dl[part]['bytes'])})"
+    how = {"store": "linked from the host's immutable store, uv hardlinks from its cache",
+           "reflink": "uv clones its cache (copy-on-write): every file the generation's own",
+           "copy": f"uv copies every file ({dl.get('isolation_why') or 'no store here'})"}[dl["isolation"]]
+    return (f"{n('linked')} linked from the store, {n('entered')} copied into it, {n('own')} the generation's own "
+            f"(with its directories and stamp), compiled: none at build; isolation {dl['isolation']}: {how}")
 
 
 SEED_PACKAGES = {"pip", "setuptools", "wheel"}   # what `python -m venv` seeds, unless a lock lists them
@@ -460,36 +473,121 @@ def _wheel_at_hand(lock: Lock, p) -> Path | None:
     return next((x for x in paths if x.is_file()), None)
 
 
-def installed_size(lock: Lock, p, size: int | None) -> tuple[int, bool]:
-    """(bytes package `p` takes installed, whether that is exact): the sum of its files' sizes, each in whole
-    blocks, from the wheel's own listing where the wheel is at hand; else UNPACK_FACTOR times its download."""
+def blocks(size: int) -> int:
+    """Bytes a file of `size` takes on disk: whole blocks."""
+    return -(-size // BLOCK) * BLOCK
+
+
+def wheel_files(lock: Lock, p) -> list[tuple[str, str | None, int]] | None:
+    """(path, RECORD digest or None, size) of every file package `p`'s wheel installs, from the wheel's own
+    listing and RECORD where the wheel is at hand; None where it is not."""
+    import csv
+    import io
     import zipfile
 
     path = _wheel_at_hand(lock, p)
-    if path is not None:
-        try:
-            with zipfile.ZipFile(path) as z:
-                return sum(-(-i.file_size // BLOCK) * BLOCK for i in z.infolist() if not i.is_dir()), True
-        except (OSError, zipfile.BadZipFile):
-            pass
+    if path is None:
+        return None
+    try:
+        with zipfile.ZipFile(path) as z:
+            infos = [i for i in z.infolist() if not i.is_dir()]
+            record = next((i.filename for i in infos if i.filename.endswith(".dist-info/RECORD")
+                           and i.filename.count("/") == 1), None)
+            digests = {}
+            if record:
+                for row in csv.reader(io.StringIO(z.read(record).decode("utf-8", "replace"))):
+                    if len(row) > 1 and row[1].startswith("sha256="):
+                        digests[row[0]] = row[1][len("sha256="):]
+            return [(i.filename, digests.get(i.filename), i.file_size) for i in infos]
+    except (OSError, zipfile.BadZipFile, KeyError):
+        return None
+
+
+def installed_size(lock: Lock, p, size: int | None) -> tuple[int, bool]:
+    """(bytes package `p` takes installed, whether that is exact): the sum of its files' sizes, each in whole
+    blocks, from the wheel's own listing where the wheel is at hand; else UNPACK_FACTOR times its download."""
+    files = wheel_files(lock, p)
+    if files is not None:
+        return sum(blocks(n) for _, _, n in files), True
     return UNPACK_FACTOR * (size or 0), False
 
 
+VENV_BYTES = 80 << 10       # what `uv venv` lays out: bin/, pyvenv.cfg, lib/pythonX.Y/site-packages, its scripts
+GEN_BYTES = 6 * BLOCK       # a generation's lock.yaml, requirements.txt, manifest.json, logs, probes.json
+STAMP_BYTES = 200           # the seal's stamp, per file
+OWN_PER_PACKAGE = 4         # what uv writes for each distribution: INSTALLER, REQUESTED, direct_url.json, ...
+
+
+def _own(path: str) -> bool:
+    """Whether uv writes this wheel member anew (a file of the generation's own, never the store's)."""
+    return path.endswith(".dist-info/RECORD") or ".data/scripts/" in path
+
+
+def _dirs(paths) -> set[str]:
+    out = set()
+    for path in paths:
+        d = path.rsplit("/", 1)[0] if "/" in path else ""
+        while d and d not in out:
+            out.add(d)
+            d = d.rsplit("/", 1)[0] if "/" in d else ""
+    return out
+
+
 def download_estimate(facts: Facts, lock: Lock) -> dict:
-    """Wheels the host's cache lacks, their bytes (where known), and the disk a build needs: those downloads, the
-    whole install (a generation owns a copy of every file, cached wheels or not) and, for each wheel not cached
-    yet, its unpacked copy in uv's cache. `installed` is the install's bytes; `estimated`, how many packages'
-    installed size is a guess (their wheels are not at hand to read)."""
-    cached = set(facts.cached_wheels)
+    """Wheels the host's cache lacks, their bytes (where known), and the disk a build needs, by what each file
+    becomes: `linked` (files whose content the host's store holds already: a link costs no data), `entered`
+    (content new to the store: copied into it once), `own` (the generation's own files: what uv writes per
+    generation, and with isolation `copy` or `reflink` every file), `compiled` (nothing at build: uv compiles no
+    bytecode and no kernels; the interpreter writes __pycache__ at first import); plus the download, uv's
+    unpacked copy of each wheel not cached yet, the venv's directories and the seal's stamp. `disk_needed` is
+    their sum; `installed` the install's bytes; `estimated`, how many packages' sizes are a guess (their wheels
+    are not at hand to read)."""
+    iso = facts.isolation or "copy"
+    cached, stored = set(facts.cached_wheels), set(facts.stored_wheels) if iso == "store" else set()
     need = [p for p in lock.packages if p.sha256 not in cached]
     sizes = {p.name: p.size if p.size is not None else _local_size(lock, p.url) for p in lock.packages}
     known = sum(sizes[p.name] or 0 for p in need)
-    inst = {p.name: installed_size(lock, p, sizes[p.name]) for p in lock.packages}
-    installed = sum(b for b, _ in inst.values())
-    unpacked = sum(inst[p.name][0] for p in need)
+    linked, entered, own = [0, 0], [0, 0], [0, 0]
+    unpacked = installed = guessed = files_n = 0
+    dirs, seen = set(), set()
+    for p in lock.packages:
+        listing = wheel_files(lock, p)
+        if listing is None:         # not at hand: its whole guessed size counts as new (store or own)
+            guess = UNPACK_FACTOR * (sizes[p.name] or 0)
+            guessed += 1
+            installed += guess
+            unpacked += guess if p.sha256 not in cached else 0
+            (entered if iso == "store" else own)[1] += guess
+            continue
+        size = sum(blocks(n) for _, _, n in listing)
+        installed += size
+        files_n += len(listing) + OWN_PER_PACKAGE
+        here = _dirs(path for path, _, _ in listing)
+        dirs |= here
+        if p.sha256 not in cached:
+            unpacked += size + len(here) * BLOCK
+        own[0] += OWN_PER_PACKAGE
+        own[1] += OWN_PER_PACKAGE * BLOCK
+        for path, digest, n in listing:
+            if iso != "store" or _own(path) or not digest:
+                own[0] += 1
+                own[1] += blocks(n)
+            elif p.sha256 in stored or (digest, n) in seen:
+                linked[0] += 1
+                linked[1] += n
+            else:
+                seen.add((digest, n))
+                entered[0] += 1
+                entered[1] += blocks(n)
+    tree = len(dirs) * BLOCK + VENV_BYTES + GEN_BYTES + files_n * STAMP_BYTES
+    if iso == "store" and not stored and entered[0]:       # the store's own directories, made once
+        tree += min(256, entered[0]) * BLOCK
     return {"wheels": len(need), "bytes": known, "unknown": sum(sizes[p.name] is None for p in need),
-            "installed": installed, "estimated": sum(not exact for _, exact in inst.values()),
-            "disk_needed": known + installed + unpacked, "disk_free": facts.disk_free_bytes}
+            "installed": installed, "estimated": guessed, "isolation": iso, "isolation_why": facts.isolation_why,
+            "linked": {"files": linked[0], "bytes": linked[1]}, "entered": {"files": entered[0], "bytes": entered[1]},
+            "own": {"files": own[0], "bytes": own[1] + tree}, "compiled": {"files": 0, "bytes": 0},
+            "unpacked": unpacked,
+            "disk_needed": known + unpacked + entered[1] + own[1] + tree, "disk_free": facts.disk_free_bytes}
 
 
 def make_plan(facts: Facts, lock: Lock) -> Plan:

@@ -246,8 +246,10 @@ def seal(t: Transport, lock: Lock, gen_id: str, installer: str | None) -> dict:
     from .units import human_size
 
     rate = found["bytes"] / found["seconds"] if found["seconds"] > 0 else 0.0
+    linked = (f"; {found['stored']} linked from the host's store ({human_size(found['stored_bytes'])}), hashed "
+              "when entered" if found.get("stored") else "")
     detail = (f"{found['files']} files, {human_size(found['bytes'])} hashed in {found['seconds']:.1f}s "
-              f"({human_size(rate)}/s): all match RECORD and the lock; stamped, read-only")
+              f"({human_size(rate)}/s){linked}: all match RECORD and the lock; stamped, read-only")
     return {"detail": detail, "record": rec, "stamped": found.get("stamped")}
 
 

@@ -35,6 +35,22 @@ def wheelhouse_root(tmp_path_factory):
         os.environ[WHEELHOUSE_ENV] = old
 
 
+@pytest.fixture(scope="session", autouse=True)
+def mutable_stores(tmp_path_factory):
+    """At the end, the host stores the tests made lose their immutable attribute, so that pytest can delete
+    its old temporary roots as it does every other file."""
+    yield
+    from provision.agent import store
+
+    for files in Path(tmp_path_factory.getbasetemp()).glob("**/store/files"):
+        for entry, _ in store.entries(str(files)):
+            try:
+                with open(entry, "rb") as f:
+                    store.set_immutable(f.fileno(), False)
+            except OSError:
+                pass
+
+
 @pytest.fixture(scope="session")
 def sshd():
     host = LoopbackHost().start()

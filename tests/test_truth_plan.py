@@ -186,8 +186,9 @@ def test_a_package_without_url_builds_from_the_hosts_cache_and_plan_says_so(tmp_
 
 
 def test_disk_check_of_a_build_from_cached_wheels_counts_only_the_install(tmp_path, wheels):
-    """Every wheel already in the host's cache: the disk a build needs is the install alone (nothing to
-    fetch); free space that holds it is enough, one byte less is refused; the reserve is only a warning."""
+    """Every wheel already in the host's cache and its files in the host's store: the disk a build needs is
+    the generation's own files and directories alone (nothing to fetch, every wheel file linked from the store);
+    free space that holds it is enough, one byte less is refused; the reserve is only a warning."""
     from provision.facts import gather
     import zipfile
 
@@ -200,8 +201,11 @@ def test_disk_check_of_a_build_from_cached_wheels_counts_only_the_install(tmp_pa
     facts = gather(tr, python=cached.platform.python)
     dl = download_estimate(facts, cached)
     install = sum(-(-i.file_size // BLOCK) * BLOCK for w in ws for i in zipfile.ZipFile(w).infolist())
-    assert (dl["wheels"], dl["bytes"], dl["disk_needed"]) == (0, 0, install), dl
-    for free, refused in ((install, False), (install - 1, True)):
+    listed = sum(len([i for i in zipfile.ZipFile(w).infolist() if not i.filename.endswith("RECORD")]) for w in ws)
+    assert (dl["wheels"], dl["bytes"], dl["isolation"], dl["entered"]["files"]) == (0, 0, "store", 0), dl
+    assert dl["linked"]["files"] == listed and dl["disk_needed"] == dl["own"]["bytes"] < install + (1 << 20), dl
+    need = dl["disk_needed"]
+    for free, refused in ((need, False), (need - 1, True)):
         plan = make_plan(replace(facts, disk_free_bytes=free), cached)
         assert plan.action == "build"
         assert bool([e for e in plan.errors if "free under" in e]) == refused, (free, plan.errors)

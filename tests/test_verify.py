@@ -1,6 +1,6 @@
-"""What is on a host is what its lock says: generations own their files (a write through one reaches no other,
-nor the cache, nor a later build), `verify` names what drifted, rollback refuses a drifted target, the host's
-cache heals a changed entry and loses partial downloads. Real sshd, real uv, real wheels."""
+"""What is on a host is what its lock says: generations link immutable store entries or own their files (a write
+through one reaches no other, nor the store, the cache or a later build), `verify` names what drifted, rollback
+refuses a drifted target, the host's cache heals a changed entry and loses partial downloads. Real sshd, real uv."""
 from __future__ import annotations
 
 import functools
@@ -51,7 +51,30 @@ def grep_tree(top: Path, needle: bytes) -> list[Path]:
     return [p for p in top.rglob("*") if p.is_file() and not p.is_symlink() and needle in p.read_bytes()]
 
 
+def refused(victim: Path) -> None:
+    """Every in-place write through a file linked from the host's store is refused (EPERM), root's included:
+    `echo >>`, `sed -i`, truncate, open('a'), unlink, a rename over it, chmod."""
+    before = victim.read_bytes()
+    for argv in (["sh", "-c", 'echo TAMPERED >> "$0"', str(victim)], ["sed", "-i", "s/^/TAMPERED/", str(victim)],
+                 ["truncate", "-s", "0", str(victim)]):
+        p = subprocess.run(argv, capture_output=True, text=True)
+        assert p.returncode != 0 and "not permitted" in p.stderr, (argv, p.stderr)
+    other = victim.with_name("x.tmp")
+    other.write_text("TAMPERED")
+    for write in (lambda: open(victim, "a").write("TAMPERED"), lambda: os.truncate(victim, 0),
+                  lambda: os.unlink(victim), lambda: os.replace(other, victim), lambda: os.chmod(victim, 0o644)):
+        with pytest.raises(PermissionError):
+            write()
+    other.unlink()
+    assert victim.read_bytes() == before
+
+
 def test_tamper_reaches_nothing_else_verify_names_it_rollback_refuses(target, tmp_path, wheels):
+    """Generation a's files are links to immutable store entries (a write is refused, so it reaches neither b,
+    which links the same entry, nor the store, nor a later build) or files of its own (one link: a write lands
+    there only, verify names it, rollback refuses a)."""
+    from provision.agent import store
+
     root = Path(target.vars["provision_root"])
     la = lockmod.load(write_lock(tmp_path / "a.yaml", "a", [wheels["alpha-1.0"], wheels["beta-1.0"]]))
     lb = lockmod.load(write_lock(tmp_path / "b.yaml", "b", [wheels["alpha-2.0"], wheels["beta-1.0"]]))
@@ -59,14 +82,24 @@ def test_tamper_reaches_nothing_else_verify_names_it_rollback_refuses(target, tm
     tr = connect(target)
     try:
         ra, rb = applymod.apply(tr, la), applymod.apply(tr, lb)
-        victim = site(root, ra.generation) / "beta" / "__init__.py"
-        assert victim.stat().st_mode & 0o222 == 0 and victim.stat().st_nlink == 1    # read-only, its own inode
-        assert ra.build["isolation"] in ("copy", "reflink")
+        shared = site(root, ra.generation) / "beta" / "__init__.py"
+        victim = site(root, ra.generation) / "beta-1.0.dist-info" / "INSTALLER"     # what uv wrote: a's own
+        assert ra.build["isolation"] == "store" == rb.build["isolation"]           # root, ext4
+        entry = root / "store" / "files" / hashlib.sha256(shared.read_bytes()).hexdigest()[:2] / \
+            hashlib.sha256(shared.read_bytes()).hexdigest()
+        assert shared.stat().st_ino == entry.stat().st_ino == (site(root, rb.generation) / "beta" / "__init__.py"
+                                                                ).stat().st_ino
+        for f in (root / "generations" / ra.generation / "venv").rglob("*"):    # a store link, or its own inode
+            if f.is_file() and not f.is_symlink():
+                assert f.stat().st_mode & 0o222 == 0 and (store.immutable(f) or f.stat().st_nlink == 1), f
+        assert ra.build["store"]["linked"] >= 6 and rb.build["store"]["entered"] < ra.build["store"]["entered"]
         man = generations.read(tr, ra.generation)["manifest"]
         assert man["isolation"] == ra.build["isolation"] and man["verify"]["verdict"] == "clean"
+        refused(shared)
         append(victim, "TAMPERED=1\n")                  # through the old generation
         assert grep_tree(site(root, rb.generation), b"TAMPERED") == []          # current: untouched
         assert grep_tree(root / "cache", b"TAMPERED") == []                       # uv's cache and the wheels
+        assert grep_tree(root / "store", b"TAMPERED") == []                       # the store
         rc = applymod.apply(tr, lc)                                             # a later build of the same wheel
         assert grep_tree(site(root, rc.generation), b"TAMPERED") == []
         assert rc.verify["verdict"] == "clean"
@@ -75,7 +108,7 @@ def test_tamper_reaches_nothing_else_verify_names_it_rollback_refuses(target, tm
 
     p = cli(target, "verify", ra.generation, "--baseline")
     assert p.returncode == 1, p.stderr
-    assert "beta 1.0: 1 changed (beta/__init__.py)" in p.stdout and "drift" in p.stdout
+    assert "beta 1.0: 1 changed (beta-1.0.dist-info/INSTALLER)" in p.stdout and "drift" in p.stdout
     assert "hashed in" in p.stdout and "without hashing" in p.stdout and "Traceback" not in p.stderr
     for gen in (rb.generation, rc.generation):                      # the other generations verify clean
         p = cli(target, "verify", gen, "--json")
@@ -85,7 +118,7 @@ def test_tamper_reaches_nothing_else_verify_names_it_rollback_refuses(target, tm
 
     p = cli(target, "rollback", "--to", ra.generation.split("-")[0])
     assert p.returncode == 1
-    assert f"generation {ra.generation} fails verification (beta/__init__.py changed)" in p.stderr
+    assert f"generation {ra.generation} fails verification (beta-1.0.dist-info/INSTALLER changed)" in p.stderr
     assert os.readlink(root / "current") == f"generations/{rc.generation}"
     p = cli(target, "rollback", "--to", ra.generation.split("-")[0], "--force")
     assert p.returncode == 0, p.stderr
@@ -134,7 +167,7 @@ def test_touched_file_is_not_drift_an_added_distribution_is(target, tmp_path, wh
     try:
         ra, rb = applymod.apply(tr, la), applymod.apply(tr, lb)
         sp_a, sp_b = site(root, ra.generation), site(root, rb.generation)
-        os.utime(sp_a / "alpha" / "__init__.py", (1, 1))                      # stat changed, bytes did not
+        os.utime(sp_a / "alpha-1.0.dist-info" / "INSTALLER", (1, 1))          # stat changed, bytes did not
         out = generations.rollback(tr)
         assert out["to"] == ra.generation and out["check"]["verdict"] == "clean"
         assert out["check"]["hashed"] == 1 and out["check"]["how"] == "stamp"
@@ -234,6 +267,13 @@ def test_patched_generation_verifies_clean_and_a_changed_patched_file_is_caught(
     sp = site(root, rep.generation)
     patched = sorted(rep.patches["files"])
     assert patched and all((sp / f).stat().st_mode & 0o222 == 0 for f in patched)   # read-only after the rename
+    from provision.agent import store
+    with zipfile.ZipFile(sglang_wheel("0.5.9")) as z:                       # the store keeps the wheel's bytes
+        original = z.read("sglang/srt/models/kimi_k25.py")
+    key = hashlib.sha256(original).hexdigest()
+    entry = root / "store" / "files" / key[:2] / key
+    assert entry.read_bytes() == original and store.immutable(entry) and rep.build["isolation"] == "store"
+    assert all((sp / f).stat().st_nlink == 1 and not store.immutable(sp / f) for f in patched)  # the generation's own
     p = cli(target, "verify", "--json")
     v = json.loads(p.stdout)
     assert p.returncode == 0 and v["verdict"] == "clean", p.stdout + p.stderr
@@ -246,7 +286,10 @@ def test_patched_generation_verifies_clean_and_a_changed_patched_file_is_caught(
 
 
 def test_reuse_of_a_drifted_generation_builds_a_new_one(target, tmp_path, wheels):
-    """apply of a lock an existing generation holds switches to it only if it passes the quick check."""
+    """apply of a lock an existing generation holds switches to it only if it passes the quick check; a store
+    entry root wrote through is not linked by a later build (hashed again, set aside)."""
+    from provision.agent import store
+
     root = Path(target.vars["provision_root"])
     la = lockmod.load(write_lock(tmp_path / "a.yaml", "a", [wheels["alpha-1.0"]]))
     lb = lockmod.load(write_lock(tmp_path / "b.yaml", "b", [wheels["beta-1.0"]]))
@@ -255,8 +298,10 @@ def test_reuse_of_a_drifted_generation_builds_a_new_one(target, tmp_path, wheels
         ra, _ = applymod.apply(tr, la), applymod.apply(tr, lb)
         victim = site(root, ra.generation) / "alpha" / "__init__.py"
         st, text = victim.stat(), victim.read_text()
+        with open(victim, "rb") as f:       # root, deliberately: the store's attribute off, the file written
+            store.set_immutable(f.fileno(), False)
         os.chmod(victim, 0o644)
-        victim.write_text(text.replace("1.0", "6.6"))          # same size, and its mtime put back: ctime tells
+        victim.write_text(text.replace("1.0", "6.6"))          # same size, and its mtime put back
         os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
         assert victim.stat().st_size == st.st_size and victim.stat().st_mtime_ns == st.st_mtime_ns
         again = applymod.apply(tr, la)
@@ -266,26 +311,35 @@ def test_reuse_of_a_drifted_generation_builds_a_new_one(target, tmp_path, wheels
     assert any(w.startswith(f"{ra.generation} holds this lock but fails verification (alpha/__init__.py changed)")
                for w in again.warnings), again.warnings
     assert "6.6" not in (site(root, again.generation) / "alpha" / "__init__.py").read_text()
-    assert again.verify["verdict"] == "clean"
+    assert again.verify["verdict"] == "clean" and again.build["store"]["evicted"] == 1
 
 
 def test_changed_copy_in_uvs_cache_fails_the_seal_not_a_generation(target, tmp_path, wheels):
-    """A write into uv's unpacked cache (not through a generation) would reach the next build's copy: the seal
-    finds it before the probes, the generation fails, `current` stays."""
+    """A write into uv's unpacked cache (not through a generation) never reaches a generation: a build links the
+    store's entry of that content where the store has one, and where it has none the changed copy does not enter
+    the store: the seal finds it before the probes, the generation fails, `current` stays."""
+    from provision.agent import store
+
     root = Path(target.vars["provision_root"])
     la = lockmod.load(write_lock(tmp_path / "a.yaml", "a", [wheels["beta-1.0"]]))
     lb = lockmod.load(write_lock(tmp_path / "b.yaml", "b", [wheels["alpha-1.0"], wheels["beta-1.0"]]))
+    lc = lockmod.load(write_lock(tmp_path / "c.yaml", "c", [wheels["beta-1.0"], wheels["gamma-1.0"]]))
     tr = connect(target)
     try:
-        ra = applymod.apply(tr, la)
+        applymod.apply(tr, la)
         (cached,) = (root / "cache" / "uv" / "archive-v0").glob("*/beta/__init__.py")
         append(cached, "TAMPERED=1\n")
+        rb = applymod.apply(tr, lb)                      # the store holds beta's files: linked from there
+        assert rb.verify["verdict"] == "clean" and grep_tree(site(root, rb.generation), b"TAMPERED") == []
+        for entry, _ in list(store.entries(str(root / "store" / "files"))):     # root, deliberately: an empty store
+            store.unlink(entry)
         with pytest.raises(HostError) as e:
-            applymod.apply(tr, lb)
+            applymod.apply(tr, lc)
         msg = str(e.value)
         h = generations.history(tr)
     finally:
         tr.close()
     assert "does not match its lock after the build: beta 1.0: 1 changed (beta/__init__.py)" in msg
     assert "uv's unpacked cache" in msg
-    assert h["current"] == ra.generation and h["generations"][-1]["status"] == "failed"
+    assert h["current"] == rb.generation and h["generations"][-1]["status"] == "failed"
+    assert grep_tree(root / "store", b"TAMPERED") == []

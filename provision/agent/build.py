@@ -29,6 +29,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from ..layout import Generation, cache_entry
+from . import store as filestore
 from .host import AgentError, disk_full, ensure_root, event, inside
 from .verify import read_only
 
@@ -943,15 +944,19 @@ def _build(a, lay, gen, python, installer, log):
         if not uv or not os.path.isabs(uv):
             raise AgentError("no uv on the host (%r)" % uv)
         os.makedirs(lay.uv_cache, exist_ok=True)
-        mode = "clone" if reflinks(lay.uv_cache, gen_dir) else "copy"
-        figs["isolation"] = "reflink" if mode == "clone" else "copy"
+        figs["isolation"], why = isolation(lay, gen_dir)
+        if why:
+            figs["isolation_why"] = why
+            log("isolation: copies (%s)" % why)
+        mode = {"reflink": "clone", "store": "hardlink", "copy": "copy"}[figs["isolation"]]
         env = clean_env({"UV_NO_CONFIG": "1", "UV_PYTHON_DOWNLOADS": "never", "UV_CACHE_DIR": lay.uv_cache,
                          "UV_LINK_MODE": mode, "UV_NO_PROGRESS": "1"})
         if not os.path.exists(gen.python):
             figs["venv_seconds"] = round(_run([uv, "venv", "--quiet", "--python", python, venv], env, "venv", log), 2)
         if a.get("packages"):
             event(step="install", phase=True, line="installing %d packages with uv (%s from %s)"
-                  % (len(a["packages"]), "reflinked" if mode == "clone" else "copied", lay.uv_cache))
+                  % (len(a["packages"]), {"clone": "reflinked", "hardlink": "linked", "copy": "copied"}[mode],
+                     lay.uv_cache))
             figs["install_seconds"] = round(_run(
                 [uv, "pip", "install", "--python", gen.python, "--no-deps",
                  "--require-hashes", "--offline", "--no-index", "--link-mode", mode, "-r", reqs],
@@ -972,12 +977,23 @@ def _build(a, lay, gen, python, installer, log):
     if a.get("cuda_home"):
         figs["cuda_home"] = cuda_home(venv, inside(venv, a["cuda_home"]))
         log("cuda home: %(home)s (%(links)d links, libcuda: %(libcuda)s)" % figs["cuda_home"])
+    inodes = set()
+    if figs["isolation"] == "store":     # uv's hardlinks become links to the store, or the generation's own copies
+        t1 = time.monotonic()
+        st = filestore.link_venv(lay.file_store, venv, int(a.get("jobs") or 8),
+                                 progress=lambda **k: event(step="store", **k))
+        inodes = st.pop("inodes")
+        figs["store"] = st
+        log("store: %(linked)d files linked (%(linked_bytes)d bytes), %(entered)d entered (%(entered_bytes)d "
+            "bytes), %(own)d own copies (%(own_bytes)d bytes), %(evicted)d entries evicted; %(seconds).1fs" % st)
+        figs["store_seconds"] = round(time.monotonic() - t1, 2)
     t1 = time.monotonic()
-    ro = read_only(venv)
+    ro = read_only(venv, inodes)
     figs.update(read_only_files=ro["files"], read_only_seconds=round(time.monotonic() - t1, 2))
     if ro["shared"]:     # uv linked where it was asked to copy: a write through this venv would reach others
         raise AgentError("%d installed files share their inode with another path (the uv cache or another "
-                         "generation); a generation must own its files" % ro["shared"])
+                         "generation) and are not immutable store entries; a generation must own its files"
+                         % ro["shared"])
     figs["seconds"] = round(time.monotonic() - t0, 2)
     if figs.get("install_seconds") is not None:
         event(step="install", phase=True, line="installed %d packages in %.1fs" % (len(a["packages"]),
@@ -1050,10 +1066,20 @@ def cuda_home(venv, home):
 FICLONE = 0x40049409    # ioctl: share one file's extents with another, copy-on-write (XFS, btrfs, ...)
 
 
+def isolation(lay, gen_dir):
+    """How a build here keeps generations apart: (`reflink` uv clones its cache: a write lands on a private
+    copy | `store` uv hardlinks, then files link immutable store entries: a write is refused | `copy` uv copies
+    every file, None or why the store is unavailable)."""
+    if reflinks(lay.uv_cache, gen_dir):
+        return "reflink", None
+    why = filestore.unavailable(lay.file_store, gen_dir)
+    return ("copy", why) if why else ("store", None)
+
+
 def reflinks(src_dir, dst_dir):
     """Whether a file under `src_dir` can be reflinked into `dst_dir` (same copy-on-write filesystem). uv's
-    `--link-mode clone` falls back to hardlinks silently where it cannot reflink, so this is asked first and uv
-    is told to copy when the answer is no."""
+    `--link-mode clone` falls back to hardlinks silently where it cannot reflink, so this is asked first and the
+    build uses the store (or copies) when the answer is no."""
     import fcntl
 
     src = os.path.join(src_dir, ".reflink-probe-%d" % os.getpid())

@@ -12,6 +12,7 @@ import shutil
 import sys
 
 from ..layout import DEFAULT_ROOT, Layout
+from . import store
 from .host import CLEAN_ENV, current, generations as host_generations, query_gpus, run_agent, sh
 
 
@@ -160,6 +161,7 @@ def generations(lay):
                      "status": man.get("status", "incomplete"), "created": man.get("created"),
                      "lock_digest": man.get("lock_digest"), "adopted_from": man.get("adopted_from"),
                      "cuda_home": man.get("cuda_home"), "probes": man.get("probes_summary"),
+                     "isolation": man.get("isolation"),
                      "stack": man.get("stack"), "python": man.get("python"),
                      "venv_ok": os.path.exists(lay.gen(name).python),
                      "patches": [p.get("name") for p in (man.get("patches") or {}).get("series", [])]
@@ -222,6 +224,9 @@ def op_gather(a):
         facts["adopt"] = dists_of(adopt)
         facts["adopt"]["path"] = adopt
     facts["lock_file"] = lay.lock_file
+    facts["isolation"], facts["isolation_why"] = store.expected(root)
+    facts["stored_wheels"] = sorted({sha for g in gens if g.get("isolation") == "store" and g["venv_ok"]
+                                     for sha in ((g.get("stack") or {}).get("hashes") or {}).values()})
     return facts
 
 

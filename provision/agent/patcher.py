@@ -5,13 +5,13 @@ Stdlib only; payload {op: inspect|run|verify, site_packages?, ...}; returns one 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import sys
 import sysconfig
 import tempfile
 
+from . import store
 from .contracts import check_contract
 from .host import AgentError, distribution, locate
 
@@ -312,7 +312,8 @@ def _plan_patch(root, p, mode, state, original, owned=None):
 
 
 def _write_all(changes):
-    """Stage every file beside its target, then rename each into place (no half-written file)."""
+    """Stage every file beside its target, then rename each into place (no half-written file): a file linked
+    from the host's store is never written, the generation gets a file of its own in its place."""
     staged = []
     try:
         for path, text in changes.items():
@@ -326,7 +327,7 @@ def _write_all(changes):
             os.unlink(tmp)
         raise PatchFailed(f"cannot write {e.filename or path}: {e.strerror or e}") from None
     for tmp, path in staged:
-        os.replace(tmp, path)
+        store.replace(tmp, path)
         _drop_bytecode(path)
 
 
@@ -338,7 +339,7 @@ def _drop_bytecode(path):
         for name in os.listdir(cache):
             if name.startswith(stem) and name.endswith(".pyc"):
                 try:
-                    os.unlink(os.path.join(cache, name))
+                    store.unlink(os.path.join(cache, name))
                 except OSError:
                     pass
 

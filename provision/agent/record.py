@@ -196,7 +196,7 @@ def unlisted(site, listed):
     return sorted(extra)
 
 
-def check(venv, jobs=None, only=None, expect=None, baseline=False, digests=False):
+def check(venv, jobs=None, only=None, expect=None, baseline=False, digests=False, known=None):
     """Every installed file of the venv against its RECORD. Returns
     {site, dists: {name: {version, info, files, bytes, changed: [rel], missing: [rel], outside: [rel],
     unhashed: n, overridden: n}}, files, bytes, seconds, extra: [paths relative to site-packages no RECORD
@@ -205,13 +205,17 @@ def check(venv, jobs=None, only=None, expect=None, baseline=False, digests=False
     sha256 hex} that replace RECORD's hash for those files (a patch series' results). `baseline`: hash from
     disk (the page cache of these files dropped first, where it can be) and then time a first read of
     the same files, dropped again (`first_read_seconds`, `read_bytes`, `cache`: how the cache was dropped).
-    `digests`: also {absolute path: digest found} of every file hashed (`digests`).
+    `digests`: also {absolute path: digest found} of every file hashed (`digests`). `known`: {absolute path:
+    (digest, size)} of files whose bytes are known without reading them (the host store's entries).
     A path several distributions' RECORDs list is judged as `tally` says (e.g. two wheels that both ship a
     top-level build_backend.py)."""
     lst = listing(venv, only, expect)
     work = lst["work"]
+    known = known or {}
 
     def one(item):
+        if item[2] in known:
+            return item, known[item[2]][0], known[item[2]][1]
         try:
             got, n = hash_file(item[2])
         except FileNotFoundError:

@@ -12,9 +12,9 @@ import stat
 import time
 
 from ..layout import Layout, cache_entry, venv_python
-from .host import (AgentError, current, current_link, current_problem, disk_full, ensure_root, generations as gens,
-                   manifest_of, read_json, try_lock)
-from . import kernels
+from . import kernels, store as filestore
+from .host import (AgentError, current, current_link, current_problem, disk_full, ensure_root, event,
+                   generations as gens, manifest_of, read_json, try_lock)
 from .verify import quick
 
 
@@ -121,7 +121,10 @@ def remove_venv(lay, gen_id):
     if os.path.islink(venv):
         os.unlink(venv)
     elif os.path.isdir(venv):
-        shutil.rmtree(venv, ignore_errors=True)
+        try:
+            filestore.rmtree(venv)      # its links to the host's store included (immutable: see store.unlink)
+        except OSError:
+            shutil.rmtree(venv, ignore_errors=True)
 
 
 def oserr(e):
@@ -333,7 +336,7 @@ def op_recover(lay, a):
                 out["abandoned"].append(gen_id)
                 out["errors"] += ["%s: %s" % (gen_id, f) for f in failed]
             elif status == "removing" and gen_id != cur:   # a gc that could not set it aside, interrupted
-                shutil.rmtree(lay.gen(gen_id).dir)
+                filestore.rmtree(lay.gen(gen_id).dir)
                 out["freed"].append(gen_id)
             elif status in ("failed", "abandoned") and os.path.lexists(venv) and gen_id != cur:
                 remove_venv(lay, gen_id)
@@ -407,8 +410,9 @@ def op_gc(lay, a):
     """Remove failed/abandoned generations, runnable ones beyond the newest `keep`, and cache entries (wheels,
     uv's unpacked wheels) no remaining generation needs; never `current` nor what `rollback` returns to.
     Each is first renamed aside into <root>/.trash (atomic: never a half-deleted generation under
-    generations/), then its files are deleted in parallel. `bytes` is what the removal frees: each inode once,
-    and only when every link it has is among the files removed. Takes the host lock."""
+    generations/), then its files are deleted in parallel, then the store entries no kept generation links
+    (`store`). `bytes` is what the removal frees: each inode once, and only when every link it has is among the
+    files removed. Progress events: each phase, and at least every 2 s within one. Takes the host lock."""
     recovered = op_recover(lay, a) if not a.get("dry_run") else None
     cur = current(lay)
     all_gens = gens(lay)
@@ -446,15 +450,29 @@ def op_gc(lay, a):
     for kind, entry, _, _ in items:
         out[kind].append(entry)
     out["kernels"] = kernels.collect(lay, [g[1] for g in kept], dry_run=bool(a.get("dry_run")))
+    tick = Ticker()
+    tick("survey", force=True, items=len(items))
     if a.get("dry_run"):
-        account(out, items, survey([path for _, _, path, _ in items]))
+        paths = [path for _, _, path, _ in items]
+        unlinked = store_unlinked(lay, survey(paths))
+        account(out, items + unlinked, survey(paths + [p for _, _, p, _ in unlinked]))
+        store_figures(out, unlinked)
         return out
     t0 = time.monotonic()
     free0 = fs_free(lay.root)
     trash, paths = set_aside(lay, items, out["errors"])
-    sv = survey(paths)
-    removed = remove_surveyed(sv, int(a.get("jobs") or 16), out["errors"])
-    account(out, items, sv, removed)
+    unlinked = store_unlinked(lay, survey(paths))
+    sv = survey(paths + [p for _, _, p, _ in unlinked])
+    tick("remove", force=True, items=len(items), store_entries=len(unlinked))
+    n = len(items)         # the generations' and caches' links first, then the store entries they leave unlinked
+    removed = remove_surveyed({"files": sv["files"][:n], "dirs": sv["dirs"][:n]}, int(a.get("jobs") or 16),
+                              out["errors"], tick)
+    for k, c in remove_surveyed({"files": sv["files"][n:], "dirs": sv["dirs"][n:]}, int(a.get("jobs") or 16),
+                                out["errors"], tick).items():
+        removed[k] = removed.get(k, 0) + c
+    account(out, items + unlinked, sv, removed)
+    store_figures(out, unlinked)
+    tick("done", force=True, bytes=out["bytes"])
     for d in (trash, os.path.dirname(trash)):    # this run's trash, then .trash itself when nothing else is there
         try:
             os.rmdir(d)
@@ -469,6 +487,38 @@ def op_gc(lay, a):
     except OSError as e:
         out["errors"].append("history: " + oserr(e))
     return out
+
+
+class Ticker:
+    """gc's progress: an event when a phase begins, and at least every `every` seconds within one."""
+
+    def __init__(self, every=2.0):
+        self.t0 = self.last = time.monotonic()
+        self.every = every
+
+    def __call__(self, phase, force=False, **fields):
+        now = time.monotonic()
+        if force or now - self.last >= self.every:
+            self.last = now
+            event(step="gc", phase=phase, seconds=round(now - self.t0, 2), **fields)
+
+
+def store_unlinked(lay, sv):
+    """The store entries no kept generation links once what `sv` surveyed is gone: every link but the entry's own
+    is among those files (or there was none). As gc items ("store", {...}, path, None)."""
+    inodes = sv["inodes"]
+    out = []
+    for path, st in filestore.entries(lay.file_store):
+        seen = inodes.get((st.st_dev, st.st_ino), (0, 0, 0))[2]
+        if st.st_nlink - seen <= 1:
+            out.append(("store", {"entry": os.path.basename(path)}, path, None))
+    return out
+
+
+def store_figures(out, unlinked):
+    """The store's part of a gc: entries removed and the bytes they alone held (the rest counted with the
+    generation that held their last link)."""
+    out["store"] = {"entries": len(unlinked), "bytes": sum(e["bytes"] for _, e, _, _ in unlinked)}
 
 
 def fs_free(root):
@@ -551,9 +601,9 @@ def survey(paths):
     return out
 
 
-def remove_surveyed(sv, jobs, errors):
+def remove_surveyed(sv, jobs, errors, tick=None):
     """Delete what `survey` walked: every directory's files in parallel (`jobs` threads), then the
-    directories, deepest first. Returns {inode key: links removed}."""
+    directories, deepest first (`tick`: gc's progress). Returns {inode key: links removed}."""
     from concurrent.futures import ThreadPoolExecutor
 
     def unlink_all(item):
@@ -561,8 +611,10 @@ def remove_surveyed(sv, jobs, errors):
         done, errs = [], []
         for name, key in names:
             try:
-                os.unlink(os.path.join(d, name))
+                filestore.unlink(os.path.join(d, name))
                 done.append(key)
+                if tick and len(done) % 1000 == 0:      # a directory of many files: still heard from
+                    tick("remove")
             except FileNotFoundError:
                 done.append(key)
             except OSError as e:
@@ -572,10 +624,12 @@ def remove_surveyed(sv, jobs, errors):
     work = [item for per_path in sv["files"] for item in per_path]
     removed = {}
     with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(work) or 1))) as pool:
-        for done, errs in pool.map(unlink_all, work):
+        for i, (done, errs) in enumerate(pool.map(unlink_all, work)):
             for key in done:
                 removed[key] = removed.get(key, 0) + 1
             errors += errs[:3]
+            if tick:
+                tick("remove", directories=i + 1, of=len(work))
     for dirs in sv["dirs"]:
         for d in sorted(dirs, key=lambda p: p.count(os.sep), reverse=True):
             try:

@@ -11,7 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from ..layout import Layout
-from . import record
+from . import record, store
 from .host import CLEAN_ENV, AgentError, inside, read_json
 
 # Run by the generation's own interpreter (-I -S -B: no site, no bytecode written) on a JSON list of paths of
@@ -92,16 +92,17 @@ def cache_file(rel):
     return rel.endswith(".pyc") and os.path.basename(os.path.dirname(rel)) == "__pycache__"
 
 
-def read_only(venv):
+def read_only(venv, stored=frozenset()):
     """Clear every installed file's write bits (as a Nix store is read-only); directories stay writable so the
     patcher can still replace a file by rename. Returns {files, shared}: `shared` counts files whose inode has
-    another link (uv hardlinked it from its cache or another venv: a write through it would reach them)."""
+    another link (uv hardlinked it from its cache or another venv: a write through it would reach them) and is
+    not one of `stored`, the immutable store entries ((st_dev, st_ino)) the build linked."""
     files = shared = 0
     for rel, st in walk(venv):
         if not stat.S_ISREG(st.st_mode):
             continue
         files += 1
-        if st.st_nlink > 1:
+        if st.st_nlink > 1 and (st.st_dev, st.st_ino) not in stored:
             shared += 1
         if st.st_mode & 0o222:
             os.chmod(os.path.join(venv, rel), stat.S_IMODE(st.st_mode) & ~0o222)
@@ -126,19 +127,46 @@ def _digest(full, st):
     return record.hash_file(full)[0]
 
 
+def stored(lay, venv):
+    """{absolute path: (digest, size)} of the venv's files that are links to the host's store entry of their
+    RECORD hash: their bytes were hashed on the way into the store, which is immutable since."""
+    site = record.site_packages(venv)
+    out = {}
+    for _, _, info in record.dist_infos(site) if site else []:
+        try:
+            rows = record.entries(site, info, venv)
+        except OSError:
+            continue
+        for _, path, algo, digest, _ in rows:
+            if path is None or algo != "sha256" or not digest:
+                continue
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and store.linked(lay.file_store, path, st, digest):
+                out[path] = (digest, st.st_size)
+    return out
+
+
 def op_seal(lay, a):
     """After the build (which made the files read-only) and its patches (which keep a file's mode): a full check
-    (RECORD and patch hashes, the distributions installed), then the stamp of every file that rollback's quick
-    check compares with."""
+    (RECORD and patch hashes, the distributions installed; files linked from the store are not read again),
+    then the stamp of every file that rollback's quick check compares with, store links marked."""
     gen = generation(lay, a["id"])
     venv = gen.venv
     t0 = time.monotonic()
-    out = full(venv, patched_files(gen), a.get("jobs"), digests=True)
+    patched = patched_files(gen)
+    known = stored(lay, venv)
+    site = record.site_packages(venv)
+    for rel in patched:             # a patched file is the generation's own (the patcher made it so): hashed
+        known.pop(os.path.normpath(os.path.join(site or venv, rel)), None)
+    out = full(venv, patched, a.get("jobs"), digests=True, known=known)
     digests = out.pop("digests")
     files, todo = {}, []
     for rel, st in walk(venv):
         full_path = os.path.join(venv, rel)
-        files[rel] = _signature(st) + [digests.get(full_path)]
+        files[rel] = _signature(st) + [digests.get(full_path), 1 if full_path in known else 0]
         if files[rel][4] is None:
             todo.append((rel, full_path, st))
     with ThreadPoolExecutor(max_workers=a.get("jobs") or record.jobs_default()) as ex:
@@ -148,8 +176,20 @@ def op_seal(lay, a):
     with open(tmp, "w") as f:
         f.write(json.dumps({"venv": venv, "files": files}, separators=(",", ":")))
     os.replace(tmp, gen.stamp)
-    out.update(stamped=len(files), seal_seconds=time.monotonic() - t0)
+    out["files"] -= len(known)              # what was read and hashed; the store's links are counted apart
+    out["bytes"] -= sum(n for _, n in known.values())
+    out.update(stamped=len(files), seal_seconds=time.monotonic() - t0, stored=len(known),
+               stored_bytes=sum(n for _, n in known.values()))
     return out
+
+
+def _moved(path, st, w):
+    """Whether a file's stat differs from its stamp [size, mtime, ctime, inode, digest, stored]. A link to the
+    host's store is judged by size, mtime, inode and its immutable attribute: its ctime moves whenever another
+    generation links or unlinks the same entry."""
+    if len(w) > 5 and w[5]:
+        return [st.st_size, st.st_mtime_ns, st.st_ino] != [w[0], w[1], w[3]] or not store.immutable(path)
+    return _signature(st) != w[:4]
 
 
 def _safe_digest(full_path, st):
@@ -159,11 +199,11 @@ def _safe_digest(full_path, st):
         return None
 
 
-def full(venv, patched, jobs=None, baseline=False, digests=False):
+def full(venv, patched, jobs=None, baseline=False, digests=False, known=None):
     """record.check of the venv with the patched files' hashes in place of RECORD's, as one JSON-able result:
     {dists: {name: {version, files, bytes, changed, missing, outside, overwritten, patched}}, extra, unclaimed_patches,
     files, bytes, seconds, read_seconds?}."""
-    res = record.check(venv, jobs=jobs, expect=patched, baseline=baseline, digests=digests)
+    res = record.check(venv, jobs=jobs, expect=patched, baseline=baseline, digests=digests, known=known)
     dists = {name: {"version": d["version"], "files": d["files"], "bytes": d["bytes"], "changed": d["changed"],
                     "missing": d["missing"], "outside": d["outside"], "overwritten": d["overwritten"],
                     "patched": d["overridden"]}
@@ -251,7 +291,7 @@ def drift(gen, jobs=None, every=False, known=None):
             cached[rel] = st
         elif w is None and sealed:
             extra.append(rel)
-        elif w is not None and (every or _signature(st) != w[:4]):
+        elif w is not None and (every or _moved(os.path.join(venv, rel), st, w)):
             suspects.append((rel, st, w[4]))
     missing = sorted(set(want) - seen)
     known = {os.path.normpath(k): v for k, v in (known or {}).items()}

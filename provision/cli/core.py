@@ -480,7 +480,10 @@ def gc(keep: int = typer.Option(3, "--keep", min=1, help="runnable generations t
     the bytes freed."""
     from .. import generations
 
-    rows = over_hosts(hosts.targets(), lambda tr: generations.gc(tr, keep=keep, dry_run=dry_run), hosts.forks)
+    def said(tr):           # gc's progress on stderr: never silent for more than a few seconds
+        return None if json_out else lambda ev: err_console.print(gc_progress(tr.target.name, ev), markup=False)
+    rows = over_hosts(hosts.targets(), lambda tr: generations.gc(tr, keep=keep, dry_run=dry_run, on_event=said(tr)),
+                      hosts.forks)
     print_rows(rows, lambda r: console.print(gc_text(r.host, r.value), markup=False), json_out)
     exit_for(rows, bad=lambda v: v.get("errors"))    # a removal that failed (what was done is reported)
 
@@ -538,6 +541,14 @@ def playbooks(path: bool = typer.Option(False, "--path", help="print only the di
 def register(app: typer.Typer) -> None:
     for verb in (plan, apply, adopt, rollback, history, status, diff, gc, logs, demo, playbooks):
         app.command()(verb)
+
+
+def gc_progress(host: str, ev: dict) -> str:
+    """One line of gc's progress: its phase, how far, since when."""
+    far = f" {ev['directories']}/{ev['of']} directories" if ev.get("of") else \
+        f" {ev['items']} items" + (f", {ev['store_entries']} store entries" if ev.get("store_entries") else "") \
+        if ev.get("items") is not None else ""
+    return f"{host}: gc {ev.get('phase', '')}{far} ({ev.get('seconds', 0):.1f}s)"
 
 
 def gc_text(host: str, out: dict) -> str:

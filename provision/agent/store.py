@@ -1,0 +1,445 @@
+"""The host's content-addressed file store (stdlib only): one read-only inode per file content, named by the sha256
+its wheel's RECORD gives it, hard-linked by every generation that installed it; immutable where the filesystem and
+privileges allow (FS_IMMUTABLE_FL), so that no write through any of its names reaches the others.
+"""
+import array
+import base64
+import errno
+import fcntl
+import hashlib
+import os
+import stat
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from . import record
+
+GETFLAGS, SETFLAGS, IMMUTABLE = 0x80086601, 0x40086602, 0x10     # linux/fs.h: FS_IOC_[GS]ETFLAGS, FS_IMMUTABLE_FL
+MTIME_NS = 1000000000      # every entry's mtime (1 s, as the Nix store's): a write through a cleared flag moves it
+TMP = ".part-"             # an entry or a link being made: <name>.part-<pid>-<thread>
+_LOCKS = [threading.Lock() for _ in range(64)]      # one inode's flag is toggled by one thread at a time
+
+
+def path_of(files, key, executable=False):
+    """The entry of content `key` (sha256 hex): <files>/<key[:2]>/<key>, `.x` for the executable copy (a hard
+    link shares its mode: a script and a module with the same bytes are two entries)."""
+    return os.path.join(files, key[:2], key + (".x" if executable else ""))
+
+
+def key_of(b64digest):
+    """The hex sha256 of a RECORD digest (urlsafe base64, unpadded), or None for one that is not a sha256."""
+    try:
+        raw = base64.urlsafe_b64decode(b64digest + "=" * (-len(b64digest) % 4))
+    except (ValueError, TypeError):
+        return None
+    return raw.hex() if len(raw) == 32 else None
+
+
+def _tmp(path):
+    return "%s%s%d-%d" % (path, TMP, os.getpid(), threading.get_ident())
+
+
+def _lock(st):
+    return _LOCKS[st.st_ino % len(_LOCKS)]
+
+
+# ------------------------------------------------------------------ the immutable attribute
+
+def flags(fd):
+    buf = array.array("l", [0])
+    fcntl.ioctl(fd, GETFLAGS, buf, True)
+    return buf[0]
+
+
+def set_immutable(fd, on):
+    """Set or clear FS_IMMUTABLE_FL on the open file `fd` (a change of its ctime); returns whether it was set."""
+    was = flags(fd)
+    want = was | IMMUTABLE if on else was & ~IMMUTABLE
+    if want != was:
+        fcntl.ioctl(fd, SETFLAGS, array.array("l", [want]))
+    return bool(was & IMMUTABLE)
+
+
+def immutable(path):
+    """Whether the file at `path` carries the immutable attribute (False where it cannot be asked)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        return bool(flags(fd) & IMMUTABLE)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def unavailable(files, gen_dir):
+    """Why generations under `gen_dir` cannot share immutable store entries under `files` (the attribute needs
+    CAP_LINUX_IMMUTABLE and a filesystem that keeps it; a hard link needs one filesystem), or None when they can."""
+    os.makedirs(files, exist_ok=True)
+    probe, link = _tmp(os.path.join(files, ".probe")), _tmp(os.path.join(gen_dir, ".store-probe"))
+    fd = None
+    try:
+        fd = os.open(probe, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0o444)
+        os.link(probe, link)
+        set_immutable(fd, True)
+        if not flags(fd) & IMMUTABLE:
+            return "the filesystem does not keep the immutable attribute"
+        try:
+            os.unlink(link)
+            return "the filesystem does not enforce the immutable attribute"
+        except PermissionError:
+            return None
+    except OSError as e:
+        if e.errno == errno.EXDEV:
+            return "no hard links from %s to %s (two filesystems)" % (files, gen_dir)
+        if e.errno in (errno.EPERM, errno.EACCES, errno.ENOTTY, errno.EOPNOTSUPP, errno.EINVAL):
+            return "no immutable attribute here: %s" % (
+                "not root" if os.geteuid() else "no CAP_LINUX_IMMUTABLE, or the filesystem refuses it")
+        return "no store: %s" % (e.strerror or e)
+    finally:
+        if fd is not None:
+            try:
+                set_immutable(fd, False)
+            except OSError:
+                pass
+            os.close(fd)
+        for p in (link, probe):
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
+
+
+def unlink(path):
+    """Remove one name; a name of an immutable inode (a store entry or a generation's link to one) loses its flag
+    for the unlink, and the inode gets it back while another name still holds it."""
+    try:
+        os.unlink(path)
+        return
+    except PermissionError:
+        pass
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        with _lock(os.fstat(fd)):
+            was = set_immutable(fd, False)
+            try:
+                os.unlink(path)
+            finally:
+                if was and os.fstat(fd).st_nlink > 0:
+                    set_immutable(fd, True)
+    finally:
+        os.close(fd)
+
+
+def replace(src, dst):
+    """os.replace(src, dst), also where `dst` is a link to an immutable store entry: a patched file (and anything
+    else that must differ per generation) becomes the generation's own, and the store keeps its bytes."""
+    try:
+        os.replace(src, dst)
+        return
+    except PermissionError:
+        pass
+    fd = os.open(dst, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        with _lock(os.fstat(fd)):
+            was = set_immutable(fd, False)
+            try:
+                os.replace(src, dst)
+            finally:
+                if was and os.fstat(fd).st_nlink > 0:
+                    set_immutable(fd, True)
+    finally:
+        os.close(fd)
+
+
+def rmtree(path):
+    """Delete a directory tree whose files may link store entries (see `unlink`); missing is fine."""
+    for d, dirs, names in os.walk(path, topdown=False):
+        for name in names:
+            try:
+                unlink(os.path.join(d, name))
+            except FileNotFoundError:
+                pass
+        for name in dirs:
+            p = os.path.join(d, name)
+            try:
+                unlink(p) if os.path.islink(p) else os.rmdir(p)
+            except FileNotFoundError:
+                pass
+    try:
+        os.rmdir(path) if not os.path.islink(path) else os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+# ------------------------------------------------------------------ a build's files into the store
+
+def _copy_hashing(src, dst):
+    """Copy `src` to a new file `dst`, hashing on the way (one read); returns the sha256 hex."""
+    h = hashlib.sha256()
+    buf = record.buffer()
+    view = memoryview(buf)
+    with open(src, "rb", buffering=0) as s, open(dst, "xb", buffering=0) as d:
+        while True:
+            k = s.readinto(buf)
+            if not k:
+                break
+            h.update(view[:k])
+            d.write(view[:k])
+    return h.hexdigest()
+
+
+def _own_copy(path):
+    """Give `path` an inode of its own (a copy renamed over it), keeping its mode."""
+    tmp = _tmp(path)
+    try:
+        _copy_hashing(path, tmp)
+        os.chmod(tmp, stat.S_IMODE(os.lstat(path).st_mode))
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
+def _open(path):
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+
+
+def _sound(fd, entry, key, size):
+    """Whether an existing entry (open as `fd`) still is what it was entered as: immutable, its mtime the store's,
+    its size; one that is not (a crash between a flag's clearing and setting, or root's deliberate write) is
+    hashed again. Returns its flags, or None when its bytes are not `key`'s."""
+    st, fl = os.fstat(fd), flags(fd)
+    if st.st_size != size:
+        return None
+    if st.st_mtime_ns == MTIME_NS and fl & IMMUTABLE:
+        return fl
+    return fl if record.hash_file(entry)[0] == record.b64digest(bytes.fromhex(key)) else None
+
+
+def _enter(entry, src, key, mode):
+    """A new entry from `src` (copied while hashed). Returns False when the bytes are not `key` (the copy in uv's
+    cache changed): nothing is entered."""
+    os.makedirs(os.path.dirname(entry), exist_ok=True)
+    tmp = _tmp(entry)
+    try:
+        if _copy_hashing(src, tmp) != key:
+            return False
+        os.chmod(tmp, mode)
+        os.utime(tmp, ns=(MTIME_NS, MTIME_NS))
+        try:
+            os.link(tmp, entry)
+        except FileExistsError:
+            pass
+        return True
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
+def _link_group(entry, key, paths):
+    """Every path of one content (same key and mode) becomes a link to its entry, entered first when needed:
+    the entry's attribute off, the links made (each a link to a temp name renamed over the path), then on again.
+    Returns (entered: its bytes, or None when the entry was there, linked [(path, size)], own [(path, size)],
+    evicted)."""
+    size = paths[0][1].st_size
+    mode = stat.S_IMODE(paths[0][1].st_mode) & 0o555
+    entered, evicted = None, 0
+    fd = _open(entry)
+    fl = None if fd is None else _sound(fd, entry, key, size)
+    if fd is not None and fl is None:
+        os.close(fd)
+        fd = None
+        unlink(entry)               # root wrote into it: the generations that link it are drifted, verify names
+        evicted = 1                 # them; from here on the store holds the content its key says
+    if fd is None:
+        if not _enter(entry, paths[0][0], key, mode):
+            for p, st in paths:     # its bytes are not its RECORD's: the seal names it
+                _own_copy(p)
+            return None, [], [(p, st.st_size) for p, st in paths], evicted
+        entered = size
+        fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fl = flags(fd)
+    linked = []
+    try:
+        with _lock(os.fstat(fd)):
+            if fl & IMMUTABLE:
+                fcntl.ioctl(fd, SETFLAGS, array.array("l", [fl & ~IMMUTABLE]))
+            try:
+                if os.fstat(fd).st_mtime_ns != MTIME_NS:      # sound, hashed again: its mtime back too
+                    os.utime(fd, ns=(MTIME_NS, MTIME_NS))
+                for p, st in paths:
+                    tmp = _tmp(p)
+                    os.link(entry, tmp)
+                    os.replace(tmp, p)
+                    linked.append((p, st.st_size))
+            finally:
+                fcntl.ioctl(fd, SETFLAGS, array.array("l", [fl | IMMUTABLE]))
+    finally:
+        os.close(fd)
+    return entered, linked, [], evicted
+
+
+def link_venv(files, venv, jobs=8, every=2.0, progress=None):
+    """After uv hardlinked a venv from its cache: every installed file that has a RECORD sha256 and still shares
+    its inode with uv's cache becomes a link to its store entry (entered, copied while hashed, when new); every
+    other file that shares an inode (no hash, listed twice with two hashes) gets one of its own. What uv wrote
+    itself (RECORD, INSTALLER, direct_url.json, scripts, pyvenv.cfg) is the generation's own already.
+    Returns {linked, linked_bytes, entered, entered_bytes, own, own_bytes, evicted, seconds, inodes}."""
+    t0 = time.monotonic()
+    site = record.site_packages(venv)
+    rows = {}
+    for _, _, info in record.dist_infos(site) if site else []:
+        try:
+            listed = record.entries(site, info, venv)
+        except OSError:
+            continue
+        for rel, full, algo, digest, _ in listed:
+            if full is not None:
+                rows.setdefault(full, set()).add(key_of(digest) if algo == "sha256" and digest else None)
+    groups = {}
+    for full, keys in rows.items():
+        key = next(iter(keys)) if len(keys) == 1 else None
+        try:
+            st = os.lstat(full)
+        except OSError:
+            continue
+        if key and stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+            groups.setdefault(path_of(files, key, bool(st.st_mode & 0o111)), (key, []))[1].append((full, st))
+    out = {"linked": 0, "linked_bytes": 0, "entered": 0, "entered_bytes": 0, "own": 0, "own_bytes": 0,
+           "evicted": 0}
+    last = [time.monotonic()]
+    done = []
+
+    def chunk(items):
+        return [_link_group(entry, key, paths) for entry, (key, paths) in items]
+
+    work = sorted(groups.items())
+    chunks = [work[i:i + 256] for i in range(0, len(work), 256)]      # a pool task per 256 contents, not per file
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        for entered, linked, own, evicted in (r for rs in pool.map(chunk, chunks) for r in rs):
+            if entered is not None:
+                out["entered"] += 1
+                out["entered_bytes"] += entered
+            out["linked"] += len(linked)
+            out["linked_bytes"] += sum(n for _, n in linked)
+            out["own"] += len(own)
+            out["own_bytes"] += sum(n for _, n in own)
+            out["evicted"] += evicted
+            done.append(1)
+            if progress and time.monotonic() - last[0] >= every:
+                last[0] = time.monotonic()
+                progress(done=len(done), total=len(groups), seconds=last[0] - t0)
+    inodes = set()
+    for entry in groups:
+        try:
+            st = os.lstat(entry)
+            inodes.add((st.st_dev, st.st_ino))
+        except OSError:
+            pass
+    for rel, st in _files(venv):            # whatever still shares uv's inode: the generation's own copy
+        if stat.S_ISREG(st.st_mode) and st.st_nlink > 1 and (st.st_dev, st.st_ino) not in inodes:
+            _own_copy(os.path.join(venv, rel))
+            out["own"] += 1
+            out["own_bytes"] += st.st_size
+    out["seconds"] = round(time.monotonic() - t0, 3)
+    out["inodes"] = inodes
+    return out
+
+
+def _files(top):
+    """(path under `top`, lstat) of every non-directory under it."""
+    for d, dirs, names in os.walk(top):
+        for name in names:
+            p = os.path.join(d, name)
+            try:
+                yield os.path.relpath(p, top), os.lstat(p)
+            except OSError:
+                continue
+
+
+def linked(files, path, st, b64digest):
+    """Whether the file at `path` (lstat `st`) is the store's entry for its RECORD digest: then its bytes were
+    hashed on their way in and cannot have changed since, short of root clearing the attribute."""
+    key = key_of(b64digest or "")
+    if not key or st.st_nlink < 2:
+        return False
+    try:
+        e = os.lstat(path_of(files, key, bool(st.st_mode & 0o111)))
+    except OSError:
+        return False
+    return (e.st_dev, e.st_ino) == (st.st_dev, st.st_ino)
+
+
+# ------------------------------------------------------------------ gc
+
+def entries(files):
+    """(path, lstat) of every entry of the store (what a killed build left half-made included)."""
+    for sub in sorted(os.listdir(files)) if os.path.isdir(files) else []:
+        d = os.path.join(files, sub)
+        if len(sub) != 2 or os.path.islink(d) or not os.path.isdir(d):
+            continue
+        for name in os.listdir(d):
+            p = os.path.join(d, name)
+            try:
+                yield p, os.lstat(p)
+            except OSError:
+                continue
+
+
+# ------------------------------------------------------------------ what a build here will get (for the plan)
+
+REFLINK_FS = ("btrfs", "xfs", "bcachefs", "ocfs2")      # clone files copy-on-write (xfs: made with reflink=1)
+IMMUTABLE_FS = ("ext2", "ext3", "ext4", "f2fs", "jfs", "tmpfs", "btrfs", "xfs", "bcachefs")
+CAP_LINUX_IMMUTABLE = 9
+
+
+def fs_type(path):
+    """The filesystem type of the mount holding `path` (or its nearest existing parent), from /proc/self/mounts."""
+    while not os.path.exists(path):
+        path = os.path.dirname(path) or "/"
+    real, best, kind = os.path.realpath(path), "", None
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, kind = mnt, parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+def may_set_immutable():
+    """Whether this process holds CAP_LINUX_IMMUTABLE (its effective capabilities, /proc/self/status)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_LINUX_IMMUTABLE & 1)
+    except (OSError, ValueError):
+        pass
+    return os.geteuid() == 0
+
+
+def expected(root):
+    """(isolation, why not the store or None) a build under `root` will get, judged without writing anything: the
+    filesystem's type and this process's capabilities. The build probes for itself (build.isolation) and reports
+    what it got."""
+    kind = fs_type(root)
+    if kind in REFLINK_FS:
+        return "reflink", None
+    if not may_set_immutable():
+        return "copy", "no immutable attribute here: %s" % ("not root" if os.geteuid() else "no CAP_LINUX_IMMUTABLE")
+    if kind not in IMMUTABLE_FS:
+        return "copy", "no immutable attribute on %s" % (kind or "this filesystem")
+    return "store", None
