@@ -188,9 +188,14 @@ class LoopbackHost:
         self.proc.wait()
 
     def cleanup(self) -> None:
+        from .agent import store
+
         self.stop()
         self._drop_netns()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            store.rmtree(str(self.dir))        # the host root's store links are immutable: rmtree alone fails
+        except OSError:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def _drop_netns(self) -> None:
         if self.netns:
