@@ -74,35 +74,41 @@ class ActionModule(ActionBase):
             if args["root"]:
                 t.vars["provision_root"] = args["root"]
             if "provision_root" in t.vars:
-                check_root(t.vars["provision_root"], "root" if args["root"] else f"{where}: host {host}: provision_root")
+                check_root(t.vars["provision_root"], f"{where}: host {host}: " + ("root" if args["root"] else
+                                                                                 "provision_root"))
             if self._play_context.timeout:
                 t.timeout = float(self._play_context.timeout)
         except InputError as e:
             return dict(result, failed=True, msg=str(e).replace("--python: ", "python: "))
-        tr = connect(t)
+
+        def staged() -> None:           # the gate, under the host lock just before `current` would move
+            raise Halted(STAGED, where=host)
+        tr = None
         try:
+            tr = connect(t)
             if self._task.check_mode:
                 plan = plan_host(tr, lock, interpreter=python)
                 return dict(result, changed=not plan.noop, status="noop" if plan.noop else "planned",
                             generation=plan.base if plan.noop else plan.reuse, previous=plan.base,
                             plan=_plan_of(plan.to_json()))
-
-            def staged() -> None:       # the gate, under the host lock just before `current` would move
-                raise Halted(STAGED, where=host)
-            try:
-                rep = applymod.apply(tr, lock, skip_probes=args["skip_probes"], installer=args["installer"],
-                                     interpreter=python, gate=staged, progress=_progress(host))
-            except ProvisionError as e:
-                rep = getattr(e, "report", None)
-                if rep is None or rep.status != "stopped":
-                    out = dict(_result_of(rep), failed=True, msg=str(e)) if rep is not None else \
-                        dict(failed=True, msg=str(e))
-                    return dict(result, **out)
-        except ProvisionError as e:      # the host unreachable, or its plan refused, before an apply began
-            return dict(result, failed=True, msg=str(e))
+            rep = applymod.apply(tr, lock, skip_probes=args["skip_probes"], installer=args["installer"],
+                                 interpreter=python, gate=staged, progress=_progress(host))
+            failed = None
+        except ProvisionError as e:     # stopped at the gate (the one way it ends well), failed, or never started
+            rep, failed = getattr(e, "report", None), str(e)
+            if rep is None:
+                return dict(result, failed=True, msg=failed)
+            if rep.status == "stopped":
+                failed = None
         finally:
-            tr.close()
-        return dict(result, **_result_of(rep), changed=rep.status == "stopped" and (rep.plan or {}).get("action") == "build")
+            if tr is not None:
+                tr.close()
+        for w in rep.warnings:
+            display.warning(f"{host}: {w}")
+        if failed:
+            return dict(result, **_result_of(rep), failed=True, msg=failed)
+        return dict(result, **_result_of(rep),
+                    changed=rep.status == "stopped" and (rep.plan or {}).get("action") == "build")
 
 
 def _plan_of(plan: dict | None) -> dict | None:
@@ -120,7 +126,7 @@ def _result_of(rep) -> dict:
             "probes": {k: probes.get(k) for k in ("status", "summary", "failed")} if probes else None,
             "steps": [{"name": s.name, "status": s.status, "seconds": round(s.seconds, 3), "detail": s.detail}
                       for s in rep.steps],
-            "seconds": round(rep.seconds, 3), "warnings": list(rep.warnings)}
+            "seconds": round(rep.seconds, 3), "warned": list(rep.warnings)}
 
 
 def _progress(host: str):

@@ -54,6 +54,7 @@ steps: {description: each step run (name, status, seconds, detail), type: list}
 failed_step: {description: on failure - the step that failed, type: str}
 run_dir: {description: the build's run directory on the host, type: str}
 seconds: {description: seconds the apply took, type: float}
+warned: {description: what the apply warned of (each also shown as an Ansible warning), type: list}
 """
 
 from ansible.module_utils.basic import AnsibleModule
