@@ -15,7 +15,7 @@ from provision import apply as applymod, lock as lockmod
 from provision.inventory import load_inventory
 from test_core import cli
 from test_fleet_canary import arm, faulty_smi
-from test_playbooks import ansible_playbook, results
+from test_playbooks import ansible_playbook, playbook_dir, results
 from wheelhouse import write_lock
 
 HOSTS = ["a1", "a2", "a3"]
@@ -132,6 +132,24 @@ def test_a_failed_probe_in_a_batch_switches_no_host_of_it_and_stops_the_play(sit
         assert sorted(os.listdir(roots[h] / "generations")) == ["0001-stack-a"], h
         assert json.loads(cli("history", h, "-i", inv, "--known-hosts", kh, "--json", check=0).stdout)[
             "events"][-1]["event"] == "apply", h
+
+    (smi.parent / "fault").unlink()                   # the GPU mended: the same play again finishes the rollout
+    p = play(inv, kh, "-e", f"lock={b}", "-e", "serial=2,100%", "--limit", ":".join(CANARY))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    staged = results(p, "stage")
+    assert (staged["c1"]["plan"]["action"], staged["c1"]["generation"], staged["c1"]["changed"]) == \
+        ("reuse", "0002-stack-b", False), staged["c1"]                  # the kept one, checked and probed again
+    assert [st["name"] for st in staged["c1"]["steps"]] == ["recover", "facts", "plan", "check", "probe"]
+    assert {h: staged[h]["generation"] for h in CANARY} == {"c1": "0002-stack-b", "c2": "0003-stack-b",
+                                                            "c3": "0002-stack-b", "c4": "0002-stack-b"}
+    assert {h: current(roots, h) for h in CANARY} == {h: staged[h]["generation"] for h in CANARY}
+
+
+def test_apply_playbook_ships_with_its_module_and_action_plugin():
+    d = playbook_dir()
+    for f in ("apply.yml", "library/provision_apply.py", "action_plugins/provision_apply.py"):
+        assert (d / f).is_file(), f
+    assert "apply.yml" in cli("playbooks", check=0).stdout
 
 
 def test_a_bad_lock_fails_the_task_in_one_line_naming_its_file(site, tmp_path):
