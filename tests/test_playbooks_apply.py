@@ -184,3 +184,16 @@ def test_check_mode_plans_only(site, wheels, tmp_path):
     assert "TASK [switch]" in p.stdout and "changed: [a2]" not in p.stdout.split("TASK [switch]")[1]
     assert (roots["a2"] / "history.jsonl").read_bytes() == history
     assert not any("stack-c" in g for g in os.listdir(roots["a2"] / "generations"))
+
+
+def test_apply_playbook_over_a_local_connection_is_provision_apply_local(wheels, tmp_path):
+    """`ansible_connection=local` is `--local`: the host is this machine, its root the inventory's."""
+    root = tmp_path / "root"
+    inv = tmp_path / "inv"
+    inv.write_text(f"gpu ansible_connection=local provision_root={root} ansible_python_interpreter=/usr/bin/python3\n")
+    a = write_lock(tmp_path / "a.yaml", "stack-a", [wheels["alpha-1.0"]])
+    p = ansible_playbook(inv, "apply.yml", "-e", f"lock={a}")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert (results(p, "stage")["gpu"]["status"], results(p, "switch")["gpu"]["to"]) == ("stopped", "0001-stack-a")
+    st = json.loads(cli("status", "--local", "--root", root, "--json", check=0).stdout)[0]["result"]
+    assert (st["current"], st["lock"]) == ("0001-stack-a", "stack-a"), st
