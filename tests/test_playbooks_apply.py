@@ -90,6 +90,13 @@ def test_apply_playbook_gives_each_host_the_generation_provision_apply_gives(sit
     cli("apply", BY_CLI, "-i", inv, "--known-hosts", kh, "--lock", b, check=0)
     theirs = manifest(roots, BY_CLI, "0002-stack-b")
     assert current(roots, BY_CLI) == "0002-stack-b" and theirs["status"] == "ready"
+    status = {r["host"]: r["result"] for r in json.loads(
+        cli("status", "-i", inv, "--known-hosts", kh, "--limit", f"{limit}:{BY_CLI}", "--json", check=0).stdout)}
+    def seen(row: dict) -> tuple:         # what status shows of a host, less times and sizes
+        return (row["current"], row["lock"], row["broken"], row["probe"]["status"], row["probe"]["summary"],
+                row["verify"]["verdict"], row["verify"]["files"], row["generations"], row["ready"],
+                row["last_attempt"])
+    assert {h: seen(status[h]) for h in HOSTS} == {h: seen(status[BY_CLI]) for h in HOSTS}
     for h in HOSTS:
         ours = manifest(roots, h, "0002-stack-b")
         assert {k: ours.get(k) for k in SAME} == {k: theirs.get(k) for k in SAME}, h
