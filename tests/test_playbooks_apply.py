@@ -13,6 +13,7 @@ import pytest
 
 from provision import apply as applymod, lock as lockmod
 from provision.inventory import load_inventory
+from provision.loopback import free_port
 from test_core import cli
 from test_fleet_canary import arm, faulty_smi
 from test_playbooks import ansible_playbook, playbook_dir, results
@@ -177,6 +178,18 @@ def test_a_bad_lock_fails_the_task_in_one_line_naming_its_file(site, tmp_path):
     line = said["msg"].removeprefix(f"{bad}:").split(":")[0]
     assert line.isdigit(), said["msg"]                                   # file:line
     assert (roots["a1"] / "history.jsonl").read_bytes() == history
+
+
+def test_a_host_not_reached_is_unreachable_and_the_others_go_on(site, tmp_path):
+    inv, roots, kh, b, _ = site
+    with_dead = tmp_path / "inv.yml"
+    with_dead.write_text(inv.read_text() + f"    dead: {{ansible_port: {free_port()}, provision_root: {tmp_path / 'r'}}}\n")
+    p = play(with_dead, kh, "-e", f"lock={b}", "--limit", "a3:dead", "--check")
+    assert p.returncode == 4, p.stdout[-3000:] + p.stderr[-3000:]        # Ansible's exit for unreachable hosts
+    said = results(p, "stage")
+    assert said["dead"]["unreachable"] is True and said["dead"]["msg"].startswith("dead: "), said["dead"]
+    assert "\n" not in said["dead"]["msg"] and (said["a3"]["status"], said["a3"]["changed"]) == ("noop", False)
+    assert "dead                       : ok=0    changed=0    unreachable=1" in p.stdout, p.stdout[-1000:]
 
 
 def test_check_mode_plans_only(site, wheels, tmp_path):

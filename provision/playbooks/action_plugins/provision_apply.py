@@ -83,9 +83,11 @@ class ActionModule(ActionBase):
 
         def staged() -> None:           # the gate, under the host lock just before `current` would move
             raise Halted(STAGED, where=host)
-        tr = None
         try:
             tr = connect(t)
+        except ProvisionError as e:     # not reached (as provision's fleets count it): Ansible's unreachable
+            return dict(result, unreachable=True, msg=str(e))
+        try:
             if self._task.check_mode:
                 plan = plan_host(tr, lock, interpreter=python)
                 return dict(result, changed=not plan.noop, status="noop" if plan.noop else "planned",
@@ -94,15 +96,14 @@ class ActionModule(ActionBase):
             rep = applymod.apply(tr, lock, skip_probes=args["skip_probes"], installer=args["installer"],
                                  interpreter=python, gate=staged, progress=_progress(host))
             failed = None
-        except ProvisionError as e:     # stopped at the gate (the one way it ends well), failed, or never started
+        except ProvisionError as e:     # stopped at the gate (the one way it ends well), or failed
             rep, failed = getattr(e, "report", None), str(e)
             if rep is None:
                 return dict(result, failed=True, msg=failed)
             if rep.status == "stopped":
                 failed = None
         finally:
-            if tr is not None:
-                tr.close()
+            tr.close()
         for w in rep.warnings:
             display.warning(f"{host}: {w}")
         if failed:
