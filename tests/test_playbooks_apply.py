@@ -118,8 +118,9 @@ def test_apply_playbook_gives_each_host_the_generation_provision_apply_gives(sit
 
 
 def test_a_failed_probe_in_a_batch_switches_no_host_of_it_and_stops_the_play(site):
-    """serial 2,100% (batches c1 c2, then c3 c4), max_fail 0: c2 fails its probes; c1, its partner in batch 1, passed its own and keeps `current`
-    (its new generation built, probed, not current); batch 2 (c3 c4) never starts; ansible-playbook fails."""
+    """serial 2,100% (batches c1 c2, then c3 c4), max_fail 0: c2 fails its probes; c1, its partner in batch 1,
+    passed its own and keeps `current` (its new generation built, probed, not current); batch 2 (c3 c4) never
+    starts; ansible-playbook fails. Run again once the GPU is mended, the play finishes the rollout."""
     inv, roots, kh, b, smi = site
     arm(smi)
     p = play(inv, kh, "-e", f"lock={b}", "-e", "serial=2,100%", "-e", "max_fail=0", "--limit", ":".join(CANARY))
@@ -183,7 +184,7 @@ def test_a_bad_lock_fails_the_task_in_one_line_naming_its_file(site, tmp_path):
 def test_a_host_not_reached_is_unreachable_and_the_others_go_on(site, tmp_path):
     inv, roots, kh, b, _ = site
     with_dead = tmp_path / "inv.yml"
-    with_dead.write_text(inv.read_text() + f"    dead: {{ansible_port: {free_port()}, provision_root: {tmp_path / 'r'}}}\n")
+    with_dead.write_text(inv.read_text() + f"    dead: {{ansible_port: {free_port()}, provision_root: {tmp_path}}}\n")
     p = play(with_dead, kh, "-e", f"lock={b}", "--limit", "a3:dead", "--check")
     assert p.returncode == 4, p.stdout[-3000:] + p.stderr[-3000:]        # Ansible's exit for unreachable hosts
     said = results(p, "stage")
@@ -204,6 +205,13 @@ def test_check_mode_plans_only(site, wheels, tmp_path):
     assert "TASK [switch]" in p.stdout and "changed: [a2]" not in p.stdout.split("TASK [switch]")[1]
     assert (roots["a2"] / "history.jsonl").read_bytes() == history
     assert not any("stack-c" in g for g in os.listdir(roots["a2"] / "generations"))
+
+    far = write_lock(tmp_path / "far.yaml", "stack-far", [wheels["alpha-1.0"]], python="3.99")
+    p = play(inv, kh, "-e", f"lock={far}", "--limit", "a2", "--check")        # apply would refuse: so does --check
+    said = results(p, "stage")["a2"]
+    assert p.returncode == 2 and said["_said"] == "fatal" and said["status"] == "planned", said
+    assert said["msg"].startswith("a2: host has no working Python 3.99") and "\n" not in said["msg"], said["msg"]
+    assert said["msg"].removeprefix("a2: ").split(" (+")[0] == said["plan"]["errors"][0], said
 
 
 def test_apply_playbook_over_a_local_connection_is_provision_apply_local(wheels, tmp_path):

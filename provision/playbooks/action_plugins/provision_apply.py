@@ -88,11 +88,15 @@ class ActionModule(ActionBase):
         except ProvisionError as e:     # not reached (as provision's fleets count it): Ansible's unreachable
             return dict(result, unreachable=True, msg=str(e))
         try:
-            if self._task.check_mode:
+            if self._task.check_mode:    # the plan; its fatal findings fail the task, as apply would refuse
                 plan = plan_host(tr, lock, interpreter=python)
-                return dict(result, changed=not plan.noop, status="noop" if plan.noop else "planned",
-                            generation=plan.base if plan.noop else plan.reuse, previous=plan.base,
-                            plan=_plan_of(plan.to_json()))
+                out = dict(result, changed=not plan.noop, status="noop" if plan.noop else "planned",
+                           generation=plan.base if plan.noop else plan.reuse, previous=plan.base,
+                           plan=_plan_of(plan.to_json()))
+                if plan.errors and not plan.noop:
+                    more = f" (+{len(plan.errors) - 1} more)" if len(plan.errors) > 1 else ""
+                    out.update(failed=True, msg=f"{host}: {plan.errors[0]}{more}")
+                return out
             rep = applymod.apply(tr, lock, skip_probes=args["skip_probes"], installer=args["installer"],
                                  interpreter=python, gate=staged, progress=_progress(host))
             failed = None
