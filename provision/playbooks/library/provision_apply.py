@@ -15,7 +15,9 @@ description:
     no host.
   - A host that already runs the lock is a noop. A failed step fails the task with the one line `provision apply`
     prints; `current` is left as it was.
-  - Check mode makes the plan only (the host's facts against the lock); nothing on the host changes.
+  - Check mode makes the plan only (the host's facts against the lock); nothing on the host changes. A plan that
+    apply would refuse (a fatal preflight finding) fails the task with its line.
+  - A host provision's connection cannot reach is unreachable, as Ansible counts it.
 options:
   lock:
     description: The lockfile to apply (a path on the controller).
