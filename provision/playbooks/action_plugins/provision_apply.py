@@ -1,0 +1,144 @@
+"""Controller side of provision_apply: `provision.apply.apply` of this host, reached as the inventory names it, halted
+by its gate just before the switch (the new generation kept, probed and runnable); the play's next task switches."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from ansible.plugins.action import ActionBase
+from ansible.utils.display import Display
+
+try:
+    import provision  # noqa: F401 - the package these playbooks ship in
+except ImportError:      # an ansible-playbook from another environment: the package beside this directory
+    sys.path.append(str(Path(__file__).resolve().parents[3]))
+
+display = Display()
+STAGED = "staged: the play switches it once every host of its batch has passed its probes"
+
+
+def _spec() -> dict:
+    """The module's declared arguments (library/provision_apply.py), the one statement of them."""
+    path = Path(__file__).resolve().parents[1] / "library" / "provision_apply.py"
+    spec = importlib.util.spec_from_file_location("provision_apply_module", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.ARGUMENT_SPEC
+
+
+class _HostVars:
+    """The task's variables as the inventory names the host, each rendered by Ansible when read (what `_target`
+    reads of them), with what the command line set (`-c local`, `-u`, `--private-key`, `--become`) where they
+    say nothing."""
+
+    def __init__(self, templar, task_vars: dict, play_context):
+        self.templar, self.vars, self.given = templar, task_vars, {}
+        pc = play_context
+        for key, value in (("ansible_connection", "local" if pc.connection == "local" else None),
+                           ("ansible_user", pc.remote_user), ("ansible_ssh_private_key_file", pc.private_key_file),
+                           ("ansible_become", True if pc.become else None),
+                           ("ansible_become_user", pc.become_user if pc.become else None)):
+            if value is not None:
+                self.given[key] = value
+
+    def get(self, key: str, default=None):
+        if key in self.vars:
+            return self.templar.template(self.vars[key])
+        return self.given.get(key, default)
+
+
+class ActionModule(ActionBase):
+    _supports_check_mode = True
+    _supports_async = False
+    TRANSFERS_FILES = False
+
+    def run(self, tmp=None, task_vars=None):
+        from provision import apply as applymod, lock as lockmod
+        from provision.errors import Halted, InputError, ProvisionError
+        from provision.facts import interpreter_arg
+        from provision.inventory import _target
+        from provision.plan import plan_host
+        from provision.transport import DEFAULT_KNOWN_HOSTS, check_root, connect
+
+        result = super().run(tmp, task_vars)
+        task_vars = task_vars or {}
+        _, args = self.validate_argument_spec(argument_spec=_spec())
+        host = task_vars.get("inventory_hostname", "host")
+        try:
+            lock = lockmod.load(args["lock"])
+            python = interpreter_arg(args["python"])
+            where = str(task_vars.get("inventory_file") or "inventory")
+            t = _target(host, _HostVars(self._templar, task_vars, self._play_context),
+                        Path(args["known_hosts"] or DEFAULT_KNOWN_HOSTS), where)
+            if args["root"]:
+                t.vars["provision_root"] = args["root"]
+            if "provision_root" in t.vars:
+                check_root(t.vars["provision_root"], f"{where}: host {host}: " + ("root" if args["root"] else
+                                                                                 "provision_root"))
+            if self._play_context.timeout:
+                t.timeout = float(self._play_context.timeout)
+        except InputError as e:
+            return dict(result, failed=True, msg=str(e).replace("--python: ", "python: "))
+
+        def staged() -> None:           # the gate, under the host lock just before `current` would move
+            raise Halted(STAGED, where=host)
+        try:
+            tr = connect(t)
+        except ProvisionError as e:     # not reached (as provision's fleets count it): Ansible's unreachable
+            return dict(result, unreachable=True, msg=str(e))
+        try:
+            if self._task.check_mode:    # the plan; its fatal findings fail the task, as apply would refuse
+                plan = plan_host(tr, lock, interpreter=python)
+                out = dict(result, changed=not plan.noop, status="noop" if plan.noop else "planned",
+                           generation=plan.base if plan.noop else plan.reuse, previous=plan.base,
+                           plan=_plan_of(plan.to_json()))
+                if plan.errors and not plan.noop:
+                    more = f" (+{len(plan.errors) - 1} more)" if len(plan.errors) > 1 else ""
+                    out.update(failed=True, msg=f"{host}: {plan.errors[0]}{more}")
+                return out
+            rep = applymod.apply(tr, lock, skip_probes=args["skip_probes"], installer=args["installer"],
+                                 interpreter=python, gate=staged, progress=_progress(host))
+            failed = None
+        except ProvisionError as e:     # stopped at the gate (the one way it ends well), or failed
+            rep, failed = getattr(e, "report", None), str(e)
+            if rep is None:
+                return dict(result, failed=True, msg=failed)
+            if rep.status == "stopped":
+                failed = None
+        finally:
+            tr.close()
+        for w in rep.warnings:
+            display.warning(f"{host}: {w}")
+        if failed:
+            return dict(result, **_result_of(rep), failed=True, msg=failed)
+        return dict(result, **_result_of(rep),
+                    changed=rep.status == "stopped" and (rep.plan or {}).get("action") == "build")
+
+
+def _plan_of(plan: dict | None) -> dict | None:
+    """What the task says of the plan: its action and summary line, the base, the generation reused, findings."""
+    if plan is None:
+        return None
+    return {k: plan.get(k) for k in ("action", "summary", "base", "reuse", "warnings", "errors")}
+
+
+def _result_of(rep) -> dict:
+    """The task's result from an ApplyReport."""
+    probes = rep.probes or {}
+    return {"status": rep.status, "generation": rep.generation, "previous": rep.previous,
+            "plan": _plan_of(rep.plan), "failed_step": rep.failed_step, "run_dir": rep.run_dir,
+            "probes": {k: probes.get(k) for k in ("status", "summary", "failed")} if probes else None,
+            "steps": [{"name": s.name, "status": s.status, "seconds": round(s.seconds, 3), "detail": s.detail}
+                      for s in rep.steps],
+            "seconds": round(rep.seconds, 3), "warned": list(rep.warnings)}
+
+
+def _progress(host: str):
+    """Each step as `provision apply` reports it, one line at -vv; a step that waits on its host at -v."""
+    def said(step: str, state: str, detail: str) -> None:
+        if state == "wait":
+            display.v(detail, host=host)
+        elif state in ("done", "fail"):
+            display.vv(f"{step} {state}{': ' + detail if detail else ''}", host=host)
+    return said
