@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import subprocess
 from datetime import datetime
 from pathlib import Path
 
@@ -35,6 +36,7 @@ def test_verify_playbook_fails_the_drifted_host_naming_its_file_as_provision_ver
 
     victim = site(roots["p2"], "0002-stack-b") / "alpha" / "__init__.py"
     text = victim.read_text()
+    subprocess.run(["chattr", "-i", str(victim)], check=True)     # root, deliberately: the store's entry
     os.chmod(victim, 0o644)
     victim.write_text(text + "TAMPERED = 1\n")
     try:
@@ -61,6 +63,7 @@ def test_verify_playbook_fails_the_drifted_host_naming_its_file_as_provision_ver
     finally:
         victim.write_text(text)
         os.chmod(victim, 0o444)
+        subprocess.run(["chattr", "+i", str(victim)], check=True)
 
 
 def test_verify_playbook_names_an_unknown_generation(fleet):

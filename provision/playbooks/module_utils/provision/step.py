@@ -74,8 +74,17 @@ def _stdout_to(f):
         os.close(saved)
 
 
+RESERVED = ("changed", "failed", "error", "msg", "warnings", "deprecations")   # keys Ansible gives a meaning
+
+
 def finish(module, reply, changed=False):
-    """exit_json with the agent's reply, or fail_json with its one-line error."""
+    """exit_json with the agent's reply, or fail_json with its one-line error; the agent's warnings become the
+    module's own (module.warn), under `agent_warnings` in the result too."""
+    for w in reply.get("warnings") or []:
+        module.warn(str(w))
+    rest = {k: v for k, v in reply.items() if k not in RESERVED}
+    if reply.get("warnings"):
+        rest["agent_warnings"] = reply["warnings"]
     if reply.get("error"):
-        module.fail_json(msg=str(reply["error"]), **{k: v for k, v in reply.items() if k not in ("error", "msg")})
-    module.exit_json(changed=changed, **{k: v for k, v in reply.items() if k not in ("changed", "failed")})
+        module.fail_json(msg=str(reply["error"]), **rest)
+    module.exit_json(changed=changed, **rest)
