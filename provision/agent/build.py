@@ -11,7 +11,6 @@ import hashlib
 import http.client
 import io
 import json
-import mmap
 import os
 import queue
 import random
@@ -30,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..layout import Generation, cache_entry
 from . import store as filestore
-from .host import AgentError, disk_full, ensure_root, event, inside
+from .host import AgentError, disk_full, ensure_root, event, inside, thread_buffer
 from .verify import read_only
 
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -207,17 +206,6 @@ RETRY_AFTER_CAP = 60.0  # the most a server's Retry-After is honoured
 REDIRECTS = 5
 ALIGN = 4096            # O_DIRECT: offsets, lengths and buffers in whole blocks of this size
 READBACK = 8 << 20      # bytes read back per call, to hash what was written ahead of the hashed prefix
-_BUFFERS = threading.local()
-
-
-def _buffer(name, size):
-    """This thread's page-aligned buffer `name` (anonymous memory, mapped once per thread and reused): what an
-    O_DIRECT read or write needs, and no fresh page per byte."""
-    buf = getattr(_BUFFERS, name, None)
-    if buf is None or len(buf) < size:
-        buf = memoryview(mmap.mmap(-1, size))
-        setattr(_BUFFERS, name, buf)
-    return buf
 
 
 class Transient(Exception):
@@ -490,7 +478,7 @@ class Download:
         """Hash the next bytes of [hashed, hi) as read back from the file: whole blocks with O_DIRECT where it
         can (bytes written past the page cache are not read into it), else through the page cache; returns how
         many."""
-        buf, at = _buffer("readback", READBACK), self.hashed
+        buf, at = thread_buffer("readback", READBACK), self.hashed
         n = min(READBACK, hi - at)
         if at % ALIGN:
             n = min(n, ALIGN - at % ALIGN)                  # up to the next block boundary
@@ -731,7 +719,7 @@ class Fetcher:
         """Read the reply into the file at the piece's offsets (after `skip` bytes already there). Reads land at
         the start of this thread's buffer and, past a cut at an odd offset, end on a block boundary, so that
         what follows goes to the disk in whole blocks."""
-        view = _buffer("body", CHUNK)
+        view = thread_buffer("body", CHUNK)
         while piece.end is None or piece.pos < piece.end:
             if self.abort.is_set() or dl.error:
                 raise Aborted()

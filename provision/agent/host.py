@@ -7,6 +7,7 @@ operation under `op`. See `agent/__init__.py`.
 import fcntl
 import importlib
 import json
+import mmap
 import os
 import re
 import select
@@ -57,6 +58,19 @@ class AgentError(Exception):
 
 
 # ------------------------------------------------------------------ entry
+
+_BUFFERS = threading.local()
+
+
+def thread_buffer(name, size):
+    """This thread's page-aligned buffer `name` of at least `size` bytes (anonymous memory, mapped once per thread
+    and reused for every file it reads): no fresh page per byte, and what an O_DIRECT read or write needs."""
+    buf = getattr(_BUFFERS, name, None)
+    if buf is None or len(buf) < size:
+        buf = memoryview(mmap.mmap(-1, size))
+        setattr(_BUFFERS, name, buf)
+    return buf
+
 
 def bundle_of(files):
     """The agents' bundle of `files` {path: source}: what BOOT reads back (zlib, then base64 of the JSON)."""

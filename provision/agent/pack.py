@@ -23,7 +23,7 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolE
 
 from ..layout import Generation, Layout
 from . import record
-from .host import AgentError, inside, read_json
+from .host import AgentError, inside, read_json, thread_buffer
 
 # what installers write into a dist-info (and the signature of the RECORD written anew)
 DROPPED = ("INSTALLER", "REQUESTED", "direct_url.json", "uv_cache.json", "RECORD", "RECORD.jws", "RECORD.p7s")
@@ -220,7 +220,6 @@ AHEAD = 4             # threads of each wheel's task that ask the kernel to read
 # Unless told a level, every member is stored: the same generation packs to the same bytes on every host, at the
 # speed of reading it (deflate at level 1 costs about 10 CPU-seconds per GB: several times the read on a small host).
 DEFAULT_LEVEL = 0
-_BUF = threading.local()
 
 
 def deflate(data, level, last=True):
@@ -276,10 +275,7 @@ def crc32_combine(crc1, crc2, len2):
 
 def big_buffer():
     """This worker's buffer of SPLIT bytes (reused: a fresh one per file would cost its page faults)."""
-    buf = getattr(_BUF, "buf", None)
-    if buf is None:
-        buf = _BUF.buf = bytearray(SPLIT)
-    return buf
+    return thread_buffer("big", SPLIT)[:SPLIT]
 
 
 def read_whole(path):

@@ -14,7 +14,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from .host import event, norm
+from .host import event, norm, thread_buffer
 
 CHUNK = 1 << 20
 # What `uv venv` itself writes into site-packages (no distribution's RECORD lists them): not extra.
@@ -60,15 +60,9 @@ def b64digest(raw):
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
 
 
-_BUF = threading.local()
-
-
 def buffer():
-    """This thread's read buffer (one per thread, reused for every file it reads)."""
-    buf = getattr(_BUF, "buf", None)
-    if buf is None:
-        buf = _BUF.buf = bytearray(CHUNK)
-    return buf
+    """This thread's read buffer of CHUNK bytes (one per thread, reused for every file it reads)."""
+    return thread_buffer("read", CHUNK)[:CHUNK]
 
 
 def hash_file(path):

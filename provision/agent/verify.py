@@ -366,7 +366,7 @@ def sealed_files(gen):
     if not isinstance(files, dict):
         return []
     return [os.path.normpath(os.path.join(gen.venv, rel)) for rel, sig in files.items()
-            if isinstance(sig, list) and len(sig) == 5 and isinstance(sig[4], str) and not sig[4].startswith("->")]
+            if isinstance(sig, list) and len(sig) >= 5 and isinstance(sig[4], str) and not sig[4].startswith("->")]
 
 
 def quick(lay, gen_id, jobs=None):
