@@ -243,6 +243,12 @@ def test_smoke_and_collective_harness_on_cpu(monkeypatch, agent_bundle):
 
 # ---------------------------------------------------------------- patches, contract, JIT cache
 
+def by_hand(path: Path, text: str) -> None:
+    """Root's deliberate edit of an installed file: the immutable attribute of its store entry cleared first."""
+    subprocess.run(["chattr", "-i", str(path)], check=True)
+    path.write_text(text)
+
+
 def test_patched_files_and_package_drift(target, wheels, tmp_path):
     import hashlib
 
@@ -257,12 +263,11 @@ def test_patched_files_and_package_drift(target, wheels, tmp_path):
             "alpha/__init__.py": hashlib.sha256(f.read_bytes()).hexdigest()}})
         r = by_name(run_probes(tr, only=["patches"]))["patches"]
         assert r["status"] == "pass" and r["reason"] == "1 patched file(s) match the manifest's sha256"
-        f.write_text("# edited by hand after apply\n")
+        by_hand(f, "# edited by hand after apply\n")       # root, deliberately: through the store's attribute
         extra = site / "gamma-1.0.dist-info"
         extra.mkdir()
         (extra / "METADATA").write_text("Metadata-Version: 2.1\nName: gamma\nVersion: 1.0\n")
-        (next(site.glob("beta-1.0.dist-info")) / "METADATA").write_text(
-            "Metadata-Version: 2.1\nName: beta\nVersion: 1.1\n")
+        by_hand(next(site.glob("beta-1.0.dist-info")) / "METADATA", "Metadata-Version: 2.1\nName: beta\nVersion: 1.1\n")
         rep = run_probes(tr, only=["patches", "packages"])
         r = by_name(rep)
         assert rep["status"] == "fail" and rep["failed"] == ["packages", "patches"]

@@ -10,7 +10,7 @@ import time
 
 from ..layout import Layout
 from .facts import nvcc_version
-from .host import AgentError, installed_dists, read_json
+from .host import AgentError, installed_dists, read_json, write_atomic
 
 # Where each kind goes, and the variable that version of the library reads for it: flashinfer 0.6.4 puts its
 # workspace under $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer/<version>/<archs>/ (jit/env.py; default: HOME).
@@ -52,8 +52,6 @@ def prepare(root, gen_id, cuda_home, archs):
     lay = Layout(root)
     if not isinstance(gen_id, str) or not GEN_RE.match(gen_id) or not os.path.isdir(lay.gen(gen_id).dir):
         raise AgentError("no generation %r under %s" % (gen_id, root))
-    from .state import write_atomic
-
     inp = inputs(cuda_home, archs)
     k = key(inp)
     entry = os.path.join(lay.kernels, k)

@@ -13,36 +13,13 @@ import time
 
 from ..layout import Layout, cache_entry, venv_python
 from . import kernels, store as filestore
-from .host import (AgentError, current, current_link, current_problem, disk_full, ensure_root, event,
-                   generations as gens, manifest_of, read_json, try_lock)
+from .host import (AgentError, current, current_link, current_problem, disk_full, ensure_root, event, fsync_dir,
+                   generations as gens, manifest_of, read_json, try_lock, write_atomic)
 from .verify import quick
 
 
 def now():
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-def fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path, text):
-    """Write, fsync, rename, fsync the directory; on any failure the temp file is removed."""
-    tmp = "%s.tmp-%d" % (path, os.getpid())
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-    fsync_dir(os.path.dirname(path))
 
 
 def read_history(lay):
