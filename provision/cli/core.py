@@ -416,10 +416,13 @@ def history(json_out: bool = JsonOpt, hosts: Hosts = HOSTS,
             events: bool = typer.Option(False, "--events", help="also list history.jsonl events")):
     """Generations with lock, time, status and probe summary (with -i: playbooks/history.yml through Ansible)."""
     from .. import generations
-    from ..runner import play_rows
 
-    rows = alone(play_rows("history", hosts.targets(), {}, forks=hosts.forks)) if hosts.inventory is not None \
-        else over_hosts(hosts.targets(), generations.history, hosts.forks)
+    if hosts.inventory is not None:
+        from ..runner import play_rows
+
+        rows = alone(play_rows("history", hosts.targets(), {}, forks=hosts.forks))
+    else:
+        rows = over_hosts(hosts.targets(), generations.history, hosts.forks)
 
     def show(r):
         console.print(history_table(r.value, r.host))
@@ -440,10 +443,13 @@ def status(json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
     through Ansible)."""
     from .. import generations
     from ..fleet import each
-    from ..runner import play_rows
 
-    rows = play_rows("status", hosts.targets(), {}, forks=hosts.forks) if hosts.inventory is not None \
-        else each(hosts.targets(), generations.status, forks=hosts.forks)
+    if hosts.inventory is not None:
+        from ..runner import play_rows
+
+        rows = play_rows("status", hosts.targets(), {}, forks=hosts.forks)
+    else:
+        rows = each(hosts.targets(), generations.status, forks=hosts.forks)
     if json_out:
         print_json([r.to_json() for r in rows])
     else:
