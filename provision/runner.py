@@ -3,7 +3,8 @@
 Inventory and variables reach Ansible as files whose every value is tagged !unsafe (data, never a
 template); each host gets a remote temp dir of its own per run under its provision root.
 `run_playbook` returns a RunResult whose `error` is one line (task, host, item, message) on failure;
-the run directory is kept as the run's artifacts for post-mortems.
+the run directory is kept as the run's artifacts for post-mortems. `play_rows` is a fleet verb as a playbook: one
+fleet.Row per host, as the verbs over provision's own connection give them.
 """
 from __future__ import annotations
 
@@ -203,8 +204,6 @@ def stop_masters(sock_dir: Path) -> None:
         subprocess.run(["ssh", "-o", f"ControlPath={sock}", "-O", "exit", "dummy"],
                        capture_output=True, timeout=10, stdin=subprocess.DEVNULL)
     shutil.rmtree(sock_dir, ignore_errors=True)
-
-
 
 
 ANSIBLE_KEYS = {"changed", "failed", "msg", "invocation", "skipped", "unreachable", "warnings", "deprecations",

@@ -32,7 +32,7 @@ forward: {description: whether `to` is newer than `from`, type: bool}
 check: {description: the target's check against its stamp (verdict, files, figures), type: dict}
 switch_seconds: {description: seconds of the switch itself, type: float}
 event: {description: the history event recorded, type: dict}
-bookkeeping_failed: {description: records that failed after the switch (it stands; the next run repairs them), type: list}
+bookkeeping_failed: {description: records that failed after the switch (it stands; the next run repairs), type: list}
 recovered: {description: what settling an interrupted run found, type: dict}
 agent_warnings: {description: what the host root says is amiss (also the task's warnings), type: list}
 """
