@@ -44,13 +44,19 @@ def gc(t: Transport, keep: int = 3, dry_run: bool = False, on_event=None) -> dic
     then the controller's run directories of the generations removed. `bytes` is what the host freed (each
     inode once, and only when no link to it is left); `shared_bytes` what stays linked from elsewhere;
     `on_event` hears gc's progress (a phase begins, and at least every 2 s within one)."""
+    out = t.run_agent("state", {"op": "gc", "root": root_of(t.target), "keep": keep, "dry_run": dry_run,
+                                "take_lock": True}, on_event=on_event)
+    return collected(out, dry_run)
+
+
+def collected(out: dict, dry_run: bool) -> dict:
+    """The host's gc reply, then the controller's part: the run directories of the generations it removed (or would
+    remove), under `run_dirs`, removed here unless `dry_run`."""
     import shutil
     from pathlib import Path
 
     from .runner import RUNS
 
-    out = t.run_agent("state", {"op": "gc", "root": root_of(t.target), "keep": keep, "dry_run": dry_run,
-                                "take_lock": True}, on_event=on_event)
     out["run_dirs"] = []
     for g in out["generations"]:
         rd = g.get("run_dir")
@@ -68,7 +74,13 @@ def rollback(t: Transport, to: str | None = None, dry_run: bool = False, force: 
     commit: a failure after it is a warning (`warnings`), the switch stands and the next run records it."""
     t0 = time.perf_counter()
     out = call(t, "rollback", to=to, take_lock=not dry_run, dry_run=dry_run, force=force)
-    out["seconds"] = time.perf_counter() - t0
+    return rolled_back(out, time.perf_counter() - t0)
+
+
+def rolled_back(out: dict, seconds: float | None) -> dict:
+    """The host's rollback reply as `rollback` returns it: `seconds` the step took as the controller saw it, and a
+    warning for each record that failed after the switch."""
+    out["seconds"] = seconds or 0.0
     out["warnings"] = list(out.get("warnings") or []) + [
         f"switched to {out['to']}; recording it failed ({what}); the next run repairs it"
         for what in out.get("bookkeeping_failed") or []]
@@ -132,3 +144,32 @@ def rollback_hosts(targets: list, to: str | None = None, *, dry_run: bool = Fals
     def back(tr: Transport, gate) -> dict:
         return rollback(tr, to, dry_run=dry_run, force=force)
     return rollout(targets, back, serial=serial, max_fail="100%", forks=forks or FORKS).rows
+
+
+# ---------------------------------------------------------------- an inventory's hosts: the playbooks, through Ansible
+
+def rollback_play(targets: list, to: str | None = None, *, dry_run: bool = False, force: bool = False,
+                  serial: str | list[str] = "0", forks: int | None = None) -> list:
+    """`rollback_hosts` as playbooks/rollback.yml (`dry_run`: its --check), one Ansible run per batch of `serial`
+    (Ansible would end a play at a batch whose every host failed; here each host goes back on its own, a dead one
+    named in its row). One fleet.Row per host, values as `rollback` returns them."""
+    from .fleet import batches
+    from .runner import answer, play_rows
+
+    given = {"to": to, "force": force}
+    rows = []
+    for number, group in enumerate(batches(targets, serial), 1):
+        for row in play_rows("rollback", group, {k: v for k, v in given.items() if v is not None}, check=dry_run,
+                             forks=forks, read=lambda t, r, seconds: rolled_back(answer(t, r), seconds)):
+            row.batch = number
+            rows.append(row)
+    return rows
+
+
+def gc_play(targets: list, keep: int = 3, dry_run: bool = False, forks: int | None = None) -> list:
+    """`gc` as playbooks/gc.yml (`dry_run`: its --check) over the hosts, then the controller's run directories of
+    what each removed; one fleet.Row per host. The module answers once: no progress while a host collects."""
+    from .runner import answer, play_rows
+
+    return play_rows("gc", targets, {"keep": keep}, check=dry_run, forks=forks,
+                     read=lambda t, r, seconds: collected(answer(t, r), dry_run))

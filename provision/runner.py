@@ -3,7 +3,8 @@
 Inventory and variables reach Ansible as files whose every value is tagged !unsafe (data, never a
 template); each host gets a remote temp dir of its own per run under its provision root.
 `run_playbook` returns a RunResult whose `error` is one line (task, host, item, message) on failure;
-the run directory is kept as the run's artifacts for post-mortems.
+the run directory is kept as the run's artifacts for post-mortems. `play_rows` is a fleet verb as a playbook: one
+fleet.Row per host, as the verbs over provision's own connection give them.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Callable
 import yaml
 
 from .bundled import PLAYBOOKS
+from .errors import HostError, HostKeyError, ProvisionError
 from .layout import Layout, root_of
 from .transport import CONTROLLER_HOME, KEEPALIVE_COUNT, TIMEOUT, Target
 
@@ -39,6 +41,8 @@ class RunResult:
     unreachable: list[str] = field(default_factory=list)     # hosts Ansible could not reach, in the order it said
     results: dict[str, dict[str, dict]] = field(default_factory=dict)   # task → host → its result (ok, failed or
     #                                                                      unreachable), as the module returned it
+    durations: dict[str, dict[str, float]] = field(default_factory=dict)   # task → host → its seconds, as Ansible
+    #                                                                        timed it (task start to result)
 
 
 class Unsafe(str):
@@ -152,6 +156,7 @@ def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: st
     tasks: list[str] = []
     unreachable: list[str] = []
     results: dict[str, dict[str, dict]] = {}
+    durations: dict[str, dict[str, float]] = {}
 
     def handler(ev: dict) -> bool:
         kind = ev.get("event", "")
@@ -159,6 +164,8 @@ def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: st
         if kind in ("runner_on_ok", "runner_on_failed", "runner_on_unreachable") and d.get("host"):
             results.setdefault(d.get("task", ""), {})[d["host"]] = dict(d.get("res") or {},
                                                                         unreachable=kind == "runner_on_unreachable")
+            if isinstance(d.get("duration"), (int, float)):
+                durations.setdefault(d.get("task", ""), {})[d["host"]] = float(d["duration"])
         if kind == "playbook_on_task_start":
             tasks.append(d.get("task", ""))
             if on_event:
@@ -188,7 +195,7 @@ def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: st
     if r.rc != 0 or r.status != "successful":
         error = failures[0] if failures else f"ansible run {r.status} (rc {r.rc}); see {run_dir}"
     return RunResult(status=r.status, rc=r.rc, run_dir=str(run_dir), seconds=seconds, error=error, tasks=tasks,
-                     unreachable=unreachable, results=results)
+                     unreachable=unreachable, results=results, durations=durations)
 
 
 def stop_masters(sock_dir: Path) -> None:
@@ -199,3 +206,66 @@ def stop_masters(sock_dir: Path) -> None:
     shutil.rmtree(sock_dir, ignore_errors=True)
 
 
+ANSIBLE_KEYS = {"changed", "failed", "msg", "invocation", "skipped", "unreachable", "warnings", "deprecations",
+                "agent_warnings"}      # what a task's result holds besides the module's own reply
+
+
+def reply_of(result: dict) -> dict:
+    """A provision module's result as its agent replied: Ansible's keys left out, the agent's warnings (the module's
+    own, `agent_warnings`) under `warnings` again."""
+    out = {k: v for k, v in result.items() if k not in ANSIBLE_KEYS and not k.startswith("_ansible")}
+    if "agent_warnings" in result:
+        out["warnings"] = result["agent_warnings"]
+    return out
+
+
+def said(result: dict) -> str:
+    """What a failed or unreachable task's result says, as one line."""
+    return " ".join(str(result.get("msg") or result.get("module_stderr") or "failed").split())
+
+
+def answer(t: Target, result: dict, seconds: float | None = None) -> dict:
+    """A reached host's result: the module's reply (`reply_of`), or a failed task's message as a HostError."""
+    if result.get("failed"):
+        raise HostError(said(result), where=t.name)
+    return reply_of(result)
+
+
+def play_rows(name: str, targets: list[Target], extravars: dict, *, task: str | None = None, check: bool = False,
+              forks: int | None = None, read: Callable[[Target, dict, float | None], object] = answer) -> list:
+    """A fleet verb as a playbook: playbooks/NAME.yml through Ansible on every target (`check`: its --check), one
+    fleet.Row per target, in the targets' order. Each host goes on its own, as Ansible runs a play: a host it could
+    not reach is that host's row (stage "connect", see `unreachable`), never a reason to stop the others. A reached
+    host's row is `read(target, result, seconds)` of its result of task `task` (default: NAME) and Ansible's time for
+    it; a ProvisionError `read` raises is that host's error (stage "run"). The default `read`: a failed task is a
+    `answer`."""
+    from .fleet import Row
+
+    res = run_playbook(name, targets, extravars, label=name, check=check, forks=forks)
+    results, durations = res.results.get(task or name, {}), res.durations.get(task or name, {})
+    rows = []
+    for t in targets:
+        r = results.get(t.name)
+        if r is None:
+            rows.append(Row(t.name, error=HostError(res.error or f"no result (see {res.run_dir})", where=t.name),
+                            stage="run"))
+        elif r.get("unreachable"):
+            rows.append(Row(t.name, error=unreachable(t, said(r)), stage="connect"))
+        else:
+            try:
+                rows.append(Row(t.name, value=read(t, r, durations.get(t.name))))
+            except ProvisionError as e:
+                rows.append(Row(t.name, error=e, stage="run"))
+    return rows
+
+
+def unreachable(t: Target, msg: str) -> HostError:
+    """Ansible's word on a host it could not reach, as one line; a key the known_hosts lacks (or that changed) is a
+    HostKeyError that says how to trust it, as provision's own connection says."""
+    from .transport import trust_command
+
+    msg = " ".join(msg.split())
+    if "Host key verification failed" in msg:
+        return HostKeyError(f"{msg} (known_hosts {t.known_hosts}); verify the host's key, then "
+                            f"`{trust_command(t)}`", where=t.name)
+    return HostError(msg, where=t.name)

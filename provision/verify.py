@@ -158,8 +158,8 @@ def verify(t: Transport, generation: str | None = None, baseline: bool = False, 
     return dict(out, host=t.target.name, warnings=warnings)
 
 
-ANSIBLE_KEYS = {"changed", "failed", "msg", "invocation", "skipped", "unreachable", "record", "recorded",
-                "not_recorded", "unresolved"}     # what a verify task's result holds besides `verdict_of`'s
+VERIFY_KEYS = {"record", "recorded", "not_recorded", "unresolved"}     # what a verify task's result holds besides
+#                                                                         `verdict_of`'s and Ansible's own
 
 
 def verify_fleet(targets: list, generation: str | None = None, baseline: bool = False, jobs: int | None = None,
@@ -168,43 +168,18 @@ def verify_fleet(targets: list, generation: str | None = None, baseline: bool = 
     `verify` records it. One fleet.Row per host, in the inventory's order: the verdict as `verify` returns it
     (clean or drift), or the host's error (unreachable: stage "connect"; a generation named that the host lacks:
     InputError, as for one host)."""
-    from .fleet import Row
-    from .runner import run_playbook
+    from .runner import play_rows, reply_of
+
+    def read(t, r: dict, seconds) -> dict:
+        if "verdict" not in r:
+            raise (InputError if r.get("unresolved") else HostError)(str(r.get("msg") or "failed"), where=t.name)
+        warnings = [f"the verdict is not recorded: {r['not_recorded']}"] if r.get("not_recorded") else []
+        value = {k: v for k, v in reply_of(r).items() if k not in VERIFY_KEYS}
+        return dict(value, host=t.name, warnings=warnings)
 
     generation_arg(generation)
     given = {"generation": generation, "jobs": jobs, "baseline": baseline, "record": True}
-    res = run_playbook("verify", targets, {k: v for k, v in given.items() if v is not None}, label="verify",
-                       forks=forks)
-    said = res.results.get("verify", {})
-    rows = []
-    for t in targets:
-        r = said.get(t.name)
-        if r is None:
-            rows.append(Row(t.name, error=HostError(res.error or f"no result (see {res.run_dir})", where=t.name),
-                            stage="run"))
-        elif r.get("unreachable"):
-            rows.append(Row(t.name, error=unreachable(t, str(r.get("msg") or "no answer")), stage="connect"))
-        elif "verdict" not in r:
-            err = InputError if r.get("unresolved") else HostError
-            rows.append(Row(t.name, error=err(str(r.get("msg") or "failed"), where=t.name), stage="run"))
-        else:
-            warnings = [f"the verdict is not recorded: {r['not_recorded']}"] if r.get("not_recorded") else []
-            value = {k: v for k, v in r.items() if k not in ANSIBLE_KEYS and not k.startswith("_ansible")}
-            rows.append(Row(t.name, value=dict(value, host=t.name, warnings=warnings)))
-    return rows
-
-
-def unreachable(t, msg: str) -> HostError:
-    """Ansible's word on a host it could not reach, as one line; a key the known_hosts lacks (or that changed) is a
-    HostKeyError that says how to trust it, as provision's own connection says."""
-    from .errors import HostKeyError
-    from .transport import trust_command
-
-    msg = " ".join(msg.split())
-    if "Host key verification failed" in msg:
-        return HostKeyError(f"{msg} (known_hosts {t.known_hosts}); verify the host's key, then "
-                            f"`{trust_command(t)}`", where=t.name)
-    return HostError(msg, where=t.name)
+    return play_rows("verify", targets, {k: v for k, v in given.items() if v is not None}, forks=forks, read=read)
 
 
 def event_of(rec: dict) -> dict:

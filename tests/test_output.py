@@ -84,7 +84,7 @@ def test_status_keeps_an_unreachable_hosts_error_under_the_table(target, tmp_pat
     p = cli("status", "-i", inv, "--key", target.key_file, "--known-hosts", target.known_hosts, check=1)
     row = next(line for line in p.stdout.splitlines() if "gone" in line)
     assert "unreachable" in row and "connect" not in row.replace("unreachable", "")
-    assert p.stderr.count("\n") == 1 and p.stderr.startswith("gone: ") and "cannot connect" in p.stderr
+    assert p.stderr.count("\n") == 1 and p.stderr.startswith("gone: unreachable: ") and "Connection refused" in p.stderr
 
 
 def test_fleet_view_keeps_per_package_lines_out_of_logs(capsys):

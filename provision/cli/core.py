@@ -383,13 +383,14 @@ def rollback(to: Optional[str] = typer.Option(None, "--to", help="generation num
              force: bool = typer.Option(False, "--force", help="switch even to a generation that fails verification"),
              serial: str = SerialOpt, json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
     """Switch `current` back to the generation current before the last switch, as history records it (atomic,
-    offline, nothing reinstalled); fleets in batches."""
+    offline, nothing reinstalled); fleets in batches. With -i, playbooks/rollback.yml through Ansible (--dry-run:
+    its --check): each host goes back on its own, an unreachable one named."""
     from .. import generations
     from ..fleet import parse_serial
 
     batches = parse_serial(serial)
-    rows = alone(generations.rollback_hosts(hosts.targets(), to, dry_run=dry_run, force=force, serial=batches,
-                                            forks=hosts.forks))
+    fleet = generations.rollback_play if hosts.inventory is not None else generations.rollback_hosts
+    rows = alone(fleet(hosts.targets(), to, dry_run=dry_run, force=force, serial=batches, forks=hosts.forks))
 
     def show(r):
         out = r.value
@@ -413,10 +414,15 @@ def rollback(to: Optional[str] = typer.Option(None, "--to", help="generation num
 @host_options()
 def history(json_out: bool = JsonOpt, hosts: Hosts = HOSTS,
             events: bool = typer.Option(False, "--events", help="also list history.jsonl events")):
-    """Generations with lock, time, status and probe summary."""
+    """Generations with lock, time, status and probe summary (with -i: playbooks/history.yml through Ansible)."""
     from .. import generations
 
-    rows = over_hosts(hosts.targets(), generations.history, hosts.forks)
+    if hosts.inventory is not None:
+        from ..runner import play_rows
+
+        rows = alone(play_rows("history", hosts.targets(), {}, forks=hosts.forks))
+    else:
+        rows = over_hosts(hosts.targets(), generations.history, hosts.forks)
 
     def show(r):
         console.print(history_table(r.value, r.host))
@@ -433,11 +439,17 @@ def history(json_out: bool = JsonOpt, hosts: Hosts = HOSTS,
 @host_options()
 def status(json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
     """One table for the fleet: current generation, lock, since when, its last probe, the last probe of a generation
-    that did not become current (a failed or stopped attempt), generations, disk."""
+    that did not become current (a failed or stopped attempt), generations, disk (with -i: playbooks/status.yml
+    through Ansible)."""
     from .. import generations
     from ..fleet import each
 
-    rows = each(hosts.targets(), generations.status, forks=hosts.forks)
+    if hosts.inventory is not None:
+        from ..runner import play_rows
+
+        rows = play_rows("status", hosts.targets(), {}, forks=hosts.forks)
+    else:
+        rows = each(hosts.targets(), generations.status, forks=hosts.forks)
     if json_out:
         print_json([r.to_json() for r in rows])
     else:
@@ -477,13 +489,18 @@ def gc(keep: int = typer.Option(3, "--keep", min=1, help="runnable generations t
        dry_run: bool = typer.Option(False, "--dry-run", help="list what would be removed"),
        json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
     """Remove old/failed generations, unused cache entries, their run dirs (never current or rollback's); report
-    the bytes freed."""
+    the bytes freed. One host's progress goes to stderr as it collects; with -i, playbooks/gc.yml runs through
+    Ansible (--dry-run: its --check), whose module answers once: no progress lines then, each host's report when
+    the play is done."""
     from .. import generations
 
     def said(tr):           # gc's progress on stderr: never silent for more than a few seconds
         return None if json_out else lambda ev: err_console.print(gc_progress(tr.target.name, ev), markup=False)
-    rows = over_hosts(hosts.targets(), lambda tr: generations.gc(tr, keep=keep, dry_run=dry_run, on_event=said(tr)),
-                      hosts.forks)
+    if hosts.inventory is not None:
+        rows = alone(generations.gc_play(hosts.targets(), keep=keep, dry_run=dry_run, forks=hosts.forks))
+    else:
+        rows = over_hosts(hosts.targets(), lambda tr: generations.gc(tr, keep=keep, dry_run=dry_run,
+                                                                     on_event=said(tr)), hosts.forks)
     print_rows(rows, lambda r: console.print(gc_text(r.host, r.value), markup=False), json_out)
     exit_for(rows, bad=lambda v: v.get("errors"))    # a removal that failed (what was done is reported)
 

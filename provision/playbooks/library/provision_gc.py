@@ -21,11 +21,20 @@ options:
 """
 
 RETURN = r"""
+dry_run: {description: true in check mode (nothing removed), type: bool}
 generations: {description: each generation removed (or that would be), with its status and the bytes it frees, type: list}
 cache: {description: the cached wheels removed, type: list}
+uv_cache: {description: uv's unpacked wheels removed, type: list}
+kernels: {description: compiled kernel caches no kept generation uses, removed, type: dict}
 bytes: {description: bytes freed (each inode once, only when no link to it is left), type: int}
+shared_bytes: {description: bytes that stay, linked from what is kept, type: int}
+errors: {description: removals that failed (what was done is reported), type: list}
 current: {description: the generation `current` names (kept), type: str}
 rollback_target: {description: the generation a rollback returns to (kept), type: str}
+seconds: {description: seconds the removal took (not in check mode), type: float}
+fs_freed: {description: the filesystem's own figure of space freed (not in check mode), type: int}
+recovered: {description: what settling an interrupted run found (not in check mode), type: dict}
+agent_warnings: {description: what the host root says is amiss (also the task's warnings), type: list}
 """
 
 from ansible.module_utils.basic import AnsibleModule

@@ -20,6 +20,7 @@ RETURN = r"""
 current: {description: the generation `current` names, or null, type: str}
 generations: {description: each generation's manifest with its id and number, oldest first, type: list}
 events: {description: the latest history events, oldest first, type: list}
+agent_warnings: {description: history lines and manifests that could not be read (the task's warnings too), type: list}
 """
 
 from ansible.module_utils.basic import AnsibleModule

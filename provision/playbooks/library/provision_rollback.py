@@ -25,9 +25,16 @@ options:
 RETURN = r"""
 from: {description: the generation current before, type: str}
 to: {description: the generation current now (check mode - the one it would be), type: str}
+noop: {description: true when `to` already is current (nothing switched), type: bool}
+dry_run: {description: true in check mode, type: bool}
+switched: {description: true once `current` was renamed to `to`, type: bool}
 forward: {description: whether `to` is newer than `from`, type: bool}
 check: {description: the target's check against its stamp (verdict, files, figures), type: dict}
-skipped: {description: newer-to-older generations passed over, with why, type: list}
+switch_seconds: {description: seconds of the switch itself, type: float}
+event: {description: the history event recorded, type: dict}
+bookkeeping_failed: {description: records that failed after the switch (it stands; the next run repairs), type: list}
+recovered: {description: what settling an interrupted run found, type: dict}
+agent_warnings: {description: what the host root says is amiss (also the task's warnings), type: list}
 """
 
 from ansible.module_utils.basic import AnsibleModule

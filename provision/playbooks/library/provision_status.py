@@ -13,7 +13,9 @@ options:
 """
 
 RETURN = r"""
+root: {description: the host root read, type: str}
 current: {description: the generation `current` names, or null, type: str}
+broken: {description: what is wrong with `current` (its link, directory or interpreter), or null, type: str}
 lock: {description: its lock's name, type: str}
 since: {description: when it became current (UTC), type: str}
 probe: {description: its last probe (status, time, summary), type: dict}

@@ -79,11 +79,11 @@ RESERVED = ("changed", "failed", "error", "msg", "warnings", "deprecations")   #
 
 def finish(module, reply, changed=False):
     """exit_json with the agent's reply, or fail_json with its one-line error; the agent's warnings become the
-    module's own (module.warn), under `agent_warnings` in the result too."""
+    module's own (module.warn), under `agent_warnings` in the result too (as the agent gave them, none too)."""
     for w in reply.get("warnings") or []:
         module.warn(str(w))
     rest = {k: v for k, v in reply.items() if k not in RESERVED}
-    if reply.get("warnings"):
+    if "warnings" in reply:
         rest["agent_warnings"] = reply["warnings"]
     if reply.get("error"):
         module.fail_json(msg=str(reply["error"]), **rest)

@@ -1,0 +1,116 @@
+"""status, gc and rollback of an inventory run their playbooks through Ansible, one run for the fleet: each host's
+result is what the same verb gives for that host alone, a gc --dry-run is the play's check mode and removes nothing,
+and a rollback goes on past a host whose port is closed, naming it. Three inventory hosts share the session's
+loopback sshd, each with its own root, on a third generation (stack-c) with two before it."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from provision import apply as applymod, lock as lockmod
+from provision.inventory import load_inventory
+from provision.loopback import free_port
+from provision.runner import RUNS
+from test_core import cli
+from wheelhouse import write_lock
+
+HOSTS = ["f1", "f2", "f3"]
+
+
+@pytest.fixture(scope="module")
+def fleet(sshd, wheels, tmp_path_factory):
+    d = tmp_path_factory.mktemp("fleetplay")
+    t = sshd.target
+    roots = {h: d / f"root-{h}" for h in HOSTS}
+    inv = d / "inv.yml"
+    inv.write_text(f"all:\n  vars: {{ansible_host: {t.host}, ansible_port: {t.port}, ansible_user: {t.user}, "
+                   f"ansible_ssh_private_key_file: {t.key_file}}}\n  hosts:\n"
+                   + "".join(f"    {h}: {{provision_root: {roots[h]}}}\n" for h in HOSTS))
+    locks = [write_lock(d / "a.yaml", "stack-a", [wheels["alpha-1.0"]]),
+             write_lock(d / "b.yaml", "stack-b", [wheels["alpha-2.0"]]),
+             write_lock(d / "c.yaml", "stack-c", [wheels["alpha-2.0"], wheels["beta-1.0"]])]
+    for lk in locks:
+        run = applymod.apply_fleet(load_inventory(inv, t.known_hosts), lockmod.load(lk))
+        assert {r.status for r in run.reports} == {"applied"}, [r.error for r in run.reports]
+    return inv, roots, ["--known-hosts", str(t.known_hosts)], t
+
+
+def alone(t, root) -> list:
+    """The same host reached as one host (user@host:port), without the inventory."""
+    return [f"{t.user}@{t.host}:{t.port}", "--key", t.key_file, "--known-hosts", t.known_hosts, "--root", root]
+
+
+def plays(name: str) -> set:
+    return set(RUNS.glob(f"*-{name}-{name}"))
+
+
+def current(roots, h) -> str:
+    return os.readlink(roots[h] / "current").removeprefix("generations/")
+
+
+def test_status_of_an_inventory_is_each_hosts_status_through_one_play(fleet):
+    inv, roots, kh, t = fleet
+    before = plays("status")
+    rows = json.loads(cli("status", "-i", inv, *kh, "--json", check=0).stdout)
+    assert len(plays("status") - before) == 1                   # one Ansible run for the fleet
+    assert [r["host"] for r in rows] == HOSTS
+    for r in rows:
+        one = json.loads(cli("status", *alone(t, roots[r["host"]]), "--json", check=0).stdout)
+        assert len(one) == 1 and r["result"] == one[0]["result"], (r, one)
+        assert r["result"]["current"] == "0003-stack-c" and r["result"]["generations"] == 3
+    table = cli("status", "-i", inv, *kh, check=0).stdout
+    assert all(f"{h} " in table for h in HOSTS) and table.count("0003-stack-c") == 3, table
+
+    h = json.loads(cli("history", "-i", inv, *kh, "--json", check=0).stdout)
+    one = json.loads(cli("history", *alone(t, roots["f2"]), "--json", check=0).stdout)
+    assert h[1]["host"] == "f2" and h[1]["result"] == one, (h[1], one)
+
+
+def test_gc_dry_run_of_an_inventory_is_the_plays_check_and_changes_nothing(fleet):
+    inv, roots, kh, t = fleet
+    kept = {h: sorted(os.listdir(roots[h] / "generations")) for h in HOSTS}
+    history = {h: (roots[h] / "history.jsonl").read_text() for h in HOSTS}
+    p = cli("gc", "-i", inv, *kh, "--keep", "1", "--dry-run", check=0)
+    for h in HOSTS:
+        assert f"{h}: would remove 1 generations," in p.stdout and "kept current 0003-stack-c and rollback target " \
+            "0002-stack-b" in p.stdout, p.stdout
+    assert p.stdout.count("- 0001-stack-a") == 3 and "gc survey" not in p.stderr, p.stdout + p.stderr
+    before = plays("gc")
+    rows = json.loads(cli("gc", "-i", inv, *kh, "--keep", "1", "--dry-run", "--json", check=0).stdout)
+    assert len(plays("gc") - before) == 1
+    for r in rows:
+        one = json.loads(cli("gc", *alone(t, roots[r["host"]]), "--keep", "1", "--dry-run", "--json",
+                             check=0).stdout)
+        assert [g["id"] for g in r["result"]["generations"]] == ["0001-stack-a"], r
+        assert {k: r["result"][k] for k in one} == one and set(r["result"]) == set(one), (r, one)
+    assert {h: sorted(os.listdir(roots[h] / "generations")) for h in HOSTS} == kept
+    assert {h: (roots[h] / "history.jsonl").read_text() for h in HOSTS} == history
+
+
+def test_rollback_of_an_inventory_goes_past_a_closed_port_naming_it(fleet, tmp_path):
+    inv, roots, kh, t = fleet
+    with_dead = tmp_path / "with-dead.yml"
+    with_dead.write_text(inv.read_text().replace("  hosts:\n", "  hosts:\n"
+                                                 f"    dead: {{ansible_port: {free_port()}, provision_root: "
+                                                 f"{tmp_path / 'root-dead'}}}\n", 1))
+    before = plays("rollback")
+    p = cli("rollback", "-i", with_dead, *kh, "--timeout", "3", "--dry-run", check=1)
+    assert len(plays("rollback") - before) == 1                 # one Ansible run, in check mode
+    would = "current 0003-stack-c → 0002-stack-b (dry run: nothing changed)."
+    assert [ln for ln in p.stdout.splitlines() if ln] == [f"Would roll back {h}: {would}" for h in HOSTS], p.stdout
+    assert p.stderr.startswith("dead: unreachable: ") and len(p.stderr.splitlines()) == 1, p.stderr
+    assert [current(roots, h) for h in HOSTS] == ["0003-stack-c"] * 3
+
+    p = cli("rollback", "-i", with_dead, *kh, "--timeout", "3", "--json", check=1)
+    rows = json.loads(p.stdout)                                   # one JSON document: a row per host
+    assert [r["host"] for r in rows] == ["dead", *HOSTS]
+    assert rows[0]["stage"] == "connect" and rows[0]["exit_code"] == 1 and "result" not in rows[0], rows[0]
+    for r in rows[1:]:
+        res = r["result"]
+        assert (res["from"], res["to"], res["switched"], res["warnings"]) == \
+            ("0003-stack-c", "0002-stack-b", True, []), res
+        assert res["seconds"] > 0 and res["check"]["verdict"] == "clean", res
+    assert [current(roots, h) for h in HOSTS] == ["0002-stack-b"] * 3
+    assert not (tmp_path / "root-dead").exists()
