@@ -734,17 +734,23 @@ class SSH(Local):
         check = [*self.ssh[:-1], "-O", "check", self.ssh[-1]]
         return subprocess.run(check, capture_output=True, stdin=subprocess.DEVNULL, timeout=30).returncode == 0
 
+    def _unanswered(self) -> bool:
+        """Whether the master ended because the host answered none of its keepalives (ssh's log says so)."""
+        return "not responding" in self._said()
+
     def _gone(self) -> HostError:
         lines = [ln.strip() for ln in self._said().splitlines() if ln.strip()]
         last = lines[-1] if lines else "the connection's master ended"
-        if "not responding" in last:
+        if self._unanswered():
             last = f"the host answered no keepalive for {keepalive_interval(self.target) * KEEPALIVE_COUNT:g}s"
         return HostError(f"connection lost: {last}", where=self.target.name)
 
     def run(self, argv, *, stdin=None, timeout=None, on_line=None, beat=None) -> Result:
         r = self._stream(self.command(argv), stdin=stdin, timeout=timeout, on_line=on_line, beat=beat)
         if r.rc == 255 and not self._alive():     # ssh's own failure: the connection went
-            raise self._gone()
+            if self._unanswered():
+                raise self._gone()    # the keepalives closed it: what came back is not the command's whole answer
+            return Result(-1, r.stdout, r.stderr)   # the session closed without an exit status
         _sudo_refused(self.target, r)
         return r
 
