@@ -508,14 +508,16 @@ class Local(Transport):
                                  start_new_session=self.session)
         except FileNotFoundError as e:
             return Result(127, "", str(e))
-        dog = _Watchdog(self, lambda: _end(p), timeout)
+        ended: list[bool] = []      # we ended it: an ssh master may hold its stderr until the host's side closes
+        dog = _Watchdog(self, lambda: (ended.append(True), _end(p)), timeout)
         err_box: list[bytes] = []
         t = threading.Thread(target=lambda: err_box.append(_drain(p.stderr, None, dog.touch)), daemon=True)
         t.start()
         feeder = threading.Thread(target=_feed, args=(p.stdin, stdin, dog.touch, beat, dog.done), daemon=True)
         feeder.start()
         expired: list[bool] = []
-        timer = threading.Timer(timeout, lambda: (expired.append(True), p.kill())) if timeout else None
+        timer = threading.Timer(timeout, lambda: (expired.append(True), ended.append(True), p.kill())) \
+            if timeout else None
         if timer:
             timer.start()
         try:
@@ -528,7 +530,7 @@ class Local(Transport):
             if timer:
                 timer.cancel()
             dog.done.set()
-        t.join()
+        t.join(5 if ended else None)
         dog.check()
         if expired:
             return Result(124, out.decode(errors="replace"), f"timed out after {timeout}s")
@@ -714,12 +716,34 @@ class SSH(Local):
             raise HostError(f"no SSH connection within {4 * keepalive_interval(target) + 30:g}s",
                             where=target.name) from None
         _MASTERS[self.control] = stop
+        self._closed, self._runs, self._count = threading.Event(), 0, threading.Lock()
         if r.returncode != 0:
             said = self._said() + r.stderr.decode(errors="replace")
             self.close()
             result = Result(r.returncode, r.stdout.decode(errors="replace"), said)
             _sudo_refused(target, result)
             raise _ssh_error(target, said, r.returncode)
+        threading.Thread(target=self._watch, name=f"keepalive {target.name}", daemon=True).start()
+
+    def _watch(self) -> None:
+        """While a host command runs: a session through the master every keepalive period, and one the host leaves
+        unanswered for a period says that the step waits on the host (ssh's own keepalives say nothing until they
+        give the connection up, after KEEPALIVE_COUNT periods)."""
+        period = keepalive_interval(self.target)
+        while not self._closed.wait(period):
+            if not self._runs:
+                continue
+            try:
+                subprocess.run([*self.ssh, "true"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, timeout=period, start_new_session=True)
+            except subprocess.TimeoutExpired:
+                if self._runs and not self._closed.is_set():
+                    self._say_wait(period)
+
+    def _say_wait(self, seconds: float) -> None:
+        w = self.watch
+        if w and w.on_wait:
+            w.on_wait(w.name, seconds)
 
     def command(self, argv: list[str]) -> list[str]:
         return [*self.ssh, quote(become_argv(self.target, argv))]
@@ -746,7 +770,13 @@ class SSH(Local):
         return HostError(f"connection lost: {last}", where=self.target.name)
 
     def run(self, argv, *, stdin=None, timeout=None, on_line=None, beat=None) -> Result:
-        r = self._stream(self.command(argv), stdin=stdin, timeout=timeout, on_line=on_line, beat=beat)
+        with self._count:
+            self._runs += 1
+        try:
+            r = self._stream(self.command(argv), stdin=stdin, timeout=timeout, on_line=on_line, beat=beat)
+        finally:
+            with self._count:
+                self._runs -= 1
         if r.rc == 255 and not self._alive():     # ssh's own failure: the connection went
             if self._unanswered():
                 raise self._gone()    # the keepalives closed it: what came back is not the command's whole answer
@@ -763,6 +793,8 @@ class SSH(Local):
         super()._check_read(path, r)
 
     def close(self):
+        if hasattr(self, "_closed"):
+            self._closed.set()
         _stop_master(self.control)
         self.log.unlink(missing_ok=True)
 
