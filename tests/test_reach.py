@@ -85,3 +85,19 @@ def test_become_without_passwordless_sudo_is_one_line(sudo_host, password_sudo_u
             "--become", check=1)
     assert p.stderr == (f"{spec}: unreachable: sudo refused to run as root (a password is required): become needs "
                         "passwordless sudo (NOPASSWD) for the login user\n"), p.stderr
+
+
+def test_the_playbooks_the_cli_runs_keep_the_hosts_ssh_options_and_become(tmp_path):
+    """A host's playbook run (the toolkit task) goes the way its steps go: through its ssh options, as its become
+    user, host keys still checked against the managed known_hosts."""
+    from provision import runner
+    from provision.inventory import load_inventory
+
+    inv = tmp_path / "inv.ini"
+    inv.write_text("gpu ansible_host=gpu-behind ansible_user=ops ansible_become=yes "
+                   "ansible_ssh_common_args='-F /etc/ops/ssh_config'\n")
+    kh = tmp_path / "kh"
+    v = runner.inventory(load_inventory(inv, kh), "run")["all"]["hosts"]["gpu"]
+    assert v["ansible_ssh_common_args"] == (f"-o UserKnownHostsFile={kh} -o StrictHostKeyChecking=yes -o BatchMode=yes "
+                                            "-F /etc/ops/ssh_config")
+    assert (v["ansible_host"], v["ansible_become"], v["ansible_become_user"]) == ("gpu-behind", True, "root")
