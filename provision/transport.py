@@ -616,7 +616,16 @@ def fingerprint(key) -> str:
 
 
 def known_hosts_name(target: Target) -> str:
-    return target.host if target.port == 22 else f"[{target.host}]:{target.port}"
+    """The name ssh checks the host's key by (`ssh -G` over the host's own command line): its HostKeyAlias, else
+    its HostName after the ssh config, with its port when not 22."""
+    argv = ssh_command(target, control=None)
+    out = subprocess.run([*argv[:-1], "-G", argv[-1]], capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                         timeout=30).stdout
+    conf = dict(ln.split(" ", 1) for ln in out.splitlines() if " " in ln)
+    if conf.get("hostkeyalias", "none") != "none":
+        return conf["hostkeyalias"]
+    host, port = conf.get("hostname", target.host), int(conf.get("port", target.port))
+    return host if port == 22 else f"[{host}]:{port}"
 
 
 # ------------------------------------------------------------------ the ssh client, as Ansible's ssh connection runs it
@@ -844,23 +853,6 @@ def _key_type(word: str) -> str:
     return {"ED25519": "ssh-ed25519", "RSA": "ssh-rsa", "ECDSA": "ecdsa-sha2-nistp256"}.get(word, word.lower())
 
 
-def _connect_error(e: OSError, target: Target) -> HostError:
-    if isinstance(e, TimeoutError) or "timed out" in str(e):
-        return HostError(f"no TCP connection within {target.timeout:g}s", where=target.name)
-    return HostError(f"cannot connect: {e.strerror or e}", where=target.name)
-
-
-def _handshake_error(e: Exception, transport, target: Target) -> HostError:
-    """One line for an SSH handshake that failed: which stage the host never answered, else paramiko's words."""
-    if transport is not None and not transport.remote_version:
-        if isinstance(e.__context__, EOFError):
-            return HostError("the host closed the connection before its SSH banner", where=target.name)
-        return HostError(f"no SSH banner within {target.timeout:g}s", where=target.name)
-    if transport is not None and not transport.initial_kex_done:
-        return HostError(f"SSH key exchange not done within {target.timeout:g}s", where=target.name)
-    return HostError(f"ssh: {e}", where=target.name)
-
-
 def _paramiko():
     """paramiko, its log silenced: its failures reach us as exceptions, said in one line."""
     import logging
@@ -874,23 +866,28 @@ def _paramiko():
 
 
 def scan_host_key(target: Target):
-    """The key a host offers (for showing its fingerprint), without trusting it."""
-    import socket
+    """The key a host offers (for showing its fingerprint), without trusting it: the host's own ssh command line
+    (its ssh config, its ProxyJump) records what the host offers into a scratch known_hosts and authenticates with
+    nothing; HostError when no key came (the host named, the reason in one line)."""
+    import tempfile
 
     paramiko = _paramiko()
+    with tempfile.TemporaryDirectory(prefix="pv-scan-") as d:
+        kh = Path(d) / "known_hosts"
+        argv = ssh_command(target, control=None, known_hosts=kh, checking="accept-new")
+        try:
+            r = subprocess.run([*argv[:-1], "-o", "PreferredAuthentications=none", argv[-1], "true"],
+                               capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                               timeout=4 * keepalive_interval(target) + 30, start_new_session=True)
+        except subprocess.TimeoutExpired:
+            raise HostError("no SSH host key within the timeout", where=target.name) from None
+        words = kh.read_text().split() if kh.exists() else []
+    if len(words) < 3:
+        raise _ssh_error(target, r.stderr, r.returncode)
     try:
-        sock = socket.create_connection((target.host, target.port), timeout=target.timeout)
-    except OSError as e:
-        raise _connect_error(e, target) from None
-    t = paramiko.Transport(sock)
-    t.banner_timeout = t.handshake_timeout = target.timeout
-    try:
-        t.start_client(timeout=target.timeout)
-        return t.get_remote_server_key()
-    except paramiko.SSHException as e:
-        raise _handshake_error(e, t, target) from None
-    finally:
-        t.close()
+        return paramiko.PKey.from_type_string(words[1], base64.b64decode(words[2]))
+    except (paramiko.SSHException, ValueError) as e:
+        raise HostError(f"the host offers a key this tool cannot read ({words[1]}: {e})", where=target.name) from None
 
 
 def known_host_keys(target: Target) -> list:

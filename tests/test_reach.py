@@ -34,6 +34,24 @@ def test_apply_and_status_through_a_jump_host_by_ssh_config_alias(tmp_path, whee
     assert rows[0]["host"] == "gpu" and rows[0]["result"]["current"] == "0001-stack-a", rows
 
 
+def test_hosts_trust_through_a_jump_host_records_the_key_ssh_checks(tmp_path, behind_jump):
+    """`hosts trust` scans the key over the host's own connection (through the jump host: nothing here routes to
+    it) and records it under the name ssh checks it by (the alias's HostName); the host's steps then go through."""
+    b = behind_jump
+    managed = tmp_path / "managed_known_hosts"          # the jump host's key stays the ssh config's business
+    inv = tmp_path / "inv.yml"
+    inv.write_text(f"all:\n  hosts:\n    gpu:\n      ansible_host: {b.alias}\n      provision_root: {tmp_path / 'root'}\n"
+                   f"      ansible_ssh_common_args: -F {b.config}\n")
+    p = cli("status", "-i", inv, "--known-hosts", managed, check=1)
+    assert p.stderr.startswith("gpu: unreachable: unknown host key ssh-ed25519 SHA256:") and \
+        p.stderr.endswith(f"`provision hosts trust -i {inv} --limit gpu --known-hosts {managed}`\n"), p.stderr
+    shown = (b.behind.dir / "host_ed25519.pub").read_text().split()
+    cli("hosts", "trust", "-i", inv, "--known-hosts", managed, "--yes", check=0)
+    assert managed.read_text().split() == [b.behind.address, *shown[:2]]
+    rows = json.loads(cli("status", "-i", inv, "--known-hosts", managed, "--json", check=0).stdout)
+    assert rows[0]["result"]["current"] is None, rows
+
+
 @pytest.fixture(scope="module")
 def sudo_host():
     host = readable_host()
