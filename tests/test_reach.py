@@ -17,9 +17,10 @@ from test_core import cli
 from wheelhouse import write_lock
 
 
-def test_apply_and_status_through_a_jump_host_by_ssh_config_alias(tmp_path, wheels, behind_jump):
+def test_apply_and_status_through_a_jump_host_by_ssh_config_alias(tmp_path, wheels, behind_jump, monkeypatch):
     """The inventory names the host by its ssh_config alias (ansible_host) and that config (-F): apply builds and
-    switches a generation there, and status reads it back, through the jump host: nothing here routes to it."""
+    switches a generation there, and status reads it back, through the jump host: nothing here routes to it. A bare
+    alias on the command line goes the same way, the ssh config named in Ansible's own settings."""
     b = behind_jump
     with pytest.raises(OSError):
         socket.create_connection((b.behind.address, b.behind.port), timeout=2).close()
@@ -32,6 +33,9 @@ def test_apply_and_status_through_a_jump_host_by_ssh_config_alias(tmp_path, whee
     assert (root / "current").readlink() == Path("generations/0001-stack-a"), p.stdout + p.stderr
     rows = json.loads(cli("status", "-i", inv, "--known-hosts", b.known_hosts, "--json", check=0).stdout)
     assert rows[0]["host"] == "gpu" and rows[0]["result"]["current"] == "0001-stack-a", rows
+    monkeypatch.setenv("ANSIBLE_SSH_COMMON_ARGS", f"-F {b.config}")
+    said = json.loads(cli("status", b.alias, "--known-hosts", b.known_hosts, "--root", root, "--json", check=0).stdout)
+    assert said[0]["host"] == b.alias and said[0]["result"]["current"] == "0001-stack-a", said
 
 
 def test_hosts_trust_through_a_jump_host_records_the_key_ssh_checks(tmp_path, behind_jump):
