@@ -5,7 +5,7 @@ Both offer run / run_agent / put / hold / spawn; remote command lines are quoted
 `local`; an inventory adds its ssh options (ansible_ssh_common_args, ...: a bastion, an ssh config) and become
 (sudo). SSH takes its command line from Ansible's ssh connection plugin (`ssh_command`): ~/.ssh/config, ProxyJump,
 the agent and certificates apply, host keys are checked strictly against the managed known_hosts, and one master
-connection per SSH carries every host command. paramiko only scans and records host keys (`hosts trust`). A host
+connection per SSH carries every host command; paramiko only reads and writes known_hosts keys (`hosts trust`). A host
 command that shows no progress is said so after `notice` seconds and stopped after `deadline` (its host work ends
 with it); agents hear a heartbeat and end their work when it stops (a cut-off controller), and `unlock` frees an
 orphaned run's lock.

@@ -178,9 +178,9 @@ HOST_PARAMS = {
     "key": (Optional[Path], typer.Option(None, "--key", help="SSH private key file")),
     "known_hosts": (Path, typer.Option(DEFAULT_KNOWN_HOSTS, "--known-hosts", help="managed known_hosts file")),
     "timeout": (float, typer.Option(TIMEOUT, "--timeout", min=0.1, metavar="SECONDS",
-                                    help="SSH: the most each of connect, banner, handshake and authentication may "
-                                         "take; also the keepalive period (a host that answers none of 3 in a row is "
-                                         "disconnected)")),
+                                    help="SSH: the most the connection and the SSH banner may take (ssh's "
+                                         "ConnectTimeout, whole seconds); also the keepalive period (a host that "
+                                         "answers none of 3 in a row is disconnected)")),
     "step_deadline": (float, typer.Option(DEADLINE, "--step-deadline", min=1, metavar="SECONDS",
                                           help="a step (fetch, install, probes, switch) that shows no progress for "
                                                "this long is stopped, its host work ended, and the host left on its "
