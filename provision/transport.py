@@ -721,15 +721,15 @@ class SSH(Local):
         self.control = str(_control_dir() / str(next(_SOCKETS)))
         self.log = Path(self.control + ".log")
         self.ssh = ssh_command(target, control=self.control)
-        stop = [*self.ssh[:-1], "-O", "exit", self.ssh[-1]]
+        _MASTERS[self.control] = [*self.ssh[:-1], "-O", "exit", self.ssh[-1]]     # how close() stops it
+        first = [*self.ssh[:-1], "-E", str(self.log), self.ssh[-1], quote(become_argv(target, ["true"]))]
+        limit = 4 * keepalive_interval(target) + 30      # a hang guard: ssh's own ConnectTimeout says it first
         try:    # the master: its errors (and later, why it went) go to its log
-            r = subprocess.run([*self.ssh[:-1], "-E", str(self.log), self.ssh[-1], quote(become_argv(target, ["true"]))],
-                               stdin=subprocess.DEVNULL, capture_output=True, timeout=4 * keepalive_interval(target)
-                               + 30, start_new_session=True)
+            r = subprocess.run(first, stdin=subprocess.DEVNULL, capture_output=True, timeout=limit,
+                               start_new_session=True)
         except subprocess.TimeoutExpired:
-            raise HostError(f"no SSH connection within {4 * keepalive_interval(target) + 30:g}s",
-                            where=target.name) from None
-        _MASTERS[self.control] = stop
+            self.close()
+            raise HostError(f"no SSH connection within {limit:g}s", where=target.name) from None
         self._closed, self._runs, self._count = threading.Event(), 0, threading.Lock()
         if r.returncode != 0:
             said = self._said() + r.stderr.decode(errors="replace")
@@ -807,7 +807,7 @@ class SSH(Local):
         super()._check_read(path, r)
 
     def close(self):
-        if hasattr(self, "_closed"):
+        if getattr(self, "_closed", None) is not None:
             self._closed.set()
         _stop_master(self.control)
         self.log.unlink(missing_ok=True)

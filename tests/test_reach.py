@@ -27,7 +27,8 @@ def test_apply_and_status_through_a_jump_host_by_ssh_config_alias(tmp_path, whee
     root = tmp_path / "root"          # the namespaces share this machine's files
     inv = tmp_path / "inv.yml"
     inv.write_text(f"all:\n  hosts:\n    gpu:\n      ansible_host: {b.alias}\n      provision_root: {root}\n"
-                   f"      ansible_python_interpreter: /usr/bin/python3\n      ansible_ssh_common_args: -F {b.config}\n")
+                   f"      ansible_python_interpreter: /usr/bin/python3\n"
+                   f"      ansible_ssh_common_args: -F {b.config}\n")
     lk = write_lock(tmp_path / "a.yaml", "stack-a", [wheels["alpha-1.0"]])
     p = cli("apply", "-i", inv, "--known-hosts", b.known_hosts, "--lock", lk, check=0)
     assert (root / "current").readlink() == Path("generations/0001-stack-a"), p.stdout + p.stderr
@@ -44,7 +45,8 @@ def test_hosts_trust_through_a_jump_host_records_the_key_ssh_checks(tmp_path, be
     b = behind_jump
     managed = tmp_path / "managed_known_hosts"          # the jump host's key stays the ssh config's business
     inv = tmp_path / "inv.yml"
-    inv.write_text(f"all:\n  hosts:\n    gpu:\n      ansible_host: {b.alias}\n      provision_root: {tmp_path / 'root'}\n"
+    inv.write_text(f"all:\n  hosts:\n    gpu:\n      ansible_host: {b.alias}\n"
+                   f"      provision_root: {tmp_path / 'root'}\n"
                    f"      ansible_ssh_common_args: -F {b.config}\n")
     p = cli("status", "-i", inv, "--known-hosts", managed, check=1)
     assert p.stderr.startswith("gpu: unreachable: unknown host key ssh-ed25519 SHA256:") and \

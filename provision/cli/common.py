@@ -189,9 +189,10 @@ HOST_PARAMS = {
     "wait_notice": (float, typer.Option(NOTICE, "--wait-notice", min=0.1, metavar="SECONDS",
                                         help="after this long without progress, say what the run waits for (again at "
                                              "2x, 4x)")),
-    "become": (bool, typer.Option(False, "--become", help="run host commands as root through sudo (non-interactive: "
-                                                          "the login user needs passwordless sudo); the inventory's "
-                                                          "ansible_become and ansible_become_user do the same per host")),
+    "become": (bool, typer.Option(False, "--become",
+                                  help="run host commands as root through sudo (non-interactive: the login user needs "
+                                       "passwordless sudo); the inventory's ansible_become and ansible_become_user do "
+                                       "the same per host")),
     "root": (Optional[str], typer.Option(None, "--root", help=f"host root (default {DEFAULT_ROOT}, or the inventory's "
                                                               "provision_root)")),
 }
@@ -252,9 +253,9 @@ HOSTS = Hosts()     # the default of a `hosts` parameter that follows others wit
 def host_options(*, forks: bool = True, steps: bool = False, local: bool = True, key: bool = True, root: bool = True,
                  become: bool = True, after: Optional[str] = None):
     """The host options on a verb whose parameter `hosts: Hosts` stands for them: HOST where `hosts` stands, then
-    --local, -i, --limit, --forks, --key, --known-hosts, --timeout, (--step-deadline, --wait-notice,) --become, --root (after
-    the verb's parameter `after`, when given); a verb leaves out those it has no use for (--forks when it acts on one
-    host, ...)."""
+    --local, -i, --limit, --forks, --key, --known-hosts, --timeout, (--step-deadline, --wait-notice,) --become, --root
+    (after the verb's parameter `after`, when given); a verb leaves out those it has no use for (--forks when it acts on
+    one host, ...)."""
     left_out = {n for n, kept in (("forks", forks), ("step_deadline", steps), ("wait_notice", steps), ("local", local),
                                   ("key", key), ("root", root), ("become", become)) if not kept}
     params = {n: p for n, p in HOST_PARAMS.items() if n not in left_out}
