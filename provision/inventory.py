@@ -89,9 +89,10 @@ class Inventory:
 def select(host: str | None, args: tuple = (), *, local: bool = False, inventory: Path | None = None,
            limit: str | None = None, known_hosts: Path, key: Path | None = None, root: str | None = None,
            timeout: float = TIMEOUT, deadline: float = DEADLINE, notice: float = NOTICE,
-           local_by_default: bool = False) -> tuple[list[Target], tuple]:
+           local_by_default: bool = False, become: bool = False) -> tuple[list[Target], tuple]:
     """(hosts, args): the hosts a command acts on, from HOST, --local or -i (narrowed by --limit, and by HOST), and
-    its positionals after HOST (`args`, in order), as meant; `local_by_default`: no HOST and no -i is this machine.
+    its positionals after HOST (`args`, in order), as meant; `local_by_default`: no HOST and no -i is this machine;
+    `become`: host commands run as root through sudo where the inventory names no become user.
 
     The first positional is HOST. With --local there is no HOST: the first positional is the verb's first
     argument after HOST. With -i, HOST narrows like --limit. Without --limit a first positional is always HOST,
@@ -120,6 +121,8 @@ def select(host: str | None, args: tuple = (), *, local: bool = False, inventory
         raise InputError("name a host, or use --local or -i INVENTORY", where="HOST")
     for t in ts:
         t.timeout, t.deadline, t.notice = timeout, deadline, notice
+        if become and not t.become:
+            t.become = "root"
         if key:
             t.key_file = str(key)
         if root:
@@ -141,27 +144,27 @@ def load_inventory(path: Path, known_hosts: Path, limit: str | None = None, host
     return Inventory(path).targets(known_hosts, limit, host)
 
 
-# What Ansible's ssh connection honours and provision's own connection does not yet: a host that needs one of
-# these (a bastion, extra ssh options, an ssh_config file, sudo) is refused, never reached some other way.
-_UNHONOURED = ("ansible_ssh_common_args", "ansible_ssh_extra_args", "ansible_ssh_args", "ansible_become",
-               "ansible_become_user", "ansible_become_method")
+# The ssh options of Ansible's ssh connection that a host's inventory may set: provision's connection is that plugin's
+# ssh command line (transport.ssh_command), so a bastion, extra options or an ssh_config file are honoured.
+SSH_ARGS = ("ansible_ssh_common_args", "ansible_ssh_extra_args", "ansible_ssh_args")
+CONNECTIONS = ("ssh", "local")
 
 
 def _target(name: str, v: dict, known_hosts: Path, where: str) -> Target:
+    at = f"{where}: host {name}"
+
     def value(key: str, default=None):
         x = v.get(key, default)
         if isinstance(x, str) and ("{{" in x or "{%" in x):
             raise InventoryError(f"{key} is a template ({x!r}); provision reads inventory values as data: "
-                                 "write the value itself", where=f"{where}: host {name}")
+                                 "write the value itself", where=at)
         return x
 
-    for key in _UNHONOURED:
-        x = value(key)
-        if x not in (None, "") and not (key.startswith("ansible_become") and str(x).lower() in ("false", "no", "0")):
-            raise InventoryError(f"{key} is set ({x!r}): provision's own connection reaches a host only at its "
-                                 "ansible_host, ansible_port and ansible_user and would bypass it; run this host's "
-                                 "steps with ansible-playbook and the playbooks `provision playbooks` lists",
-                                 where=f"{where}: host {name}")
+    connection = value("ansible_connection")
+    if connection not in (None, *CONNECTIONS):
+        raise InventoryError(f"ansible_connection {connection!r} is not one provision runs host steps over "
+                             f"({', '.join(CONNECTIONS)})", where=at)
+    become = _become(value, at)
     if value("ansible_connection") == "local":
         t = Target(host="local", known_hosts=known_hosts, alias=name, inventory=where)
     else:
@@ -171,9 +174,30 @@ def _target(name: str, v: dict, known_hosts: Path, where: str) -> Target:
         host, user = str(value("ansible_host", name)), str(user) if user else None
         check_address(host, user, f"{where}: host {name}")
         t = Target(host=host, user=user, port=port, key_file=str(key) if key else None, known_hosts=known_hosts,
-                   alias=name, inventory=where)
+                   alias=name, inventory=where, ssh_args={k: str(value(k)) for k in SSH_ARGS if value(k)})
+    t.become = become
     t.vars = {ours: str(value(theirs)) for theirs, ours in _KEPT.items() if value(theirs) is not None}
     return t
+
+
+def _become(value, at: str) -> str | None:
+    """The user the host's commands run as (ansible_become, ansible_become_user; default root), or None; sudo is
+    the one method."""
+    from ansible.module_utils.parsing.convert_bool import boolean
+
+    try:
+        on = boolean(value("ansible_become", False), strict=True)
+    except TypeError:
+        raise InventoryError(f"ansible_become {value('ansible_become')!r} is not a boolean", where=at) from None
+    if not on:
+        return None
+    method = value("ansible_become_method")
+    if method not in (None, "sudo"):
+        raise InventoryError(f"ansible_become_method {method!r}: provision becomes another user through sudo only",
+                             where=at)
+    user = str(value("ansible_become_user") or "root")
+    check_address("localhost", user, f"{at}: ansible_become_user")
+    return user
 
 
 def _refuse_duplicates(targets: list[Target], where: str) -> None:

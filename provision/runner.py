@@ -94,9 +94,12 @@ def inventory(targets: list[Target], run_id: str, interpreters: dict[str, str] |
                 v["ansible_user"] = t.user
             if t.key_file:
                 v["ansible_ssh_private_key_file"] = t.key_file
-            # Host keys are verified against the known_hosts file provision manages.
+            v.update(t.ssh_args)      # the inventory's own ssh options (a bastion, an ssh config) still apply
+            # Host keys are verified against the known_hosts file provision manages (ssh takes an option's first value).
             v["ansible_ssh_common_args"] = (f"-o UserKnownHostsFile={t.known_hosts} -o StrictHostKeyChecking=yes "
-                                            "-o BatchMode=yes")
+                                            "-o BatchMode=yes " + t.ssh_args.get("ansible_ssh_common_args", "")).strip()
+            if t.become:
+                v.update(ansible_become=True, ansible_become_method="sudo", ansible_become_user=t.become)
         hosts[t.name] = v
     return {"all": {"hosts": hosts}}
 

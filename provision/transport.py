@@ -1,9 +1,14 @@
-"""Transports to a host: Local (subprocess) and SSH (paramiko, verified host keys only).
+"""Transports to a host: Local (subprocess) and SSH (the ssh client, as Ansible's ssh connection plugin runs it).
 
-Both offer run / run_agent / put / hold / spawn; remote command lines are quoted here and
-nowhere else (`shlex.join`). Hosts are named `[user@]host[:port]` or `local`. A host command that shows no
-progress is said so after `notice` seconds and stopped after `deadline` (its host work ends with it); agents
-hear a heartbeat and end their work when it stops (a cut-off controller), and `unlock` frees an orphaned run's lock.
+Both offer run / run_agent / put / hold / spawn; remote command lines are quoted here and nowhere else
+(`shlex.join`). Hosts are named `[user@]host[:port]` (an address, or a name the operator's ssh config knows) or
+`local`; an inventory adds its ssh options (ansible_ssh_common_args, ...: a bastion, an ssh config) and become
+(sudo). SSH takes its command line from Ansible's ssh connection plugin (`ssh_command`): ~/.ssh/config, ProxyJump,
+the agent and certificates apply, host keys are checked strictly against the managed known_hosts, and one master
+connection per SSH carries every host command; paramiko only reads and writes known_hosts keys (`hosts trust`). A host
+command that shows no progress is said so after `notice` seconds and stopped after `deadline` (its host work ends
+with it); agents hear a heartbeat and end their work when it stops (a cut-off controller), and `unlock` frees an
+orphaned run's lock.
 """
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import base64
 import hashlib
 import itertools
 import json
+import math
 import os
 import re
 import shlex
@@ -83,7 +89,8 @@ def quote(argv: list[str]) -> str:
 
 @dataclass
 class Target:
-    """Where to run: `local`, or an SSH `user@host:port` with its key and known_hosts."""
+    """Where to run: `local`, or an SSH `[user@]host[:port]` (an address or a name the ssh config knows) with its
+    key, known_hosts and the inventory's ssh options."""
 
     host: str
     user: str | None = None
@@ -97,6 +104,8 @@ class Target:
     notice: float = NOTICE                     # seconds without progress before a step says what it waits for
     deadline: float = DEADLINE                 # seconds without progress before a step is stopped
     heartbeat: float = HEARTBEAT               # seconds between heartbeats to an agent (HEARTBEAT_MISSES ends it)
+    ssh_args: dict = field(default_factory=dict)   # the inventory's ansible_ssh_common_args, _extra_args, _args
+    become: str | None = None                  # the user host commands run as (sudo -n), when not the login user
 
     @property
     def local(self) -> bool:
@@ -429,8 +438,9 @@ def _printable(text: str) -> str:
 
 
 class _LocalProc:
-    def __init__(self, argv):
-        self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    def __init__(self, argv, session: bool = False):
+        self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                  start_new_session=session)
 
     def send(self, data: bytes) -> None:
         self.p.stdin.write(data)
@@ -463,26 +473,56 @@ def _drain(stream, on_line, touch=None) -> bytes:
     return b"".join(chunks)
 
 
+def become_argv(target: Target, argv: list[str]) -> list[str]:
+    """argv as the host runs it: under `sudo -n -u USER --` when the target becomes another user (never asks)."""
+    return ["sudo", "-n", "-u", target.become, "--", *argv] if target.become else list(argv)
+
+
+SUDO_REFUSED = re.compile(r"^sudo: (a password is required|.*(not in the sudoers|not allowed to))", re.M)
+
+
+def _sudo_refused(target: Target, r: Result) -> None:
+    """HostError when the host's sudo refused to run the command as the become user (it wants a password, or the
+    user may not use sudo): one line, naming the host."""
+    if target.become and r.rc == 1 and not r.stdout and SUDO_REFUSED.search(r.stderr):
+        said = SUDO_REFUSED.search(r.stderr).group(0).removeprefix("sudo: ")
+        raise HostError(f"sudo refused to run as {target.become} ({said}): become needs passwordless sudo "
+                        "(NOPASSWD) for the login user", where=target.name)
+
+
 class Local(Transport):
-    """This machine, through subprocess (no shell)."""
+    """This machine, through subprocess (no shell); also the way SSH runs its ssh client."""
+
+    session = False     # whether host commands run in a session of their own (out of reach of the terminal's Ctrl-C)
 
     def __init__(self, target: Target | None = None):
         self.target = target or Target(host="local")
 
+    def command(self, argv: list[str]) -> list[str]:
+        """The local command line that runs argv on the host."""
+        return [str(a) for a in become_argv(self.target, argv)]
+
     def run(self, argv, *, stdin=None, timeout=None, on_line=None, beat=None) -> Result:
+        r = self._stream(self.command(argv), stdin=stdin, timeout=timeout, on_line=on_line, beat=beat)
+        _sudo_refused(self.target, r)
+        return r
+
+    def _stream(self, argv, *, stdin=None, timeout=None, on_line=None, beat=None) -> Result:
         try:
-            p = subprocess.Popen([str(a) for a in argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE)
+            p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 start_new_session=self.session)
         except FileNotFoundError as e:
             return Result(127, "", str(e))
-        dog = _Watchdog(self, lambda: _end(p), timeout)
+        ended: list[bool] = []      # we ended it: an ssh master may hold its stderr until the host's side closes
+        dog = _Watchdog(self, lambda: (ended.append(True), _end(p)), timeout)
         err_box: list[bytes] = []
         t = threading.Thread(target=lambda: err_box.append(_drain(p.stderr, None, dog.touch)), daemon=True)
         t.start()
         feeder = threading.Thread(target=_feed, args=(p.stdin, stdin, dog.touch, beat, dog.done), daemon=True)
         feeder.start()
         expired: list[bool] = []
-        timer = threading.Timer(timeout, lambda: (expired.append(True), p.kill())) if timeout else None
+        timer = threading.Timer(timeout, lambda: (expired.append(True), ended.append(True), p.kill())) \
+            if timeout else None
         if timer:
             timer.start()
         try:
@@ -495,21 +535,47 @@ class Local(Transport):
             if timer:
                 timer.cancel()
             dog.done.set()
-        t.join()
+        t.join(5 if ended else None)
         dog.check()
         if expired:
             return Result(124, out.decode(errors="replace"), f"timed out after {timeout}s")
         return Result(rc, out.decode(errors="replace"), (err_box[0] if err_box else b"").decode(errors="replace"))
 
     def spawn(self, argv):
-        return _LocalProc([str(a) for a in argv])
+        return _LocalProc(self.command(argv), self.session)
 
     def read(self, path):
+        if self.target.become:
+            yield from self._read_through(path)
+            return
         try:
             with open(path, "rb") as f:
                 yield from iter(lambda: f.read(1 << 20), b"")
         except OSError as e:
             raise HostError(f"cannot read {path}: {e.strerror or e}", where=self.target.name) from None
+
+    def _read_through(self, path):
+        """The file's bytes from the host's own interpreter (as the become user), in chunks as they arrive."""
+        p = subprocess.Popen(self.command([self.python, "-I", "-S", "-c", CAT, path]), stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=self.session)
+        err_box: list[bytes] = []
+        t = threading.Thread(target=lambda: err_box.append(p.stderr.read()), daemon=True)
+        t.start()
+        try:
+            yield from iter(lambda: p.stdout.read1(1 << 20), b"")
+            rc = p.wait()
+        finally:
+            if p.poll() is None:
+                _end(p)
+        t.join()
+        r = Result(rc, "", (err_box[0] if err_box else b"").decode(errors="replace"))
+        self._check_read(path, r)
+
+    def _check_read(self, path: str, r: Result) -> None:
+        _sudo_refused(self.target, r)
+        if r.rc != 0:
+            raise HostError(f"cannot read {path}: {(r.stderr.strip().splitlines() or [f'exit {r.rc}'])[-1]}",
+                            where=self.target.name)
 
 
 def _end(p: subprocess.Popen) -> None:
@@ -543,19 +609,6 @@ def _feed(pipe, data, touch=None, beat=None, done=None) -> None:
         pass   # the process exited without reading all of it
 
 
-def _send(chan, data, touch=None, beat=None, done=None) -> None:
-    try:
-        for chunk in _chunks(data):
-            chan.sendall(chunk)
-            if touch:
-                touch()
-        while beat and not done.wait(beat):     # the heartbeat: not progress
-            chan.sendall(b"\n")
-        chan.shutdown_write()
-    except Exception:  # noqa: BLE001 - the remote end exited or the connection went; the reader reports it
-        pass
-
-
 def fingerprint(key) -> str:
     """OpenSSH-style SHA256 fingerprint of a paramiko key."""
     digest = hashlib.sha256(key.asbytes()).digest()
@@ -563,199 +616,241 @@ def fingerprint(key) -> str:
 
 
 def known_hosts_name(target: Target) -> str:
-    return target.host if target.port == 22 else f"[{target.host}]:{target.port}"
+    """The name ssh checks the host's key by (`ssh -G` over the host's own command line): its HostKeyAlias, else
+    its HostName after the ssh config, with its port when not 22."""
+    argv = ssh_command(target, control=None)
+    out = subprocess.run([*argv[:-1], "-G", argv[-1]], capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                         timeout=30).stdout
+    conf = dict(ln.split(" ", 1) for ln in out.splitlines() if " " in ln)
+    if conf.get("hostkeyalias", "none") != "none":
+        return conf["hostkeyalias"]
+    host, port = conf.get("hostname", target.host), int(conf.get("port", target.port))
+    return host if port == 22 else f"[{host}]:{port}"
 
 
-class _SSHProc:
-    def __init__(self, chan):
-        self.chan = chan
-        self.f = chan.makefile("r")
+# ------------------------------------------------------------------ the ssh client, as Ansible's ssh connection runs it
 
-    def send(self, data: bytes) -> None:
-        self.chan.sendall(data)
-
-    def readline(self) -> str:
-        return self.f.readline()
-
-    def close(self):
-        try:
-            self.chan.shutdown_write()
-            self.chan.close()
-        except Exception:  # noqa: BLE001 - connection may already be gone
-            pass
+PERSIST = 60        # seconds a connection's master outlives its last session (a controller killed before close())
+_CONTROL: list[Path] = []                 # this process's ControlPath directory, made on first use
+_MASTERS: dict[str, list[str]] = {}       # live masters: ControlPath → the command that stops it
+_SOCKETS = itertools.count()
+_PLUGIN = threading.Lock()      # Ansible's plugin loader is not safe to enter from several threads at once
 
 
-# AES-GCM encrypts and authenticates in one call: about a third less controller CPU per byte pushed than
-# paramiko's first choice (aes128-ctr with a separate hmac-sha2-256). A server without it gets the default.
-NOT_AEAD = {"ciphers": ["aes128-ctr", "aes192-ctr", "aes256-ctr", "aes128-cbc", "aes192-cbc", "aes256-cbc",
-                        "3des-cbc"]}
+def _control_dir() -> Path:
+    """A private directory under /tmp for this process's master sockets (a ControlPath must stay under 108
+    bytes); the masters still running and the directory go when the process exits."""
+    if not _CONTROL:
+        import atexit
+        import tempfile
+
+        _CONTROL.append(Path(tempfile.mkdtemp(prefix="pv-", dir="/tmp")))
+        atexit.register(_stop_all)
+    return _CONTROL[0]
 
 
-class SSH(Transport):
-    """A remote host through paramiko; unknown or changed host keys are refused. Connecting waits at most
-    `target.timeout` for each of TCP, the SSH banner, the handshake and authentication; once connected, a host
-    that leaves KEEPALIVE_COUNT keepalives in a row unanswered is disconnected, so no read waits on it forever."""
+def _stop_all() -> None:
+    for path in list(_MASTERS):
+        _stop_master(path)
+    if _CONTROL:
+        import shutil
+
+        shutil.rmtree(_CONTROL[0], ignore_errors=True)
+
+
+def _stop_master(path: str) -> None:
+    argv = _MASTERS.pop(path, None)
+    if argv:
+        subprocess.run(argv, capture_output=True, timeout=10, stdin=subprocess.DEVNULL)
+
+
+def keepalive_interval(target: Target) -> int:
+    """ServerAliveInterval: the target's timeout in whole seconds (ssh takes no fractions), at least 1."""
+    return max(1, math.ceil(target.timeout))
+
+
+def ssh_command(target: Target, *, control: str | None, known_hosts: Path | None = None,
+                checking: str = "yes") -> list[str]:
+    """The ssh command line (up to and including the host; the remote command follows) that Ansible's ssh
+    connection plugin builds for this host from its inventory variables (ansible_host, ansible_port, ansible_user,
+    ansible_ssh_private_key_file, ansible_ssh_common_args, ansible_ssh_extra_args, ansible_ssh_args) and Ansible's
+    settings (ssh_executable, ssh_args, ...): the operator's ~/.ssh/config, ProxyJump, agent and certificates
+    apply. Ahead of them (ssh takes the first value given for an option) go ours: host keys checked strictly
+    (`checking`) against the managed known_hosts only, never a prompt, keepalives every `keepalive_interval` s
+    (KEEPALIVE_COUNT unanswered end the connection), and one master per connection at `control` (None: none)."""
+    from ansible.playbook.play_context import PlayContext
+    from ansible.plugins.loader import connection_loader
+
+    with _PLUGIN:
+        conn = connection_loader.get("ssh", PlayContext(), None)
+    hostvars = {"ansible_host": target.host, **target.ssh_args}
+    if target.port != 22:             # else the ssh config's Port for this name holds, as for Ansible
+        hostvars["ansible_port"] = target.port
+    if target.user:
+        hostvars["ansible_user"] = target.user
+    if target.key_file:
+        hostvars["ansible_ssh_private_key_file"] = target.key_file
+    conn.set_options(var_options=hostvars)
+    kh = Path(known_hosts or target.known_hosts).expanduser().absolute()
+    every = keepalive_interval(target)
+    ours = ["-o", f"StrictHostKeyChecking={checking}", "-o", f"UserKnownHostsFile={kh}",
+            "-o", "GlobalKnownHostsFile=/dev/null", "-o", "BatchMode=yes",
+            "-o", f"ServerAliveInterval={every}", "-o", f"ServerAliveCountMax={KEEPALIVE_COUNT}",
+            *(["-o", "ControlMaster=auto", "-o", f"ControlPersist={PERSIST}", "-o", f"ControlPath={control}"]
+              if control else ["-o", "ControlMaster=no", "-o", "ControlPath=none"])]
+    conn.set_option("ssh_args", " ".join([shlex.join(ours), conn.get_option("ssh_args") or ""]).strip())
+    conn.set_option("timeout", every)                   # ConnectTimeout: TCP and the SSH banner
+    # `_build_command` is the plugin's private builder of exactly this command line (ansible-core's ssh plugin has
+    # kept its signature across the range pyproject pins); this is the one place it is called.
+    argv = conn._build_command(conn.get_option("ssh_executable"), "ssh")
+    return [os.fsdecode(a) for a in argv] + [str(conn.get_option("host"))]
+
+
+class SSH(Local):
+    """A remote host through the ssh client, as Ansible's ssh connection plugin runs it (`ssh_command`): host
+    commands are local ssh processes streamed as Local streams its own, over one master connection per SSH
+    (ControlMaster; made and checked when it is constructed, stopped by `close`). Unknown or changed host keys
+    are refused; connecting waits at most `target.timeout` (whole seconds) for TCP and the SSH banner; once
+    connected, a host that leaves KEEPALIVE_COUNT keepalives in a row unanswered is disconnected, so no read waits
+    on it forever. Host commands run in sessions of their own: a Ctrl-C reaches the controller, which ends them."""
+
+    session = True
 
     def __init__(self, target: Target):
-        paramiko = _paramiko()
-        self.target, self.lost = target, None
-        self.client = paramiko.SSHClient()
-        kh = Path(target.known_hosts)
-        if kh.exists():
-            self.client.load_host_keys(str(kh))
-        self.client.set_missing_host_key_policy(paramiko.RejectPolicy())
-        try:
-            self._connect(paramiko, kh)
-        except BaseException:
-            self.client.close()     # a handshake still waiting on the host stops now
-            raise
-        self._closed = threading.Event()
+        self.target, self.watch = target, None
+        self.control = str(_control_dir() / str(next(_SOCKETS)))
+        self.log = Path(self.control + ".log")
+        self.ssh = ssh_command(target, control=self.control)
+        _MASTERS[self.control] = [*self.ssh[:-1], "-O", "exit", self.ssh[-1]]     # how close() stops it
+        first = [*self.ssh[:-1], "-E", str(self.log), self.ssh[-1], quote(become_argv(target, ["true"]))]
+        limit = 4 * keepalive_interval(target) + 30      # a hang guard: ssh's own ConnectTimeout says it first
+        try:    # the master: its errors (and later, why it went) go to its log
+            r = subprocess.run(first, stdin=subprocess.DEVNULL, capture_output=True, timeout=limit,
+                               start_new_session=True)
+        except subprocess.TimeoutExpired:
+            self.close()
+            raise HostError(f"no SSH connection within {limit:g}s", where=target.name) from None
+        self._closed, self._runs, self._count = threading.Event(), 0, threading.Lock()
+        if r.returncode != 0:
+            said = self._said() + r.stderr.decode(errors="replace")
+            self.close()
+            result = Result(r.returncode, r.stdout.decode(errors="replace"), said)
+            _sudo_refused(target, result)
+            raise _ssh_error(target, said, r.returncode)
         threading.Thread(target=self._watch, name=f"keepalive {target.name}", daemon=True).start()
 
-    def _connect(self, paramiko, kh: Path) -> None:
-        target = self.target
-        try:
-            for disabled in (NOT_AEAD, None):
-                try:
-                    self.client.connect(target.host, port=target.port, username=target.user or _whoami(),
-                                        key_filename=target.key_file, timeout=target.timeout,
-                                        banner_timeout=target.timeout, auth_timeout=target.timeout,
-                                        allow_agent=target.key_file is None, look_for_keys=target.key_file is None,
-                                        disabled_algorithms=disabled)
-                    break
-                except paramiko.SSHException as e:
-                    if disabled is None or "no acceptable ciphers" not in str(e):
-                        raise
-        except paramiko.BadHostKeyException as e:
-            raise HostKeyError(f"host key CHANGED: offered {e.key.get_name()} {fingerprint(e.key)}, "
-                               f"known_hosts {kh} expects {fingerprint(e.expected_key)}; refusing",
-                               where=target.name) from None
-        except paramiko.AuthenticationException as e:
-            if "timeout" in str(e).lower():
-                raise HostError(f"no answer to SSH authentication within {target.timeout:g}s",
-                                where=target.name) from None
-            raise HostError(f"ssh: {e}", where=target.name) from None
-        except paramiko.SSHException as e:
-            if "not found in known_hosts" in str(e):
-                key = scan_host_key(target)
-                raise HostKeyError(f"unknown host key {key.get_name()} {fingerprint(key)}; verify it, then "
-                                   f"`{trust_command(target)}`", where=target.name) from None
-            raise _handshake_error(e, self.client.get_transport(), target) from None
-        except OSError as e:
-            raise _connect_error(e, target) from None
-
     def _watch(self) -> None:
-        """Keepalives that want an answer (paramiko's own `set_keepalive` asks for none, so it cannot tell a
-        silent host from a quiet one): every `timeout` seconds one, in a thread of its own; when none is answered
-        for KEEPALIVE_COUNT periods, the connection is closed and every read on it ends."""
-        tr = self.client.get_transport()
-        period = self.target.timeout
-        while not self._closed.wait(period) and tr.is_active():
-            answered = threading.Event()
-
-            def ask():
-                try:
-                    tr.global_request("keepalive@openssh.com", wait=True)   # any answer, even "unknown request"
-                except Exception:  # noqa: BLE001 - the connection went while asking: the reads say so
-                    return
-                answered.set()
-            threading.Thread(target=ask, daemon=True).start()
-            if not answered.wait(period) and not self._closed.is_set():
-                self._say_wait(period)
-            if not answered.wait(period * (KEEPALIVE_COUNT - 1)) and not self._closed.is_set():
-                self.lost = f"the host answered no keepalive for {period * KEEPALIVE_COUNT:g}s"
-                tr.close()
-                return
+        """While a host command runs: a session through the master every keepalive period, and one the host leaves
+        unanswered for a period says that the step waits on the host (ssh's own keepalives say nothing until they
+        give the connection up, after KEEPALIVE_COUNT periods)."""
+        period = keepalive_interval(self.target)
+        while not self._closed.wait(period):
+            if not self._runs:
+                continue
+            try:
+                subprocess.run([*self.ssh, "true"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, timeout=period, start_new_session=True)
+            except subprocess.TimeoutExpired:
+                if self._runs and not self._closed.is_set():
+                    self._say_wait(period)
 
     def _say_wait(self, seconds: float) -> None:
-        """A keepalive unanswered for a period: the step waits on a silent host (said before the connection is
-        given up, however recent the step's last progress)."""
         w = self.watch
         if w and w.on_wait:
             w.on_wait(w.name, seconds)
 
-    def _gone(self, e: BaseException | None = None) -> HostError:
-        return HostError(f"connection lost: {self.lost or e or type(e).__name__}", where=self.target.name)
+    def command(self, argv: list[str]) -> list[str]:
+        return [*self.ssh, quote(become_argv(self.target, argv))]
+
+    def _said(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def _alive(self) -> bool:
+        check = [*self.ssh[:-1], "-O", "check", self.ssh[-1]]
+        return subprocess.run(check, capture_output=True, stdin=subprocess.DEVNULL, timeout=30).returncode == 0
+
+    def _unanswered(self) -> bool:
+        """Whether the master ended because the host answered none of its keepalives (ssh's log says so)."""
+        return "not responding" in self._said()
+
+    def _gone(self) -> HostError:
+        lines = [ln.strip() for ln in self._said().splitlines() if ln.strip()]
+        last = lines[-1] if lines else "the connection's master ended"
+        if self._unanswered():
+            last = f"the host answered no keepalive for {keepalive_interval(self.target) * KEEPALIVE_COUNT:g}s"
+        return HostError(f"connection lost: {last}", where=self.target.name)
 
     def run(self, argv, *, stdin=None, timeout=None, on_line=None, beat=None) -> Result:
-        chan = dog = None
+        with self._count:
+            self._runs += 1
         try:
-            chan = self.client.get_transport().open_session()
-            chan.settimeout(timeout)
-            chan.exec_command(quote(argv))
-            dog = _Watchdog(self, chan.close, timeout)
-            err_box: list[bytes] = []
-            t = threading.Thread(target=lambda: err_box.append(_drain(chan.makefile_stderr("rb"), None, dog.touch)),
-                                 daemon=True)
-            t.start()
-            feeder = threading.Thread(target=_send, args=(chan, stdin, dog.touch, beat, dog.done), daemon=True)
-            feeder.start()
-            out = _drain(chan.makefile("rb"), on_line, dog.touch)
-            t.join(timeout)
-            rc = chan.recv_exit_status()
-            err = err_box[0] if err_box else b""
-            chan.close()
-        except Exception as e:  # noqa: BLE001 - paramiko raises many kinds when a host vanishes
-            if dog is not None:
-                dog.check()      # the watchdog closed it: that is the reason
-            raise self._gone(e) from None
-        except BaseException:   # Ctrl-C: closing the channel ends the command's host work (the agent's guard)
-            if chan is not None:
-                chan.close()
-            raise
-        dog.check()
-        if self.lost:            # the keepalives closed it: what came back is not the command's whole answer
-            raise self._gone()
-        return Result(rc, out.decode(errors="replace"), err.decode(errors="replace"))
-
-    def spawn(self, argv):
-        try:
-            chan = self.client.get_transport().open_session()
-            chan.exec_command(quote(argv))
-        except Exception as e:  # noqa: BLE001 - paramiko raises many kinds when a host vanishes
-            raise self._gone(e) from None
-        return _SSHProc(chan)
+            r = self._stream(self.command(argv), stdin=stdin, timeout=timeout, on_line=on_line, beat=beat)
+        finally:
+            with self._count:
+                self._runs -= 1
+        if r.rc == 255 and not self._alive():     # ssh's own failure: the connection went
+            if self._unanswered():
+                raise self._gone()    # the keepalives closed it: what came back is not the command's whole answer
+            return Result(-1, r.stdout, r.stderr)   # the session closed without an exit status
+        _sudo_refused(self.target, r)
+        return r
 
     def read(self, path):
-        try:
-            chan = self.client.get_transport().open_session()
-            chan.exec_command(quote([self.python, "-I", "-S", "-c", CAT, path]))
-            chan.shutdown_write()
-            while True:
-                chunk = chan.recv(1 << 20)
-                if not chunk:
-                    break
-                yield chunk
-            rc = chan.recv_exit_status()
-            err = chan.makefile_stderr("rb").read().decode(errors="replace").strip()
-            chan.close()
-        except Exception as e:  # noqa: BLE001 - paramiko raises many kinds when a host vanishes
-            raise self._gone(e) from None
-        if self.lost:
+        yield from self._read_through(path)
+
+    def _check_read(self, path: str, r: Result) -> None:
+        if r.rc == 255 and not self._alive():
             raise self._gone()
-        if rc != 0:
-            raise HostError(f"cannot read {path}: {(err.splitlines() or [f'exit {rc}'])[-1]}", where=self.target.name)
+        super()._check_read(path, r)
 
     def close(self):
-        self._closed.set()
-        self.client.close()
+        if getattr(self, "_closed", None) is not None:
+            self._closed.set()
+        _stop_master(self.control)
+        self.log.unlink(missing_ok=True)
 
 
-def _connect_error(e: OSError, target: Target) -> HostError:
-    if isinstance(e, TimeoutError) or "timed out" in str(e):
-        return HostError(f"no TCP connection within {target.timeout:g}s", where=target.name)
-    return HostError(f"cannot connect: {e.strerror or e}", where=target.name)
+def _ssh_error(target: Target, said: str, rc: int) -> HostError:
+    """ssh's failure to connect (its log and stderr, `said`), in one line naming the host."""
+    lines = [ln.strip() for ln in said.splitlines() if ln.strip() and not ln.startswith("@")]
+    text = "\n".join(lines)
+    t = f"{keepalive_interval(target):g}s"
+    if "REMOTE HOST IDENTIFICATION HAS CHANGED" in said:
+        m = re.search(r"The fingerprint for the (\S+) key sent by the remote host is\s+(SHA256:[^\s.]+)", said)
+        offered = f"{_key_type(m.group(1))} {m.group(2)}" if m else "another key"
+        expects = ", ".join(f"{k.get_name()} {fingerprint(k)}" for k in known_host_keys(target)) or "another key"
+        return HostKeyError(f"host key CHANGED: offered {offered}, known_hosts {target.known_hosts} expects "
+                            f"{expects}; refusing", where=target.name)
+    if "Host key verification failed" in text or "host key is known for" in text:
+        try:
+            key = scan_host_key(target)
+            shown = f" {key.get_name()} {fingerprint(key)}"
+        except HostError:
+            shown = ""
+        return HostKeyError(f"unknown host key{shown}; verify it, then `{trust_command(target)}`",
+                            where=target.name)
+    if "timed out during banner exchange" in text:
+        return HostError(f"no SSH banner within {t}", where=target.name)
+    if "Connection closed by" in text and "kex_exchange_identification" in text:
+        return HostError("the host closed the connection before its SSH banner", where=target.name)
+    m = re.search(r"connect to host .* port \d+: (.*)", text)
+    if m:
+        why = m.group(1).strip()
+        if "timed out" in why:
+            return HostError(f"no TCP connection within {t}", where=target.name)
+        return HostError(f"cannot connect: {why}", where=target.name)
+    if "Could not resolve hostname" in text:
+        return HostError(f"cannot connect: {text.split(': ', 1)[-1].splitlines()[0]}", where=target.name)
+    last = lines[-1] if lines else f"ssh exited {rc}"
+    return HostError(f"ssh: {last[:300]}", where=target.name)
 
 
-def _handshake_error(e: Exception, transport, target: Target) -> HostError:
-    """One line for an SSH handshake that failed: which stage the host never answered, else paramiko's words."""
-    if transport is not None and not transport.remote_version:
-        if isinstance(e.__context__, EOFError):
-            return HostError("the host closed the connection before its SSH banner", where=target.name)
-        return HostError(f"no SSH banner within {target.timeout:g}s", where=target.name)
-    if transport is not None and not transport.initial_kex_done:
-        return HostError(f"SSH key exchange not done within {target.timeout:g}s", where=target.name)
-    return HostError(f"ssh: {e}", where=target.name)
+def _key_type(word: str) -> str:
+    """ssh's name for a key type in its messages (ED25519, ECDSA, RSA) as a known_hosts key type."""
+    return {"ED25519": "ssh-ed25519", "RSA": "ssh-rsa", "ECDSA": "ecdsa-sha2-nistp256"}.get(word, word.lower())
 
 
 def _paramiko():
@@ -770,29 +865,29 @@ def _paramiko():
     return paramiko
 
 
-def _whoami() -> str:
-    import getpass
-    return getpass.getuser()
-
-
 def scan_host_key(target: Target):
-    """The key a host offers (for showing its fingerprint), without trusting it."""
-    import socket
+    """The key a host offers (for showing its fingerprint), without trusting it: the host's own ssh command line
+    (its ssh config, its ProxyJump) records what the host offers into a scratch known_hosts and authenticates with
+    nothing; HostError when no key came (the host named, the reason in one line)."""
+    import tempfile
 
     paramiko = _paramiko()
+    with tempfile.TemporaryDirectory(prefix="pv-scan-") as d:
+        kh = Path(d) / "known_hosts"
+        argv = ssh_command(target, control=None, known_hosts=kh, checking="accept-new")
+        try:
+            r = subprocess.run([*argv[:-1], "-o", "PreferredAuthentications=none", argv[-1], "true"],
+                               capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                               timeout=4 * keepalive_interval(target) + 30, start_new_session=True)
+        except subprocess.TimeoutExpired:
+            raise HostError("no SSH host key within the timeout", where=target.name) from None
+        words = kh.read_text().split() if kh.exists() else []
+    if len(words) < 3:
+        raise _ssh_error(target, r.stderr, r.returncode)
     try:
-        sock = socket.create_connection((target.host, target.port), timeout=target.timeout)
-    except OSError as e:
-        raise _connect_error(e, target) from None
-    t = paramiko.Transport(sock)
-    t.banner_timeout = t.handshake_timeout = target.timeout
-    try:
-        t.start_client(timeout=target.timeout)
-        return t.get_remote_server_key()
-    except paramiko.SSHException as e:
-        raise _handshake_error(e, t, target) from None
-    finally:
-        t.close()
+        return paramiko.PKey.from_type_string(words[1], base64.b64decode(words[2]))
+    except (paramiko.SSHException, ValueError) as e:
+        raise HostError(f"the host offers a key this tool cannot read ({words[1]}: {e})", where=target.name) from None
 
 
 def known_host_keys(target: Target) -> list:

@@ -154,3 +154,65 @@ def listener():
 def silent(listener):
     """The port of a listener that never says a word (an SSH port behind a hung daemon)."""
     return listener[0]
+
+
+@pytest.fixture(scope="session")
+def sudo_user():
+    """A user who logs in with a loopback host's client key and may run anything as root through sudo, without a
+    password (as on a cloud GPU image); removed at the end."""
+    import subprocess
+
+    name = "pv-sudo"
+    if subprocess.run(["id", name], capture_output=True).returncode != 0:
+        subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", name], check=True)
+    subprocess.run(["usermod", "-p", "*", name], check=True)     # not locked: sshd without PAM refuses a locked one
+    sudoers = Path("/etc/sudoers.d/pv-sudo")
+    sudoers.write_text(f"{name} ALL=(ALL) NOPASSWD: ALL\n")
+    sudoers.chmod(0o440)
+    yield name
+    sudoers.unlink(missing_ok=True)
+    subprocess.run(["userdel", name], capture_output=True)
+
+
+def readable_host() -> LoopbackHost:
+    """A started loopback host whose authorized_keys any local user's session may read: a non-root user logs in
+    with the same client key."""
+    import os
+
+    host = LoopbackHost().start()
+    os.chmod(host.dir, 0o755)
+    os.chmod(host.dir / "authorized_keys", 0o644)
+    return host
+
+
+class BehindJump:
+    """A host in a network namespace that only a jump host's namespace reaches, and an ssh config that names it by
+    the alias `gpu-behind` with ProxyJump through `bastion`, host keys checked against `known_hosts`."""
+
+    alias = "gpu-behind"
+
+    def __init__(self, d: Path):
+        self.jump = LoopbackHost(netns=True).start()
+        self.behind = LoopbackHost(behind=self.jump).start()
+        self.known_hosts = d / "known_hosts"
+        self.known_hosts.write_text("".join(
+            f"{h.address} {' '.join((h.dir / 'host_ed25519.pub').read_text().split(' ')[:2])}\n"
+            for h in (self.jump, self.behind)))
+        self.config = d / "ssh_config"
+        self.config.write_text(
+            f"Host bastion\n  HostName {self.jump.address}\n  User {self.jump.target.user}\n"
+            f"  IdentityFile {self.jump.dir / 'client_ed25519'}\n"
+            f"Host {self.alias}\n  HostName {self.behind.address}\n  User {self.behind.target.user}\n"
+            f"  IdentityFile {self.behind.dir / 'client_ed25519'}\n  ProxyJump bastion\n"
+            f"Host *\n  UserKnownHostsFile {self.known_hosts}\n  StrictHostKeyChecking yes\n  BatchMode yes\n")
+
+    def cleanup(self) -> None:
+        self.behind.cleanup()
+        self.jump.cleanup()
+
+
+@pytest.fixture
+def behind_jump(tmp_path):
+    h = BehindJump(tmp_path)
+    yield h
+    h.cleanup()

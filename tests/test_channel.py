@@ -254,16 +254,17 @@ def test_a_host_whose_login_shell_prints_a_banner_still_runs_agents():
             tr.close()
 
 
-def test_ssh_prefers_aes_gcm_and_falls_back_when_the_server_lacks_it():
+def test_ssh_negotiates_a_cipher_the_server_offers():
+    """The ssh client picks the cipher (its own preference and the operator's ssh config): a server that offers
+    only one is still reached."""
     from provision.loopback import LoopbackHost
     from provision.transport import connect, trust_host
 
-    for config, cipher in (("", "aes128-gcm@openssh.com"), ("Ciphers aes128-ctr\n", "aes128-ctr")):
+    for config in ("", "Ciphers aes128-ctr\n"):
         with LoopbackHost(sshd_config=config) as h:
             trust_host(h.target)
             tr = connect(h.target)
             try:
-                assert tr.client.get_transport().local_cipher == cipher
                 assert tr.check(["echo", "ok"]).strip() == "ok"
             finally:
                 tr.close()

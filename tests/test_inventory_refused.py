@@ -87,3 +87,25 @@ def test_a_host_that_is_not_in_the_inventory_is_an_error_before_any_contact(list
     p = cli(*argv, "-i", inv, "--known-hosts", tmp_path / "kh", "--timeout", "1", check=2)
     assert p.stderr == f"error: {inv}: 'h9' names no host or group of the inventory\n", p.stderr
     assert accepted == [], "a host was contacted"
+
+
+REACH = {        # what provision cannot reach a host with, refused in one line before any contact
+    "ansible_connection=paramiko": "ansible_connection 'paramiko' is not one provision runs host steps over "
+                                   "(ssh, local)",
+    "ansible_become=true ansible_become_method=su": "ansible_become_method 'su': provision becomes another user "
+                                                    "through sudo only",
+    "ansible_become=maybe": "ansible_become 'maybe' is not a boolean",
+    "ansible_ssh_common_args='-o ProxyJump={{ bastion }}'": "ansible_ssh_common_args is a template "
+                                                           "('-o ProxyJump={{ bastion }}'); provision reads inventory "
+                                                           "values as data: write the value itself",
+}
+
+
+@pytest.mark.parametrize("setting", list(REACH))
+def test_a_connection_provision_cannot_make_is_one_line_before_any_contact(listener, tmp_path, setting):
+    port, accepted = listener
+    inv = tmp_path / "hosts.ini"
+    inv.write_text(f"h1 ansible_host=127.0.0.1 ansible_port={port} {setting}\n")
+    p = cli("status", "-i", inv, "--known-hosts", tmp_path / "kh", "--timeout", "1", check=2)
+    assert p.stderr == f"error: {inv}: host h1: {REACH[setting]}\n", p.stderr
+    assert accepted == [], "a host was contacted"

@@ -60,7 +60,8 @@ def test_a_stalled_session_is_closed_by_the_keepalives(tmp_path):
             os.kill(pid, signal.SIGSTOP)
         worker.join(120)              # a hang guard, not a speed target: without keepalives it never returns
         assert not worker.is_alive(), "the controller still waits on a host that stopped answering"
-        assert out == {"error": f"{t.name}: connection lost: the host answered no keepalive for 1.5s"}, out
+        # ssh's keepalive period is whole seconds: 0.5 s is 1 s, and 3 unanswered close it
+        assert out == {"error": f"{t.name}: connection lost: the host answered no keepalive for 3s"}, out
         tr.close()
     finally:
         host.vanish()

@@ -178,9 +178,9 @@ HOST_PARAMS = {
     "key": (Optional[Path], typer.Option(None, "--key", help="SSH private key file")),
     "known_hosts": (Path, typer.Option(DEFAULT_KNOWN_HOSTS, "--known-hosts", help="managed known_hosts file")),
     "timeout": (float, typer.Option(TIMEOUT, "--timeout", min=0.1, metavar="SECONDS",
-                                    help="SSH: the most each of connect, banner, handshake and authentication may "
-                                         "take; also the keepalive period (a host that answers none of 3 in a row is "
-                                         "disconnected)")),
+                                    help="SSH: the most the connection and the SSH banner may take (ssh's "
+                                         "ConnectTimeout, whole seconds); also the keepalive period (a host that "
+                                         "answers none of 3 in a row is disconnected)")),
     "step_deadline": (float, typer.Option(DEADLINE, "--step-deadline", min=1, metavar="SECONDS",
                                           help="a step (fetch, install, probes, switch) that shows no progress for "
                                                "this long is stopped, its host work ended, and the host left on its "
@@ -189,6 +189,10 @@ HOST_PARAMS = {
     "wait_notice": (float, typer.Option(NOTICE, "--wait-notice", min=0.1, metavar="SECONDS",
                                         help="after this long without progress, say what the run waits for (again at "
                                              "2x, 4x)")),
+    "become": (bool, typer.Option(False, "--become",
+                                  help="run host commands as root through sudo (non-interactive: the login user needs "
+                                       "passwordless sudo); the inventory's ansible_become and ansible_become_user do "
+                                       "the same per host")),
     "root": (Optional[str], typer.Option(None, "--root", help=f"host root (default {DEFAULT_ROOT}, or the inventory's "
                                                               "provision_root)")),
 }
@@ -208,6 +212,7 @@ class Hosts:
     timeout: float = TIMEOUT
     step_deadline: float = DEADLINE
     wait_notice: float = NOTICE
+    become: bool = False
     root: Optional[str] = None
 
     def targets(self, local_by_default: bool = False) -> list[Target]:
@@ -220,7 +225,8 @@ class Hosts:
 
         return select(self.host, args, local=self.local, inventory=self.inventory, limit=self.limit,
                       known_hosts=self.known_hosts, key=self.key, root=self.root, timeout=self.timeout,
-                      deadline=self.step_deadline, notice=self.wait_notice, local_by_default=local_by_default)
+                      deadline=self.step_deadline, notice=self.wait_notice, local_by_default=local_by_default,
+                      become=self.become)
 
     def one(self, *args) -> tuple:
         """(host, *args): the one host of a verb that acts on one host, and its positionals after HOST."""
@@ -236,6 +242,7 @@ class Hosts:
                 *(["--known-hosts", str(self.known_hosts)] if Path(self.known_hosts) != Path(DEFAULT_KNOWN_HOSTS)
                   else []),
                 *(["--key", str(self.key)] if self.key else []), *(["--root", self.root] if self.root else []),
+                *(["--become"] if self.become else []),
                 *(["--timeout", f"{self.timeout:g}"] if self.timeout != TIMEOUT else []),
                 *(["--forks", str(self.forks)] if self.forks != FORKS else []), *map(str, more)]
 
@@ -244,13 +251,13 @@ HOSTS = Hosts()     # the default of a `hosts` parameter that follows others wit
 
 
 def host_options(*, forks: bool = True, steps: bool = False, local: bool = True, key: bool = True, root: bool = True,
-                 after: Optional[str] = None):
+                 become: bool = True, after: Optional[str] = None):
     """The host options on a verb whose parameter `hosts: Hosts` stands for them: HOST where `hosts` stands, then
-    --local, -i, --limit, --forks, --key, --known-hosts, --timeout, (--step-deadline, --wait-notice,) --root (after
-    the verb's parameter `after`, when given); a verb leaves out those it has no use for (--forks when it acts on one
-    host, ...)."""
+    --local, -i, --limit, --forks, --key, --known-hosts, --timeout, (--step-deadline, --wait-notice,) --become, --root
+    (after the verb's parameter `after`, when given); a verb leaves out those it has no use for (--forks when it acts on
+    one host, ...)."""
     left_out = {n for n, kept in (("forks", forks), ("step_deadline", steps), ("wait_notice", steps), ("local", local),
-                                  ("key", key), ("root", root)) if not kept}
+                                  ("key", key), ("root", root), ("become", become)) if not kept}
     params = {n: p for n, p in HOST_PARAMS.items() if n not in left_out}
     if not local:       # HOST's help says nothing of --local
         params["host"] = (Optional[str], typer.Argument(None, help=HOST_HELP, show_default=False))

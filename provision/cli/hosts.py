@@ -8,7 +8,7 @@ from .common import HOSTS, Hosts, JsonOpt, console, edge, exit_for, host_options
 
 
 @edge
-@host_options(forks=False, local=False, key=False, root=False)
+@host_options(forks=False, local=False, key=False, root=False, become=False)
 def trust(yes: bool = typer.Option(False, "--yes", "-y", help="record without asking"), hosts: Hosts = HOSTS,
           json_out: bool = JsonOpt):
     """Show each host's SSH key fingerprint and record exactly that key in the managed known_hosts."""

@@ -1,0 +1,127 @@
+"""Hosts as operators reach them, through the ssh connection Ansible uses: a host behind a jump host named by an
+ssh_config alias (ProxyJump), and a non-root login user who becomes root through sudo (--become, or the
+inventory's ansible_become). A sudo that wants a password is one line."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import readable_host
+from provision.transport import trust_host
+from test_core import cli
+from wheelhouse import write_lock
+
+
+def test_apply_and_status_through_a_jump_host_by_ssh_config_alias(tmp_path, wheels, behind_jump, monkeypatch):
+    """The inventory names the host by its ssh_config alias (ansible_host) and that config (-F): apply builds and
+    switches a generation there, and status reads it back, through the jump host: nothing here routes to it. A bare
+    alias on the command line goes the same way, the ssh config named in Ansible's own settings."""
+    b = behind_jump
+    with pytest.raises(OSError):
+        socket.create_connection((b.behind.address, b.behind.port), timeout=2).close()
+    root = tmp_path / "root"          # the namespaces share this machine's files
+    inv = tmp_path / "inv.yml"
+    inv.write_text(f"all:\n  hosts:\n    gpu:\n      ansible_host: {b.alias}\n      provision_root: {root}\n"
+                   f"      ansible_python_interpreter: /usr/bin/python3\n"
+                   f"      ansible_ssh_common_args: -F {b.config}\n")
+    lk = write_lock(tmp_path / "a.yaml", "stack-a", [wheels["alpha-1.0"]])
+    p = cli("apply", "-i", inv, "--known-hosts", b.known_hosts, "--lock", lk, check=0)
+    assert (root / "current").readlink() == Path("generations/0001-stack-a"), p.stdout + p.stderr
+    rows = json.loads(cli("status", "-i", inv, "--known-hosts", b.known_hosts, "--json", check=0).stdout)
+    assert rows[0]["host"] == "gpu" and rows[0]["result"]["current"] == "0001-stack-a", rows
+    monkeypatch.setenv("ANSIBLE_SSH_COMMON_ARGS", f"-F {b.config}")
+    said = json.loads(cli("status", b.alias, "--known-hosts", b.known_hosts, "--root", root, "--json", check=0).stdout)
+    assert said[0]["host"] == b.alias and said[0]["result"]["current"] == "0001-stack-a", said
+
+
+def test_hosts_trust_through_a_jump_host_records_the_key_ssh_checks(tmp_path, behind_jump):
+    """`hosts trust` scans the key over the host's own connection (through the jump host: nothing here routes to
+    it) and records it under the name ssh checks it by (the alias's HostName); the host's steps then go through."""
+    b = behind_jump
+    managed = tmp_path / "managed_known_hosts"          # the jump host's key stays the ssh config's business
+    inv = tmp_path / "inv.yml"
+    inv.write_text(f"all:\n  hosts:\n    gpu:\n      ansible_host: {b.alias}\n"
+                   f"      provision_root: {tmp_path / 'root'}\n"
+                   f"      ansible_ssh_common_args: -F {b.config}\n")
+    p = cli("status", "-i", inv, "--known-hosts", managed, check=1)
+    assert p.stderr.startswith("gpu: unreachable: unknown host key ssh-ed25519 SHA256:") and \
+        p.stderr.endswith(f"`provision hosts trust -i {inv} --limit gpu --known-hosts {managed}`\n"), p.stderr
+    shown = (b.behind.dir / "host_ed25519.pub").read_text().split()
+    cli("hosts", "trust", "-i", inv, "--known-hosts", managed, "--yes", check=0)
+    assert managed.read_text().split() == [b.behind.address, *shown[:2]]
+    rows = json.loads(cli("status", "-i", inv, "--known-hosts", managed, "--json", check=0).stdout)
+    assert rows[0]["result"]["current"] is None, rows
+
+
+@pytest.fixture(scope="module")
+def sudo_host():
+    host = readable_host()
+    trust_host(host.target)
+    yield host
+    host.cleanup()
+
+
+def test_apply_with_become_as_a_sudo_user_makes_a_root_owned_generation(sudo_host, sudo_user, wheels, tmp_path):
+    t = sudo_host.target
+    root = tmp_path / "root"
+    spec = f"{sudo_user}@{t.host}:{t.port}"
+    common = ["--key", t.key_file, "--known-hosts", t.known_hosts, "--root", root]
+    lk = write_lock(tmp_path / "a.yaml", "stack-a", [wheels["alpha-1.0"]])
+    p = cli("apply", spec, *common, "--lock", lk, check=1)           # as the user alone: root's dirs are not its
+    assert p.stderr.splitlines()[-1].startswith(f"error: {spec}: cannot take host lock ") \
+        and "Permission denied" in p.stderr, p.stderr
+    cli("apply", spec, *common, "--lock", lk, "--become", check=0)
+    gen = root / "generations" / "0001-stack-a"
+    assert (root / "current").readlink() == Path("generations/0001-stack-a")
+    assert os.stat(gen).st_uid == 0 and os.stat(gen / "venv").st_uid == 0
+
+    inv = tmp_path / "inv.ini"       # the inventory's become does the same
+    inv.write_text(f"gpu ansible_host={t.host} ansible_port={t.port} ansible_user={sudo_user} "
+                   f"ansible_ssh_private_key_file={t.key_file} provision_root={root} ansible_become=true\n")
+    rows = json.loads(cli("status", "-i", inv, "--known-hosts", t.known_hosts, "--json", check=0).stdout)
+    assert rows[0]["result"]["current"] == "0001-stack-a", rows
+
+
+@pytest.fixture
+def password_sudo_user():
+    """A user whose sudo asks for a password (removed at the end)."""
+    name = "pv-sudopw"
+    if subprocess.run(["id", name], capture_output=True).returncode != 0:
+        subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", name], check=True)
+    subprocess.run(["usermod", "-p", "*", name], check=True)
+    sudoers = Path("/etc/sudoers.d/pv-sudopw")
+    sudoers.write_text(f"{name} ALL=(ALL) ALL\n")
+    sudoers.chmod(0o440)
+    yield name
+    sudoers.unlink(missing_ok=True)
+    subprocess.run(["userdel", name], capture_output=True)
+
+
+def test_become_without_passwordless_sudo_is_one_line(sudo_host, password_sudo_user, tmp_path):
+    t = sudo_host.target
+    spec = f"{password_sudo_user}@{t.host}:{t.port}"
+    p = cli("status", spec, "--key", t.key_file, "--known-hosts", t.known_hosts, "--root", tmp_path / "root",
+            "--become", check=1)
+    assert p.stderr == (f"{spec}: unreachable: sudo refused to run as root (a password is required): become needs "
+                        "passwordless sudo (NOPASSWD) for the login user\n"), p.stderr
+
+
+def test_the_playbooks_the_cli_runs_keep_the_hosts_ssh_options_and_become(tmp_path):
+    """A host's playbook run (the toolkit task) goes the way its steps go: through its ssh options, as its become
+    user, host keys still checked against the managed known_hosts."""
+    from provision import runner
+    from provision.inventory import load_inventory
+
+    inv = tmp_path / "inv.ini"
+    inv.write_text("gpu ansible_host=gpu-behind ansible_user=ops ansible_become=yes "
+                   "ansible_ssh_common_args='-F /etc/ops/ssh_config'\n")
+    kh = tmp_path / "kh"
+    v = runner.inventory(load_inventory(inv, kh), "run")["all"]["hosts"]["gpu"]
+    assert v["ansible_ssh_common_args"] == (f"-o UserKnownHostsFile={kh} -o StrictHostKeyChecking=yes -o BatchMode=yes "
+                                            "-F /etc/ops/ssh_config")
+    assert (v["ansible_host"], v["ansible_become"], v["ansible_become_user"]) == ("gpu-behind", True, "root")
