@@ -295,7 +295,7 @@ class Transport:
             data = json.loads(r.stdout.strip().splitlines()[-1]) if r.stdout.strip() else None
         except (json.JSONDecodeError, IndexError):
             data = None
-        if not isinstance(data, dict) or "_event" in data:
+        if not isinstance(data, dict) or "_event" in data or "_agent" in data:     # cut off after a progress line
             raise HostError(_no_answer(name, payload, r, data), where=self.target.name)
         if data.get("error"):
             raise HostError(str(data["error"]), where=self.target.name)
@@ -669,6 +669,9 @@ def keepalive_interval(target: Target) -> int:
     return max(1, math.ceil(target.timeout))
 
 
+ANSIBLE_SSH_ARGS = ["-C", "-o", "ControlMaster=auto", "-o", "ControlPersist=60s"]   # ansible-core's default ssh_args
+
+
 def ssh_command(target: Target, *, control: str | None, known_hosts: Path | None = None,
                 checking: str = "yes") -> list[str]:
     """The ssh command line (up to and including the host; the remote command follows) that Ansible's ssh
@@ -698,7 +701,10 @@ def ssh_command(target: Target, *, control: str | None, known_hosts: Path | None
             "-o", f"ServerAliveInterval={every}", "-o", f"ServerAliveCountMax={KEEPALIVE_COUNT}",
             *(["-o", "ControlMaster=auto", "-o", f"ControlPersist={PERSIST}", "-o", f"ControlPath={control}"]
               if control else ["-o", "ControlMaster=no", "-o", "ControlPath=none"])]
-    conn.set_option("ssh_args", " ".join([shlex.join(ours), conn.get_option("ssh_args") or ""]).strip())
+    theirs = conn.get_option("ssh_args") or ""
+    if theirs.split() == ANSIBLE_SSH_ARGS:    # Ansible's own default, not the operator's: ours replace its master
+        theirs = ""                           # options, and its -C would cost pushed wheels (compressed) half their speed
+    conn.set_option("ssh_args", " ".join([shlex.join(ours), theirs]).strip())
     conn.set_option("timeout", every)                   # ConnectTimeout: TCP and the SSH banner
     # `_build_command` is the plugin's private builder of exactly this command line (ansible-core's ssh plugin has
     # kept its signature across the range pyproject pins); this is the one place it is called.

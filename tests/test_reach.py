@@ -49,7 +49,7 @@ def test_hosts_trust_through_a_jump_host_records_the_key_ssh_checks(tmp_path, be
                    f"      provision_root: {tmp_path / 'root'}\n"
                    f"      ansible_ssh_common_args: -F {b.config}\n")
     p = cli("status", "-i", inv, "--known-hosts", managed, check=1)
-    assert p.stderr.startswith("gpu: unreachable: unknown host key ssh-ed25519 SHA256:") and \
+    assert p.stderr.startswith("gpu: unreachable: ") and "Host key verification failed" in p.stderr and \
         p.stderr.endswith(f"`provision hosts trust -i {inv} --limit gpu --known-hosts {managed}`\n"), p.stderr
     shown = (b.behind.dir / "host_ed25519.pub").read_text().split()
     cli("hosts", "trust", "-i", inv, "--known-hosts", managed, "--yes", check=0)
@@ -125,3 +125,17 @@ def test_the_playbooks_the_cli_runs_keep_the_hosts_ssh_options_and_become(tmp_pa
     assert v["ansible_ssh_common_args"] == (f"-o UserKnownHostsFile={kh} -o StrictHostKeyChecking=yes -o BatchMode=yes "
                                             "-F /etc/ops/ssh_config")
     assert (v["ansible_host"], v["ansible_become"], v["ansible_become_user"]) == ("gpu-behind", True, "root")
+
+
+def test_ansibles_default_ssh_args_give_way_to_ours_an_operators_stay(monkeypatch):
+    """Ansible's built-in ssh_args (-C and its own master) are replaced by provision's master options: compression
+    would halve the speed of pushing wheels, which are compressed already. An operator's ssh_args are kept."""
+    from provision.transport import Target, ssh_command
+
+    t = Target(host="127.0.0.1", port=2222, user="root", known_hosts=Path("/nonexistent/kh"))
+    monkeypatch.delenv("ANSIBLE_SSH_ARGS", raising=False)
+    argv = ssh_command(t, control=None)
+    assert "-C" not in argv and "ControlPersist=60s" not in argv and argv[-1] == "127.0.0.1"
+    monkeypatch.setenv("ANSIBLE_SSH_ARGS", "-C -o Compression=yes")
+    argv = ssh_command(t, control=None)
+    assert "-C" in argv and "Compression=yes" in argv
