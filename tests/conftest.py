@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from provision.bundled import DEMO_LOCKS  # noqa: E402
 from provision.loopback import LoopbackHost  # noqa: E402
 from provision.transport import trust_host  # noqa: E402
+from loophosts import readable_host  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -172,17 +173,6 @@ def sudo_user():
     yield name
     sudoers.unlink(missing_ok=True)
     subprocess.run(["userdel", name], capture_output=True)
-
-
-def readable_host() -> LoopbackHost:
-    """A started loopback host whose authorized_keys any local user's session may read: a non-root user logs in
-    with the same client key."""
-    import os
-
-    host = LoopbackHost().start()
-    os.chmod(host.dir, 0o755)
-    os.chmod(host.dir / "authorized_keys", 0o644)
-    return host
 
 
 class BehindJump:

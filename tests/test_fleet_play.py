@@ -42,8 +42,15 @@ def alone(t, root) -> list:
     return [f"{t.user}@{t.host}:{t.port}", "--key", t.key_file, "--known-hosts", t.known_hosts, "--root", root]
 
 
-def plays(name: str) -> set:
-    return set(RUNS.glob(f"*-{name}-{name}"))
+def plays(name: str, root) -> set:
+    """This fleet's Ansible runs of playbook `name` (other tests run theirs meanwhile): those whose inventory
+    names `root`."""
+    def ours(d) -> bool:
+        try:
+            return str(root) in (d / "inventory" / "hosts.yml").read_text()
+        except OSError:
+            return False
+    return {d for d in RUNS.glob(f"*-{name}-{name}") if ours(d)}
 
 
 def current(roots, h) -> str:
@@ -52,9 +59,9 @@ def current(roots, h) -> str:
 
 def test_status_of_an_inventory_is_each_hosts_status_through_one_play(fleet):
     inv, roots, kh, t = fleet
-    before = plays("status")
+    before = plays("status", roots["f1"])
     rows = json.loads(cli("status", "-i", inv, *kh, "--json", check=0).stdout)
-    assert len(plays("status") - before) == 1                   # one Ansible run for the fleet
+    assert len(plays("status", roots["f1"]) - before) == 1                   # one Ansible run for the fleet
     assert [r["host"] for r in rows] == HOSTS
     for r in rows:
         one = json.loads(cli("status", *alone(t, roots[r["host"]]), "--json", check=0).stdout)
@@ -77,9 +84,9 @@ def test_gc_dry_run_of_an_inventory_is_the_plays_check_and_changes_nothing(fleet
         assert f"{h}: would remove 1 generations," in p.stdout and "kept current 0003-stack-c and rollback target " \
             "0002-stack-b" in p.stdout, p.stdout
     assert p.stdout.count("- 0001-stack-a") == 3 and "gc survey" not in p.stderr, p.stdout + p.stderr
-    before = plays("gc")
+    before = plays("gc", roots["f1"])
     rows = json.loads(cli("gc", "-i", inv, *kh, "--keep", "1", "--dry-run", "--json", check=0).stdout)
-    assert len(plays("gc") - before) == 1
+    assert len(plays("gc", roots["f1"]) - before) == 1
     for r in rows:
         one = json.loads(cli("gc", *alone(t, roots[r["host"]]), "--keep", "1", "--dry-run", "--json",
                              check=0).stdout)
@@ -95,9 +102,9 @@ def test_rollback_of_an_inventory_goes_past_a_closed_port_naming_it(fleet, tmp_p
     with_dead.write_text(inv.read_text().replace("  hosts:\n", "  hosts:\n"
                                                  f"    dead: {{ansible_port: {free_port()}, provision_root: "
                                                  f"{tmp_path / 'root-dead'}}}\n", 1))
-    before = plays("rollback")
+    before = plays("rollback", tmp_path / 'root-dead')
     p = cli("rollback", "-i", with_dead, *kh, "--timeout", "3", "--dry-run", check=1)
-    assert len(plays("rollback") - before) == 1                 # one Ansible run, in check mode
+    assert len(plays("rollback", tmp_path / 'root-dead') - before) == 1                 # one Ansible run, in check mode
     would = "current 0003-stack-c → 0002-stack-b (dry run: nothing changed)."
     assert [ln for ln in p.stdout.splitlines() if ln] == [f"Would roll back {h}: {would}" for h in HOSTS], p.stdout
     assert p.stderr.startswith("dead: unreachable: ") and len(p.stderr.splitlines()) == 1, p.stderr

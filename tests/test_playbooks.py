@@ -19,7 +19,7 @@ from provision import apply as applymod, lock as lockmod
 from provision.inventory import load_inventory
 from provision.runner import stop_masters
 from provision.transport import trust_host
-from conftest import readable_host
+from loophosts import readable_host
 from test_core import cli
 from wheelhouse import write_lock
 

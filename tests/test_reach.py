@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import readable_host
+from loophosts import readable_host
 from provision.transport import trust_host
 from test_core import cli
 from wheelhouse import write_lock
