@@ -398,19 +398,7 @@ class Zip:
 def prefetch(paths):
     """Ask the kernel to read `paths` ahead (posix_fadvise WILLNEED starts the reads and returns), so that reading
     many small files one after another waits on the disk once, not once a file."""
-    if not hasattr(os, "posix_fadvise"):
-        return
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+    record.advise(paths, getattr(os, "POSIX_FADV_WILLNEED", 3))
 
 
 def copy_file(path, size):

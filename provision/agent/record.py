@@ -282,22 +282,30 @@ def read_all(paths, jobs=None):
     return time.monotonic() - t0, total
 
 
-def drop(paths):
-    """Drop the page cache of each file (posix_fadvise DONTNEED: any reader may, for the pages no process maps
-    or has dirtied), so that the next read comes from disk. Returns how, in words, or None where it cannot."""
+def advise(paths, advice):
+    """posix_fadvise(`advice`) over the whole of each file of `paths` that can be opened; False where the
+    platform has no posix_fadvise."""
     if not hasattr(os, "posix_fadvise"):
-        return None
+        return False
     for path in paths:
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         except OSError:
             continue
         try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(fd, 0, 0, advice)
         except OSError:
             pass
         finally:
             os.close(fd)
+    return True
+
+
+def drop(paths):
+    """Drop the page cache of each file (posix_fadvise DONTNEED: any reader may, for the pages no process maps
+    or has dirtied), so that the next read comes from disk. Returns how, in words, or None where it cannot."""
+    if not advise(paths, getattr(os, "POSIX_FADV_DONTNEED", 4)):
+        return None
     return "the page cache dropped per file first by posix_fadvise(DONTNEED)"
 
 

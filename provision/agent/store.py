@@ -113,11 +113,12 @@ def unavailable(files, gen_dir):
                 pass
 
 
-def unlink(path):
-    """Remove one name; a name of an immutable inode (a store entry or a generation's link to one) loses its flag
-    for the unlink, and the inode gets it back while another name still holds it."""
+def through_attribute(path, change):
+    """`change()` (an unlink or a rename over `path`), also where `path` names an immutable inode (a store entry or
+    a generation's link to one): the flag is cleared for the change, and the inode gets it back while another
+    name still holds it."""
     try:
-        os.unlink(path)
+        change()
         return
     except PermissionError:
         pass
@@ -126,33 +127,23 @@ def unlink(path):
         with _lock(os.fstat(fd)):
             was = set_immutable(fd, False)
             try:
-                os.unlink(path)
+                change()
             finally:
                 if was and os.fstat(fd).st_nlink > 0:
                     set_immutable(fd, True)
     finally:
         os.close(fd)
+
+
+def unlink(path):
+    """Remove one name, through the immutable attribute (`through_attribute`)."""
+    through_attribute(path, lambda: os.unlink(path))
 
 
 def replace(src, dst):
     """os.replace(src, dst), also where `dst` is a link to an immutable store entry: a patched file (and anything
     else that must differ per generation) becomes the generation's own, and the store keeps its bytes."""
-    try:
-        os.replace(src, dst)
-        return
-    except PermissionError:
-        pass
-    fd = os.open(dst, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        with _lock(os.fstat(fd)):
-            was = set_immutable(fd, False)
-            try:
-                os.replace(src, dst)
-            finally:
-                if was and os.fstat(fd).st_nlink > 0:
-                    set_immutable(fd, True)
-    finally:
-        os.close(fd)
+    through_attribute(dst, lambda: os.replace(src, dst))
 
 
 def rmtree(path):
