@@ -7,6 +7,8 @@ call and the operator's whole `provision rollback` command), re-applying the pri
 the controller's CPU-seconds per added host, and a canary rollout over N hosts whose second batch fails (the
 time from its first switch to the failing batch rolled back); with their ratios.
 Usage: python bench/core_bench.py [--json] [--repeat N] [--fleet N]
+       python bench/core_bench.py --overhead [--against REV] [--repeat N] [--fleet N] [--json]
+         (the fleet engine's overhead against another revision's, side by side: bench/overhead.py)
 """
 from __future__ import annotations
 
@@ -45,6 +47,9 @@ def timed(fn, *a, **kw):
 
 
 def main() -> None:
+    if "--overhead" in sys.argv[1:]:
+        import overhead
+        return overhead.main([a for a in sys.argv[1:] if a != "--overhead"])
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--repeat", type=int, default=5, help="repeats for the fast verbs (median reported)")
