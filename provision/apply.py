@@ -567,6 +567,26 @@ def apply_fleet(targets: list, lock: Lock, *, serial: str | list[str] = "0", max
     return fleet
 
 
+def plan_fleet(targets: list, lock: Lock, *, interpreter: str | None = None, forks: int | None = None) -> list:
+    """`plan` of many hosts: playbooks/apply.yml in check mode (each host's facts against the lock, nothing changed),
+    one fleet.Row per host in the targets' order, its value the host's Plan (also one that apply would refuse); a
+    host not reached is its row."""
+    import tempfile
+    from pathlib import Path
+
+    from .plan import Plan
+    from .runner import play_rows, said
+
+    def read(t, result: dict, seconds) -> Plan:
+        if isinstance(result.get("report"), dict):
+            return Plan.from_json(result["report"], where=t.name)
+        raise HostError(said(result).removeprefix(f"{t.name}: "), where=t.name)
+    with tempfile.TemporaryDirectory(prefix="provision-plan-") as tmp:
+        given = _play_vars(lock, None, Path(tmp), targets, {"interpreter": interpreter})
+        return play_rows("apply", targets, dict(given, max_fail="100%"), task="stage", check=True, forks=forks,
+                         read=read)
+
+
 def _play_vars(lock: Lock, saved_plans: dict | None, tmp, targets: list, kw: dict) -> dict:
     """apply.yml's variables for a fleet apply: the lock (or the saved plans, as a file) and apply's options."""
     from pathlib import Path

@@ -277,7 +277,7 @@ def unreachable(t: Target, msg: str) -> HostError:
     HostKeyError that says how to trust it, as provision's own connection says."""
     from .transport import trust_command
 
-    msg = " ".join(msg.split())
+    msg = " ".join(msg.split()).removeprefix(f"{t.name}: ")      # the row names its host
     if "Host key verification failed" in msg:
         return HostKeyError(f"{msg} (known_hosts {t.known_hosts}); verify the host's key, then "
                             f"`{trust_command(t)}`", where=t.name)

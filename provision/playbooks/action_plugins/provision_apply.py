@@ -111,7 +111,7 @@ class ActionModule(ActionBase):
                 plan = plan_host(tr, lock, interpreter=python)
                 out = dict(result, changed=not plan.noop, status="noop" if plan.noop else "planned",
                            generation=plan.base if plan.noop else plan.reuse, previous=plan.base,
-                           plan=_plan_of(plan.to_json()))
+                           plan=_plan_of(plan.to_json()), report=plan.to_json())
                 if plan.errors and not plan.noop:
                     more = f" (+{len(plan.errors) - 1} more)" if len(plan.errors) > 1 else ""
                     out.update(failed=True, msg=f"{host}: {plan.errors[0]}{more}")

@@ -86,7 +86,8 @@ seconds: {description: seconds the apply took, type: float}
 warned: {description: what the apply warned of (each also shown as an Ansible warning), type: list}
 batch: {description: "the hosts of this host's batch (Ansible's ansible_play_batch as the task started), which the
   play's tolerance counts failures against", type: list}
-report: {description: "the whole apply report, as `provision apply --json` prints it", type: dict}
+report: {description: "the whole apply report, as `provision apply --json` prints it; in check mode the whole plan,
+  as `provision plan --json` prints it (and `--out` saves it)", type: dict}
 """
 
 from ansible.module_utils.basic import AnsibleModule
