@@ -9,7 +9,8 @@ visible call):
 
 The rename of `current` is the one commit point: a failure before it leaves `current` untouched and the
 new generation failed (venv removed at once); after it, apply reports the switch and names the failed
-bookkeeping. Also: adoption of an unmanaged environment as generation 0, and a fleet's rollout in batches.
+bookkeeping. Also: adoption of an unmanaged environment as generation 0, and a fleet's apply and plan through
+playbooks/apply.yml (its action plugin runs `apply` per host, stopped at its gate; the play switches).
 A plan alone is `plan.plan_host`; rollback, history, gc and logs are the generations store's (`generations`).
 """
 from __future__ import annotations
@@ -750,7 +751,7 @@ def _fleet_report(groups: list, plan: list, results: dict, lock: Lock, max_fail:
         if failed_batch is None and len(fails) > allowed_failures(max_fail, len(group)):
             failed_batch, failed_hosts = b.number, fails
     for rep in reports:
-        why = (f"interrupted (Ctrl-C)" if cancelled else
+        why = ("interrupted (Ctrl-C)" if cancelled else
                f"batch {failed_batch}/{len(plan)} had failed ({', '.join(failed_hosts)})" if failed_batch else None)
         if rep.status == "stopped" and rep.error and STAGED in rep.error and why:
             rep.error = rep.error.replace(STAGED, f"{why}: stopped before its switch")
