@@ -9,11 +9,14 @@ visible call):
 
 The rename of `current` is the one commit point: a failure before it leaves `current` untouched and the
 new generation failed (venv removed at once); after it, apply reports the switch and names the failed
-bookkeeping. Also: adoption of an unmanaged environment as generation 0, and a fleet's rollout in batches.
+bookkeeping. Also: adoption of an unmanaged environment as generation 0, and a fleet's apply and plan through
+playbooks/apply.yml (its action plugin runs `apply` per host, stopped at its gate; the play switches).
 A plan alone is `plan.plan_host`; rollback, history, gc and logs are the generations store's (`generations`).
 """
 from __future__ import annotations
 
+import json
+import os
 import signal
 import threading
 import time
@@ -31,6 +34,9 @@ from .plan import Plan, facts_digest, make_plan, stack_of_lock
 from .transport import Cancelled, StepStalled, Transport, Watch
 
 Progress = Callable[[str, str, str], None]   # (step, state: start|done|fail|info, detail)
+# What a fleet's host says at its gate: staged, the play switches it (apply.yml's next task)
+STAGED = "staged: the play switches it once every host of its batch has passed its probes"
+CANCELLED = "interrupted (Ctrl-C): stopped before its switch"
 
 
 @dataclass
@@ -383,17 +389,15 @@ def _switch_completes():
 
 
 @contextmanager
-def _ctrl_c_sets(cancel: threading.Event):
+def _ctrl_c_sets(cancel: threading.Event, hard: threading.Event):
     """In a fleet run, Ctrl-C sets `cancel` (every host then stops before its switch and the rollout reports);
-    a second Ctrl-C interrupts at once."""
+    a second Ctrl-C sets `hard`: the play is killed at once (each host's agent ends when its heartbeat stops)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def on_int(signum, frame):
-        if cancel.is_set():
-            raise KeyboardInterrupt
-        cancel.set()
+        (hard if cancel.is_set() else cancel).set()
     old = signal.signal(signal.SIGINT, on_int)
     try:
         yield
@@ -506,68 +510,288 @@ def apply_fleet(targets: list, lock: Lock, *, serial: str | list[str] = "0", max
                 progress_for: Callable[[str], Progress | None] | None = None,
                 on_row: Callable | None = None, on_batch: Callable | None = None,
                 saved_plans: dict | None = None, cancel: threading.Event | None = None, **kw) -> FleetReport:
-    """Apply to many hosts in batches (fleet.rollout: `serial` as Ansible's, `max_fail` failures allowed per
-    batch), up to `forks` at a time within a batch. A batch with more failures than allowed stops the rollout:
-    its hosts not yet switched stop before their switch, later batches are not attempted, and with
-    `rollback_on_fail` each host of that batch that switched goes back to the generation it was on.
-    `saved_plans` maps host name → its saved Plan, each applied exactly. `on_row` and `on_batch` are
-    fleet.rollout's; `progress_for(host)` also sees a rollback as the step "rollback". Ctrl-C (or setting
-    `cancel`) stops every host in flight before its switch and those not started; the report says so."""
-    from .fleet import Halted, rollout
+    """Apply to many hosts through playbooks/apply.yml (Ansible's play: `serial` batches, the linear strategy's
+    barrier, `max_fail` failures allowed per batch), up to `forks` hosts at once. Every host of a batch stages
+    (builds, patches, seals and probes, stopping before its switch) before any switches; a batch with more failures
+    than allowed switches no host and ends the play, later batches not attempted; with `rollback_on_fail` each host
+    of that batch that switched goes back to the generation it was on (playbooks/rollback.yml). `saved_plans` maps
+    host name → its saved Plan, each applied exactly. `progress_for(host)` hears each step as the host takes it
+    (also the switch and a rollback); `on_batch` each batch as it starts; `on_row` a host unreachable as it is
+    found, and a host stopped before its switch. `kw`: apply's adopt_path, skip_probes, installer, wheels_from,
+    interpreter. Ctrl-C (or setting `cancel`) stops every host in flight before its switch and those not started;
+    the report says so."""
+    import tempfile
+    from pathlib import Path
 
-    cancel = cancel or threading.Event()
+    from .fleet import Batch, batches as batches_of, parse_serial
+    from .runner import run_playbook
 
-    def one(tr: Transport, gate) -> ApplyReport:
-        name = tr.target.name
-        if cancel.is_set():
-            raise Halted("interrupted (Ctrl-C) before this host started", where=name)
-
-        def gated() -> None:     # the fleet's gate, and Ctrl-C's: nothing switches once the run is cancelled
-            def stop_if_cancelled() -> None:
-                if cancel.is_set():
-                    raise Halted("interrupted (Ctrl-C): stopped before its switch", where=name)
-            stop_if_cancelled()
-            if gate is not None:
-                gate()               # the batch's barrier: returns once every partner has reached it or ended
-                stop_if_cancelled()
-        args = dict(kw, saved_plan=saved_plans[name]) if saved_plans is not None else kw
+    spec = serial if isinstance(serial, list) else parse_serial(serial)
+    groups = batches_of(targets, spec)
+    plan = [Batch(i + 1, len(groups), [t.name for t in g], spec[min(i, len(spec) - 1)]) for i, g in enumerate(groups)]
+    cancel, hard = cancel or threading.Event(), threading.Event()
+    with tempfile.TemporaryDirectory(prefix="provision-apply-") as tmp:
+        feed = _Feed(Path(tmp), plan, progress_for, on_batch, cancel)
+        given = _play_vars(lock, saved_plans, Path(tmp), targets, kw)
+        given.update(max_fail=max_fail, progress_file=str(feed.file), cancel_file=str(feed.cancel_file))
+        results: dict[str, dict[str, dict]] = {}
+        feed.start()
         try:
-            return apply(tr, lock, progress=progress_for(name) if progress_for else None, gate=gated,
-                         cancel=cancel, **args)
-        except Cancelled as e:   # cut mid-step by the cancel: a stop, not a failure that counts against its batch
-            halted = Halted(e.message, where=e.where)
-            halted.report = getattr(e, "report", None)
-            raise halted from None
+            with _ctrl_c_sets(cancel, hard):
+                start = 0
+                while start < len(groups):    # again after a batch that failed within the tolerance: Ansible
+                    rest = groups[start:]      # ends a play at a batch whose every host failed
+                    feed.first, feed.stages = start, 0
+                    res = run_playbook("apply", [t for g in rest for t in g],
+                                     dict(given, serial=[str(len(g)) for g in rest]), label="fleet", forks=forks,
+                                     on_raw=lambda ev: feed.event(ev, on_row), cancel=hard.is_set)
+                    for task, by_host in res.results.items():
+                        results.setdefault(task, {}).update(by_host)
+                    fleet = _fleet_report(groups, plan, results, lock, max_fail, cancel.is_set(), feed.seen)
+                    tried = [i for i in range(start, len(groups))
+                             if any(t.name in results.get("stage", {}) for t in groups[i])]
+                    if cancel.is_set() or fleet.failed_batch is not None or not tried:
+                        break
+                    start = tried[-1] + 1
+        finally:
+            feed.stop()
+    if feed.error is not None:
+        raise feed.error
+    if rollback_on_fail and fleet.failed_batch is not None:
+        _roll_back(fleet, groups[fleet.failed_batch - 1], progress_for, forks)
+    for r in fleet.reports:
+        if on_row and r.status == "stopped":
+            from .fleet import Row
 
-    def back(tr: Transport, row) -> dict:
-        say = (progress_for(row.host) if progress_for else None) or (lambda *a: None)
-        rep = row.value
-        say("rollback", "start", "")
+            on_row(Row(r.host, value=r, error=ProvisionError((r.error or "").removeprefix(f"{r.host}: "),
+                                                             where=r.host), stage="halted", batch=r.batch))
+    return fleet
+
+
+def plan_fleet(targets: list, lock: Lock, *, interpreter: str | None = None, forks: int | None = None) -> list:
+    """`plan` of many hosts: playbooks/apply.yml in check mode (each host's facts against the lock, nothing changed),
+    one fleet.Row per host in the targets' order, its value the host's Plan (also one that apply would refuse); a
+    host not reached is its row."""
+    import tempfile
+    from pathlib import Path
+
+    from .plan import Plan
+    from .runner import play_rows, said
+
+    def read(t, result: dict, seconds) -> Plan:
+        if isinstance(result.get("report"), dict):
+            return Plan.from_json(result["report"], where=t.name)
+        raise HostError(said(result).removeprefix(f"{t.name}: "), where=t.name)
+    with tempfile.TemporaryDirectory(prefix="provision-plan-") as tmp:
+        given = _play_vars(lock, None, Path(tmp), targets, {"interpreter": interpreter})
+        return play_rows("apply", targets, dict(given, max_fail="100%"), task="stage", check=True, forks=forks,
+                         read=read)
+
+
+def _play_vars(lock: Lock, saved_plans: dict | None, tmp, targets: list, kw: dict) -> dict:
+    """apply.yml's variables for a fleet apply: the lock (or the saved plans, as a file) and apply's options."""
+    from pathlib import Path
+
+    from .plan import save_plans
+
+    out: dict = {}
+    if saved_plans is not None:
+        out["plan_file"] = str(tmp / "plans.json")
+        save_plans(Path(out["plan_file"]), list(saved_plans.values()), fleet=True)
+    elif Path(lock.path).is_file():
+        out["lock"] = str(Path(lock.path).resolve())
+    else:
+        out["lock"] = str(tmp / "lock.yaml")
+        Path(out["lock"]).write_text(lockmod.dump(lock))
+    t = targets[0]
+    out.update(python=kw.pop("interpreter", None), adopt=kw.pop("adopt_path", None),
+               installer=kw.pop("installer", None), wheels_from=kw.pop("wheels_from", None),
+               skip_probes=list(kw.pop("skip_probes", None) or []), provision_known_hosts=str(t.known_hosts),
+               step_deadline=t.deadline, wait_notice=t.notice)
+    if kw:
+        raise TypeError(f"apply_fleet: unexpected {', '.join(kw)}")
+    return {k: v for k, v in out.items() if v is not None}
+
+
+class _Feed:
+    """The controller's end of a fleet apply's progress: the action plugin's step events (one JSON line each in
+    `file`) read as they come and said to `progress_for(host)`, each batch said to `on_batch` as the play starts it
+    (before its hosts' steps), how far it has read written to FILE.read (a host passes its gate once its lines are
+    read), and the cancel flag turned into the cancel file the hosts watch. The switch, as the play's events say it."""
+
+    def __init__(self, tmp, plan: list, progress_for, on_batch, cancel: threading.Event):
+        self.file, self.cancel_file = tmp / "progress.jsonl", tmp / "cancel"
+        self.plan, self.progress_for, self.on_batch, self.cancel = plan, progress_for, on_batch, cancel
+        self.batch_of = {h: b.number for b in plan for h in b.hosts}
+        self.announced, self.first, self.stages, self.offset = 0, 0, 0, 0
+        self.seen: set[str] = set()
+        self.said = threading.Condition()
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="apply progress", daemon=True)
+
+    def start(self) -> None:
+        self.file.touch()
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def announce(self, number: int) -> None:
+        """Batches up to `number` as started, each said once and in order."""
+        with self.said:
+            while self.announced < number:
+                self.announced += 1
+                if self.on_batch:
+                    self._call(self.on_batch, self.plan[self.announced - 1])
+            self.said.notify_all()
+
+    def tell(self, host: str, step: str, state: str, detail: str) -> None:
+        say = self.progress_for(host) if self.progress_for else None
+        if say:
+            self._call(say, step, state, detail)
+
+    def _call(self, fn, *args) -> None:
         try:
-            if not rep.previous:
-                raise HostError(f"no generation was current before {rep.generation}: nothing to go back to",
-                                where=row.host)
-            out = generations.rollback(tr, to=rep.previous)
-        except ProvisionError as e:
-            say("rollback", "fail", e.message)
-            raise
-        say("rollback", "done", f"{out['from']} → {out['to']} in {out['seconds']:.2f}s")
-        return out
+            fn(*args)
+        except BaseException as e:     # a listener's error is the run's, once the play is done
+            self.error = self.error or e
 
-    with _ctrl_c_sets(cancel):
-        run = rollout(targets, one, serial=serial, max_fail=max_fail, forks=forks, on_row=on_row,
-                      on_batch=on_batch, changed=lambda r: r.ok and r.value.status in ("applied", "reused"),
-                      undo=back if rollback_on_fail else None)
-    reports = []
-    for row in run.rows:
-        rep = row.value if isinstance(row.value, ApplyReport) else ApplyReport(
-            host=row.host, lock_name=lock.name, status={"connect": "unreachable", "skipped": "not-attempted", "halted": "not-attempted"}.get(
-                row.stage, "failed"), error=str(row.error) if row.error else None)
-        rep.batch = row.batch
-        if row.undo is not None:
-            rep.status, rep.current, rep.rollback = "rolled-back", row.undo["to"], row.undo
-            rep.warnings += row.undo.get("warnings") or []
-        elif row.undo_error is not None:
-            rep.warnings.append(f"rolling back failed: {row.undo_error.message}")
-        reports.append(rep)
-    return FleetReport(reports, run.batches, run.max_fail, run.failed_batch, run.failed_hosts, cancel.is_set())
+    def event(self, ev: dict, on_row) -> None:
+        """An event of the play (ansible-runner's, in its thread): a batch starts (its stage task), a host is not
+        reached, a host switches."""
+        d = ev.get("event_data") or {}
+        kind, task, host = ev.get("event"), d.get("task"), d.get("host")
+        if kind == "playbook_on_task_start" and task == "stage":
+            self.stages += 1
+            self.announce(self.first + self.stages)
+        elif kind == "runner_on_unreachable" and task == "stage" and host and on_row:
+            from .fleet import Row
+            from .runner import said
+
+            msg = said(d.get("res") or {}).removeprefix(f"{host}: ")
+            self._call(on_row, Row(host, error=HostError(msg, where=host), stage="connect",
+                                   batch=self.batch_of.get(host, 0)))
+        elif task == "switch" and host:
+            res = d.get("res") or {}
+            if kind == "runner_on_start":
+                self.tell(host, "switch", "start", "")
+            elif kind == "runner_on_ok":
+                self.tell(host, "switch", "done", f"{res.get('from')} → {res.get('to')}")
+            elif kind in ("runner_on_failed", "runner_on_unreachable"):
+                from .runner import said
+
+                self.tell(host, "switch", "fail", said(res))
+
+    def _run(self) -> None:
+        while not self.done.wait(0.05):
+            self._read()
+        self._read()
+
+    def _read(self) -> None:
+        with open(self.file, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        whole = data[:data.rfind(b"\n") + 1]
+        for line in whole.splitlines():
+            try:
+                ev = json.loads(line)
+                host, step, state, detail = ev["host"], ev["step"], ev["state"], ev["detail"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            self.seen.add(host)
+            number = self.batch_of.get(host, 0)
+            with self.said:     # a batch's steps come after its start (the play says it first)
+                self.said.wait_for(lambda: self.announced >= number, timeout=5)
+            self.announce(number)
+            self.tell(host, step, state, detail)
+        self.offset += len(whole)
+        if self.cancel.is_set() and not self.cancel_file.exists():
+            self.cancel_file.touch()
+        read = self.file.with_name(self.file.name + ".read")
+        part = read.with_name(read.name + ".part")
+        part.write_text(str(self.offset))
+        os.replace(part, read)
+
+
+def _fleet_report(groups: list, plan: list, results: dict, lock: Lock, max_fail: str, cancelled: bool,
+                  seen: set[str]) -> FleetReport:
+    """Each host's report from the play's results (its stage's apply report, its switch), in inventory order, and
+    the first batch whose failures went beyond the tolerance."""
+    from .fleet import allowed_failures
+    from .runner import said, unreachable
+
+    stage, switch = results.get("stage", {}), results.get("switch", {})
+    reports, failed_batch, failed_hosts = [], None, []
+    for b, group in zip(plan, groups):
+        for t in group:
+            r, sw = stage.get(t.name), switch.get(t.name)
+            if r is None:
+                rep = ApplyReport(host=t.name, lock_name=lock.name,
+                                  status="interrupted" if cancelled and t.name in seen else "not-attempted")
+            elif r.get("unreachable"):
+                rep = ApplyReport(host=t.name, lock_name=lock.name, status="unreachable",
+                                  error=str(unreachable(t, said(r).removeprefix(f"{t.name}: "))))
+            elif isinstance(r.get("report"), dict):
+                rep = _report_of(r["report"])
+            else:
+                rep = ApplyReport(host=t.name, lock_name=lock.name, error=f"{t.name}: {said(r)}",
+                                  status="not-attempted" if r.get("status") == "not-attempted" else "failed")
+            rep.batch = b.number
+            if sw is not None and not sw.get("failed") and not sw.get("unreachable"):
+                rep.status = "reused" if (rep.plan or {}).get("reuse") == rep.generation else "applied"
+                rep.current, rep.error = sw.get("to"), None
+                rep.steps.append(Step("switch", "done", float(sw.get("switch_seconds") or 0.0)))
+            elif sw is not None:
+                rep.status, rep.failed_step, rep.error = "failed", "switch", f"{t.name}: {said(sw)}"
+                rep.steps.append(Step("switch", "failed", 0.0, said(sw)))
+            reports.append(rep)
+        fails = [r.host for r in reports[-len(group):] if r.status in ("failed", "unknown", "unreachable")]
+        if failed_batch is None and len(fails) > allowed_failures(max_fail, len(group)):
+            failed_batch, failed_hosts = b.number, fails
+    for rep in reports:
+        why = ("interrupted (Ctrl-C)" if cancelled else
+               f"batch {failed_batch}/{len(plan)} had failed ({', '.join(failed_hosts)})" if failed_batch else None)
+        if rep.status == "stopped" and rep.error and STAGED in rep.error and why:
+            rep.error = rep.error.replace(STAGED, f"{why}: stopped before its switch")
+        elif rep.status == "not-attempted" and rep.error is None and why:
+            rep.error = f"{rep.host}: not attempted: " + ("interrupted (Ctrl-C)" if cancelled else
+                                                          f"batch {failed_batch}/{len(plan)} failed")
+    return FleetReport(reports, plan, max_fail, failed_batch, failed_hosts, cancelled)
+
+
+def _report_of(data: dict) -> ApplyReport:
+    """An ApplyReport from its JSON (the stage task's `report`)."""
+    known = {f for f in ApplyReport.__dataclass_fields__}
+    rep = ApplyReport(**{k: v for k, v in data.items() if k in known and k != "steps"})
+    rep.steps = [Step(**{k: v for k, v in s.items() if k in Step.__dataclass_fields__}) for s in data.get("steps") or []]
+    return rep
+
+
+def _roll_back(fleet: FleetReport, group: list, progress_for, forks: int) -> None:
+    """The failed batch's hosts that switched, back to the generation each was on (playbooks/rollback.yml)."""
+    by = {r.host: r for r in fleet.reports}
+    switched = [t for t in group if by[t.name].status in ("applied", "reused")]
+    for previous in dict.fromkeys(by[t.name].previous for t in switched):
+        ts = [t for t in switched if by[t.name].previous == previous]
+        for t in ts:
+            say = progress_for(t.name) if progress_for else None
+            if say:
+                say("rollback", "start", "")
+        if previous is None:
+            rows = [None] * len(ts)
+        else:
+            rows = generations.rollback_play(ts, previous, forks=forks)
+        for t, row in zip(ts, rows):
+            rep, say = by[t.name], (progress_for(t.name) if progress_for else None) or (lambda *a: None)
+            if row is None or not row.ok:
+                why = row.error.message if row is not None else \
+                    f"no generation was current before {rep.generation}: nothing to go back to"
+                say("rollback", "fail", why)
+                rep.warnings.append(f"rolling back failed: {why}")
+                continue
+            out = row.value
+            say("rollback", "done", f"{out['from']} → {out['to']} in {out['seconds']:.2f}s")
+            rep.status, rep.current, rep.rollback = "rolled-back", out["to"], out
+            rep.warnings += out.get("warnings") or []

@@ -136,14 +136,17 @@ def diff(t: Transport, a: str, b: str | None = None) -> dict:
 
 def rollback_hosts(targets: list, to: str | None = None, *, dry_run: bool = False, force: bool = False,
                    serial: str | list[str] = "0", forks: int | None = None) -> list:
-    """rollback on each host, batch by batch as fleet.rollout runs them (`serial`, up to `forks` hosts at once);
-    one fleet.Row per host. Each host goes back on its own: a dead or hung host is its row, never a reason to
-    keep the others where they are (the emergency a fleet rollback is for)."""
-    from .fleet import FORKS, rollout
+    """rollback on hosts named without an inventory; one fleet.Row per host. One host goes back over provision's
+    own connection (no play to start); several through playbooks/rollback.yml (`rollback_play`), batch by batch,
+    each host on its own: a dead or hung host is its row, never a reason to keep the others where they are."""
+    if len(targets) > 1:
+        return rollback_play(targets, to, dry_run=dry_run, force=force, serial=serial, forks=forks)
+    from .fleet import each
 
-    def back(tr: Transport, gate) -> dict:
-        return rollback(tr, to, dry_run=dry_run, force=force)
-    return rollout(targets, back, serial=serial, max_fail="100%", forks=forks or FORKS).rows
+    rows = each(targets, lambda tr: rollback(tr, to, dry_run=dry_run, force=force))
+    for row in rows:
+        row.batch = 1
+    return rows
 
 
 # ---------------------------------------------------------------- an inventory's hosts: the playbooks, through Ansible

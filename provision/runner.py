@@ -86,6 +86,8 @@ def inventory(targets: list[Target], run_id: str, interpreters: dict[str, str] |
         py = (interpreters or {}).get(t.name) or t.vars.get("python") or "/usr/bin/python3"
         v = {"ansible_python_interpreter": py, "provision_root": root_of(t),
              "ansible_remote_tmp": remote_tmp(t, run_id)}
+        if t.vars.get("provision_nvidia_smi"):     # the host's driver tool, where the inventory named one
+            v["provision_nvidia_smi"] = t.vars["provision_nvidia_smi"]
         if t.local:
             v["ansible_connection"] = "local"
         else:
@@ -146,7 +148,12 @@ def _failure(ev: dict) -> str:
 
 def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: str = "",
                  interpreters: dict[str, str] | None = None, on_event: Callable[[str, str, str], None] | None = None,
-                 check: bool = False, forks: int | None = None) -> RunResult:
+                 check: bool = False, forks: int | None = None, on_raw: Callable[[dict], None] | None = None,
+                 cancel: Callable[[], bool] | None = None) -> RunResult:
+    """playbooks/NAME.yml through ansible-runner on the targets. `on_event` hears each task start and loop item;
+    `on_raw` every runner event as it comes (in this thread); `cancel` is polled while the play runs, and once it
+    returns True the play is killed (ansible-runner's cancel_callback: Ctrl-C is then the caller's, not the
+    runner's)."""
     import ansible_runner
 
     RUNS.mkdir(parents=True, exist_ok=True)
@@ -181,6 +188,8 @@ def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: st
             item = (d.get("res") or {}).get("item")
             if isinstance(item, dict) and "name" in item:
                 on_event("item", d.get("task", ""), item["name"])
+        if on_raw:
+            on_raw(ev)
         return True
 
     t0 = time.perf_counter()
@@ -190,6 +199,7 @@ def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: st
                            inventory=str(hosts), envvars=env,
                            suppress_env_files=True, quiet=True, event_handler=handler,
                            **({"forks": forks} if forks else {}),
+                           **({"cancel_callback": cancel} if cancel else {}),
                            cmdline=shlex.join(["-e", f"@{extra}"] + (["--check", "--diff"] if check else [])),
                            settings={"suppress_ansible_output": True})
     stop_masters(Path(sock_dir))
@@ -267,7 +277,7 @@ def unreachable(t: Target, msg: str) -> HostError:
     HostKeyError that says how to trust it, as provision's own connection says."""
     from .transport import trust_command
 
-    msg = " ".join(msg.split())
+    msg = " ".join(msg.split()).removeprefix(f"{t.name}: ")      # the row names its host
     if "Host key verification failed" in msg:
         return HostKeyError(f"{msg} (known_hosts {t.known_hosts}); verify the host's key, then "
                             f"`{trust_command(t)}`", where=t.name)

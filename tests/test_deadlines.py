@@ -133,18 +133,19 @@ def two_hosts(target, tmp_path):
 
 
 def test_a_cancelled_fleet_stops_every_host_before_its_switch(two_hosts, stacks_ab):
-    """The fleet's cancel flag (what Ctrl-C sets) is raised while both hosts wait after their probes: neither
-    switches; each report says it stopped before its switch and where the host is; the new, probed generations
+    """The fleet's cancel flag (what Ctrl-C sets) is raised once both hosts' probes are seen done: neither
+    switches (the one at its gate stops there, the one staged first is not switched by the play); each report says it stopped before its switch and where the host is; the new, probed generations
     are kept runnable for a later apply to reuse."""
     lock_a, lock_b = stacks_ab
     before = [applied(t, lock_a).generation for t in two_hosts]
-    cancel, probed = threading.Event(), threading.Barrier(2, timeout=120)
+    cancel, probed = threading.Event(), set()
 
     def progress_for(host):
         def progress(step, state, detail):
             if (step, state) == ("probe", "done"):
-                probed.wait()
-                cancel.set()
+                probed.add(host)
+                if len(probed) == 2:        # both probed: a host passes its gate only once its lines are read
+                    cancel.set()
         return progress
 
     fleet = applymod.apply_fleet(two_hosts, lock_b, forks=2, progress_for=progress_for, cancel=cancel)

@@ -5,7 +5,6 @@ answering after its first query (nvidia-smi's recorded real output, then its err
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 
@@ -48,23 +47,24 @@ def current(roots, h) -> str:
 
 def test_two_failures_in_a_batch_and_no_partner_switches(quad):
     """--max-fail 1 over one batch of four: c2 and c4 fail their probes only after c1 and c3 have passed theirs
-    (each failing host waits for both partners' probes), so without the barrier c1 and c3 would switch."""
+    (each failing host's GPU answers its probes once both partners' probes are seen done), so without the barrier
+    c1 and c3 would switch."""
     d, inv, roots, kh, b, smi = quad
     for s in smi.values():
-        arm(s)
-    partners_probed = threading.Barrier(2)          # c1 and c3 both done with their probes
-    done = threading.Event()
+        arm(s, hold=True)
+    probed = set()
 
     def progress_for(host):
         def step(name, state, detail):
             if host not in BAD and (name, state) == ("probe", "done"):
-                partners_probed.wait(120)
-                done.set()
-            if host in BAD and (name, state) == ("probe", "start"):
-                assert done.wait(120)
+                probed.add(host)
+                if probed == {"c1", "c3"}:
+                    for s in smi.values():
+                        (s.parent / "go").touch()
         return step
 
     run = applymod.apply_fleet(load_inventory(inv, kh), lockmod.load(b), max_fail="1", progress_for=progress_for)
+    assert probed == {"c1", "c3"}
     rep = {r.host: r for r in run.reports}
     assert run.failed_batch == 1 and sorted(run.failed_hosts) == list(BAD)
     for h in BAD:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import threading
 from pathlib import Path
 
 import pytest
@@ -28,10 +27,14 @@ H200 = Path(__file__).parent / "data" / "h200" / "nvidia-smi-query.csv"
 
 def faulty_smi(d: Path) -> Path:
     """nvidia-smi of one H200 (its recorded output). Armed (a file `fault` beside it), the driver stops answering
-    once it has been queried: the host's facts list the GPU, and the probes then find nvidia-smi failing."""
+    once it has been queried: the host's facts list the GPU, and the probes then find nvidia-smi failing. Held (a
+    file `hold` beside it), that failing answer waits until a file `go` appears: a test orders it after a partner's
+    probes."""
     smi = d / "nvidia-smi"
     smi.write_text("#!/bin/sh\nd=$(dirname \"$0\")\n"
                    "if [ -e \"$d/fault\" ] && [ -e \"$d/queried\" ]; then\n"
+                   "  if [ -e \"$d/hold\" ]; then i=0; while [ ! -e \"$d/go\" ] && [ $i -lt 1200 ]; do sleep 0.1; "
+                   "i=$((i+1)); done; fi\n"
                    "  echo 'Unable to determine the device handle for GPU 0000:00:06.0: Unknown Error'; exit 255\n"
                    "fi\n[ -e \"$d/fault\" ] && touch \"$d/queried\"\n"
                    f"cat {H200}\n")
@@ -39,9 +42,25 @@ def faulty_smi(d: Path) -> Path:
     return smi
 
 
-def arm(smi: Path) -> None:
+def held_smi(d: Path) -> Path:
+    """nvidia-smi of one healthy H200 whose second answer (the probes', after the facts') waits until a file `go`
+    appears beside it."""
+    d.mkdir(parents=True, exist_ok=True)
+    smi = d / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nd=$(dirname \"$0\")\n"
+                   "if [ -e \"$d/queried\" ]; then i=0; while [ ! -e \"$d/go\" ] && [ $i -lt 1200 ]; do sleep 0.1; "
+                   "i=$((i+1)); done; fi\ntouch \"$d/queried\"\n"
+                   f"cat {H200}\n")
+    smi.chmod(0o755)
+    return smi
+
+
+def arm(smi: Path, hold: bool = False) -> None:
     (smi.parent / "fault").touch()
-    (smi.parent / "queried").unlink(missing_ok=True)
+    for f in ("queried", "go", "hold"):
+        (smi.parent / f).unlink(missing_ok=True)
+    if hold:
+        (smi.parent / "hold").touch()
 
 
 @pytest.fixture(scope="module")
@@ -126,30 +145,31 @@ def test_failing_batch_goes_back_and_the_rollout_stops(fleet):
 
 @pytest.mark.parametrize("partner,first,back", [("h7", "failure", True), ("h6", "probed", True),
                                                 ("h5", "probed", False)])
-def test_in_flight_partner_of_a_failed_host(fleet, partner, first, back):
+def test_in_flight_partner_of_a_failed_host(fleet, tmp_path, partner, first, back):
     """A partner of the failing host never switches: one that finishes its probes after the failure stops before
-    its switch; one that finishes them first waits at the batch's barrier (as Ansible's linear strategy does)
-    until the failing host's probe has failed, then stops too, with or without --rollback-on-fail. Its
-    generation, probed, is kept for a later apply to reuse. Each waits for the other's event, so the order is
-    certain."""
+    its switch; one that finishes them first waits at the batch's barrier (Ansible's linear strategy: the switch
+    is the play's next task) until the failing host's probe has failed, then stops too, with or without
+    --rollback-on-fail. Its generation, probed, is kept for a later apply to reuse. Each host's GPU answers the
+    probes only once the other's event is seen, so the order is certain."""
     inv, roots, common, b, smi = fleet
-    arm(smi)
-    failed, probed = threading.Event(), threading.Event()
+    arm(smi, hold=first == "probed")
     ts = load_inventory(inv, Path(common[-1]), limit=f"{partner}:{BAD}")
+    if first == "failure":                  # the partner's GPU answers its probes once BAD's failure is seen
+        held = held_smi(tmp_path / "gpu")
+        next(t for t in ts if t.name == partner).vars["provision_nvidia_smi"] = str(held)
+    go = (held if first == "failure" else smi).parent / "go"
 
     def progress_for(host):
-        def wait(step, state, detail):
-            if first == "failure" and host == partner and (step, state) == ("probe", "done"):
-                assert failed.wait(120)
-            if first == "probed" and host == BAD and (step, state) == ("probe", "start"):
-                assert probed.wait(120)
-            if host == partner and (step, state) == ("probe", "done"):
-                probed.set()
-        return wait
+        def see(step, state, detail):
+            if first == "failure" and host == BAD and (step, state) == ("probe", "fail"):
+                go.touch()
+            if first == "probed" and host == partner and (step, state) == ("probe", "done"):
+                go.touch()
+        return see
 
-    run = applymod.apply_fleet(ts, lockmod.load(b), rollback_on_fail=back, progress_for=progress_for,
-                               on_row=lambda r: r.host == BAD and failed.set())
+    run = applymod.apply_fleet(ts, lockmod.load(b), rollback_on_fail=back, progress_for=progress_for)
     rep = {r.host: r for r in run.reports}
+    assert go.exists()
     assert rep[BAD].status == "failed" and run.failed_batch == 1 and run.failed_hosts == [BAD]
     assert rep[partner].generation == "0002-stack-b"
     assert current(roots, partner) == "0001-stack-a" and rep[partner].current == "0001-stack-a"

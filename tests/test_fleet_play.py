@@ -121,3 +121,34 @@ def test_rollback_of_an_inventory_goes_past_a_closed_port_naming_it(fleet, tmp_p
         assert res["seconds"] > 0 and res["check"]["verdict"] == "clean", res
     assert [current(roots, h) for h in HOSTS] == ["0002-stack-b"] * 3
     assert not (tmp_path / "root-dead").exists()
+
+
+def test_plan_and_apply_of_an_inventory_are_one_play_each_and_a_saved_plan_is_applied_exactly(fleet, tmp_path, wheels):
+    """plan -i is apply.yml in check mode (one run): each host's plan is the one `plan` gives that host alone. A saved
+    fleet plan goes to apply.yml as a file, each host applying its own entry: a host that changed since is refused,
+    the others switch (one run)."""
+    inv, roots, kh, t = fleet
+    a = write_lock(tmp_path / "a.yaml", "stack-a", [wheels["alpha-1.0"]])
+    before = {d for d in RUNS.glob("*-apply-apply")}
+    rows = json.loads(cli("plan", "-i", inv, *kh, "--lock", a, "--json", check=0).stdout)
+    assert len({d for d in RUNS.glob("*-apply-apply")
+                if str(roots["f1"]) in (d / "inventory" / "hosts.yml").read_text()} - before) == 1
+    assert [r["host"] for r in rows] == HOSTS
+    for r in rows:
+        one = json.loads(cli("plan", *alone(t, roots[r["host"]]), "--lock", a, "--json", check=0).stdout)
+        assert {k: v for k, v in r["result"].items() if k != "host"} == {k: v for k, v in one.items() if k != "host"}
+        assert (r["result"]["host"], r["result"]["action"], r["result"]["reuse"]) == (r["host"], "reuse",
+                                                                                      "0001-stack-a")
+    saved = tmp_path / "plans.json"
+    cli("plan", "-i", inv, *kh, "--lock", a, "--out", saved, check=0)
+    was = current(roots, "f2")
+    cli("rollback", *alone(t, roots["f2"]), "--to", "3", check=0)       # f2 changes after its plan was made
+    before = plays("apply", roots["f1"]) | {d for d in RUNS.glob("*-apply-fleet")}
+    out = json.loads(cli("apply", "-i", inv, *kh, "--plan", saved, "--max-fail", "1", "--json", check=1).stdout)
+    assert len({d for d in RUNS.glob("*-apply-fleet")
+                if str(roots["f1"]) in (d / "inventory" / "hosts.yml").read_text()} - before) == 1
+    rep = {r["host"]: r for r in out["reports"]}
+    assert rep["f2"]["status"] == "failed" and "the host changed since this plan was made" in rep["f2"]["error"]
+    assert current(roots, "f2") == "0003-stack-c" != was
+    for h in ("f1", "f3"):
+        assert (rep[h]["status"], current(roots, h)) == ("reused", "0001-stack-a"), rep[h]

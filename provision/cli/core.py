@@ -227,8 +227,8 @@ def plan(lock: Path = LockOpt, json_out: bool = JsonOpt,
          detailed_exitcode: bool = typer.Option(False, "--detailed-exitcode",
                                                 help="exit 0 no changes, 2 changes, 1 error"),
          hosts: Hosts = HOSTS, full: bool = FullOpt, python: Optional[str] = PythonOpt):
-    """Dry-run diff of host vs lock (read-only); facts of a fleet are gathered in parallel."""
-    from .. import lock as lockmod
+    """Dry-run diff of host vs lock (read-only); with -i, playbooks/apply.yml in check mode through Ansible."""
+    from .. import apply as applymod, lock as lockmod
     from ..errors import ProvisionError
     from ..facts import interpreter_arg
     from ..plan import plan_host, render_plan, save_plans
@@ -240,7 +240,10 @@ def plan(lock: Path = LockOpt, json_out: bool = JsonOpt,
         python = interpreter_arg(python)
         if out:
             writable(out, "--out")
-        rows = over_hosts(hosts.targets(), lambda tr: plan_host(tr, lk, interpreter=python), hosts.forks)
+        if hosts.inventory is not None:
+            rows = applymod.plan_fleet(hosts.targets(), lk, interpreter=python, forks=hosts.forks)
+        else:
+            rows = over_hosts(hosts.targets(), lambda tr: plan_host(tr, lk, interpreter=python), hosts.forks)
     except ProvisionError as e:
         if detailed_exitcode:   # 2 means "changes" there; every error is 1
             e.exit_code = 1

@@ -1,9 +1,14 @@
 """Controller side of provision_apply: `provision.apply.apply` of this host, reached as the inventory names it, halted
-by its gate just before the switch (the new generation kept, probed and runnable); the play's next task switches."""
+by its gate just before the switch (the new generation kept, probed and runnable); the play's next task switches.
+Run by the CLI, each step event goes to its progress file and its cancel file stops the host before its switch."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 from ansible.plugins.action import ActionBase
@@ -15,7 +20,7 @@ except ImportError:      # an ansible-playbook from another environment: the pac
     sys.path.append(str(Path(__file__).resolve().parents[3]))
 
 display = Display()
-STAGED = "staged: the play switches it once every host of its batch has passed its probes"
+CAUGHT_UP = 10.0     # seconds the gate waits for the controller to have read this host's progress
 
 
 def _spec() -> dict:
@@ -55,18 +60,24 @@ class ActionModule(ActionBase):
 
     def run(self, tmp=None, task_vars=None):
         from provision import apply as applymod, lock as lockmod
+        from provision.apply import CANCELLED, STAGED
         from provision.errors import Halted, InputError, ProvisionError
         from provision.facts import interpreter_arg
         from provision.inventory import _target
-        from provision.plan import plan_host
+        from provision.plan import lock_of_plan as plan_lock, plan_host
         from provision.transport import DEFAULT_KNOWN_HOSTS, check_root, connect
 
         result = super().run(tmp, task_vars)
         task_vars = task_vars or {}
-        _, args = self.validate_argument_spec(argument_spec=_spec())
+        result["batch"] = list(task_vars.get("ansible_play_batch") or [])     # the play's tolerance counts on it
+        _, args = self.validate_argument_spec(argument_spec=_spec(), required_one_of=[["lock", "plan_file"]])
         host = task_vars.get("inventory_hostname", "host")
+        ctl = _Controller(args["progress_file"], args["cancel_file"])
+        if ctl.cancelled():
+            return dict(result, failed=True, status="not-attempted", msg="interrupted (Ctrl-C) before this host started")
         try:
-            lock = lockmod.load(args["lock"])
+            saved = _saved_plan(args["plan_file"], host) if args["plan_file"] else None
+            lock = plan_lock(saved) if saved is not None else lockmod.load(args["lock"])
             python = interpreter_arg(args["python"])
             where = str(task_vars.get("inventory_file") or "inventory")
             t = _target(host, _HostVars(self._templar, task_vars, self._play_context),
@@ -78,35 +89,46 @@ class ActionModule(ActionBase):
                                                                                  "provision_root"))
             if self._play_context.timeout:
                 t.timeout = float(self._play_context.timeout)
+            if args["step_deadline"]:
+                t.deadline = float(args["step_deadline"])
+            if args["wait_notice"]:
+                t.notice = float(args["wait_notice"])
         except InputError as e:
             return dict(result, failed=True, msg=str(e).replace("--python: ", "python: "))
 
         def staged() -> None:           # the gate, under the host lock just before `current` would move
-            raise Halted(STAGED, where=host)
+            if not ctl.caught_up(CAUGHT_UP):
+                raise Halted("the controller stopped reading this run's progress: stopped before its switch",
+                             where=host)
+            raise Halted(CANCELLED if ctl.cancelled() else STAGED, where=host)
         try:
             tr = connect(t)
         except ProvisionError as e:     # not reached (as provision's fleets count it): Ansible's unreachable
             return dict(result, unreachable=True, msg=str(e))
+        cancel = ctl.watch()
         try:
             if self._task.check_mode:    # the plan; its fatal findings fail the task, as apply would refuse
                 plan = plan_host(tr, lock, interpreter=python)
                 out = dict(result, changed=not plan.noop, status="noop" if plan.noop else "planned",
                            generation=plan.base if plan.noop else plan.reuse, previous=plan.base,
-                           plan=_plan_of(plan.to_json()))
+                           plan=_plan_of(plan.to_json()), report=plan.to_json())
                 if plan.errors and not plan.noop:
                     more = f" (+{len(plan.errors) - 1} more)" if len(plan.errors) > 1 else ""
                     out.update(failed=True, msg=f"{host}: {plan.errors[0]}{more}")
                 return out
-            rep = applymod.apply(tr, lock, skip_probes=args["skip_probes"], installer=args["installer"],
-                                 interpreter=python, gate=staged, progress=_progress(host))
+            rep = applymod.apply(tr, lock, saved_plan=saved, adopt_path=args["adopt"],
+                                 skip_probes=args["skip_probes"], installer=args["installer"],
+                                 wheels_from=args["wheels_from"], interpreter=python, gate=staged,
+                                 progress=ctl.progress(host), cancel=cancel)
             failed = None
         except ProvisionError as e:     # stopped at the gate (the one way it ends well), or failed
             rep, failed = getattr(e, "report", None), str(e)
             if rep is None:
                 return dict(result, failed=True, msg=failed)
-            if rep.status == "stopped":
+            if rep.status == "stopped" and STAGED in failed:
                 failed = None
         finally:
+            ctl.stop()
             tr.close()
         for w in rep.warnings:
             display.warning(f"{host}: {w}")
@@ -131,14 +153,78 @@ def _result_of(rep) -> dict:
             "probes": {k: probes.get(k) for k in ("status", "summary", "failed")} if probes else None,
             "steps": [{"name": s.name, "status": s.status, "seconds": round(s.seconds, 3), "detail": s.detail}
                       for s in rep.steps],
-            "seconds": round(rep.seconds, 3), "warned": list(rep.warnings)}
+            "seconds": round(rep.seconds, 3), "warned": list(rep.warnings), "report": rep.to_json()}
 
 
-def _progress(host: str):
-    """Each step as `provision apply` reports it, one line at -vv; a step that waits on its host at -v."""
-    def said(step: str, state: str, detail: str) -> None:
-        if state == "wait":
-            display.v(detail, host=host)
-        elif state in ("done", "fail"):
-            display.vv(f"{step} {state}{': ' + detail if detail else ''}", host=host)
-    return said
+def _saved_plan(path: str, host: str):
+    """This host's entry of a saved plan file (`provision plan --out`), as `provision apply --plan` reads it."""
+    from provision.errors import InputError
+    from provision.plan import load_plans
+
+    plans = {p.host: p for p in load_plans(path)}
+    if host not in plans:
+        raise InputError(f"the saved plan has no entry for {host} (planned: {', '.join(plans)}); plan that host first",
+                         where=path)
+    return plans[host]
+
+
+class _Controller:
+    """What the CLI that runs the play hears and says: each step event is one JSON line appended to its progress file
+    (this host's, and its offset kept); the CLI writes how far it has read to PROGRESS.read and creates its cancel
+    file on Ctrl-C. Without the files (ansible-playbook run directly), each step is an Ansible display line."""
+
+    def __init__(self, progress_file: str | None, cancel_file: str | None):
+        self.file, self.cancel_file, self.said_up_to = progress_file, cancel_file, 0
+        self.flag, self.done = threading.Event(), threading.Event()
+
+    def cancelled(self) -> bool:
+        return bool(self.cancel_file) and os.path.exists(self.cancel_file)
+
+    def progress(self, host: str):
+        """The apply's progress callback for this host."""
+        def said(step: str, state: str, detail: str) -> None:
+            if not self.file:
+                if state == "wait":
+                    display.v(detail, host=host)
+                elif state in ("done", "fail"):
+                    display.vv(f"{step} {state}{': ' + detail if detail else ''}", host=host)
+                return
+            line = json.dumps({"host": host, "step": step, "state": state, "detail": detail}) + "\n"
+            fd = os.open(self.file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:       # one write of one line: lines of hosts writing at once never interleave
+                os.write(fd, line.encode())
+                self.said_up_to = os.lseek(fd, 0, os.SEEK_CUR)
+            finally:
+                os.close(fd)
+        return said
+
+    def caught_up(self, within: float) -> bool:
+        """Whether the controller has read this host's progress up to its last line (waiting up to `within` s): a
+        Ctrl-C said while it read them is known before the host passes its gate. True without a progress file."""
+        if not self.file:
+            return True
+        end = time.monotonic() + within
+        while time.monotonic() < end:
+            try:
+                if int(Path(self.file + ".read").read_text() or 0) >= self.said_up_to:
+                    return True
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.02)
+        return False
+
+    def watch(self) -> threading.Event | None:
+        """The apply's cancel flag, set once the cancel file appears (polled in a thread until `stop`)."""
+        if not self.cancel_file:
+            return None
+
+        def poll() -> None:
+            while not self.done.wait(0.2):
+                if self.cancelled():
+                    self.flag.set()
+                    return
+        threading.Thread(target=poll, name="cancel file", daemon=True).start()
+        return self.flag
+
+    def stop(self) -> None:
+        self.done.set()

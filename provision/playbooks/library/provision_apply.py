@@ -20,9 +20,21 @@ description:
   - A host provision's connection cannot reach is unreachable, as Ansible counts it.
 options:
   lock:
-    description: The lockfile to apply (a path on the controller).
+    description: The lockfile to apply (a path on the controller); required unless C(plan_file) is given.
     type: path
-    required: true
+  plan_file:
+    description: A saved plan file on the controller (`provision plan --out`); the host applies exactly its own entry
+      (by its inventory name), or is refused if it drifted since. Its lock is the plan's.
+    type: path
+  adopt:
+    description: First contact - capture this existing environment (a prefix or bin/python) as generation 0, as
+      `provision apply --adopt`.
+    type: str
+  wheels_from:
+    description: host (each host fetches what its store lacks) or controller (fetched once on the controller and
+      pushed to the host by hash), as `--wheels-from`.
+    type: str
+    choices: [host, controller]
   root:
     description: The host root (default the inventory's provision_root, else /opt/provision).
     type: path
@@ -42,6 +54,21 @@ options:
     description: The known_hosts file host keys are checked against (default provision's, which
       `provision hosts trust` writes).
     type: path
+  step_deadline:
+    description: Seconds a step may make no progress before it is stopped (as `--step-deadline`).
+    type: float
+  wait_notice:
+    description: Seconds without progress before a step says what it waits for (as `--wait-notice`).
+    type: float
+  progress_file:
+    description: A file on the controller to which each step event is appended as one JSON line (host, step,
+      state - start, info, detail, wait, done or fail - and detail), for the CLI's live view. Before the switch the
+      host waits until the controller has read its lines (it writes how far to C(progress_file).read).
+    type: path
+  cancel_file:
+    description: A file on the controller whose appearance (the CLI's Ctrl-C) stops the host's running step and
+      every host before its switch; a host not yet started is not attempted.
+    type: path
 """
 
 RETURN = r"""
@@ -57,11 +84,22 @@ failed_step: {description: on failure - the step that failed, type: str}
 run_dir: {description: the build's run directory on the host, type: str}
 seconds: {description: seconds the apply took, type: float}
 warned: {description: what the apply warned of (each also shown as an Ansible warning), type: list}
+batch: {description: "the hosts of this host's batch (Ansible's ansible_play_batch as the task started), which the
+  play's tolerance counts failures against", type: list}
+report: {description: "the whole apply report, as `provision apply --json` prints it; in check mode the whole plan,
+  as `provision plan --json` prints it (and `--out` saves it)", type: dict}
 """
 
 from ansible.module_utils.basic import AnsibleModule
 
-ARGUMENT_SPEC = {"lock": {"type": "path", "required": True},
+ARGUMENT_SPEC = {"lock": {"type": "path"},
+                 "plan_file": {"type": "path"},
+                 "adopt": {"type": "str"},
+                 "wheels_from": {"type": "str", "choices": ["host", "controller"]},
+                 "step_deadline": {"type": "float"},
+                 "wait_notice": {"type": "float"},
+                 "progress_file": {"type": "path"},
+                 "cancel_file": {"type": "path"},
                  "root": {"type": "path"},
                  "python": {"type": "str"},
                  "skip_probes": {"type": "list", "elements": "str", "default": []},
@@ -70,7 +108,8 @@ ARGUMENT_SPEC = {"lock": {"type": "path", "required": True},
 
 
 def main():
-    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, required_one_of=[["lock", "plan_file"]],
+                           supports_check_mode=True)
     module.fail_json(msg="provision_apply runs through its action plugin (action_plugins/provision_apply.py beside "
                          "this library): run it from provision's playbooks directory")
 
