@@ -1,0 +1,149 @@
+"""probe, adopt, diff, logs, pack, patches and contract of an inventory run their playbooks through Ansible, one run
+for the fleet: each host's result is what the same verb gives for that host alone, a host whose port is closed is
+its own row (named unreachable), and a long step's progress reaches the CLI through the file its plugin appends to.
+Two inventory hosts share the session's loopback sshd, each with its own root, on a second generation."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from provision import apply as applymod, lock as lockmod
+from provision.action import HEARTBEAT, Progress
+from provision.inventory import load_inventory
+from provision.loopback import free_port
+from provision.plays import tail
+from test_core import cli
+from test_fleet_play import alone, plays
+from wheelhouse import write_lock
+
+HOSTS = ["v1", "v2"]
+
+
+@pytest.fixture(scope="module")
+def fleet(sshd, wheels, tmp_path_factory):
+    """(inventory, roots, --known-hosts, the session's target, an inventory with a dead host first, scratch)."""
+    d = tmp_path_factory.mktemp("fleetverbs")
+    t = sshd.target
+    roots = {h: d / f"root-{h}" for h in HOSTS}
+    inv = d / "inv.yml"
+    inv.write_text(f"all:\n  vars: {{ansible_host: {t.host}, ansible_port: {t.port}, ansible_user: {t.user}, "
+                   f"ansible_ssh_private_key_file: {t.key_file}}}\n  hosts:\n"
+                   + "".join(f"    {h}: {{provision_root: {roots[h]}}}\n" for h in HOSTS))
+    for lk in (write_lock(d / "a.yaml", "stack-a", [wheels["alpha-1.0"]]),
+               write_lock(d / "b.yaml", "stack-b", [wheels["alpha-2.0"], wheels["beta-1.0"]])):
+        run = applymod.apply_fleet(load_inventory(inv, t.known_hosts), lockmod.load(lk))
+        assert {r.status for r in run.reports} == {"applied"}, [r.error for r in run.reports]
+    dead = d / "with-dead.yml"
+    dead.write_text(inv.read_text().replace("  hosts:\n", "  hosts:\n    dead: {ansible_port: "
+                                            f"{free_port()}, provision_root: {d / 'root-dead'}}}\n", 1))
+    return inv, roots, ["--known-hosts", str(t.known_hosts)], t, dead, d
+
+
+def one_play(name: str, root, args: list) -> tuple:
+    """`provision ARGS` (exit code, stdout, stderr), asserting that it made exactly one Ansible run of NAME.yml."""
+    before = plays(name, root)
+    p = cli(*args)
+    assert len(plays(name, root) - before) == 1, (name, p.stdout, p.stderr)
+    return p.returncode, p.stdout, p.stderr
+
+
+def test_probe_of_an_inventory_is_each_hosts_probe_through_one_play(fleet):
+    inv, roots, kh, t, dead, _ = fleet
+    code, out, err = one_play("probe", roots["v1"], ["probe", "-i", inv, *kh, "--json"])
+    rows = json.loads(out)
+    assert code == 0 and [r["host"] for r in rows] == HOSTS, (out, err)
+    for r in rows:
+        one = json.loads(cli("probe", *alone(t, roots[r["host"]]), "--json", check=0).stdout)
+        got = r["result"]
+        assert (got["status"], got["generation"], got["failed"], got["summary"]) == \
+            (one["status"], one["generation"], one["failed"], one["summary"]) == ("pass", "0002-stack-b", [],
+                                                                                  one["summary"]), (got, one)
+        assert [(x["name"], x["status"]) for x in got["results"]] == [(x["name"], x["status"]) for x in one["results"]]
+    code, out, err = one_play("probe", roots["v1"], ["probe", "-i", inv, *kh, "-g", "1"])
+    assert code == 0 and [ln.split(" (")[0] for ln in out.splitlines() if ln.startswith("000")] == \
+        [f"0001-stack-a on {h}: pass" for h in HOSTS], out
+
+    code, out, err = one_play("probe", dead.parent / "root-dead", ["probe", "-i", dead, *kh, "--timeout", "3"])
+    said = [ln for ln in err.splitlines() if not ln.startswith("  ")]     # progress lines are indented
+    assert code == 1 and len(said) == 1 and said[0].startswith("dead: unreachable: "), err
+    assert all(" · probe running (" in ln for ln in err.splitlines() if ln.startswith("  ")), err
+    assert [ln.split(" (")[0] for ln in out.splitlines() if ln.startswith("000")] == \
+        [f"0002-stack-b on {h}: pass" for h in HOSTS], out
+
+
+def test_probe_of_an_unknown_generation_is_each_hosts_error_through_the_play(fleet):
+    inv, roots, kh, t, _, _ = fleet
+    code, out, err = one_play("probe", roots["v1"], ["probe", "-i", inv, *kh, "-g", "9", "--json"])
+    rows = json.loads(out)
+    assert code == 1 and [r["host"] for r in rows] == HOSTS, out
+    p = cli("probe", *alone(t, roots["v1"]), "-g", "9", "--json")
+    assert rows[0]["error"] == json.loads(p.stdout)["error"] and rows[0]["exit_code"] == p.returncode, (rows, p)
+
+
+def test_adopt_diff_and_logs_of_an_inventory_through_their_plays(fleet):
+    inv, roots, kh, t, _, _ = fleet
+    code, out, _ = one_play("adopt", roots["v1"], ["adopt", "all", "-i", inv, *kh, "/nonexistent/env"])
+    one = cli("adopt", *alone(t, roots["v1"]), "/nonexistent/env", check=0).stdout
+    assert code == 0 and out.splitlines() == [one.replace(alone(t, "")[0], h).strip() for h in HOSTS], (out, one)
+    assert "host is already managed" in one
+
+    code, out, _ = one_play("diff", roots["v2"], ["diff", "v2", "-i", inv, *kh, "1", "--json"])
+    one = cli("diff", *alone(t, roots["v2"]), "1", "--json", check=0).stdout
+    assert code == 0 and json.loads(out) == dict(json.loads(one), host="v2"), (out, one)
+    code, out, _ = one_play("diff", roots["v2"], ["diff", "v2", "-i", inv, *kh, "1"])
+    assert code == 0 and out.startswith("Diff on v2: 0001-stack-a → 0002-stack-b"), out
+
+    code, out, _ = one_play("logs", roots["v1"], ["logs", "v1", "-i", inv, *kh, "1", "--json"])
+    one = cli("logs", *alone(t, roots["v1"]), "1", "--json", check=0).stdout
+    assert code == 0 and json.loads(out) == json.loads(one) and json.loads(out)["id"] == "0001-stack-a"
+    code, out, err = one_play("logs", roots["v1"], ["logs", "v1", "-i", inv, *kh, "7"])
+    assert code == 1 and err.startswith("error: v1: no generation 7") and len(err.splitlines()) == 1, err
+
+
+def test_pack_of_an_inventory_host_through_its_play_writes_here_what_pack_of_the_host_writes(fleet):
+    inv, roots, kh, t, _, d = fleet
+    code, out, err = one_play("pack", roots["v2"], ["pack", "v2", "-i", inv, *kh, "1", "--out", d / "via-play",
+                                                    "--json"])
+    rep = json.loads(out)
+    one = json.loads(cli("pack", *alone(t, roots["v2"]), "1", "--out", d / "direct", "--json", check=0).stdout)
+    assert code == 0 and rep["check"]["ok"] and rep["generation"] == one["generation"] == "0001-stack-a", (out, err)
+    assert (d / "via-play" / "lock.yaml").read_text().replace(str(d / "via-play"), "") == \
+        (d / "direct" / "lock.yaml").read_text().replace(str(d / "direct"), "").replace(alone(t, "")[0], "v2")
+    assert sorted(p.name for p in (d / "via-play").iterdir()) == sorted(p.name for p in (d / "direct").iterdir())
+    code, out, err = one_play("pack", roots["v2"], ["pack", "v2", "-i", inv, *kh, "1", "--out", d / "via-play"])
+    assert code == 2 and "not empty" in err and len(err.splitlines()) == 1, err     # the play's InputError, exit 2
+
+
+def test_patch_verbs_of_an_inventory_through_their_plays(fleet):
+    inv, roots, kh, t, _, _ = fleet
+    code, out, err = one_play("patches", roots["v1"], ["patches", "check", "-i", inv, *kh])
+    one = cli("patches", "check", *alone(t, roots["v1"]))
+    assert code == one.returncode == 1 and err == one.stderr.replace(alone(t, "")[0], "v1"), (err, one.stderr)
+    code, out, err = one_play("contract", roots["v1"], ["contract", "LlamaForCausalLMEagle3", "-i", inv, *kh])
+    one = cli("contract", "LlamaForCausalLMEagle3", *alone(t, roots["v1"]))
+    assert code == one.returncode == 1 and out == "".join(one.stdout.replace(alone(t, "")[0], h).replace(
+        str(roots["v1"]), str(roots[h])) for h in HOSTS), (out, one.stdout)
+
+
+def test_a_silent_step_says_it_runs_at_least_every_few_seconds(tmp_path):
+    """A step that reports nothing still reaches the CLI's tail with a line a host every HEARTBEAT seconds."""
+    path, seen = tmp_path / "progress.jsonl", []
+    with tail(path, lambda host, ev: seen.append((time.monotonic(), host, ev))):
+        def silent(host: str) -> None:
+            with Progress(str(path), host, "probe"):
+                time.sleep(2.5 * HEARTBEAT)
+        threads = [threading.Thread(target=silent, args=(h,)) for h in HOSTS]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    assert not path.exists()
+    for h in HOSTS:
+        mine = [(at, ev) for at, host, ev in seen if host == h]
+        assert len(mine) >= 2 and all(ev["step"] == "probe" and ev["detail"].startswith("running (")
+                                      for _, ev in mine), mine
+        gaps = [b[0] - a[0] for a, b in zip(mine, mine[1:])]
+        assert max(gaps) < HEARTBEAT + 1.5, gaps
