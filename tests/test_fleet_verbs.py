@@ -5,6 +5,7 @@ Two inventory hosts share the session's loopback sshd, each with its own root, o
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -17,6 +18,7 @@ from provision.loopback import free_port
 from provision.plays import tail
 from test_core import cli
 from test_fleet_play import alone, plays
+from test_playbooks import ansible_playbook, results
 from wheelhouse import write_lock
 
 HOSTS = ["v1", "v2"]
@@ -147,3 +149,54 @@ def test_a_silent_step_says_it_runs_at_least_every_few_seconds(tmp_path):
                                       for _, ev in mine), mine
         gaps = [b[0] - a[0] for a, b in zip(mine, mine[1:])]
         assert max(gaps) < HEARTBEAT + 1.5, gaps
+
+
+def test_operators_run_the_probe_and_pack_playbooks_themselves(fleet):
+    """`ansible-playbook -i INV probe.yml` gives each host the verdict `provision probe` gives; pack.yml writes the
+    wheelhouse on the controller as `provision pack` does."""
+    inv, roots, kh, t, _, d = fleet
+    p = ansible_playbook(inv, "probe.yml", "-e", "generation=1", "-e", f"provision_known_hosts={t.known_hosts}")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    said = results(p, "probe")
+    assert {h: (said[h]["generation"], said[h]["status"], said[h]["step_failed"]) for h in HOSTS} == \
+        {h: ("0001-stack-a", "pass", []) for h in HOSTS}
+    p = ansible_playbook(inv, "probe.yml", "-e", "generation=9", "--limit", "v1",
+                         "-e", f"provision_known_hosts={t.known_hosts}")
+    assert p.returncode == 2 and results(p, "probe")["v1"]["msg"].startswith("no generation 9"), p.stdout[-2000:]
+
+    p = ansible_playbook(inv, "pack.yml", "--limit", "v1", "-e", f"out={d / 'operator-pack'}",
+                         "-e", f"provision_known_hosts={t.known_hosts}")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    packed = results(p, "pack")["v1"]
+    assert packed["generation"] == "0002-stack-b" and packed["check"]["ok"] and packed["changed"] is True
+    assert (d / "operator-pack" / "lock.yaml").is_file() and packed["distributions"] == 2
+
+
+def test_each_step_module_declares_and_documents_its_arguments():
+    """The action plugins' modules: `ansible-doc` reads each one's DOCUMENTATION, whose options are its
+    ARGUMENT_SPEC, type for type, and whose RETURN says what it returns."""
+    import ast
+    import subprocess
+    import sys
+
+    import yaml
+
+    from provision.action import spec_of
+    from provision.bundled import PLAYBOOKS
+
+    names = sorted(p.stem for p in (PLAYBOOKS / "action_plugins").glob("provision_*.py")
+                   if "HostStep" in p.read_text())
+    assert len(names) >= 6, names
+    doc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ansible-doc"), "-t", "module", "-M",
+                          str(PLAYBOOKS / "library"), "--json", *names], capture_output=True, text=True,
+                         env={**os.environ, "ANSIBLE_NOCOLOR": "1"})
+    assert doc.returncode == 0, doc.stderr
+    docs = json.loads(doc.stdout)
+    for name in names:
+        spec, options = spec_of(name), docs[name]["doc"]["options"]
+        assert set(options) == set(spec), name
+        assert {k: options[k].get("type") for k in spec} == {k: v["type"] for k, v in spec.items()}, name
+        assert docs[name]["return"], name
+        module = ast.parse((PLAYBOOKS / "library" / f"{name}.py").read_text())
+        assert ast.get_docstring(module) and yaml.safe_load(docs[name]["doc"]["short_description"])
+        assert (PLAYBOOKS / f"{name.removeprefix('provision_')}.yml").read_text().startswith("# provision ")
