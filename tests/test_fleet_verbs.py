@@ -77,7 +77,12 @@ def test_probe_of_an_inventory_is_each_hosts_probe_through_one_play(fleet):
 
 
 def test_probe_of_an_unknown_generation_is_each_hosts_error_through_the_play(fleet):
-    inv, roots, kh, t, _, _ = fleet
+    inv, roots, kh, t, _, d = fleet
+    code, out, err = one_play("probe", roots["v1"], ["probe", "-i", inv, *kh, "--lock", d / "a.yaml", "--json"])
+    rows = json.loads(out)                  # a failed verdict is the host's report, the task failed by it
+    one = json.loads(cli("probe", *alone(t, roots["v1"]), "--lock", d / "a.yaml", "--json", check=1).stdout)
+    assert code == 1 and [(r["result"]["status"], r["result"]["failed"]) for r in rows] == \
+        [("fail", one["failed"])] * 2 and "packages" in one["failed"], (rows, one)
     code, out, err = one_play("probe", roots["v1"], ["probe", "-i", inv, *kh, "-g", "9", "--json"])
     rows = json.loads(out)
     assert code == 1 and [r["host"] for r in rows] == HOSTS, out
