@@ -13,7 +13,7 @@ from pathlib import Path
 from ansible.plugins.action import ActionBase
 
 from .bundled import PLAYBOOKS
-from .errors import InputError, ProvisionError
+from .errors import HostKeyError, InputError, ProvisionError
 from .plays import DONE, carried
 
 HEARTBEAT = 2.0             # seconds between "still running" lines of a step that says nothing itself
@@ -138,6 +138,8 @@ class HostStep(ActionBase):
             return dict(result, failed=True, msg=str(e))
         try:
             tr = connect(t)
+        except HostKeyError as e:       # in ssh's words, which the CLI turns into how to trust the key it names
+            return dict(result, unreachable=True, msg=f"Host key verification failed ({e.message.split(';')[0]})")
         except ProvisionError as e:     # not reached (as provision's fleets count it): Ansible's unreachable
             return dict(result, unreachable=True, msg=e.message)
         try:

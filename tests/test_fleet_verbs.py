@@ -90,6 +90,15 @@ def test_probe_of_an_unknown_generation_is_each_hosts_error_through_the_play(fle
     assert rows[0]["error"] == json.loads(p.stdout)["error"] and rows[0]["exit_code"] == p.returncode, (rows, p)
 
 
+def test_an_unknown_host_key_says_how_to_trust_it_naming_the_inventory_host(fleet, tmp_path):
+    inv, roots, _, t, _, _ = fleet
+    kh = tmp_path / "known_hosts"
+    code, out, err = one_play("probe", roots["v1"], ["probe", "v1", "-i", inv, "--known-hosts", kh, "--json"])
+    said = json.loads(out)["error"]
+    assert code == 1 and said.startswith("Host key verification failed (unknown host key ssh-ed25519 SHA256:"), said
+    assert said.endswith(f"then `provision hosts trust -i {inv} --limit v1 --known-hosts {kh}`"), said
+
+
 def test_adopt_diff_and_logs_of_an_inventory_through_their_plays(fleet):
     inv, roots, kh, t, _, _ = fleet
     code, out, _ = one_play("adopt", roots["v1"], ["adopt", "all", "-i", inv, *kh, "/nonexistent/env"])
