@@ -172,9 +172,9 @@ HOST_PARAMS = {
     "limit": (Optional[str], typer.Option(None, "--limit", help="Ansible host pattern: only the matching inventory "
                                                                 "hosts")),
     "forks": (int, typer.Option(FORKS, "--forks", min=1,
-                                help="hosts contacted at once, the same for every verb: the hosts do the work while "
-                                     "the controller waits on one SSH session each (--serial bounds how many hosts "
-                                     "an apply changes before it stops)")),
+                                help="inventory hosts Ansible works on at once (its --forks), the same for every "
+                                     "verb: the hosts do the work while the controller waits on each (--serial "
+                                     "bounds how many hosts an apply changes before it stops)")),
     "key": (Optional[Path], typer.Option(None, "--key", help="SSH private key file")),
     "known_hosts": (Path, typer.Option(DEFAULT_KNOWN_HOSTS, "--known-hosts", help="managed known_hosts file")),
     "timeout": (float, typer.Option(TIMEOUT, "--timeout", min=0.1, metavar="SECONDS",
