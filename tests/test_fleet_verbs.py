@@ -19,6 +19,7 @@ from provision.plays import tail
 from test_core import cli
 from test_fleet_play import alone, plays
 from test_playbooks import ansible_playbook, results
+from test_reach import sudo_host  # noqa: F401 - the module's fixture
 from wheelhouse import write_lock
 
 HOSTS = ["v1", "v2"]
@@ -214,3 +215,24 @@ def test_each_step_module_declares_and_documents_its_arguments():
         module = ast.parse((PLAYBOOKS / "library" / f"{name}.py").read_text())
         assert ast.get_docstring(module) and yaml.safe_load(docs[name]["doc"]["short_description"])
         assert (PLAYBOOKS / f"{name.removeprefix('provision_')}.yml").read_text().startswith("# provision ")
+
+
+def test_a_step_of_an_inventory_becomes_root_as_the_inventory_says(sudo_host, sudo_user, wheels, tmp_path):
+    """A non-root login user with sudo, `ansible_become=true` in the inventory: the probe plugin's host commands run
+    as root, so the verdict is recorded in root's history; the same user without become cannot record it."""
+    t = sudo_host.target
+    root = tmp_path / "root"
+    lk = write_lock(tmp_path / "a.yaml", "stack-a", [wheels["alpha-1.0"]])
+    cli("apply", f"{sudo_user}@{t.host}:{t.port}", "--key", t.key_file, "--known-hosts", t.known_hosts,
+        "--root", root, "--lock", lk, "--become", check=0)
+    line = (f"gpu ansible_host={t.host} ansible_port={t.port} ansible_user={sudo_user} "
+            f"ansible_ssh_private_key_file={t.key_file} provision_root={root}")
+    inv = tmp_path / "inv.ini"
+    inv.write_text(line + "\n")
+    code, out, err = one_play("probe", root, ["probe", "-i", inv, "--known-hosts", t.known_hosts])
+    assert code == 1 and "Permission denied" in err, (out, err)
+    inv.write_text(line + " ansible_become=true\n")
+    code, out, err = one_play("probe", root, ["probe", "-i", inv, "--known-hosts", t.known_hosts])
+    assert code == 0 and "0001-stack-a on gpu: pass" in out, (out, err)
+    events = [json.loads(ln) for ln in (root / "history.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "probe" and os.stat(root / "history.jsonl").st_uid == 0, events[-1]
