@@ -236,3 +236,10 @@ def test_a_step_of_an_inventory_becomes_root_as_the_inventory_says(sudo_host, su
     assert code == 0 and "0001-stack-a on gpu: pass" in out, (out, err)
     events = [json.loads(ln) for ln in (root / "history.jsonl").read_text().splitlines()]
     assert events[-1]["event"] == "probe" and os.stat(root / "history.jsonl").st_uid == 0, events[-1]
+
+
+def test_pack_playbook_refuses_several_hosts_into_one_folder(fleet):
+    inv, _, _, t, _, d = fleet
+    p = ansible_playbook(inv, "pack.yml", "-e", f"out={d / 'two'}", "-e", f"provision_known_hosts={t.known_hosts}")
+    assert p.returncode == 2 and "name that host with --limit HOST" in p.stdout and not (d / "two").exists(), \
+        p.stdout[-2000:]
