@@ -47,6 +47,24 @@ def value_of(t, result: dict, seconds: float | None = None) -> dict:
     return out
 
 
+def diff_of(t, result: dict, seconds: float | None = None) -> dict:
+    """diff.yml's result read back as `generations.diff` returns it (each change a plan.Change again)."""
+    from .plan import Change
+
+    d = value_of(t, result, seconds)
+    return dict(d, changes=[Change(**c) for c in d["changes"]])
+
+
+def pack_of(t, result: dict, seconds: float | None = None) -> dict:
+    """pack.yml's result read back as `pack.pack` returns it (its lock's check a lockcheck.Report again)."""
+    from .lockcheck import Finding, Report
+
+    rep = value_of(t, result, seconds)
+    c = rep["check"]
+    return dict(rep, check=Report(c["lock"], c["path"], c["packages"], [Finding(**f) for f in c["findings"]],
+                                  c["overrides_used"], c["launch"]))
+
+
 @dataclass
 class Play:
     """A verb as its playbook (playbooks/NAME.yml): the extra vars it is given, how a host's result is read back

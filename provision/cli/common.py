@@ -286,7 +286,7 @@ def through_play(ts: list[Target]) -> bool:
 
 def over_hosts(ts: list[Target], fn, forks: int = FORKS, on_row=None, play=None) -> list:
     """The verb on its hosts, one fleet.Row each: an inventory's hosts through its playbook (`play`, an
-    action.Play: one Ansible run, `forks` hosts at once), one host reached directly by fn(transport). With one
+    plays.Play: one Ansible run, `forks` hosts at once), one host reached directly by fn(transport). With one
     host, its error is the command's error (one line, its exit code); with several, an error is that host's row.
     A verb with no playbook (no `play`) goes to its hosts one after another."""
     from ..fleet import each

@@ -471,18 +471,14 @@ def diff(hosts: Hosts,
     Ansible)."""
     from .. import generations
     from ..inventory import only
-    from ..plan import Change, render
-    from ..plays import Play, value_of
-
-    def read(t, result, seconds) -> dict:
-        d = value_of(t, result, seconds)
-        return dict(d, changes=[Change(**c) for c in d["changes"]])
+    from ..plan import render
+    from ..plays import Play, diff_of
 
     ts, (a, b) = hosts.targets_and_args((a, b))
     if a is None:
         raise InputError("required: the generation to diff from (number or id)", where="A")
     d = over_hosts([only(ts)], lambda tr: generations.diff(tr, a, b),
-                   play=Play("diff", {"a": a, "b": b}, read=read))[0].value
+                   play=Play("diff", {"a": a, "b": b}, read=diff_of))[0].value
     if json_out:
         print_json(dict(d, changes=[asdict(c) for c in d["changes"]]))
     else:

@@ -41,12 +41,12 @@ def pack(hosts: Hosts,
 
     t, generation = hosts.one(generation)
     if through_play([t]):
-        from ..plays import Play
+        from ..plays import Play, pack_of
 
         given = {"out": str(out.resolve()), "generation": generation, "allow_drift": allow_drift,
                  "base": str(base.resolve()) if base else None, "extra": [str(p.resolve()) for p in with_],
                  "lock_name": name, "jobs": jobs, "force": force}
-        play = Play("pack", given, read=packed, on_progress=ProgressLines(json_out))
+        play = Play("pack", given, read=pack_of, on_progress=ProgressLines(json_out))
         rep = over_hosts([t], None, play=play)[0].value
     else:
         tr = connect(t)
@@ -70,17 +70,6 @@ def pack(hosts: Hosts,
         render(rep)
     if not rep["check"].ok:
         raise typer.Exit(1)
-
-
-def packed(t, result: dict, seconds) -> dict:
-    """pack.yml's result for a host read back as `pack` returns it (its lock's check a lockcheck.Report again)."""
-    from ..lockcheck import Finding, Report
-    from ..plays import value_of
-
-    rep = value_of(t, result, seconds)
-    c = rep["check"]
-    return dict(rep, check=Report(c["lock"], c["path"], c["packages"], [Finding(**f) for f in c["findings"]],
-                                  c["overrides_used"], c["launch"]))
 
 
 def progress_line(ev: dict) -> str:

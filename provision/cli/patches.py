@@ -90,7 +90,7 @@ ENV = Env()     # the default of an `env` parameter that follows others with def
 
 def _each(hosts: Hosts, env: Env, fn, render, json_out: bool, play) -> None:
     """fn(transport, python, site_packages) on each host (a --site-packages alone is this machine's); an
-    inventory's hosts through `play` (an action.Play, given python and site_packages too); each report rendered,
+    inventory's hosts through `play` (an plays.Play, given python and site_packages too); each report rendered,
     exit 1 unless all are ok."""
     from .. import patches as patchmod
 
