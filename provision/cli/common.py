@@ -172,9 +172,9 @@ HOST_PARAMS = {
     "limit": (Optional[str], typer.Option(None, "--limit", help="Ansible host pattern: only the matching inventory "
                                                                 "hosts")),
     "forks": (int, typer.Option(FORKS, "--forks", min=1,
-                                help="hosts contacted at once, the same for every verb: the hosts do the work while "
-                                     "the controller waits on one SSH session each (--serial bounds how many hosts "
-                                     "an apply changes before it stops)")),
+                                help="inventory hosts Ansible works on at once (its --forks), the same for every "
+                                     "verb: the hosts do the work while the controller waits on each (--serial "
+                                     "bounds how many hosts an apply changes before it stops)")),
     "key": (Optional[Path], typer.Option(None, "--key", help="SSH private key file")),
     "known_hosts": (Path, typer.Option(DEFAULT_KNOWN_HOSTS, "--known-hosts", help="managed known_hosts file")),
     "timeout": (float, typer.Option(TIMEOUT, "--timeout", min=0.1, metavar="SECONDS",
@@ -279,12 +279,21 @@ def writable(path: Path, option: str) -> None:
         path.unlink()
 
 
-def over_hosts(ts: list[Target], fn, forks: int = FORKS, on_row=None) -> list:
-    """fn(transport) on each host in parallel: one fleet.Row per host. With one host, its error is
-    the command's error (one line, its exit code); with several, an error is that host's row."""
+def through_play(ts: list[Target]) -> bool:
+    """Whether the verb acts on an inventory's hosts (-i, or several hosts): then through its playbook."""
+    return len(ts) > 1 or any(t.inventory for t in ts)
+
+
+def over_hosts(ts: list[Target], fn, forks: int = FORKS, on_row=None, play=None) -> list:
+    """The verb on its hosts, one fleet.Row each: an inventory's hosts through its playbook (`play`, an
+    plays.Play: one Ansible run, `forks` hosts at once), one host reached directly by fn(transport). With one
+    host, its error is the command's error (one line, its exit code); with several, an error is that host's row.
+    A verb with no playbook (no `play`) goes to its hosts one after another."""
     from ..fleet import each
 
-    return alone(each(ts, fn, forks=forks, on_row=on_row))
+    if play is not None and through_play(ts):
+        return alone(play.rows(ts, forks))
+    return alone(each(ts, fn, on_row=on_row))
 
 
 def alone(rows: list) -> list:
@@ -294,13 +303,37 @@ def alone(rows: list) -> list:
     return rows
 
 
-def each_host(ts: list[Target], fn) -> list:
-    """fn(transport) for each target (in parallel); the results in order, or the first error raised."""
-    rows = over_hosts(ts, fn)
+def each_host(ts: list[Target], fn, play=None, forks: int = FORKS) -> list:
+    """The verb's result on each host (see over_hosts), in order, or the first error raised."""
+    rows = over_hosts(ts, fn, forks, play=play)
     for r in rows:
         if not r.ok:
             raise r.error
     return [r.value for r in rows]
+
+
+class ProgressLines:
+    """A long step's progress on an inventory's hosts, on stderr: each host's latest line, at most every EVERY
+    seconds a host (its steps report at least every few seconds, so a host is never silent for longer)."""
+
+    EVERY = 4.0
+
+    def __init__(self, quiet: bool = False):
+        import threading
+        import time
+
+        self.quiet, self.last, self.lock, self.clock = quiet, {}, threading.Lock(), time.monotonic
+
+    def __call__(self, host: str, ev: dict) -> None:
+        if self.quiet:
+            return
+        now = self.clock()
+        with self.lock:
+            if now - self.last.get(host, -self.EVERY) < self.EVERY:
+                return
+            self.last[host] = now
+        err_console.print(f"  {host}  · {ev.get('step', '')} {ev.get('detail', '')}", markup=False,
+                          soft_wrap=True, highlight=False)
 
 
 def row_error(row) -> str:

@@ -363,13 +363,15 @@ def apply(lock: Optional[Path] = LockOpt,
 def adopt(hosts: Hosts,
           path: Optional[str] = typer.Argument(None, help="prefix (or bin/python) of the existing environment"),
           json_out: bool = JsonOpt):
-    """Capture an existing, unmanaged environment (the same PATH on each host) as generation 0."""
+    """Capture an existing, unmanaged environment (the same PATH on each host) as generation 0 (with -i:
+    playbooks/adopt.yml through Ansible)."""
     from .. import apply as applymod
+    from ..plays import Play
 
     ts, (path,) = hosts.targets_and_args((path,))
     if path is None:
         raise InputError("required: the environment to adopt (its prefix or bin/python)", where="PATH")
-    rows = over_hosts(ts, lambda tr: applymod.adopt_host(tr, path), hosts.forks)
+    rows = over_hosts(ts, lambda tr: applymod.adopt_host(tr, path), hosts.forks, play=Play("adopt", {"path": path}))
 
     def show(r):
         v = r.value
@@ -446,13 +448,12 @@ def status(json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
     through Ansible)."""
     from .. import generations
     from ..fleet import each
+    from ..plays import Play
+    from ..runner import answer
+    from .common import through_play
 
-    if hosts.inventory is not None:
-        from ..runner import play_rows
-
-        rows = play_rows("status", hosts.targets(), {}, forks=hosts.forks)
-    else:
-        rows = each(hosts.targets(), generations.status, forks=hosts.forks)
+    ts = hosts.targets()      # one host's error is a row too: the table shows it
+    rows = Play("status", read=answer).rows(ts, hosts.forks) if through_play(ts) else each(ts, generations.status)
     if json_out:
         print_json([r.to_json() for r in rows])
     else:
@@ -469,15 +470,18 @@ def diff(hosts: Hosts,
          a: Optional[str] = typer.Argument(None, help="from this generation (number or id)", show_default=False),
          b: Optional[str] = typer.Argument(None, help="to this generation (default: current)"),
          json_out: bool = JsonOpt):
-    """Stack changes between two generations of HOST, rendered like plan."""
+    """Stack changes between two generations of HOST, rendered like plan (with -i: playbooks/diff.yml through
+    Ansible)."""
     from .. import generations
     from ..inventory import only
     from ..plan import render
+    from ..plays import Play, diff_of
 
     ts, (a, b) = hosts.targets_and_args((a, b))
     if a is None:
         raise InputError("required: the generation to diff from (number or id)", where="A")
-    d = over_hosts([only(ts)], lambda tr: generations.diff(tr, a, b))[0].value
+    d = over_hosts([only(ts)], lambda tr: generations.diff(tr, a, b),
+                   play=Play("diff", {"a": a, "b": b}, read=diff_of))[0].value
     if json_out:
         print_json(dict(d, changes=[asdict(c) for c in d["changes"]]))
     else:
@@ -512,11 +516,15 @@ def gc(keep: int = typer.Option(3, "--keep", min=1, help="runnable generations t
 @host_options(forks=False, after="json_out")
 def logs(hosts: Hosts, generation: Optional[str] = typer.Argument(None, help="number or id"),
          json_out: bool = JsonOpt):
-    """A generation's build and probe logs (default: the newest generation)."""
+    """A generation's build and probe logs (default: the newest generation; with -i: playbooks/logs.yml through
+    Ansible)."""
     from .. import generations
+    from ..plays import Play
+    from ..runner import answer
 
     t, generation = hosts.one(generation)
-    out = over_hosts([t], lambda tr: generations.logs(tr, generation))[0].value
+    out = over_hosts([t], lambda tr: generations.logs(tr, generation),
+                     play=Play("logs", {"generation": generation}, read=answer))[0].value
     if json_out:
         print_json(out)
         return

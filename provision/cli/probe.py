@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from .common import (HOSTS, Hosts, JsonOpt, console, edge, exit_for, host_options, over_hosts, plain,
+from .common import (HOSTS, Hosts, JsonOpt, ProgressLines, console, edge, exit_for, host_options, over_hosts, plain,
                      print_rows, styled)
 
 STYLE = {"pass": "green", "fail": "red", "skip": "dim", "warn": "yellow"}
@@ -41,13 +41,18 @@ def probe(only: List[str] = typer.Option([], "--only", help="run only this probe
           lock: Optional[Path] = typer.Option(None, "--lock", "-l",
                                               help="expectations (default: the generation's own lock)"),
           json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
-    """Run the verification probes inside a generation; exit 1 if a required probe fails."""
+    """Run the verification probes inside a generation; exit 1 if a required probe fails. With -i,
+    playbooks/probe.yml through Ansible: each host's progress at least every few seconds."""
     from .. import lock as lockmod
-    from ..probes import run_probes
+    from ..plays import Play
+    from ..probes import check_names, run_probes
 
     lk = lockmod.load(lock) if lock else None
+    check_names(only, "--only")
+    play = Play("probe", {"generation": generation, "lock": str(lock.resolve()) if lock else None, "only": only},
+                on_progress=ProgressLines(json_out))
     rows = over_hosts(hosts.targets(), lambda tr: run_probes(tr, lk, generation=generation, only=only or None),
-                      hosts.forks)
+                      hosts.forks, play=play)
 
     def show(r):
         rep = r.value

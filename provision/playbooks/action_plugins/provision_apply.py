@@ -53,6 +53,7 @@ class _HostVars:
         return self.given.get(key, default)
 
 
+
 class ActionModule(ActionBase):
     _supports_check_mode = True
     _supports_async = False

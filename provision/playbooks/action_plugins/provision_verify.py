@@ -14,6 +14,7 @@ except ImportError:      # an ansible-playbook from another environment: the pac
     sys.path.append(str(Path(__file__).resolve().parents[3]))
 
 
+
 class ActionModule(ActionBase):
     _supports_check_mode = True
     _supports_async = False

@@ -1,0 +1,157 @@
+"""What provision's action plugins share: the task's host as a Target reached over provision's transport, a step
+run there with its value as the task's result (`HostStep`), and its progress as JSON lines appended to a file.
+The CLI's side of such a play (its rows, the value read back, the progress tailed) is plays.py."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+from ansible.plugins.action import ActionBase
+
+from .bundled import PLAYBOOKS
+from .errors import HostKeyError, InputError, ProvisionError
+from .plays import DONE, carried
+
+HEARTBEAT = 2.0             # seconds between "still running" lines of a step that says nothing itself
+
+
+def spec_of(module: str) -> dict:
+    """A module's declared arguments (playbooks/library/MODULE.py's ARGUMENT_SPEC), the one statement of them."""
+    path = PLAYBOOKS / "library" / f"{module}.py"
+    spec = importlib.util.spec_from_file_location(f"{module}_module", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.ARGUMENT_SPEC
+
+
+class TaskVars:
+    """The task's variables as the inventory names the host, each rendered by Ansible when read (what
+    `inventory._target` reads of them), with what the command line set (`-c local`, `-u`, `--private-key`,
+    `--become`) where they say nothing."""
+
+    def __init__(self, templar, task_vars: dict, play_context):
+        self.templar, self.vars, self.given = templar, task_vars, {}
+        pc = play_context
+        for key, value in (("ansible_connection", "local" if pc.connection == "local" else None),
+                           ("ansible_user", pc.remote_user), ("ansible_ssh_private_key_file", pc.private_key_file),
+                           ("ansible_become", True if pc.become else None),
+                           ("ansible_become_user", pc.become_user if pc.become else None)):
+            if value is not None:
+                self.given[key] = value
+
+    def get(self, key: str, default=None):
+        if key in self.vars:
+            return self.templar.template(self.vars[key])
+        return self.given.get(key, default)
+
+
+def target_of(action: ActionBase, task_vars: dict, known_hosts: str | None, root: str | None):
+    """The task's host as provision reaches it: the inventory's name, address, user, key, ssh options and become;
+    `root` (the task's) over the inventory's provision_root; Ansible's connect timeout. InputError on a value
+    provision refuses (a template, a connection it does not run over, a root that is no absolute path)."""
+    from .inventory import _target
+    from .transport import DEFAULT_KNOWN_HOSTS, check_root
+
+    host = task_vars.get("inventory_hostname", "host")
+    where = str(task_vars.get("inventory_file") or "inventory")
+    t = _target(host, TaskVars(action._templar, task_vars, action._play_context),
+                Path(known_hosts or DEFAULT_KNOWN_HOSTS), where)
+    if root:
+        t.vars["provision_root"] = root
+    if "provision_root" in t.vars:
+        check_root(t.vars["provision_root"], f"{where}: host {host}: " + ("root" if root else "provision_root"))
+    if action._play_context.timeout:
+        t.timeout = float(action._play_context.timeout)
+    return t
+
+
+class Progress:
+    """A step's progress as JSON lines appended to `path` (none: dropped), one object per line:
+    {"host", "step", "detail", "seconds"}; while the step says nothing, a line every HEARTBEAT seconds says it runs."""
+
+    def __init__(self, path: str | None, host: str, step: str):
+        self.path, self.host, self.step, self.t0 = path, host, step, time.monotonic()
+        self.last, self.stop = self.t0, threading.Event()
+
+    def __call__(self, detail: str) -> None:
+        self.last = time.monotonic()
+        if not self.path:
+            return
+        line = json.dumps({"host": self.host, "step": self.step, "detail": detail,
+                           "seconds": round(self.last - self.t0, 1)}) + "\n"
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, line.encode())      # one write of a short line: whole, whoever else appends
+        finally:
+            os.close(fd)
+
+    def __enter__(self):
+        def beat():
+            while not self.stop.wait(0.5):
+                if time.monotonic() - self.last >= HEARTBEAT:
+                    self(f"running ({time.monotonic() - self.t0:.0f}s)")
+        if self.path:
+            threading.Thread(target=beat, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+
+
+class HostStep(ActionBase):
+    """An action plugin whose work is `step(transport, args, progress)` on the task's host, reached as the inventory
+    names it: MODULE (playbooks/library/MODULE.py) declares its arguments, among them `known_hosts`, `root` and
+    `progress` (a controller file for `Progress`). The step's value is the task's result (`value_of` reads it back);
+    a ProvisionError it raises fails the task with its one line, its type and where; a host provision's connection
+    cannot reach is unreachable, as Ansible counts it. `verdict(value)`: a line that fails the task with the value
+    kept (a failed probe), or None."""
+
+    MODULE = ""
+    STEP = ""
+    _supports_check_mode = False
+    _supports_async = False
+    TRANSFERS_FILES = False
+
+    def step(self, transport, args: dict, progress: Progress) -> dict:
+        raise NotImplementedError
+
+    def verdict(self, value: dict) -> str | None:
+        return None
+
+    def changed(self, value: dict) -> bool:
+        return False
+
+    def run(self, tmp=None, task_vars=None):
+        from .transport import connect
+
+        result = super().run(tmp, task_vars)
+        task_vars = task_vars or {}
+        _, args = self.validate_argument_spec(argument_spec=spec_of(self.MODULE))
+        host = task_vars.get("inventory_hostname", "host")
+        try:
+            t = target_of(self, task_vars, args.get("known_hosts"), args.get("root"))
+        except InputError as e:
+            return dict(result, failed=True, msg=str(e))
+        try:
+            tr = connect(t)
+        except HostKeyError as e:       # in ssh's words, which the CLI turns into how to trust the key it names
+            return dict(result, unreachable=True, msg=f"Host key verification failed ({e.message.split(';')[0]})")
+        except ProvisionError as e:     # not reached (as provision's fleets count it): Ansible's unreachable
+            return dict(result, unreachable=True, msg=e.message)
+        try:
+            with Progress(args.get("progress"), host, self.STEP or self.MODULE) as progress:
+                value = self.step(tr, args, progress)
+        except ProvisionError as e:
+            return dict(result, failed=True, msg=e.message, error_type=type(e).__name__, error_where=e.where)
+        finally:
+            tr.close()
+        out = dict(result, **carried(value), changed=self.changed(value))
+        out[DONE] = True
+        why = self.verdict(value)
+        if why:
+            out.update(failed=True, msg=why)
+        return out

@@ -1,0 +1,26 @@
+"""Controller side of provision_adopt: `provision.apply.adopt_host` on this host (under its lock), reached as the
+inventory names it: the environment captured as generation 0."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+try:
+    import provision  # noqa: F401 - the package these playbooks ship in
+except ImportError:      # an ansible-playbook from another environment: the package beside this directory
+    sys.path.append(str(Path(__file__).resolve().parents[3]))
+
+from provision.action import HostStep
+
+
+
+class ActionModule(HostStep):
+    MODULE, STEP = "provision_adopt", "adopt"
+
+    def step(self, transport, args, progress):
+        from provision import apply as applymod
+
+        return applymod.adopt_host(transport, args["path"])
+
+    def changed(self, value):
+        return bool(value.get("id"))

@@ -1,0 +1,53 @@
+#!/usr/bin/python
+"""Ansible module: capture an existing, unmanaged environment of the host as generation 0.
+Its work runs in its action plugin, on the controller through provision's own host steps; this file declares its
+arguments and documents its result."""
+
+DOCUMENTATION = r"""
+module: provision_adopt
+short_description: Capture an existing, unmanaged environment of the host as generation 0
+description:
+  - "What `provision adopt` does, under the host lock: the environment at C(path) is captured into a lock (its
+    distributions, its interpreter) and recorded as generation 0, left where it is, so a first rollback returns to it."
+  - "A host that is already managed is left alone (C(detail) says so)."
+  - A host provision's connection cannot reach is unreachable, as Ansible counts it; a step that fails fails the task
+    with the one line `provision` prints, its error type in C(error_type).
+options:
+  path:
+    description: The environment's prefix or its bin/python on the host.
+    type: str
+    required: true
+  root:
+    description: The host root (default the inventory's provision_root, else /opt/provision).
+    type: path
+  known_hosts:
+    description: The known_hosts file host keys are checked against (default provision's, which
+      `provision hosts trust` writes).
+    type: path
+  progress:
+    description: A controller file to append the step's progress to, one JSON object a line (host, step, detail,
+      seconds), at least every 2 s while it runs; `provision` tails it.
+    type: path
+"""
+
+RETURN = r"""
+id: {description: the generation recorded (null when nothing was adopted), type: str}
+detail: {description: why nothing was adopted (the host is already managed, ...), type: str}
+"""
+
+from ansible.module_utils.basic import AnsibleModule
+
+ARGUMENT_SPEC = {"path": {"type": "str", "required": True},
+                 "root": {"type": "path"},
+                 "known_hosts": {"type": "path"},
+                 "progress": {"type": "path"}}
+
+
+def main():
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
+    module.fail_json(msg="provision_adopt runs through its action plugin (action_plugins/provision_adopt.py "
+                         "beside this library): run it from provision's playbooks directory")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+#!/usr/bin/python
+"""Ansible module: the EAGLE-3 interface contract of an architecture in the host's installed SGLang.
+Its work runs in its action plugin, on the controller through provision's own host steps; this file declares its
+arguments and documents its result."""
+
+DOCUMENTATION = r"""
+module: provision_contract
+short_description: The EAGLE-3 interface contract of an architecture in the host's installed SGLang
+description:
+  - "What `provision contract` checks, statically (SGLang is never imported): the methods the EAGLE-3 worker calls,
+    found on the architecture's class, inherited, or reachable through a member. Reads the host only."
+  - "The task fails when a required method is missing, with the report kept."
+  - A host provision's connection cannot reach is unreachable, as Ansible counts it; a step that fails fails the task
+    with the one line `provision` prints, its error type in C(error_type).
+options:
+  arch:
+    description: The architecture's name, or a model's config.json on the host.
+    type: str
+    required: true
+  python:
+    description: The target environment's interpreter (default <root>/current/venv/bin/python).
+    type: str
+  site_packages:
+    description: Act on this site-packages folder of the host instead.
+    type: str
+  root:
+    description: The host root (default the inventory's provision_root, else /opt/provision).
+    type: path
+  known_hosts:
+    description: The known_hosts file host keys are checked against (default provision's, which
+      `provision hosts trust` writes).
+    type: path
+  progress:
+    description: A controller file to append the step's progress to, one JSON object a line (host, step, detail,
+      seconds), at least every 2 s while it runs; `provision` tails it.
+    type: path
+"""
+
+RETURN = r"""
+host: {description: the host, type: str}
+arch: {description: the architecture, type: str}
+found: {description: whether its class was found, type: bool}
+ok: {description: whether every required method is present, type: bool}
+methods: {description: "each required method: status (defined, inherited, missing), where, via", type: list}
+"""
+
+from ansible.module_utils.basic import AnsibleModule
+
+ARGUMENT_SPEC = {"arch": {"type": "str", "required": True},
+                 "python": {"type": "str"},
+                 "site_packages": {"type": "str"},
+                 "root": {"type": "path"},
+                 "known_hosts": {"type": "path"},
+                 "progress": {"type": "path"}}
+
+
+def main():
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
+    module.fail_json(msg="provision_contract runs through its action plugin (action_plugins/provision_contract.py "
+                         "beside this library): run it from provision's playbooks directory")
+
+
+if __name__ == "__main__":
+    main()

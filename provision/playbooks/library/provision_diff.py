@@ -1,0 +1,59 @@
+#!/usr/bin/python
+"""Ansible module: the stack changes between two generations of the host, read from their locks.
+Its work runs in its action plugin, on the controller through provision's own host steps; this file declares its
+arguments and documents its result."""
+
+DOCUMENTATION = r"""
+module: provision_diff
+short_description: The stack changes between two generations of the host, read from their locks
+description:
+  - "What `provision diff` shows: each package, toolkit, patch, probe and engine change from generation C(a) to C(b),
+    as plan shows them. Reads the host only; never changes it."
+  - A host provision's connection cannot reach is unreachable, as Ansible counts it; a step that fails fails the task
+    with the one line `provision` prints, its error type in C(error_type).
+options:
+  a:
+    description: From this generation (its number or id).
+    type: str
+    required: true
+  b:
+    description: To this generation (default the current one).
+    type: str
+  root:
+    description: The host root (default the inventory's provision_root, else /opt/provision).
+    type: path
+  known_hosts:
+    description: The known_hosts file host keys are checked against (default provision's, which
+      `provision hosts trust` writes).
+    type: path
+  progress:
+    description: A controller file to append the step's progress to, one JSON object a line (host, step, detail,
+      seconds), at least every 2 s while it runs; `provision` tails it.
+    type: path
+"""
+
+RETURN = r"""
+host: {description: the host, type: str}
+from: {description: the generation diffed from, type: str}
+to: {description: the generation diffed to, type: str}
+changes: {description: "each change: category, name, action (add, change, remove), old, new", type: list}
+summary: {description: how many adds, changes and removals, type: dict}
+"""
+
+from ansible.module_utils.basic import AnsibleModule
+
+ARGUMENT_SPEC = {"a": {"type": "str", "required": True},
+                 "b": {"type": "str"},
+                 "root": {"type": "path"},
+                 "known_hosts": {"type": "path"},
+                 "progress": {"type": "path"}}
+
+
+def main():
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
+    module.fail_json(msg="provision_diff runs through its action plugin (action_plugins/provision_diff.py "
+                         "beside this library): run it from provision's playbooks directory")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+#!/usr/bin/python
+"""Ansible module: run provision's probes inside a generation of the host and record the verdict.
+Its work runs in its action plugin, on the controller through provision's own host steps; this file declares its
+arguments and documents its result."""
+
+DOCUMENTATION = r"""
+module: provision_probe
+short_description: Run provision's probes inside a generation of the host and record the verdict
+description:
+  - "What `provision probe` does: the probes (driver, toolkit, versions, kernels, the engine ...) run in the
+    generation's own interpreter, isolated; the report is recorded in the generation and in the host's history."
+  - "The task fails when a required probe fails, with the report kept in the result."
+  - A host provision's connection cannot reach is unreachable, as Ansible counts it; a step that fails fails the task
+    with the one line `provision` prints, its error type in C(error_type).
+options:
+  generation:
+    description: The generation (its number or id); default the current one.
+    type: str
+  only:
+    description: Run only these probes.
+    type: list
+    elements: str
+    default: []
+  lock:
+    description: The lock whose expectations the probes check (a path on the controller); default the
+      generation's own lock.
+    type: path
+  root:
+    description: The host root (default the inventory's provision_root, else /opt/provision).
+    type: path
+  known_hosts:
+    description: The known_hosts file host keys are checked against (default provision's, which
+      `provision hosts trust` writes).
+    type: path
+  progress:
+    description: A controller file to append the step's progress to, one JSON object a line (host, step, detail,
+      seconds), at least every 2 s while it runs; `provision` tails it.
+    type: path
+"""
+
+RETURN = r"""
+status: {description: pass or fail, type: str}
+generation: {description: the generation probed, type: str}
+lock: {description: the lock whose expectations were checked, type: str}
+results: {description: "each probe: name, status (pass, fail, skip, warn), reason, seconds, required", type: list}
+summary: {description: how many probes passed, failed, were skipped or warned, type: dict}
+step_failed: {description: the required probes that failed (`failed` in `provision probe --json`), type: list}
+seconds: {description: seconds the probes took, type: float}
+"""
+
+from ansible.module_utils.basic import AnsibleModule
+
+ARGUMENT_SPEC = {"generation": {"type": "str"},
+                 "only": {"type": "list", "elements": "str", "default": []},
+                 "lock": {"type": "path"},
+                 "root": {"type": "path"},
+                 "known_hosts": {"type": "path"},
+                 "progress": {"type": "path"}}
+
+
+def main():
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
+    module.fail_json(msg="provision_probe runs through its action plugin (action_plugins/provision_probe.py "
+                         "beside this library): run it from provision's playbooks directory")
+
+
+if __name__ == "__main__":
+    main()
