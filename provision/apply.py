@@ -706,13 +706,14 @@ class _Feed:
                 self.said.wait_for(lambda: self.announced >= number, timeout=5)
             self.announce(number)
             self.tell(host, step, state, detail)
-        self.offset += len(whole)
         if self.cancel.is_set() and not self.cancel_file.exists():
             self.cancel_file.touch()
-        read = self.file.with_name(self.file.name + ".read")
-        part = read.with_name(read.name + ".part")
-        part.write_text(str(self.offset))
-        os.replace(part, read)
+        if whole:
+            self.offset += len(whole)
+            read = self.file.with_name(self.file.name + ".read")
+            part = read.with_name(read.name + ".part")
+            part.write_text(str(self.offset))
+            os.replace(part, read)
 
 
 def _fleet_report(groups: list, plan: list, results: dict, lock: Lock, max_fail: str, cancelled: bool,

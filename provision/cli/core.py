@@ -279,8 +279,9 @@ def apply(lock: Optional[Path] = LockOpt,
           serial: str = SerialOpt, max_fail: str = MaxFailOpt, rollback_on_fail: bool = RollbackOnFailOpt,
           json_out: bool = JsonOpt, hosts: Hosts = HOSTS, full: bool = FullOpt, python: Optional[str] = PythonOpt,
           verbose: bool = typer.Option(False, "--verbose", "-v", help="every per-package progress line")):
-    """One-command upgrade: build a new generation, patch, probe, switch `current`; a fleet in batches.
-    Ctrl-C stops before the switch (a switch under way completes) and says where each host is (exit 130)."""
+    """One-command upgrade: build a new generation, patch, probe, switch `current`; a fleet in batches, through
+    playbooks/apply.yml (every host of a batch passes its probes before any switches). Ctrl-C stops before the
+    switch (a switch under way completes) and says where each host is (exit 130)."""
     from .. import apply as applymod, lock as lockmod
     from ..errors import ProvisionError
     from ..facts import interpreter_arg

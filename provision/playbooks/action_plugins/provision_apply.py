@@ -19,6 +19,16 @@ try:
 except ImportError:      # an ansible-playbook from another environment: the package beside this directory
     sys.path.append(str(Path(__file__).resolve().parents[3]))
 
+# Imported as the play loads this plugin (ansible-playbook's own process), so that each host's worker, forked from
+# it, starts with them.
+from provision import apply as applymod, lock as lockmod  # noqa: E402
+from provision.apply import CANCELLED, STAGED  # noqa: E402
+from provision.errors import Halted, InputError, ProvisionError  # noqa: E402
+from provision.facts import interpreter_arg  # noqa: E402
+from provision.inventory import _target  # noqa: E402
+from provision.plan import load_plans, lock_of_plan as plan_lock, plan_host  # noqa: E402
+from provision.transport import DEFAULT_KNOWN_HOSTS, check_root, connect  # noqa: E402
+
 display = Display()
 CAUGHT_UP = 10.0     # seconds the gate waits for the controller to have read this host's progress
 
@@ -60,14 +70,6 @@ class ActionModule(ActionBase):
     TRANSFERS_FILES = False
 
     def run(self, tmp=None, task_vars=None):
-        from provision import apply as applymod, lock as lockmod
-        from provision.apply import CANCELLED, STAGED
-        from provision.errors import Halted, InputError, ProvisionError
-        from provision.facts import interpreter_arg
-        from provision.inventory import _target
-        from provision.plan import lock_of_plan as plan_lock, plan_host
-        from provision.transport import DEFAULT_KNOWN_HOSTS, check_root, connect
-
         result = super().run(tmp, task_vars)
         task_vars = task_vars or {}
         result["batch"] = list(task_vars.get("ansible_play_batch") or [])     # the play's tolerance counts on it
@@ -159,9 +161,6 @@ def _result_of(rep) -> dict:
 
 def _saved_plan(path: str, host: str):
     """This host's entry of a saved plan file (`provision plan --out`), as `provision apply --plan` reads it."""
-    from provision.errors import InputError
-    from provision.plan import load_plans
-
     plans = {p.host: p for p in load_plans(path)}
     if host not in plans:
         raise InputError(f"the saved plan has no entry for {host} (planned: {', '.join(plans)}); plan that host first",
