@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -78,18 +79,47 @@ class Play:
 
     def rows(self, targets: list, forks: int | None = None) -> list:
         """One fleet.Row per target, in order, from one Ansible run; the hosts' keys checked against the known_hosts
-        the targets name."""
-        from .runner import RUNS, play_rows
+        the targets name. A Ctrl-C cancels the run and is KeyboardInterrupt here."""
+        from .runner import RUNS
 
         given = {k: v for k, v in self.extravars.items() if v is not None}
         given.setdefault("provision_known_hosts", str(targets[0].known_hosts))
         if self.on_progress is None:
-            return play_rows(self.name, targets, given, forks=forks, read=self.read)
+            return self._run(targets, given, forks)
         RUNS.mkdir(parents=True, exist_ok=True)
         fd, path = tempfile.mkstemp(prefix=f"progress-{self.name}-", suffix=".jsonl", dir=RUNS)
         os.close(fd)
         with tail(Path(path), self.on_progress):          # the file goes when the tail ends
-            return play_rows(self.name, targets, dict(given, progress=path), forks=forks, read=self.read)
+            return self._run(targets, dict(given, progress=path), forks)
+
+    def _run(self, targets: list, given: dict, forks: int | None) -> list:
+        """play_rows, and whether SIGINT came meanwhile, whoever handled it: ansible-runner takes SIGINT (and
+        SIGTERM) over to cancel its run and keeps them, so the handlers before it are put back and a Ctrl-C it
+        took is KeyboardInterrupt here (Python writes each signal to the wakeup fd, whatever handles it)."""
+        from .runner import play_rows
+
+        if threading.current_thread() is not threading.main_thread():
+            return play_rows(self.name, targets, given, forks=forks, read=self.read)
+        handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        before = signal.set_wakeup_fd(w)
+        try:
+            rows = play_rows(self.name, targets, given, forks=forks, read=self.read)
+        finally:
+            signal.set_wakeup_fd(before)
+            for s, h in handlers.items():
+                signal.signal(s, h)
+            try:
+                came = os.read(r, 4096)
+            except BlockingIOError:
+                came = b""
+            os.close(r)
+            os.close(w)
+        if signal.SIGINT in came:
+            raise KeyboardInterrupt
+        return rows
 
 
 class tail:

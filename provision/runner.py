@@ -85,9 +85,8 @@ def inventory(targets: list[Target], run_id: str, interpreters: dict[str, str] |
     for t in targets:
         py = (interpreters or {}).get(t.name) or t.vars.get("python") or "/usr/bin/python3"
         v = {"ansible_python_interpreter": py, "provision_root": root_of(t),
-             "ansible_remote_tmp": remote_tmp(t, run_id)}
-        if t.vars.get("provision_nvidia_smi"):     # the host's driver tool, where the inventory named one
-            v["provision_nvidia_smi"] = t.vars["provision_nvidia_smi"]
+             "ansible_remote_tmp": remote_tmp(t, run_id),
+             **{k: t.vars[k] for k in ("provision_nvidia_smi",) if t.vars.get(k)}}     # what a step reads of them
         if t.local:
             v["ansible_connection"] = "local"
         else:

@@ -162,7 +162,7 @@ def test_a_silent_step_says_it_runs_at_least_every_few_seconds(tmp_path):
         mine = [(at, ev) for at, host, ev in seen if host == h]
         assert len(mine) >= 2 and all(ev["step"] == "probe" and ev["detail"].startswith("running (")
                                       for _, ev in mine), mine
-        gaps = [b[0] - a[0] for a, b in zip(mine, mine[1:])]
+        gaps = [b["seconds"] - a["seconds"] for (_, a), (_, b) in zip(mine, mine[1:])]    # as the step wrote them
         assert max(gaps) < HEARTBEAT + 1.5, gaps
 
 
@@ -243,3 +243,31 @@ def test_pack_playbook_refuses_several_hosts_into_one_folder(fleet):
     p = ansible_playbook(inv, "pack.yml", "-e", f"out={d / 'two'}", "-e", f"provision_known_hosts={t.known_hosts}")
     assert p.returncode == 2 and "name that host with --limit HOST" in p.stdout and not (d / "two").exists(), \
         p.stdout[-2000:]
+
+
+def test_ctrl_c_stops_a_probe_of_an_inventory(fleet, tmp_path):
+    """Ctrl-C while the play runs (each host's probe waiting on an nvidia-smi that hangs, as the inventory names
+    it): exit 130, "interrupted", long before the hosts would have answered."""
+    import signal
+    import subprocess
+    import sys
+
+    from test_core import ctrl_c_as_at_a_terminal
+
+    inv, roots, kh, t, _, _ = fleet
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nsleep 60\n")
+    smi.chmod(0o755)
+    hung = tmp_path / "hung.yml"
+    hung.write_text(inv.read_text().replace("provision_root:", f"provision_nvidia_smi: {smi}, provision_root:"))
+    progress = []
+    p = subprocess.Popen([sys.executable, "-m", "provision.cli", "probe", "-i", str(hung), *kh], text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=ctrl_c_as_at_a_terminal)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 60 and len(progress) < 2:      # the hosts are at work: their progress says so
+        progress.append(p.stderr.readline())
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 130 and err.splitlines()[-1] == "interrupted", (progress, out, err)
+    assert all(" · probe running (" in ln for ln in progress), progress
+    assert time.monotonic() - t0 < 45
