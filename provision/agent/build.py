@@ -63,19 +63,59 @@ def sha256_file(path):
     return h.hexdigest()
 
 
+VERIFIED = ".verified"     # in an entry's directory: the entry's inode as it was when its bytes were last hashed
+
+
+def _identity(path):
+    st = os.stat(path)
+    return [os.path.basename(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def mark_verified(path):
+    """Note that the entry's bytes matched its name just now (any later write, rename or chmod moves its ctime)."""
+    note = os.path.join(os.path.dirname(path), VERIFIED)
+    tmp = "%s.tmp-%d-%d" % (note, os.getpid(), threading.get_ident())
+    try:        # not synced: a note lost or torn in a crash only means the entry is hashed again
+        with open(tmp, "w") as f:
+            json.dump(_identity(path), f)
+        os.replace(tmp, note)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
+def still_verified(path):
+    """The entry is the inode last verified, untouched since (same size, mtime and ctime)."""
+    try:
+        with open(os.path.join(os.path.dirname(path), VERIFIED)) as f:
+            return json.load(f) == _identity(path)
+    except (OSError, ValueError):
+        return False
+
+
 def recheck(paths, jobs=8):
-    """Hash again, in parallel, the cache entries a build is about to use: {path: sha256} pairs. An entry whose
-    bytes no longer match its name (a disk fault, a write through it) is removed, so it is fetched or pushed
-    again. Returns {checked, bytes, seconds, healed: [path]}."""
+    """Before a build uses them, the cache entries {path: sha256} not untouched since they were verified are hashed
+    again, in parallel (the others are trusted, as hashed once: `still_verified`). An entry whose bytes no longer
+    match its name (a disk fault, a write through it) is removed, so it is fetched or pushed again. Returns
+    {checked, hashed, bytes (hashed), seconds, healed: [path]}."""
     t0 = time.monotonic()
     present = [(p, sha) for p, sha in paths if os.path.isfile(p)]
+    trusted = [p for p, _ in present if still_verified(p)]
+    skip = set(trusted)
 
     def one(item):
         path, sha = item
+        if path in skip:
+            return path, True, 0
         try:
-            return path, sha256_file(path) == sha, os.path.getsize(path)
+            ok, n = sha256_file(path) == sha, os.path.getsize(path)
         except OSError:
             return path, False, 0
+        if ok:
+            mark_verified(path)
+        return path, ok, n
 
     healed, nbytes = [], 0
     with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(present) or 1))) as pool:
@@ -87,7 +127,8 @@ def recheck(paths, jobs=8):
                 except FileNotFoundError:
                     pass
                 healed.append(path)
-    return {"checked": len(present), "bytes": nbytes, "seconds": round(time.monotonic() - t0, 3), "healed": healed}
+    return {"checked": len(present), "hashed": len(present) - len(trusted), "bytes": nbytes,
+            "seconds": round(time.monotonic() - t0, 3), "healed": healed}
 
 
 def store(path, sha256, chunks, label):
@@ -106,6 +147,7 @@ def store(path, sha256, chunks, label):
             raise AgentError("%s: sha256 mismatch for %s: file is %s, the lock says %s; refusing"
                              % (label, os.path.basename(path), h.hexdigest(), sha256))
         os.replace(tmp, path)
+        mark_verified(path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -524,6 +566,7 @@ class Download:
                                         self.sha256, " (the first %d bytes came from an earlier run's "
                                         "partial file, now removed)" % self.base if self.base else ""))
                 os.replace(self.tmp, self.path)
+                mark_verified(self.path)
                 ok = True
         finally:
             kept = False
@@ -915,7 +958,8 @@ def _build(a, lay, gen, python, installer, log):
     if rc["healed"]:
         event(step="cache", healed=[os.path.basename(p) for p in rc["healed"]])
     figs["recheck"] = dict(rc, healed=[os.path.basename(p) for p in rc["healed"]])
-    log("cache: %d entries hashed again (%d bytes, %.1fs)%s" % (rc["checked"], rc["bytes"], rc["seconds"], "".join(
+    log("cache: %d entries hashed again (%d bytes, %.1fs), %d untouched since verified%s" % (
+        rc["hashed"], rc["bytes"], rc["seconds"], rc["checked"] - rc["hashed"], "".join(
         "; healed " + os.path.basename(p) for p in rc["healed"])))
     n, nbytes, secs, ffigs = fetch(lay.wheel_cache, a.get("packages") or [], int(a.get("jobs") or streams()),
                                    float(a.get("stall") or STALL), int(a.get("retries") or RETRIES), log)
