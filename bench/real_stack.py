@@ -3,7 +3,7 @@ alone, the CUDA 12.8 baseline (cold and cached), then a PyPI-only CUDA 13 lock, 
 CUDA 13 lock. Prints cold apply, cached apply, reuse, rollback and gc; each cold apply's fetch beside the line
 rate measured just before it (a plain download of the biggest wheel), with ratios and the load average; and the
 plan from the baseline to the SGLang 0.5.23 lock as the host shows it.
-Usage: python bench/real_stack.py [--python /path/to/python3.12] [--json] [--part all|fetch|upgrade|sglang]
+Usage: python bench/real_stack.py [--python /path/to/python3.12] [--json] [--part all|fetch|upgrade|sglang ...]
        [--workdir DIR] [--fetch-only]
 It downloads the wheels of the three locks (about 12 GB, and the baseline's 5 GB again for the fetch alone) into
 fresh host roots, one per part, and removes each before the next part starts (the upgrade part peaks at about
@@ -337,7 +337,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--python", help="the hosts' Python 3.12 (default: one found that runs)")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--part", choices=("all", *PARTS), default="all",
+    ap.add_argument("--part", choices=("all", *PARTS), default=["all"], nargs="+",
                     help="fetch: the host's fetch alone against the line rate; upgrade: baseline cold and cached, "
                          "CUDA 13 lock, reuse, rollback, gc; sglang: the SGLang 0.5.23 lock cold and cached; all: "
                          "each in turn, each on a fresh host root removed before the next starts")
@@ -350,7 +350,7 @@ def main() -> None:
         os.environ["PROVISION_FETCH_JOBS"] = str(args.jobs)
     base = lockmod.load(BASELINE)
     locks = {"baseline": base, "line": max(base.packages, key=lambda p: p.name == "torch")}
-    if args.fetch_only or args.part == "fetch":
+    if args.fetch_only or args.part == ["fetch"]:
         work = Path(tempfile.mkdtemp(prefix="real-stack-fetch-", dir=args.workdir))
         try:
             fig: dict = {"commit": commit(), **fetch_alone(base, locks["line"], work, streams()),
@@ -363,7 +363,7 @@ def main() -> None:
     if not python:
         sys.exit("no Python 3.12 that runs; pass --python")
     locks.update(cuda13=lockmod.load(TARGET), sglang=lockmod.load(SGLANG))
-    parts = list(PARTS) if args.part == "all" else [args.part]
+    parts = list(PARTS) if "all" in args.part else [p for p in PARTS if p in args.part]
     rows: list[dict] = []
     fig = {"commit": commit(), "python": python, "parts": parts, "line_rate_wheel": locks["line"].filename}
     work = Path(tempfile.mkdtemp(prefix="real-stack-", dir=args.workdir))
