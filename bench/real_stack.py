@@ -226,6 +226,20 @@ def timed(argv: list, **kw) -> float:
     return time.perf_counter() - t0
 
 
+def remove_root(root: Path) -> None:
+    """A host root removed whole: its store's immutable entries made mutable first (rmtree cannot unlink them)."""
+    from provision.agent import store
+
+    for files in root.glob("**/store/files"):
+        for path, _ in store.entries(str(files)):
+            try:
+                with open(path, "rb") as f:
+                    store.set_immutable(f.fileno(), False)
+            except OSError:
+                pass
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def removed(path: Path) -> None:
     subprocess.run(["chmod", "-R", "u+w", str(path)], capture_output=True)   # cp -a kept the read-only modes
     shutil.rmtree(path, ignore_errors=True)
@@ -380,9 +394,9 @@ def main() -> None:
                     PARTS[part](tr, work, locks, fig, rows, args.json)
                 finally:
                     tr.close()
-                    shutil.rmtree(root, ignore_errors=True)     # the next part starts from nothing
+                    remove_root(root)           # the next part starts from nothing
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        remove_root(work)
     fig["rows"] = rows
     fig.update(machine.figures())
     if args.json:
