@@ -3,7 +3,7 @@ alone, the CUDA 12.8 baseline (cold and cached), then a PyPI-only CUDA 13 lock, 
 CUDA 13 lock. Prints cold apply, cached apply, reuse, rollback and gc; each cold apply's fetch beside the line
 rate measured just before it (a plain download of the biggest wheel), with ratios and the load average; and the
 plan from the baseline to the SGLang 0.5.23 lock as the host shows it.
-Usage: python bench/real_stack.py [--python /path/to/python3.12] [--json] [--part all|fetch|upgrade|sglang]
+Usage: python bench/real_stack.py [--python /path/to/python3.12] [--json] [--part all|fetch|upgrade|sglang ...]
        [--workdir DIR] [--fetch-only]
 It downloads the wheels of the three locks (about 12 GB, and the baseline's 5 GB again for the fetch alone) into
 fresh host roots, one per part, and removes each before the next part starts (the upgrade part peaks at about
@@ -19,6 +19,7 @@ import glob
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,6 +40,7 @@ from provision.transport import connect, trust_host  # noqa: E402
 LOCKS = Path(__file__).resolve().parent.parent / "lockfiles"
 BASELINE, TARGET = LOCKS / "cuda12.8-sglang0.5.9.yaml", LOCKS / "cuda13-torch2.11-pypi.yaml"
 SGLANG = LOCKS / "cuda13.0-sglang0.5.23.yaml"       # the stack the upgrade ships: SGLang's CUDA 13 build
+TARGETS = {"baseline": 15.0, "cuda13": 10.0}     # seconds: a cached apply of each, on a 2-core host
 SKIP = ["engine"]          # no GPU here: the engine probe would only skip; everything else runs
 
 
@@ -105,6 +107,78 @@ def fetch_alone(lk: lockmod.Lock, biggest, work: Path, jobs: int) -> dict:
             "load_average": os.getloadavg()[0], **res[3]}
 
 
+SLOW_LINK = 50e6      # bytes per second of the rate-limited loopback link
+
+
+def plain_download(url: str, out: Path) -> float:
+    """Seconds of one plain download of `url` into `out` (curl, one connection), the file then removed."""
+    subprocess.run(["sync"], check=True)
+    t0 = time.perf_counter()
+    subprocess.run(["curl", "-sSf", "-o", str(out), url], check=True)
+    secs = time.perf_counter() - t0
+    out.unlink()
+    return secs
+
+
+def agent_fetch(pkg: dict, cache: Path, jobs: int) -> tuple[float, dict]:
+    """Seconds of the host agent's fetch of `pkg` into an empty cache with `jobs` streams, and its figures."""
+    import contextlib
+    import io
+
+    from provision.agent import build as agentbuild
+
+    subprocess.run(["sync"], check=True)
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):         # the agent's progress events
+        res = agentbuild.fetch(str(cache), [pkg], jobs)
+    secs = time.perf_counter() - t0
+    shutil.rmtree(cache)
+    return secs, res[3]
+
+
+def fetch_links(biggest, work: Path, jobs: int) -> dict:
+    """On loopback, fast and rate-limited (SLOW_LINK, shared by all connections): one plain download (curl) of
+    the biggest wheel beside the agent's fetch of the same bytes with `jobs` streams and with one, in one run,
+    interleaved (three rounds on the fast link; a plain download last too); the ratios are of the medians. The
+    wheel comes from its URL once (a plain download too)."""
+    served = work / "served"
+    served.mkdir(parents=True, exist_ok=True)
+    src = served / biggest.filename
+    t0 = time.perf_counter()
+    subprocess.run(["curl", "-sSf", "-o", str(src), biggest.url], check=True)
+    out = {"wheel": biggest.filename, "bytes": src.stat().st_size, "index_plain_s": round(time.perf_counter() - t0, 2),
+           "jobs": jobs, "links": []}
+    server = Path(__file__).resolve().parent / "fetch_server.py"
+    for name, rate, rounds in (("loopback", None, 3), ("loopback at %d MB/s" % (SLOW_LINK / 1e6), SLOW_LINK, 1)):
+        p = subprocess.Popen([sys.executable, str(server), str(served)] + (["--rate", str(rate)] if rate else []),
+                             stdout=subprocess.PIPE, text=True)
+        plain, many, one, ranges = [], [], [], []
+        try:
+            url = f"http://127.0.0.1:{p.stdout.readline().strip()}/{biggest.filename}"
+            pkg = {"name": biggest.name, "version": biggest.version, "sha256": biggest.sha256,
+                   "filename": biggest.filename, "url": url, "size": out["bytes"]}
+            load = os.getloadavg()[0]
+            for _ in range(rounds):     # interleaved: the machine's other load falls on each alike
+                plain.append(plain_download(url, work / "plain"))
+                secs, figs = agent_fetch(pkg, work / "cache", jobs)
+                many.append(secs)
+                ranges.append(figs.get("ranges"))
+                one.append(agent_fetch(pkg, work / "cache", 1)[0])
+            plain.append(plain_download(url, work / "plain"))
+        finally:
+            p.kill()
+            p.wait()
+        med = statistics.median
+        out["links"].append({"link": name, "rate_Bps": rate, "rounds": rounds,
+                             "plain_s": [round(x, 2) for x in plain], "fetch_s": [round(x, 2) for x in many],
+                             "fetch_1_stream_s": [round(x, 2) for x in one], "ranges": ranges,
+                             "fetch_of_plain": round(med(many) / med(plain), 3),
+                             "fetch_1_stream_of_plain": round(med(one) / med(plain), 3),
+                             "load_average": [round(load, 2), round(os.getloadavg()[0], 2)]})
+    src.unlink()
+    return out
+
+
 def du(path: Path) -> int:
     """Bytes on disk under `path`, each hard-linked file counted once."""
     out = subprocess.run(["du", "-s", "-B1", str(path)], capture_output=True, text=True)
@@ -133,6 +207,67 @@ def step_seconds(rep) -> dict:
     return {s.name: round(s.seconds, 2) for s in rep.steps}
 
 
+BUILD_PARTS = ("fetch_seconds", "venv_seconds", "install_seconds", "store_seconds", "read_only_seconds")
+
+
+def build_seconds(b: dict) -> dict:
+    """Where the build step's seconds went: the cache's re-hash, the fetch, the venv, uv's install, the links to
+    the store and the read-only pass (the host's own figures)."""
+    out = {k.replace("_seconds", ""): b[k] for k in BUILD_PARTS if isinstance(b.get(k), (int, float))}
+    if isinstance((b.get("recheck") or {}).get("seconds"), (int, float)):
+        out["recheck"] = b["recheck"]["seconds"]
+    return out
+
+
+def timed(argv: list, **kw) -> float:
+    subprocess.run(["sync"], check=True)        # what earlier steps wrote is on disk before the clock starts
+    t0 = time.perf_counter()
+    subprocess.run(argv, check=True, capture_output=True, **kw)
+    return time.perf_counter() - t0
+
+
+def remove_root(root: Path) -> None:
+    """A host root removed whole: its store's immutable entries made mutable first (rmtree cannot unlink them)."""
+    from provision.agent import store
+
+    for files in root.glob("**/store/files"):
+        for path, _ in store.entries(str(files)):
+            try:
+                with open(path, "rb") as f:
+                    store.set_immutable(f.fileno(), False)
+            except OSError:
+                pass
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def removed(path: Path) -> None:
+    subprocess.run(["chmod", "-R", "u+w", str(path)], capture_output=True)   # cp -a kept the read-only modes
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def side_by_side(tr, row: dict, python: str, work: Path) -> None:
+    """Beside a cached apply, on the same disk in the same run: `cp -a` of the venv it built, and uv's hardlink
+    install of the same requirements from the host's uv cache into a fresh venv; each removed after."""
+    from provision.layout import Layout
+
+    lay = Layout(tr.target.vars["provision_root"])
+    gen = lay.gen(row["generation"])
+    cp = work / "cp-a"
+    row["cp_a_s"] = round(timed(["cp", "-a", gen.venv, str(cp)]), 2)
+    removed(cp)
+    uvv = work / "uv-hardlink"
+    uv = shutil.which("uv")
+    subprocess.run([uv, "venv", "-q", "--python", python, str(uvv)], check=True, capture_output=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("UV_", "PIP_", "VIRTUAL_ENV"))}
+    row["uv_hardlink_s"] = round(timed([uv, "pip", "install", "--python", str(uvv / "bin" / "python"), "--no-deps",
+                                        "--require-hashes", "--offline", "--no-index", "--link-mode", "hardlink",
+                                        "-r", gen.requirements],
+                                       env={**env, "UV_CACHE_DIR": lay.uv_cache, "UV_NO_CONFIG": "1"}), 2)
+    removed(uvv)
+    row["of_cp_a"] = round(row["wall_s"] / row["cp_a_s"], 2)
+    row["of_uv_hardlink"] = round(row["wall_s"] / row["uv_hardlink_s"], 2)
+
+
 def apply(tr, lk, label: str, rows: list, quiet: bool, line=None) -> dict:
     """Apply `lk`; `line` (the biggest wheel): measure the line rate just before, for this phase's fetch."""
     def say(step, state, detail):
@@ -145,7 +280,8 @@ def apply(tr, lk, label: str, rows: list, quiet: bool, line=None) -> dict:
     rep = applymod.apply(tr, lk, skip_probes=SKIP, progress=say)
     wall = time.perf_counter() - t0
     b = rep.build or {}
-    row = {"phase": label, "lock": lk.name, "status": rep.status, "wall_s": round(wall, 2), "steps": step_seconds(rep),
+    row = {"phase": label, "lock": lk.name, "status": rep.status, "generation": rep.generation,
+           "wall_s": round(wall, 2), "steps": step_seconds(rep), "build_steps": build_seconds(b),
            "fetched": b.get("fetched", 0), "cached": b.get("cached", 0), "bytes": b.get("fetched_bytes", 0),
            "fetch_s": b.get("fetch_seconds", 0.0), "install_s": b.get("install_seconds", 0.0),
            "probes": (rep.probes or {}).get("summary"), "load_average": [round(load, 2), round(os.getloadavg()[0], 2)]}
@@ -164,10 +300,14 @@ def upgrade(tr, work: Path, locks: dict, fig: dict, rows: list, quiet: bool) -> 
     reuse, rollback, gc."""
     base, target = locks["baseline"], locks["cuda13"]
     apply(tr, base, "cold: baseline", rows, quiet, line=locks["line"])
-    apply(tr, renamed(base, "cuda12.8-sglang0.5.9-again", work), "cached: baseline", rows, quiet)
+    row = apply(tr, renamed(base, "cuda12.8-sglang0.5.9-again", work), "cached: baseline", rows, quiet)
+    side_by_side(tr, row, tr.target.vars["python"], work)
+    row["target_s"] = TARGETS["baseline"]
     fig["plan_baseline_to_sglang"] = render_plan(plan_host(tr, locks["sglang"]))
     apply(tr, target, "cold: CUDA 13", rows, quiet, line=locks["line"])
-    apply(tr, renamed(target, "cuda13-torch2.11-pypi-again", work), "cached: CUDA 13", rows, quiet)
+    row = apply(tr, renamed(target, "cuda13-torch2.11-pypi-again", work), "cached: CUDA 13", rows, quiet)
+    side_by_side(tr, row, tr.target.vars["python"], work)
+    row["target_s"] = TARGETS["cuda13"]
     before = generations.history(tr)["current"]
     apply(tr, base, "reuse: baseline", rows, quiet)
     t0 = time.perf_counter()
@@ -201,6 +341,7 @@ def fetch(tr, work: Path, locks: dict, fig: dict, rows: list, quiet: bool) -> No
     """The host agent's fetch alone (the baseline's wheels into an empty cache) against the line rate."""
     fig["fetch_alone"] = fetch_alone(locks["baseline"], locks["line"], Path(tr.target.vars["provision_root"]),
                                      streams())
+    fig["fetch_links"] = fetch_links(locks["line"], work / "links", streams())
 
 
 PARTS = {"fetch": fetch, "upgrade": upgrade, "sglang": sglang}
@@ -210,7 +351,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--python", help="the hosts' Python 3.12 (default: one found that runs)")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--part", choices=("all", *PARTS), default="all",
+    ap.add_argument("--part", choices=("all", *PARTS), default=["all"], nargs="+",
                     help="fetch: the host's fetch alone against the line rate; upgrade: baseline cold and cached, "
                          "CUDA 13 lock, reuse, rollback, gc; sglang: the SGLang 0.5.23 lock cold and cached; all: "
                          "each in turn, each on a fresh host root removed before the next starts")
@@ -223,10 +364,11 @@ def main() -> None:
         os.environ["PROVISION_FETCH_JOBS"] = str(args.jobs)
     base = lockmod.load(BASELINE)
     locks = {"baseline": base, "line": max(base.packages, key=lambda p: p.name == "torch")}
-    if args.fetch_only or args.part == "fetch":
+    if args.fetch_only or args.part == ["fetch"]:
         work = Path(tempfile.mkdtemp(prefix="real-stack-fetch-", dir=args.workdir))
         try:
-            fig: dict = {"commit": commit(), **fetch_alone(base, locks["line"], work, streams())}
+            fig: dict = {"commit": commit(), **fetch_alone(base, locks["line"], work, streams()),
+                         "fetch_links": fetch_links(locks["line"], work / "links", streams())}
         finally:
             shutil.rmtree(work, ignore_errors=True)
         print(json.dumps(fig, indent=2) if args.json else render_fetch(fig))
@@ -235,7 +377,7 @@ def main() -> None:
     if not python:
         sys.exit("no Python 3.12 that runs; pass --python")
     locks.update(cuda13=lockmod.load(TARGET), sglang=lockmod.load(SGLANG))
-    parts = list(PARTS) if args.part == "all" else [args.part]
+    parts = list(PARTS) if "all" in args.part else [p for p in PARTS if p in args.part]
     rows: list[dict] = []
     fig = {"commit": commit(), "python": python, "parts": parts, "line_rate_wheel": locks["line"].filename}
     work = Path(tempfile.mkdtemp(prefix="real-stack-", dir=args.workdir))
@@ -252,9 +394,9 @@ def main() -> None:
                     PARTS[part](tr, work, locks, fig, rows, args.json)
                 finally:
                     tr.close()
-                    shutil.rmtree(root, ignore_errors=True)     # the next part starts from nothing
+                    remove_root(root)           # the next part starts from nothing
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        remove_root(work)
     fig["rows"] = rows
     fig.update(machine.figures())
     if args.json:
@@ -263,8 +405,21 @@ def main() -> None:
     print(render(fig))
 
 
+def render_links(fig: dict) -> str:
+    lines = [f"one wheel, {fig['wheel']} ({fig['bytes'] / 1e9:.2f} GB), served on loopback: a plain download (curl, one "
+             f"connection) beside the agent's fetch ({fig['jobs']} streams, and 1), interleaved in one run; ratios "
+             f"of the medians", "| link | plain s | fetch s | fetch ÷ plain | fetch 1 stream s | 1 stream ÷ plain | "
+             "requests per fetch | load average |", "|---|---|---|---|---|---|---|---|"]
+    for r in fig["links"]:
+        lines.append(f"| {r['link']} | {', '.join(map(str, r['plain_s']))} | {', '.join(map(str, r['fetch_s']))} | "
+                     f"{r['fetch_of_plain']:.2f} | {', '.join(map(str, r['fetch_1_stream_s']))} | "
+                     f"{r['fetch_1_stream_of_plain']:.2f} | {r['ranges']} | "
+                     f"{r['load_average'][0]:.1f}–{r['load_average'][1]:.1f} |")
+    return "\n".join(lines)
+
+
 def render_fetch(fig: dict) -> str:
-    return (f"fetch of {fig['wheels']} wheels ({fig['bytes'] / 1e9:.2f} GB) with {fig['jobs']} streams: "
+    return (render_links(fig["fetch_links"]) + "\n" if "fetch_links" in fig else "") + (f"fetch of {fig['wheels']} wheels ({fig['bytes'] / 1e9:.2f} GB) with {fig['jobs']} streams: "
             f"{fig['fetch_s']:.1f} s, {fig['fetch_Bps'] / 1e6:.0f} MB/s = {fig['fetch_of_line_rate']:.2f} x the line "
             f"rate ({fig['line_rate_Bps'][0] / 1e6:.0f} MB/s before, {fig['line_rate_Bps'][1] / 1e6:.0f} MB/s after: "
             f"a plain download of {fig['line_rate_wheel']}); CPU {fig['cpu_s_per_GB']['fetch']:.2f} s/GB "
@@ -275,6 +430,8 @@ def render(fig: dict) -> str:
     lines = [describe(fig), f"commit {fig['commit']}"]
     if "fetch_alone" in fig:
         lines.append(render_fetch(fig["fetch_alone"]))
+    if "fetch_links" in fig:
+        lines.append(render_links(fig["fetch_links"]))
     lines += ["", "| phase | packages fetched / cached | GB fetched | fetch s (MB/s) | line rate MB/s | install s | "
               "wall s | bound: bytes ÷ line rate + install | wall ÷ bound | load average |",
               "|---|---|---|---|---|---|---|---|---|---|"]
@@ -289,6 +446,15 @@ def render(fig: dict) -> str:
                      f"{r['fetch_s']:.1f} ({mbps}) | {rate / 1e6 if rate else 0:.0f} | {r['install_s']:.1f} | "
                      f"{r['wall_s']:.1f} | {bound:.1f} | {ratio} | {r['load_average'][0]:.1f}–"
                      f"{r['load_average'][1]:.1f} |")
+    beside = [r for r in fig["rows"] if "cp_a_s" in r]
+    if beside:
+        lines += ["", "| cached apply | wall s | target s | cp -a of its venv s | uv hardlink install s | wall ÷ cp -a | "
+                      "wall ÷ uv hardlink | steps s | build steps s | load average |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in beside:
+            met = "met" if r["wall_s"] <= r["target_s"] else "MISSED"
+            lines.append(f"| {r['phase']} | {r['wall_s']:.1f} | {r['target_s']:.0f} ({met}) | {r['cp_a_s']:.1f} | "
+                         f"{r['uv_hardlink_s']:.2f} | {r['of_cp_a']:.2f} | {r['of_uv_hardlink']:.1f} | "
+                         f"{r['steps']} | {r['build_steps']} | {r['load_average'][0]:.1f}–{r['load_average'][1]:.1f} |")
     if "rollback" in fig:
         rb = fig["rollback"]
         lines += ["", f"rollback {rb['from']} → {rb['to']}: {rb['wall_s']:.2f} s wall, host switch "

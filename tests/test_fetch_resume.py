@@ -397,3 +397,35 @@ def test_apply_cli_404_is_one_line_exit_1_and_the_host_keeps_its_generation(targ
     assert len(errors) == 1 and f"beta==1.0: {mirror.base}{b}: HTTP 404" in errors[0], p.stderr
     assert f"{lk2}:" in errors[0] and current_link(target) == before
     assert len(mirror.requests(b)) == 1
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_big_files_first_range_decides_one_stream_or_ranges_by_its_rate(tmp_path, monkeypatch, fast):
+    """A big file's first range comes alone; where it arrived at FAST_LINK or more (one connection keeps up
+    with the hash and the write), the rest is one more request on one stream; else it comes as parallel
+    ranges. Either way the file lands whole and nothing is fetched twice. (The thresholds are set so that this
+    loopback counts as fast, or as slow.)"""
+    seg = build.JUDGE_BYTES
+    monkeypatch.setattr(build, "SPLIT", 2 * seg)
+    monkeypatch.setattr(build, "SEGMENT", seg)
+    monkeypatch.setattr(build, "FAST_LINK", 1.0 if fast else 1e18)
+    monkeypatch.setattr(build, "SINK_BOUND", 0.0 if fast else 2.0)
+    data = os.urandom(4 * seg + 12345)
+    name = "big-1.0-py3-none-any.whl"
+    m = Mirror({name: data})
+    try:
+        a = {"name": "big", "version": "1.0", "filename": name, "sha256": hashlib.sha256(data).hexdigest(),
+             "url": m.base + name, "size": len(data)}
+        n, nbytes, _, figs = fetch(tmp_path, [a], jobs=4)
+        reqs = m.requests(name)
+    finally:
+        m.close()
+    assert reqs[0][:2] == (f"bytes=0-{seg - 1}", 206)
+    rest = [(rng, status) for rng, status, _ in reqs[1:]]
+    if fast:
+        assert rest == [(f"bytes={seg}-{len(data) - 1}", 206)], rest
+    else:
+        assert sorted(rest) == sorted((f"bytes={lo}-{min(lo + seg, len(data)) - 1}", 206)
+                                      for lo in range(seg, len(data), seg)), rest
+    assert sum(s for _, _, s in reqs) == len(data) and figs["ranges"] == len(reqs)
+    assert nbytes == len(data) and cached(tmp_path, a) == data

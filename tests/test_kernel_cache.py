@@ -109,12 +109,12 @@ def test_builds_run_side_by_side_within_the_workers_given_and_an_overrun_is_kill
 
     out = agentprobes.run_parallel([job(i) for i in range(4)], 2, 60, said)
     assert sorted(out) == ["k0", "k1", "k2", "k3"]
-    assert all(p.returncode == 0 for p, _, _, _ in out.values()) and all((tmp_path / f"k{i}.o").exists()
+    assert all(p.returncode == 0 for p, _, _, _, _ in out.values()) and all((tmp_path / f"k{i}.o").exists()
                                                                           for i in range(4))
     assert max(n for n, _, _ in seen) == 2 and seen[-1] == (0, 4, 4)
     slow = agentprobes.run_parallel([("slow", lambda: subprocess.Popen(["sleep", "30"], stdout=subprocess.PIPE,
                                                                        stderr=subprocess.PIPE))], 4, 0.5)
-    p, stdout, _, seconds = slow["slow"]
+    p, stdout, _, seconds, _ = slow["slow"]
     assert stdout == b"" and p.returncode != 0 and seconds < 10
 
 

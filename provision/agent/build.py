@@ -11,6 +11,7 @@ import hashlib
 import http.client
 import io
 import json
+import mmap
 import os
 import queue
 import random
@@ -63,19 +64,59 @@ def sha256_file(path):
     return h.hexdigest()
 
 
+VERIFIED = ".verified"     # in an entry's directory: the entry's inode as it was when its bytes were last hashed
+
+
+def _identity(path):
+    st = os.stat(path)
+    return [os.path.basename(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def mark_verified(path):
+    """Note that the entry's bytes matched its name just now (any later write, rename or chmod moves its ctime)."""
+    note = os.path.join(os.path.dirname(path), VERIFIED)
+    tmp = "%s.tmp-%d-%d" % (note, os.getpid(), threading.get_ident())
+    try:        # not synced: a note lost or torn in a crash only means the entry is hashed again
+        with open(tmp, "w") as f:
+            json.dump(_identity(path), f)
+        os.replace(tmp, note)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
+def still_verified(path):
+    """The entry is the inode last verified, untouched since (same size, mtime and ctime)."""
+    try:
+        with open(os.path.join(os.path.dirname(path), VERIFIED)) as f:
+            return json.load(f) == _identity(path)
+    except (OSError, ValueError):
+        return False
+
+
 def recheck(paths, jobs=8):
-    """Hash again, in parallel, the cache entries a build is about to use: {path: sha256} pairs. An entry whose
-    bytes no longer match its name (a disk fault, a write through it) is removed, so it is fetched or pushed
-    again. Returns {checked, bytes, seconds, healed: [path]}."""
+    """Before a build uses them, the cache entries {path: sha256} not untouched since they were verified are hashed
+    again, in parallel (the others are trusted, as hashed once: `still_verified`). An entry whose bytes no longer
+    match its name (a disk fault, a write through it) is removed, so it is fetched or pushed again. Returns
+    {checked, hashed, bytes (hashed), seconds, healed: [path]}."""
     t0 = time.monotonic()
     present = [(p, sha) for p, sha in paths if os.path.isfile(p)]
+    trusted = [p for p, _ in present if still_verified(p)]
+    skip = set(trusted)
 
     def one(item):
         path, sha = item
+        if path in skip:
+            return path, True, 0
         try:
-            return path, sha256_file(path) == sha, os.path.getsize(path)
+            ok, n = sha256_file(path) == sha, os.path.getsize(path)
         except OSError:
             return path, False, 0
+        if ok:
+            mark_verified(path)
+        return path, ok, n
 
     healed, nbytes = [], 0
     with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(present) or 1))) as pool:
@@ -87,7 +128,8 @@ def recheck(paths, jobs=8):
                 except FileNotFoundError:
                     pass
                 healed.append(path)
-    return {"checked": len(present), "bytes": nbytes, "seconds": round(time.monotonic() - t0, 3), "healed": healed}
+    return {"checked": len(present), "hashed": len(present) - len(trusted), "bytes": nbytes,
+            "seconds": round(time.monotonic() - t0, 3), "healed": healed}
 
 
 def store(path, sha256, chunks, label):
@@ -106,6 +148,7 @@ def store(path, sha256, chunks, label):
             raise AgentError("%s: sha256 mismatch for %s: file is %s, the lock says %s; refusing"
                              % (label, os.path.basename(path), h.hexdigest(), sha256))
         os.replace(tmp, path)
+        mark_verified(path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -199,6 +242,13 @@ def fetchable(url, label):
 
 SPLIT = 64 << 20        # a file larger than this is fetched as byte ranges in parallel (where the server serves ranges)
 SEGMENT = 32 << 20      # the size of those ranges
+# A big file's first range is fetched alone; where it came at FAST_LINK or more, or its stream waited on its own
+# writer (measured over JUDGE_BYTES at least), one connection keeps up with what this host hashes and writes, and
+# more streams would only contend for its cores: the rest comes as one piece. Else (a link slower per
+# connection than this host's hashing) the rest comes as ranges.
+FAST_LINK = 300e6       # bytes per second
+SINK_BOUND = 0.5        # or: the stream waited this share of the time for its writer (hashing and writing are the
+JUDGE_BYTES = 8 << 20   # bound, not the link)
 STALL = 30.0            # seconds one read may wait for bytes before the stream counts as stalled
 RETRIES = 6             # attempts of one piece in a row that bring no byte, before giving up
 BACKOFF = (0.5, 20.0)   # first delay and cap, seconds; each delay is drawn from [d/2, d] (jitter)
@@ -345,6 +395,7 @@ class Download:
         self.hash, self.hashed, self.noted = hashlib.sha256(), 0, 0
         self.base = 0                       # bytes an earlier run left, verified in order
         self.ranged = self.ignored = 0      # ranged requests made, answered with the whole file instead
+        self.rest_queued = False            # a big file's pieces after the first are queued
 
     def open(self):
         """The partial file, once: an earlier run's verified prefix is taken up (the first piece starts after
@@ -496,14 +547,16 @@ class Download:
 
     def split(self, piece, jobs):
         """Once the size is known and the server serves ranges: the rest of a big file as ranges, queued for
-        other workers; `piece` keeps the first. Returns the new pieces."""
-        if self.size is None or self.size - piece.start <= SPLIT or jobs < 2:
+        other workers (`jobs` 1: as one piece); `piece` keeps the first. Returns the new pieces."""
+        if self.size is None or self.size - piece.start <= SPLIT or self.rest_queued:
             return []
         with self.lock:
             piece.end = piece.start + SEGMENT
-            new = [Piece(lo, min(lo + SEGMENT, self.size)) for lo in range(piece.end, self.size, SEGMENT)]
+            step = SEGMENT if jobs > 1 else self.size - piece.end
+            new = [Piece(lo, min(lo + step, self.size)) for lo in range(piece.end, self.size, step)]
             self.pieces += new
             self.left += len(new)
+            self.rest_queued = True
         return new
 
     def finish(self):
@@ -524,6 +577,7 @@ class Download:
                                         self.sha256, " (the first %d bytes came from an earlier run's "
                                         "partial file, now removed)" % self.base if self.base else ""))
                 os.replace(self.tmp, self.path)
+                mark_verified(self.path)
                 ok = True
         finally:
             kept = False
@@ -586,26 +640,27 @@ class Fetcher:
             raise AgentError(first + (" (and %d more)" % more if more else ""))
 
     def work(self):
-        stream = Stream(self.stall)
+        stream, sink = Stream(self.stall), Sink(self.meter)
         try:
             while True:
                 _, dl, piece = self.queue.get()
                 if dl is None:
                     return
                 try:
-                    self.one(stream, dl, piece)
+                    self.one(stream, sink, dl, piece)
                 finally:                    # whatever happened, the piece is accounted for: `run` never hangs
                     with self.cv:
                         self.pending -= 1
                         self.cv.notify_all()
         finally:
             stream.close()
+            sink.close()
 
-    def one(self, stream, dl, piece):
+    def one(self, stream, sink, dl, piece):
         """Fetch one piece; the worker that finishes a file's last piece verifies it and puts it in place."""
         try:
             if not (self.abort.is_set() or dl.error):
-                self.piece(stream, dl, piece)
+                self.piece(stream, sink, dl, piece)
         except Aborted:
             stream.close()
         except AgentError as e:
@@ -633,13 +688,13 @@ class Fetcher:
                 self.failed.append((dl, message))
             self.abort.set()
 
-    def piece(self, stream, dl, piece):
+    def piece(self, stream, sink, dl, piece):
         """One piece, attempted until it is in: a failure that brought bytes starts the count again."""
         tries = 0
         while True:
             before = piece.pos
             try:
-                return self.attempt(stream, dl, piece)
+                return self.attempt(stream, sink, dl, piece)
             except Transient as e:
                 stream.close()
                 tries = 0 if piece.pos > before else tries + 1
@@ -656,7 +711,7 @@ class Fetcher:
                 if self.abort.wait(d):
                     raise Aborted() from None
 
-    def attempt(self, stream, dl, piece):
+    def attempt(self, stream, sink, dl, piece):
         # A file the lock says is big is asked for as its first range: a 206 says the server serves ranges (the
         # rest is split among the workers) and leaves the connection fit for the next piece; a 200 is the file.
         dl.open()
@@ -685,12 +740,23 @@ class Fetcher:
                     dl.ignored += 1
                 length = r.length
             new = self.sized(dl, length)
-            if piece.end is None and dl.size is not None:
+            judge = new and head and r.status == 206 and end is not None and dl.size > end
+            if judge:       # the first range alone: the rest is queued once it is in, as its rate says
+                piece.end = end
+            elif piece.end is None and dl.size is not None:
                 piece.end = dl.size
-            if new and head and (r.status == 206 or (r.getheader("Accept-Ranges") or "").lower() == "bytes"):
+            if new and head and not judge and self.jobs > 1 and \
+                    (r.status == 206 or (r.getheader("Accept-Ranges") or "").lower() == "bytes"):
                 for p in dl.split(piece, self.jobs):
                     self.put(dl, p, False)
-            self.body(r, dl, piece, skip)
+            t0, at, w0 = time.monotonic(), piece.pos, sink.waited
+            self.body(r, sink, dl, piece, skip)
+            if piece is dl.pieces[0] and not dl.rest_queued and dl.size is not None and piece.end < dl.size:
+                got, secs = piece.pos - at, time.monotonic() - t0
+                fast = judge and got >= JUDGE_BYTES and (got >= FAST_LINK * secs or
+                                                          sink.waited - w0 >= SINK_BOUND * secs)
+                for p in dl.split(piece, 1 if fast else self.jobs):
+                    self.put(dl, p, False)
             if r.isclosed() or r.length == 0:
                 r.read()
             else:                                   # the reply goes on past this piece: the connection is spent
@@ -715,35 +781,126 @@ class Fetcher:
             self.meter.start(length)
         return True
 
-    def body(self, r, dl, piece, skip):
+    def body(self, r, sink, dl, piece, skip):
         """Read the reply into the file at the piece's offsets (after `skip` bytes already there). Reads land at
-        the start of this thread's buffer and, past a cut at an odd offset, end on a block boundary, so that
-        what follows goes to the disk in whole blocks."""
-        view = thread_buffer("body", CHUNK)
-        while piece.end is None or piece.pos < piece.end:
-            if self.abort.is_set() or dl.error:
-                raise Aborted()
-            want = min(CHUNK, skip) if skip else ALIGN - piece.pos % ALIGN if piece.pos % ALIGN else CHUNK
-            if piece.end is not None:
-                want = min(want, piece.end - piece.pos + skip)
-            n = r.readinto(view[:want])
-            if not n:
-                if piece.end is None:           # no stated length: the end of the body is the end of the file
+        the start of one of the sink's buffers and, past a cut at an odd offset, end on a block boundary, so that
+        what follows goes to the disk in whole blocks; the sink writes and hashes a buffer while the next is read.
+        Returns with every byte read written (or raises), so that `piece.pos` says where a retry resumes."""
+        at = piece.pos
+        try:
+            while piece.end is None or at < piece.end:
+                if self.abort.is_set() or dl.error:
+                    raise Aborted()
+                want = min(CHUNK, skip) if skip else ALIGN - at % ALIGN if at % ALIGN else CHUNK
+                if piece.end is not None:
+                    want = min(want, piece.end - at + skip)
+                view = sink.free()
+                n = r.readinto(view[:want])
+                if not n:
+                    sink.give_back(view)
+                    if piece.end is None:           # no stated length: the end of the body is the end of the file
+                        sink.drain()
+                        with dl.lock:
+                            dl.size = piece.end = at
+                        return
+                    raise Transient("the connection closed after %d of %d bytes" % (at, piece.end))
+                if skip:                            # bytes already in the file, read past
+                    skip -= n
+                    sink.give_back(view)
+                    continue
+                sink.put(dl, piece, view, n, at)
+                at += n
+        finally:
+            sink.drain()
+
+
+class Sink:
+    """One worker's writer: buffers the worker filled are written, hashed and counted by a thread of their own
+    while the worker reads the next, the write on a thread of its own while the bytes are hashed (receiving, the
+    sha256 and the write each let the others run). At most BUFFERS are in flight; the first error ends the work
+    and is raised to the worker by `drain` or `free`."""
+
+    BUFFERS = 3
+
+    def __init__(self, meter=None):
+        self.meter, self.error, self.thread, self.writer = meter, None, None, None
+        self.waited = 0.0           # seconds the worker waited for a free buffer: the writer was the bound
+        self.work, self.spare = queue.Queue(), queue.Queue()
+        self.pending = 0
+        self.cv = threading.Condition()
+
+    def free(self):
+        """A buffer to read into (waits while every buffer is in flight)."""
+        if self.thread is None:
+            for _ in range(self.BUFFERS):
+                self.spare.put(memoryview(mmap.mmap(-1, CHUNK)))
+            self.writer = ThreadPoolExecutor(max_workers=1)
+            self.thread = threading.Thread(target=self.run, daemon=True)
+            self.thread.start()
+        self.check()
+        try:
+            return self.spare.get_nowait()
+        except queue.Empty:
+            t0 = time.monotonic()
+            view = self.spare.get()
+            self.waited += time.monotonic() - t0
+            return view
+
+    def give_back(self, view):
+        self.spare.put(view)
+
+    def put(self, dl, piece, view, n, at):
+        with self.cv:
+            self.pending += 1
+        self.work.put((dl, piece, view, n, at))
+
+    def drain(self):
+        """Wait until every buffer put is written; raise the first error the writing met."""
+        with self.cv:
+            while self.pending:
+                self.cv.wait()
+        self.check()
+
+    def check(self):
+        with self.cv:
+            e, self.error = self.error, None
+        if e is not None:
+            raise e
+
+    def run(self):
+        while True:
+            item = self.work.get()
+            if item is None:
+                return
+            dl, piece, view, n, at = item
+            try:
+                if self.error is None:
+                    data = view[:n]
+                    wrote = self.writer.submit(dl.write, data, at)
+                    try:
+                        dl.take(data, at)
+                    finally:
+                        wrote.result()
                     with dl.lock:
-                        dl.size = piece.end = piece.pos
-                    return
-                raise Transient("the connection closed after %d of %d bytes" % (piece.pos, piece.end))
-            if skip:                            # bytes already in the file, read past
-                skip -= n
-                continue
-            data = view[:n]
-            dl.write(data, piece.pos)
-            dl.take(data, piece.pos)
-            with dl.lock:
-                piece.pos += len(data)
-            if self.meter:
-                self.meter.add(len(data))
-            dl.advance()
+                        piece.pos = at + n
+                    if self.meter:
+                        self.meter.add(n)
+                    dl.advance()
+            except BaseException as e:  # noqa: BLE001 - handed to the worker, which names it
+                with self.cv:
+                    if self.error is None:
+                        self.error = e
+            finally:
+                self.spare.put(view)
+                with self.cv:
+                    self.pending -= 1
+                    self.cv.notify_all()
+
+    def close(self):
+        if self.thread is not None:
+            self.work.put(None)
+            self.thread.join()
+            self.writer.shutdown()
 
 
 def _direct(path):
@@ -915,7 +1072,8 @@ def _build(a, lay, gen, python, installer, log):
     if rc["healed"]:
         event(step="cache", healed=[os.path.basename(p) for p in rc["healed"]])
     figs["recheck"] = dict(rc, healed=[os.path.basename(p) for p in rc["healed"]])
-    log("cache: %d entries hashed again (%d bytes, %.1fs)%s" % (rc["checked"], rc["bytes"], rc["seconds"], "".join(
+    log("cache: %d entries hashed again (%d bytes, %.1fs), %d untouched since verified%s" % (
+        rc["hashed"], rc["bytes"], rc["seconds"], rc["checked"] - rc["hashed"], "".join(
         "; healed " + os.path.basename(p) for p in rc["healed"])))
     n, nbytes, secs, ffigs = fetch(lay.wheel_cache, a.get("packages") or [], int(a.get("jobs") or streams()),
                                    float(a.get("stall") or STALL), int(a.get("retries") or RETRIES), log)

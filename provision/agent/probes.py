@@ -512,13 +512,16 @@ def compile_slots(jobs, per=COMPILE_MEMORY):
     return workers, max(1, slots // workers)
 
 
-def run_parallel(jobs, workers, timeout, said=None):
+def run_parallel(jobs, workers, timeout, said=None, every=None):
     """Run `jobs` [(label, start)], `start()` starting one process (stdout and stderr piped), at most `workers` at
-    a time, each within `timeout` seconds: {label: (process, stdout, stderr, seconds)}, a process that overran
-    killed (its stdout then b''). `said(running labels, done, total)` hears each start and end. A process still
-    running when this ends early (an error, the agent stopped) is killed."""
+    a time, each within `timeout` seconds: {label: (process, stdout, stderr, seconds, started)}, `started` the
+    seconds from this run's start to the process's, a process that overran killed (its stdout then b'').
+    `said(running labels, done, total)` hears each start and end, and every `every` seconds between them. A
+    process still running when this ends early (an error, the agent stopped) is killed."""
     lock, running, started, out = threading.Lock(), [], [], {}
     queue = list(jobs)
+    t_run = time.perf_counter()
+    ended = threading.Event()
 
     def tell():
         if said:
@@ -542,16 +545,25 @@ def run_parallel(jobs, workers, timeout, said=None):
                 stdout, stderr = b"", p.communicate()[1]
             with lock:
                 running.remove(label)
-                out[label] = (p, stdout, stderr, round(time.perf_counter() - t0, 2))
+                out[label] = (p, stdout, stderr, round(time.perf_counter() - t0, 2), round(t0 - t_run, 2))
+                tell()
+
+    def ticker():
+        while not ended.wait(every):
+            with lock:
                 tell()
 
     threads = [threading.Thread(target=one, daemon=True) for _ in range(max(1, min(workers, len(jobs))))]
+    tick = threading.Thread(target=ticker, daemon=True) if said and every else None
     try:
         for t in threads:
             t.start()
+        if tick:
+            tick.start()
         for t in threads:
             t.join()
     finally:
+        ended.set()
         with lock:
             queue.clear()
             for p in started:
@@ -566,15 +578,21 @@ def flashinfer_jit(cc, cuda_home, python=sys.executable, build=tuple(JIT_BUILD),
     return jit_builds([cc], cuda_home, python, build, check, timeout, workspace)[sm(specific(cc))]
 
 
+CHECK = "check on the GPUs"      # the label of the flashinfer probe's check among the JIT builds
+
+
 def jit_builds(ccs, cuda_home, python=sys.executable, build=tuple(JIT_BUILD), check=tuple(JIT_CHECK),
-               timeout=JIT_TIMEOUT, workspace=None, said=None):
+               timeout=JIT_TIMEOUT, workspace=None, said=None, beside=None, every=None):
     """flashinfer's JIT modules generated (and `build` ones compiled) for each capability in `ccs` by `python`'s
     flashinfer with the nvcc of `cuda_home`, no GPU visible, each build in a process of its own, all at once as far
     as cores and memory allow (`compile_slots`), in `workspace` (flashinfer's base: the kernel cache; default a
     scratch one): {arch: {module: {status, seconds, compiled, error}}}; status built, compiled (objects, not
     linked), failed, refused (flashinfer rejects the capability) or accepted (only checked). The `_workers` key
-    says how many ran at once. `said(running, done, total)` hears each build start and end."""
-    bindirs = [os.path.dirname(python), os.path.join(cuda_home, "bin")]   # ninja, nvcc
+    says how many ran at once, `_spans` when each process started and ended ({label: [s, s]} from the start).
+    `beside`: the payload of one more agent process, started first and run among the builds with the GPUs
+    visible and a build's share of the cores (the probe's check, whose first call compiles its own kernel): its
+    answer under `_beside`. `said(running, done, total)` hears each start and end (and every `every` seconds)."""
+    bindirs = [os.path.dirname(python)] + ([os.path.join(cuda_home, "bin")] if cuda_home else [])   # ninja, nvcc
     ready = (read_json(os.path.join(workspace, JIT_DONE)) or {}) if workspace else {}
     jobs = []
     for cc in ccs:   # a build not yet in the cache: a process of its own; those that are, and the checks: one
@@ -582,25 +600,36 @@ def jit_builds(ccs, cuda_home, python=sys.executable, build=tuple(JIT_BUILD), ch
         jobs += [(cc, (n,), ()) for n in build if n not in warm]
         if warm or check:
             jobs.append((cc, tuple(warm), tuple(check)))
-    workers, each = compile_slots(len(jobs) or 1)
+    workers, each = compile_slots(len(jobs) + (beside is not None) or 1)
     with tempfile.TemporaryDirectory(prefix="provision-flashinfer-jit-") as scratch:
         base = workspace or scratch
+        path = os.pathsep.join(bindirs + [os.environ.get("PATH", "")])
 
         def starter(cc, b, c):
             env = dict(os.environ, CUDA_HOME=cuda_home, CUDA_PATH=cuda_home, CUDA_VISIBLE_DEVICES="",
                        FLASHINFER_CUDA_ARCH_LIST=specific(cc), FLASHINFER_WORKSPACE_BASE=base, MAX_JOBS=str(each),
-                       PATH=os.pathsep.join(bindirs + [os.environ.get("PATH", "")]))
+                       PATH=path)
             env.pop("FLASHINFER_DISABLE_JIT", None)
             return lambda: start_agent(python, "probes", {"op": "jit", "build": list(b), "check": list(c)},
                                        env=env, cwd=base)
 
         labelled = [("%s %s" % (" ".join(b) or "check", sm(specific(cc))), starter(cc, b, c)) for cc, b, c in jobs]
-        done = run_parallel(labelled, workers, timeout, said)
-    out = {"_workers": workers}
-    for (cc, b, c), (label, _) in zip(jobs, labelled):
+        if beside is not None:   # first: it compiles for the GPUs' own capability, the longest single job
+            env = dict(os.environ, MAX_JOBS=str(each), PATH=path)
+            labelled.insert(0, (CHECK, lambda: start_agent(python, "probes", beside, env=env)))
+        done = run_parallel(labelled, workers, timeout, said, every)
+    out = {"_workers": workers, "_spans": {label: [started, round(started + seconds, 2)]
+                                           for label, (_, _, _, seconds, started) in done.items()}}
+    if beside is not None:
+        p, stdout, stderr, _, _ = done[CHECK]
+        try:
+            out["_beside"] = answer(p, stdout, stderr) if stdout else {"error": "not done within %ds" % timeout}
+        except RuntimeError as e:
+            out["_beside"] = {"error": str(e)[:300]}
+    for (cc, b, c), (label, _) in zip(jobs, labelled[1:] if beside is not None else labelled):
         arch = sm(specific(cc))
         per = out.setdefault(arch, {})
-        p, stdout, stderr, seconds = done[label]
+        p, stdout, stderr, seconds, _ = done[label]
         try:
             got = answer(p, stdout, stderr) if stdout else {"error": "not done within %ds" % timeout}
         except RuntimeError as e:
@@ -610,9 +639,9 @@ def jit_builds(ccs, cuda_home, python=sys.executable, build=tuple(JIT_BUILD), ch
         for name in b:      # the build's process from start to end (the interpreter and flashinfer's import too)
             got.setdefault(name, {"status": "failed", "error": "no result"})["process_seconds"] = seconds
         per.update(got)
-    if workspace:    # what this cache now holds, for the next run's grouping (ninja still decides what is stale)
+    if workspace and jobs:    # what this cache now holds, for the next run's grouping (ninja still decides what is stale)
         held = {arch: sorted(n for n, r in mods.items() if r.get("status") in ("built", "compiled"))
-                for arch, mods in out.items() if arch != "_workers"}
+                for arch, mods in out.items() if not arch.startswith("_")}
         try:
             tmp = os.path.join(workspace, "%s.tmp-%d" % (JIT_DONE, os.getpid()))
             with open(tmp, "w") as f:
@@ -623,26 +652,36 @@ def jit_builds(ccs, cuda_home, python=sys.executable, build=tuple(JIT_BUILD), ch
     return out
 
 
-def jit_part(a, python=sys.executable, build=tuple(JIT_BUILD), check=tuple(JIT_CHECK)):
+PROGRESS_EVERY = 2.0     # seconds between the flashinfer probe's progress events while it compiles
+
+
+def jit_part(a, python=sys.executable, build=tuple(JIT_BUILD), check=tuple(JIT_CHECK), beside=None):
     """(status, reason, figures) of JIT-compiling flashinfer for every capability the lock targets, into the
-    kernel cache where the probe run has one (`jit_compiled`: the builds that compiled anything; 0: all warm)."""
+    kernel cache where the probe run has one (`jit_compiled`: the builds that compiled anything; 0: all warm).
+    `beside`: the payload of the check to run among the builds (see `jit_builds`; run alone where nothing is
+    compiled); its answer in the figures under `_beside`, its process's span under `jit_spans`."""
     ccs = sorted(a.get("ccs") or [], key=vtuple)
     home = a.get("cuda_home")
     nvcc = os.path.join(home, "bin", "nvcc") if home else None
-    if not ccs:
-        return "skip", "JIT not compiled: the lock names no compute capability", {}
-    if not nvcc or not os.path.exists(nvcc):
-        return "skip", "JIT not compiled: no nvcc at %s" % nvcc, {}
+    skip = ("JIT not compiled: the lock names no compute capability" if not ccs else
+            "JIT not compiled: no nvcc at %s" % nvcc if not nvcc or not os.path.exists(nvcc) else None)
     ok, bad, refused, unlinked = [], [], [], []
     driver = driver_libcuda()
     t0 = time.perf_counter()
 
     def said(running, done, total):
-        event(step="probe", doing="flashinfer (jit %s; %d of %d done)" % (", ".join(running) or "-", done, total))
+        event(step="probe", doing="flashinfer (jit %s; %d of %d done; %.0fs)" % (
+            ", ".join(running) or "-", done, total, time.perf_counter() - t0))
 
+    if skip and beside is None:
+        return "skip", skip, {}
     cache = (KERNEL_CACHE.get("env") or {}).get(kernels.KINDS["flashinfer"])
-    per = jit_builds(ccs, home, python, build, check, workspace=cache, said=said)
-    workers = per.pop("_workers")
+    per = jit_builds([] if skip else ccs, home, python, build, check, workspace=cache, said=said, beside=beside,
+                     every=PROGRESS_EVERY)
+    workers, spans = per.pop("_workers"), per.pop("_spans", {})
+    extra = {"_beside": per.pop("_beside")} if beside is not None else {}
+    if skip:
+        return "skip", skip, dict(extra, jit_spans=spans)
     for arch, got in per.items():
         for name, r in got.items():
             what = JIT_BUILD.get(name) or JIT_CHECK.get(name)
@@ -656,9 +695,10 @@ def jit_part(a, python=sys.executable, build=tuple(JIT_BUILD), check=tuple(JIT_C
             else:
                 bad.append("%s %s %s: %s" % (what, arch, r["status"], r.get("error")))
     builds = [r for got in per.values() for n, r in got.items() if n not in JIT_CHECK and "compiled" in r]
-    figs = {"jit": per, "jit_refused": refused, "jit_unlinked": unlinked, "jit_workers": workers,
-            "jit_seconds": round(time.perf_counter() - t0, 2), "jit_builds": len(builds),
-            "jit_compiled": sum(1 for r in builds if r["compiled"]), "jit_cache": cache}
+    jit_end = max([end for label, (_, end) in spans.items() if label != CHECK] or [0.0])
+    figs = dict(extra, jit=per, jit_refused=refused, jit_unlinked=unlinked, jit_workers=workers,
+                jit_seconds=jit_end, jit_spans=spans, jit_builds=len(builds),
+                jit_compiled=sum(1 for r in builds if r["compiled"]), jit_cache=cache)
     tail = "; refused: %s" % ", ".join(refused) if refused else ""
     if bad:
         return "fail", "JIT failed: %s%s" % ("; ".join(bad), tail), figs
@@ -668,19 +708,46 @@ def jit_part(a, python=sys.executable, build=tuple(JIT_BUILD), check=tuple(JIT_C
     return "pass", "JIT-compiled %s%s" % (", ".join(ok), tail), figs
 
 
-def p_flashinfer(a):
-    """The runtime smoke on this host's GPUs, and flashinfer's JIT for the lock's capabilities (no GPU)."""
+def op_flashinfer_check(a):
+    """The flashinfer probe's check on this host's GPUs, in a process of its own run beside the JIT builds
+    ({op: flashinfer-check}): torch's and flashinfer's import timed apart from the check, whose first call
+    JIT-compiles the prefill kernel for the GPUs' own capability (`check_seconds` holds that compile)."""
+    imports = {}
+    for mod in ("torch", "flashinfer"):
+        t0 = time.perf_counter()
+        try:
+            __import__(mod)
+        except Exception:  # noqa: BLE001 - the check below says what is missing or broken
+            break
+        imports[mod] = round(time.perf_counter() - t0, 2)
+    t0 = time.perf_counter()
+    r = p_smoke(a, "flashinfer")
+    r["figures"].update(import_seconds=imports, check_seconds=round(time.perf_counter() - t0, 2))
+    return r
+
+
+def p_flashinfer(a, python=sys.executable):
+    """The runtime check on this host's GPUs, and flashinfer's JIT for the lock's capabilities (no GPU), side by
+    side: the check in a process of its own, started first among the JIT builds. The figures say where the
+    seconds went: each process's span from the probe's start (`jit_spans`), the check's imports and its run (its
+    compile included), the JIT builds' end (`jit_seconds`) and the probe's `wall_seconds`."""
     if "flashinfer-python" not in installed_dists():
         return result("flashinfer", "skip", "flashinfer-python is not installed in this generation")
-    if a.get("gpus"):
-        smoke = p_smoke(a, "flashinfer")
-        parts = [(smoke["status"], smoke["reason"], smoke["figures"])]
+    t0 = time.perf_counter()
+    gpus = bool(a.get("gpus"))
+    status, reason, figs = jit_part(a, python, beside={"op": "flashinfer-check"} if gpus else None)
+    if gpus:
+        got = figs.pop("_beside")
+        if isinstance(got.get("error"), str) or got.get("status") not in ("pass", "fail", "skip", "warn"):
+            got = result("flashinfer", "fail", "the check on the GPUs ended without a result: %s" % got.get("error"))
+        parts = [(got["status"], got["reason"], got.get("figures") or {})]
     else:
         parts = [("skip", "no GPU on this host: no runtime smoke", {})]
-    parts.append(jit_part(a))
+    parts.append((status, reason, figs))
     figs = {}
     for _, _, f in parts:
         figs.update(f)
+    figs["wall_seconds"] = round(time.perf_counter() - t0, 2)
     states = [s for s, _, _ in parts]
     status = "fail" if "fail" in states else "pass" if "pass" in states else "skip"
     return result("flashinfer", status, "; ".join(r for _, r, _ in parts), **figs)
@@ -1311,4 +1378,4 @@ def op_run(a):
             "dists": installed_dists(), "kernels": cache}
 
 
-OPS = {"run": op_run, "collective": op_collective, "jit": op_jit}
+OPS = {"run": op_run, "collective": op_collective, "jit": op_jit, "flashinfer-check": op_flashinfer_check}
