@@ -1,5 +1,5 @@
-"""The build step of apply: wheels the controller holds are pushed by hash, the host's build agent
-fetches the rest in parallel into its content-addressed cache and installs them (uv by default,
+"""The build step of apply: wheels the controller holds are pushed by hash (the `cache` agent), the host's `build`
+agent fetches the rest in parallel into its content-addressed cache (the `fetch` step) and installs them (uv by default,
 linking from a shared cache; pip only when asked); its events become readable progress lines."""
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def push(transport: Transport, root: str, files: list[tuple[dict, Path]]) -> dic
     if not entries:
         return {"sent": 0, "recheck": None, "rechecked": []}
     host = transport.target.name
-    have = Have.of(transport.run_agent("build", {"op": "have", "root": root, "files": entries}), host)
+    have = Have.of(transport.run_agent("cache", {"op": "have", "root": root, "files": entries}), host)
     missing = have.missing
     if any(not 0 <= i < len(entries) for i in missing) or len(set(missing)) < len(missing):
         refuse(host, "have", "missing", f"not indexes of the {len(entries)} files asked about")
@@ -77,7 +77,7 @@ def push(transport: Transport, root: str, files: list[tuple[dict, Path]]) -> dic
     send = [files[i] for i in missing]
     header = [dict(entries[i], size=path.stat().st_size, mode=f.get("mode"), label=f.get("label"))
               for i, (f, path) in zip(missing, send)]
-    transport.run_agent("build", {"op": "push", "root": root, "files": header},
+    transport.run_agent("cache", {"op": "push", "root": root, "files": header},
                         extra_stdin=_stream([path for _, path in send]))
     return out
 

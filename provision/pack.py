@@ -234,7 +234,7 @@ def pack(transport: Transport, out: Path, generation: str | None = None, *, allo
 
 def fetch(transport: Transport, remote: str, out: Path, wheels: list[PackedWheel]) -> None:
     """Bring each wheel the host wrote into DIR, verified against the sha256 the host reported on the way in."""
-    from .agent.build import AgentError, store
+    from .agent.cache import AgentError, store
 
     for w in wheels:
         try:
