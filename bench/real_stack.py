@@ -76,7 +76,7 @@ def fetch_alone(lk: lockmod.Lock, biggest, work: Path, jobs: int) -> dict:
     import contextlib
     import io
 
-    from provision.agent import build as agentbuild
+    from provision.agent import fetch as agentfetch
 
     pkgs = [{"name": p.name, "version": p.version, "sha256": p.sha256, "filename": p.filename, "url": p.url,
              **({"size": p.size} if p.size is not None else {})} for p in lk.packages]
@@ -86,7 +86,7 @@ def fetch_alone(lk: lockmod.Lock, biggest, work: Path, jobs: int) -> dict:
     events = io.StringIO()
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(events):         # the agent's progress events
-        res = agentbuild.fetch(str(work / "cache"), pkgs, jobs)
+        res = agentfetch.fetch(str(work / "cache"), pkgs, jobs)
     secs = time.perf_counter() - t0
     c2 = cpu_seconds()
     after, _ = line_rate(biggest.url)
@@ -332,7 +332,7 @@ def sglang(tr, work: Path, locks: dict, fig: dict, rows: list, quiet: bool) -> N
 
 
 def streams() -> int:
-    from provision.agent.build import streams as default
+    from provision.agent.fetch import streams as default
 
     return int(os.environ.get("PROVISION_FETCH_JOBS") or default())
 

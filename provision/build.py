@@ -1,5 +1,5 @@
-"""The build step of apply: wheels the controller holds are pushed by hash, the host's build agent
-fetches the rest in parallel into its content-addressed cache and installs them (uv by default,
+"""The build step of apply: wheels the controller holds are pushed by hash (the `cache` agent), the host's `build`
+agent fetches the rest in parallel into its content-addressed cache (the `fetch` step) and installs them (uv by default,
 linking from a shared cache; pip only when asked); its events become readable progress lines."""
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from . import layout
 from .errors import HostError, InputError, ProvisionError
 from .facts import Facts
 from .lock import Lock
+from .replies import Built, Have, refuse
 from .toolkit import wheels_home
 from .transport import Transport
 from .units import human_size
@@ -63,16 +64,20 @@ def push(transport: Transport, root: str, files: list[tuple[dict, Path]]) -> dic
                for f, _ in files]
     if not entries:
         return {"sent": 0, "recheck": None, "rechecked": []}
-    have = transport.run_agent("build", {"op": "have", "root": root, "files": entries})
-    missing, rc = have["missing"], have.get("recheck") or {}
-    rc = dict(rc, healed=[p.rsplit("/", 1)[-1] for p in rc.get("healed") or [] if isinstance(p, str)])
+    host = transport.target.name
+    have = Have.of(transport.run_agent("cache", {"op": "have", "root": root, "files": entries}), host)
+    missing = have.missing
+    if any(not 0 <= i < len(entries) for i in missing) or len(set(missing)) < len(missing):
+        refuse(host, "have", "missing", f"not indexes of the {len(entries)} files asked about")
+    rc = have.recheck.to_json() if have.recheck else {}
+    rc = dict(rc, healed=[p.rsplit("/", 1)[-1] for p in have.recheck.healed] if have.recheck else [])
     out = {"sent": len(missing), "recheck": rc, "rechecked": [e["sha256"] for e in entries]}
     if not missing:
         return out
     send = [files[i] for i in missing]
     header = [dict(entries[i], size=path.stat().st_size, mode=f.get("mode"), label=f.get("label"))
               for i, (f, path) in zip(missing, send)]
-    transport.run_agent("build", {"op": "push", "root": root, "files": header},
+    transport.run_agent("cache", {"op": "push", "root": root, "files": header},
                         extra_stdin=_stream([path for _, path in send]))
     return out
 
@@ -224,7 +229,7 @@ def _build(transport: Transport, lock: Lock, facts: Facts, gen: dict, installer:
         if line:
             say("build", level(ev), line)
 
-    figs = transport.run_agent("build", payload, on_event=on_event)
+    figs = Built.of(transport.run_agent("build", payload, on_event=on_event), transport.target.name).to_json()
     figs.update(pushed=pushed, wheels_from="controller" if from_controller else "host")
     rcs = [p["recheck"] for p in pushes if p["recheck"]] + [figs.get("recheck") or {}]
     figs["recheck"] = {"checked": sum(r.get("checked", 0) for r in rcs), "bytes": sum(r.get("bytes", 0) for r in rcs),

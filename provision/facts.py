@@ -7,24 +7,12 @@ HostError naming the host and the field. `capture_lock` turns a live environment
 """
 from __future__ import annotations
 
-import re
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 from .errors import HostError
 from .layout import root_of, venv_python
+from .replies import GEN_ID, PATH, host_path, read
 from .transport import Transport
-
-GENERATION_RE = re.compile(r"^\d{4}-[A-Za-z0-9][A-Za-z0-9._+-]{0,99}\Z")   # NNNN-<lock name>, as the store makes it
-
-
-PATH = {"path": True}                                              # a field that names a path on the host
-GEN_ID = {"pattern": GENERATION_RE, "what": "a generation id"}
-
-
-def host_path(path) -> bool:
-    """An absolute path on the host that no shell or path join could read otherwise: no NUL, newline or `..`."""
-    return (isinstance(path, str) and path.startswith("/") and not {"\0", "\n"} & set(path)
-            and ".." not in path.split("/"))
 
 
 @dataclass(frozen=True)
@@ -131,53 +119,7 @@ class Facts:
     def from_reply(cls, data, host: str) -> "Facts":
         """The facts agent's reply, checked field by field against the types above (HostError naming the host
         and the field): what the controller reads from it is what this returns."""
-        def bad(name: str, why: str):
-            raise HostError(f"the host's facts are malformed: {name}: {why}", where=host)
-
-        return _read(cls, data, "", bad, host=host)
-
-
-def _read(cls, data, name: str, bad, **given):
-    """An instance of dataclass `cls` from a JSON object, each field checked against its annotation."""
-    if not isinstance(data, dict):
-        bad(name or "facts", f"expected an object, not {type(data).__name__}")
-    out = dict(given)
-    for f in fields(cls):
-        key = f.metadata.get("key", f.name)
-        if f.name in given or data.get(key) is None:
-            if f.name not in given and f.default is MISSING and f.default_factory is MISSING:
-                bad(f"{name}.{key}" if name else key, "missing")
-            continue
-        out[f.name] = _value(f.type, data[key], f"{name}.{key}" if name else key, bad, f.metadata)
-    return cls(**out)
-
-
-def _value(kind: str, v, name: str, bad, meta):
-    if v is None and kind.endswith(" | None"):
-        return None
-    kind = kind.removesuffix(" | None")
-    if kind in NESTED:
-        return _read(NESTED[kind], v, name, bad)
-    if kind.startswith(("list", "dict")):
-        typ, (_, _, item) = (list, dict)[kind.startswith("dict")], kind[5:-1].rpartition(", ")   # list[X], dict[str, X]
-        if not isinstance(v, typ):
-            bad(name, f"expected {'a list' if typ is list else 'an object'}, not {type(v).__name__}")
-        if not item:
-            return v
-        if typ is list:
-            return [_value(item, x, f"{name}[{i}]", bad, meta) for i, x in enumerate(v)]
-        return {k: _value(item, x, f"{name}[{k!r}]", bad, meta) for k, x in v.items()}
-    if type(v) is not {"str": str, "int": int, "bool": bool}[kind]:
-        bad(name, f"expected {dict(str='a string', int='a whole number', bool='true or false')[kind]}, "
-                  f"not {type(v).__name__}")
-    if meta.get("path") and not host_path(v):
-        bad(name, f"{v[:120]!r} is not an absolute path")
-    if meta.get("pattern") and not meta["pattern"].match(v):
-        bad(name, f"{v[:120]!r} is not {meta['what']}")
-    return v
-
-
-NESTED = {"HostOs": HostOs, "Gpu": Gpu, "Generation": Generation, "Environment": Environment}
+        return read(cls, data, host, "facts", title="the host's facts are", given={"host": host})
 
 
 def gather(transport: Transport, *, python: str | None = None, adopt: str | None = None,

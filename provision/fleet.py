@@ -4,7 +4,6 @@ here their words, `--serial` batches and the `--max-fail` tolerance, as the CLI 
 from __future__ import annotations
 
 import re
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 

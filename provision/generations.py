@@ -1,9 +1,11 @@
 """Control-side handle on a host's generations store (the `state` agent): prepare, mark, switch,
-roll back, adopt, history, recover, gc, logs. Every call is one round trip; the agent does the atomic work."""
+roll back, adopt, history, recover, gc, logs. Every call is one round trip; the agent does the atomic work, and
+its reply is read through its declared shape (replies.py)."""
 from __future__ import annotations
 
 import time
 
+from . import replies
 from .layout import pick_generation, root_of
 from .errors import HostError
 from .transport import Transport
@@ -13,30 +15,36 @@ def call(transport: Transport, op: str, **args) -> dict:
     return transport.run_agent("state", dict(args, op=op, root=root_of(transport.target)))
 
 
+def ask(transport: Transport, reply: type, op: str, **args):
+    """The state agent's reply to `op`, read as the dataclass `reply` (ReplyError naming the host and the field)."""
+    return reply.of(call(transport, op, **args), transport.target.name)
+
+
 def prepare(t: Transport, lock_name: str, lock_text: str, manifest: dict, packages: list[dict]) -> dict:
     """New generation dir with lock.yaml, requirements.txt (hashes) and a 'building' manifest."""
     pkgs = [{"name": p["name"], "sha256": p["sha256"], "filename": p["filename"]} for p in packages]
-    return call(t, "prepare", lock_name=lock_name, lock_text=lock_text, manifest=manifest, packages=pkgs)
+    return ask(t, replies.Prepared, "prepare", lock_name=lock_name, lock_text=lock_text, manifest=manifest,
+               packages=pkgs).to_json()
 
 
 def mark(t: Transport, gen_id: str, event: dict | None = None, remove_venv: bool = False, **fields) -> dict:
-    return call(t, "mark", id=gen_id, fields=fields, event=event, remove_venv=remove_venv)
+    return ask(t, replies.Marked, "mark", id=gen_id, fields=fields, event=event, remove_venv=remove_venv).to_json()
 
 
 def switch(t: Transport, gen_id: str, kind: str = "switch", event: dict | None = None) -> dict:
     """Commit `gen_id` as current (rename of `current`); `bookkeeping_failed` names what failed after it."""
-    return call(t, "switch", id=gen_id, kind=kind, event=event or {})
+    return ask(t, replies.Switched, "switch", id=gen_id, kind=kind, event=event or {}).to_json()
 
 
 def recover(t: Transport) -> dict:
     """Settle what an interrupted run left (the caller holds the host lock): abandoned, repaired, freed."""
-    return call(t, "recover")
+    return ask(t, replies.Recovered, "recover").to_json()
 
 
 def logs(t: Transport, generation: str | None = None, tail: int = 65536) -> dict:
     """A generation's logs (tail of each), probe results with reasons, failure reason and run dir; `generation`
     is its id or number (default: the newest)."""
-    return call(t, "logs", id=resolve(t, generation, default="newest"), tail=tail)
+    return ask(t, replies.Logs, "logs", id=resolve(t, generation, default="newest"), tail=tail).to_json()
 
 
 def gc(t: Transport, keep: int = 3, dry_run: bool = False, on_event=None) -> dict:
@@ -46,10 +54,10 @@ def gc(t: Transport, keep: int = 3, dry_run: bool = False, on_event=None) -> dic
     `on_event` hears gc's progress (a phase begins, and at least every 2 s within one)."""
     out = t.run_agent("state", {"op": "gc", "root": root_of(t.target), "keep": keep, "dry_run": dry_run,
                                 "take_lock": True}, on_event=on_event)
-    return collected(out, dry_run)
+    return collected(replies.Gc.of(out, t.target.name), dry_run)
 
 
-def collected(out: dict, dry_run: bool) -> dict:
+def collected(reply: replies.Gc, dry_run: bool) -> dict:
     """The host's gc reply, then the controller's part: the run directories of the generations it removed (or would
     remove), under `run_dirs`, removed here unless `dry_run`."""
     import shutil
@@ -57,10 +65,10 @@ def collected(out: dict, dry_run: bool) -> dict:
 
     from .runner import RUNS
 
-    out["run_dirs"] = []
-    for g in out["generations"]:
-        rd = g.get("run_dir")
-        if rd and (dry_run or g.get("removed")) and Path(rd).resolve().parent == RUNS.resolve() and Path(rd).is_dir():
+    out = dict(reply.to_json(), run_dirs=[])
+    for g in reply.generations:
+        rd = g.run_dir
+        if rd and (dry_run or g.removed) and Path(rd).resolve().parent == RUNS.resolve() and Path(rd).is_dir():
             out["run_dirs"].append(rd)
             if not dry_run:
                 shutil.rmtree(rd, ignore_errors=True)
@@ -73,41 +81,39 @@ def rollback(t: Transport, to: str | None = None, dry_run: bool = False, force: 
     the figures): one that drifted is refused, naming its files, unless `force`. The rename of `current` is the
     commit: a failure after it is a warning (`warnings`), the switch stands and the next run records it."""
     t0 = time.perf_counter()
-    out = call(t, "rollback", to=to, take_lock=not dry_run, dry_run=dry_run, force=force)
+    out = ask(t, replies.Rollback, "rollback", to=to, take_lock=not dry_run, dry_run=dry_run, force=force)
     return rolled_back(out, time.perf_counter() - t0)
 
 
-def rolled_back(out: dict, seconds: float | None) -> dict:
+def rolled_back(reply: replies.Rollback, seconds: float | None) -> dict:
     """The host's rollback reply as `rollback` returns it: `seconds` the step took as the controller saw it, and a
     warning for each record that failed after the switch."""
-    out["seconds"] = seconds or 0.0
-    out["warnings"] = list(out.get("warnings") or []) + [
-        f"switched to {out['to']}; recording it failed ({what}); the next run repairs it"
-        for what in out.get("bookkeeping_failed") or []]
-    return out
+    return dict(reply.to_json(), seconds=seconds or 0.0, warnings=reply.warnings + [
+        f"switched to {reply.to}; recording it failed ({what}); the next run repairs it"
+        for what in reply.bookkeeping_failed])
 
 
 def status(t: Transport) -> dict:
     """Current generation, its lock, since when, last probe verdict, generations kept, disk used."""
-    return call(t, "status")
+    return ask(t, replies.Status, "status").to_json()
 
 
 def adopt(t: Transport, prefix: str, lock_name: str, lock_text: str, manifest: dict) -> dict:
-    return call(t, "adopt", prefix=prefix, lock_name=lock_name, lock_text=lock_text, manifest=manifest)
+    return ask(t, replies.Adopted, "adopt", prefix=prefix, lock_name=lock_name, lock_text=lock_text,
+               manifest=manifest).to_json()
 
 
 def history(t: Transport, limit: int = 200) -> dict:
-    return call(t, "history", limit=limit)
+    return ask(t, replies.History, "history", limit=limit).to_json()
 
 
 def resolve(t: Transport, generation: str | None, default: str = "current") -> str:
     """A generation's id from its id or number; None means `current` (or the newest, default="newest")."""
     from .errors import ProvisionError
 
-    h = history(t)
-    gens = [(x["number"], x["id"]) for x in h.get("generations") or []]
+    h = ask(t, replies.History, "history", limit=200)
     try:
-        return pick_generation(gens, h.get("current"), generation, default)
+        return pick_generation([(g.number, g.id) for g in h.generations], h.current, generation, default)
     except LookupError as e:
         why = {"none": f"no generations under {root_of(t.target)}: adopt or apply first",
                "no current": "no current generation; name one with --generation"}.get(str(e), str(e))
@@ -115,22 +121,30 @@ def resolve(t: Transport, generation: str | None, default: str = "current") -> s
 
 
 def read(t: Transport, gen_id: str) -> dict:
-    return call(t, "read", id=gen_id)
+    """A generation's manifest and lock text, as the host sent them (`read_generation`'s reply)."""
+    return read_generation(t, gen_id).to_json()
+
+
+def read_generation(t: Transport, gen_id: str) -> replies.GenerationRead:
+    return ask(t, replies.GenerationRead, "read", id=gen_id)
+
+
+def lock_of(t: Transport, gen_id: str):
+    """(the Lock generation `gen_id` was built from, its manifest); HostError when it has no lock.yaml."""
+    from .lock import loads
+
+    info = read_generation(t, gen_id)
+    if not info.lock_text:
+        raise HostError(f"generation {gen_id} has no lock.yaml", where=t.target.name)
+    return loads(info.lock_text, f"{t.target.name}:{gen_id}/lock.yaml"), info.manifest
 
 
 def diff(t: Transport, a: str, b: str | None = None) -> dict:
     """Stack changes from generation `a` to `b` (default: current), each read from its own lock."""
-    from .lock import loads
     from .plan import diff_stacks, stack_of_lock, summarize
 
     ids = [resolve(t, a), resolve(t, b)]
-    stacks = []
-    for gen_id in ids:
-        text = read(t, gen_id).get("lock_text")
-        if not text:
-            raise HostError(f"generation {gen_id} has no lock.yaml", where=t.target.name)
-        stacks.append(stack_of_lock(loads(text, f"{t.target.name}:{gen_id}/lock.yaml")))
-    changes = diff_stacks(*stacks)
+    changes = diff_stacks(*(stack_of_lock(lock_of(t, gen_id)[0]) for gen_id in ids))
     return {"host": t.target.name, "from": ids[0], "to": ids[1], "changes": changes, "summary": summarize(changes)}
 
 
@@ -163,7 +177,8 @@ def rollback_play(targets: list, to: str | None = None, *, dry_run: bool = False
     rows = []
     for number, group in enumerate(batches(targets, serial), 1):
         for row in play_rows("rollback", group, {k: v for k, v in given.items() if v is not None}, check=dry_run,
-                             forks=forks, read=lambda t, r, seconds: rolled_back(answer(t, r), seconds)):
+                             forks=forks, read=lambda t, r, seconds: rolled_back(
+                                 replies.Rollback.of(answer(t, r), t.name), seconds)):
             row.batch = number
             rows.append(row)
     return rows
@@ -175,4 +190,4 @@ def gc_play(targets: list, keep: int = 3, dry_run: bool = False, forks: int | No
     from .runner import answer, play_rows
 
     return play_rows("gc", targets, {"keep": keep}, check=dry_run, forks=forks,
-                     read=lambda t, r, seconds: collected(answer(t, r), dry_run))
+                     read=lambda t, r, seconds: collected(replies.Gc.of(answer(t, r), t.name), dry_run))

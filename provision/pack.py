@@ -5,7 +5,6 @@ and rebuilds the wheels; this side brings them back (over SSH), adds extra wheel
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import time
 from pathlib import Path
@@ -15,9 +14,9 @@ from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel
 from . import generations, layout, lock as lockmod
 from .build import setting, sha256_file
 from .errors import DriftError, HostError, InputError, ProvisionError
+from .replies import Packed, PackedWheel, PackRefused
 from .transport import Transport
 
-WHEEL_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+!-]{0,250}\.whl\Z")
 SHOWN = 5      # drifted files named in a refusal before "and N more"
 
 
@@ -138,11 +137,7 @@ def pack(transport: Transport, out: Path, generation: str | None = None, *, allo
     t0 = time.perf_counter()
 
     gen_id = generations.resolve(transport, generation)
-    info = generations.read(transport, gen_id)
-    manifest = info.get("manifest") or {}
-    if not info.get("lock_text"):
-        raise HostError(f"generation {gen_id} has no lock.yaml", where=host)
-    source = lockmod.loads(info["lock_text"], f"{host}:{gen_id}/lock.yaml")
+    source, manifest = generations.lock_of(transport, gen_id)
     venv = venv_of(transport, gen_id, manifest)
     rules = base_lock or source      # what the packed lock says besides its packages
     if base_lock and base_lock.platform.python != source.platform.python:
@@ -159,16 +154,13 @@ def pack(transport: Transport, out: Path, generation: str | None = None, *, allo
     if not manifest.get("adopted_from"):
         payload["gen_dir"] = lay.gen(gen_id).dir
     try:
-        res = transport.run_agent("pack", payload, on_event=progress, timeout=None)
-        if res.get("refused") == "drift":
-            n = sum(len(v) for v in res["drift"].values())
+        res = Packed.of(transport.run_agent("pack", payload, on_event=progress, timeout=None), host)
+        if isinstance(res, PackRefused):
+            n = sum(len(v) for v in res.drift.values())
             raise DriftError(f"generation {gen_id} ({venv}): {n} installed file(s) no longer match their RECORD: "
-                             f"{drift_line(res['drift'])}; refusing to pack (`--allow-drift` packs them as they are "
+                             f"{drift_line(res.drift)}; refusing to pack (`--allow-drift` packs them as they are "
                              f"and records them in the lock)", where=host)
-        wheels = res["wheels"]
-        for w in wheels:      # the host's reply names files in DIR: plain wheel names only
-            if not (isinstance(w.get("filename"), str) and WHEEL_FILE.match(w["filename"])):
-                raise HostError(f"host reported wheel file name {w.get('filename')!r}; refusing", where=host)
+        wheels = res.wheels       # their file names are plain wheel names (the reader checked): files in DIR
         t_fetch = time.perf_counter()
         if not transport.target.local:
             fetch(transport, remote, out, wheels)
@@ -180,11 +172,11 @@ def pack(transport: Transport, out: Path, generation: str | None = None, *, allo
             except ProvisionError:
                 pass
 
-    if res.get("python") != f"python{rules.platform.python}":
-        raise HostError(f"{venv} runs {res.get('python')!r}, not Python {rules.platform.python} as its lock says",
+    if res.python != f"python{rules.platform.python}":
+        raise HostError(f"{venv} runs {res.python!r}, not Python {rules.platform.python} as its lock says",
                         where=host)
 
-    by_name = {w["name"]: dict(w, drift=res["drift"].get(w["name"])) for w in wheels}
+    by_name = {w.name: dict(w.to_json(), drift=res.drift.get(w.name)) for w in wheels}
     replaced = []
     for x in extras:
         dest = out / x["filename"]
@@ -227,25 +219,25 @@ def pack(transport: Transport, out: Path, generation: str | None = None, *, allo
     from . import lockcheck
 
     check = lockcheck.check(written, offline=True)
-    secs = dict(res["seconds"], fetch=t_fetch, total=time.perf_counter() - t0)
-    members = {k: sum(w.get(k, 0) for w in wheels) for k in ("stored", "deflated")}
+    secs = dict(res.seconds.to_json(), fetch=t_fetch, total=time.perf_counter() - t0)
+    members = {k: sum(getattr(w, k) for w in wheels) for k in ("stored", "deflated")}
     return {"host": host, "generation": gen_id, "venv": venv, "out": str(out), "lock": str(lock_path),
             "name": written.name, "distributions": len(wheels), "extra": [x["filename"] for x in extras],
-            "replaced": replaced, "files": res["files"], "bytes": res["bytes"], "read_bytes": res["read_bytes"],
-            "wheel_bytes": sum(w["size"] for w in wheels), "jobs": res["jobs"], "workers": res.get("workers"),
-            "seconds": secs, "cache": res.get("cache"), "level": res.get("level"), "level_auto": res.get("level_auto"),
+            "replaced": replaced, "files": res.files, "bytes": res.bytes, "read_bytes": res.read_bytes,
+            "wheel_bytes": sum(w.size for w in wheels), "jobs": res.jobs, "workers": res.workers,
+            "seconds": secs, "cache": res.cache, "level": res.level, "level_auto": res.level_auto,
             "members": members,
             "ratio": (secs["plan"] + secs["pack"]) / secs["read"] if secs["read"] > 0 else None,
-            "drift": res["drift"], "unpacked": res.get("unpacked", []), "not_owned": res.get("extra", 0),
+            "drift": res.drift, "unpacked": res.unpacked, "not_owned": res.extra,
             "missing_series": missing_series, "check": check}
 
 
-def fetch(transport: Transport, remote: str, out: Path, wheels: list[dict]) -> None:
+def fetch(transport: Transport, remote: str, out: Path, wheels: list[PackedWheel]) -> None:
     """Bring each wheel the host wrote into DIR, verified against the sha256 the host reported on the way in."""
-    from .agent.build import AgentError, store
+    from .agent.cache import AgentError, store
 
     for w in wheels:
         try:
-            store(str(out / w["filename"]), w["sha256"], transport.read(f"{remote}/{w['filename']}"), w["name"])
+            store(str(out / w.filename), w.sha256, transport.read(f"{remote}/{w.filename}"), w.name)
         except AgentError as e:
             raise HostError(str(e), where=transport.target.name) from None

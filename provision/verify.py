@@ -12,7 +12,8 @@ from packaging.version import InvalidVersion, Version
 from . import generations
 from .errors import HostError, InputError, ProvisionError
 from .layout import root_of
-from .lock import Lock, loads
+from .lock import Lock
+from .replies import Checked, QuickCheck, read
 from .transport import Transport
 
 GENERATION_RE = re.compile(r"[0-9]{1,9}(-[A-Za-z0-9][A-Za-z0-9._+-]{0,99})?")   # a number, or NNNN-<lock name>
@@ -37,14 +38,14 @@ def _short(path: str) -> str:
     return re.sub(r"^lib/python[0-9.]+/site-packages/", "", path)
 
 
-def judge(found: dict, lock: Lock, installer: str | None = None) -> dict:
+def judge(found: Checked, lock: Lock, installer: str | None = None) -> dict:
     """The verdict on an agent's check (`agent/verify.full`, and `drift` against the seal under `sealed`):
     {verdict: clean|drift, rows: [{dist, version, what, files}], counts}. One row per distribution that drifted:
     changed, missing and outside files; missing, extra and other-version distributions against the lock; then
     files no RECORD lists, patched files no RECORD lists, what else differs from the seal (bin/, pyvenv.cfg,
     files RECORD lists without a hash) and bytecode that is not its source's compile."""
     want = {canonicalize_name(p.name): p.version for p in lock.packages}
-    have = {name: d for name, d in found["dists"].items()}
+    have = found.dists
     tolerated = INSTALLER_OWN.get(installer or "", set())
     rows, counts = [], {"changed": 0, "missing": 0, "extra": 0, "dists_missing": 0, "dists_extra": 0,
                         "dists_other_version": 0}
@@ -61,35 +62,35 @@ def judge(found: dict, lock: Lock, installer: str | None = None) -> dict:
                 continue
             parts.append("installed, but not in the lock")
             counts["dists_extra"] += 1
-        elif not _same_version(d["version"], want[name]):
-            parts.append(f"version {d['version']} installed, the lock says {want[name]}")
+        elif not _same_version(d.version, want[name]):
+            parts.append(f"version {d.version} installed, the lock says {want[name]}")
             counts["dists_other_version"] += 1
         for key, label in (("changed", "changed"), ("missing", "missing"), ("outside", "outside the venv")):
-            if d[key]:
-                parts.append(f"{len(d[key])} {label} ({named(d[key])})")
-                files += d[key]
-        counts["changed"] += len(d["changed"]) + len(d["outside"])
-        counts["missing"] += len(d["missing"])
+            if getattr(d, key):
+                parts.append(f"{len(getattr(d, key))} {label} ({named(getattr(d, key))})")
+                files += getattr(d, key)
+        counts["changed"] += len(d.changed) + len(d.outside)
+        counts["missing"] += len(d.missing)
         if parts:
-            rows.append({"dist": name, "version": d["version"], "what": "; ".join(parts), "files": files})
-    if found.get("extra"):
-        rows.append({"dist": "(no distribution)", "version": None, "files": found["extra"],
-                     "what": f"{len(found['extra'])} files no RECORD lists ({named(found['extra'])})"})
-        counts["extra"] += len(found["extra"])
-    if found.get("unclaimed_patches"):
-        un = found["unclaimed_patches"]
+            rows.append({"dist": name, "version": d.version, "what": "; ".join(parts), "files": files})
+    if found.extra:
+        rows.append({"dist": "(no distribution)", "version": None, "files": found.extra,
+                     "what": f"{len(found.extra)} files no RECORD lists ({named(found.extra)})"})
+        counts["extra"] += len(found.extra)
+    if found.unclaimed_patches:
+        un = found.unclaimed_patches
         rows.append({"dist": "(patches)", "version": None, "files": un,
                      "what": f"{len(un)} patched files no RECORD lists ({named(un)})"})
         counts["missing"] += len(un)
-    sealed = found.get("sealed") or {}
+    sealed = found.sealed
     for key, label in (("changed", "changed since the build sealed it"), ("missing", "gone since the build sealed it"),
                        ("extra", "not installed by the build")):
-        files = [_short(f) for f in sealed.get(key) or []]
+        files = [_short(f) for f in (getattr(sealed, key) if sealed else [])]
         if files:
             rows.append({"dist": "(venv)", "version": None, "files": files,
                          "what": f"{len(files)} {label} ({named(files)})"})
             counts["changed" if key == "changed" else key] += len(files)
-    bytecode = sealed.get("bytecode") or {}
+    bytecode = sealed.bytecode if sealed else {}
     if bytecode:
         files = [_short(f) for f in bytecode]
         rows.append({"dist": "(bytecode)", "version": None, "files": files,
@@ -99,11 +100,11 @@ def judge(found: dict, lock: Lock, installer: str | None = None) -> dict:
     return {"verdict": "drift" if rows else "clean", "rows": rows, "counts": counts}
 
 
-def summary(found: dict, verdict: dict, how: str) -> dict:
+def summary(found: Checked, verdict: dict, how: str) -> dict:
     """What the manifest keeps of a verdict (status shows it; rollback refuses on its drift)."""
     named_files = [f"{r['dist']}: {f}" for r in verdict["rows"] for f in r["files"][:FEW]][:10]
     return {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "verdict": verdict["verdict"], "how": how,
-            "files": found["files"], "bytes": found["bytes"], "seconds": round(found["seconds"], 3),
+            "files": found.files, "bytes": found.bytes, "seconds": round(found.seconds, 3),
             "drifted": len(verdict["rows"]), "named": named_files, **verdict["counts"]}
 
 
@@ -111,13 +112,6 @@ def line(row: dict) -> str:
     """One line per drifted distribution."""
     v = f" {row['version']}" if row.get("version") else ""
     return f"{row['dist']}{v}: {row['what']}"
-
-
-def _lock_of(t: Transport, gen_id: str) -> tuple[Lock, dict]:
-    info = generations.read(t, gen_id)
-    if not info.get("lock_text"):
-        raise HostError(f"generation {gen_id} has no lock.yaml", where=t.target.name)
-    return loads(info["lock_text"], f"{t.target.name}:{gen_id}/lock.yaml"), info.get("manifest") or {}
 
 
 def generation_arg(generation: str | None) -> None:
@@ -143,12 +137,12 @@ def verify(t: Transport, generation: str | None = None, baseline: bool = False, 
         if generation is None:
             raise
         raise InputError(e.message, where=e.where) from None
-    lock, manifest = _lock_of(t, gen_id)
+    lock, manifest = generations.lock_of(t, gen_id)
     from .pack import progress_every
 
     found = t.run_agent("verify", {"op": "verify", "root": root_of(t.target), "id": gen_id, "baseline": baseline,
                                    "jobs": jobs, "progress_every": progress_every()}, on_event=progress)
-    out = verdict_of(found, lock, manifest.get("installer"), gen_id)
+    out = verdict_of(found, lock, manifest.get("installer"), gen_id, t.target.name)
     rec = out.pop("record")
     warnings = []
     try:
@@ -188,27 +182,28 @@ def event_of(rec: dict) -> dict:
                                                       "missing", "extra")}}
 
 
-def verdict_of(found: dict, lock: Lock, installer: str | None, gen_id: str) -> dict:
+def verdict_of(reply, lock: Lock, installer: str | None, gen_id: str, host: str = "host") -> dict:
     """The verdict on the agent's `verify` reply for generation `gen_id` (judged against its lock), with the
     figures and one line per drifted distribution; `record` is what the manifest keeps of it. The CLI and the
-    playbooks' verify both read the agent's reply here."""
+    playbooks' verify both read the agent's reply here (ReplyError naming `host` when it has the wrong shape)."""
+    found = Checked.of(reply, host)
     verdict = judge(found, lock, installer)
-    out = dict(verdict, generation=gen_id, files=found["files"], bytes=found["bytes"], seconds=found["seconds"],
-               jobs=found.get("jobs"), bytecode_checked=found.get("bytecode_checked", 0),
+    out = dict(verdict, generation=gen_id, files=found.files, bytes=found.bytes, seconds=found.seconds,
+               jobs=found.jobs, bytecode_checked=found.bytecode_checked,
                lines=[line(r) for r in verdict["rows"]], record=summary(found, verdict, "verify"))
-    out["rate_gbs"] = found["bytes"] / found["seconds"] / 1e9 if found["seconds"] > 0 else None
-    if "read_seconds" in found:
-        rs = found["read_seconds"]
-        out.update(read_seconds=rs, read_bytes=found["read_bytes"], cache=found.get("cache"),
-                   read_rate_gbs=found["read_bytes"] / rs / 1e9 if rs > 0 else None,
-                   ratio=found["seconds"] / rs if rs > 0 else None)
+    out["rate_gbs"] = found.bytes / found.seconds / 1e9 if found.seconds > 0 else None
+    if found.read_seconds is not None:
+        rs, rb = found.read_seconds, found.read_bytes or 0
+        out.update(read_seconds=rs, read_bytes=rb, cache=found.cache, read_rate_gbs=rb / rs / 1e9 if rs > 0 else None,
+                   ratio=found.seconds / rs if rs > 0 else None)
     return out
 
 
 def seal(t: Transport, lock: Lock, gen_id: str, installer: str | None) -> dict:
     """The build's last step (after patches, before probes): files read-only, a stamp of every file for rollback's
     quick check, and a full check judged against the lock. Drift fails the build (HostError naming it)."""
-    found = t.run_agent("verify", {"op": "seal", "root": root_of(t.target), "id": gen_id})
+    found = read(Checked, t.run_agent("verify", {"op": "seal", "root": root_of(t.target), "id": gen_id}),
+                 t.target.name, "seal")
     verdict = judge(found, lock, installer)
     rec = summary(found, verdict, "build")
     if verdict["verdict"] != "clean":
@@ -220,19 +215,18 @@ def seal(t: Transport, lock: Lock, gen_id: str, installer: str | None) -> dict:
                         + "; ".join(line(r) for r in rows[:2]) + more + hint, where=t.target.name)
     from .units import human_size
 
-    rate = found["bytes"] / found["seconds"] if found["seconds"] > 0 else 0.0
-    linked = (f"; {found['stored']} linked from the host's store ({human_size(found['stored_bytes'])}), hashed "
-              "when entered" if found.get("stored") else "")
-    detail = (f"{found['files']} files, {human_size(found['bytes'])} hashed in {found['seconds']:.1f}s "
+    rate = found.bytes / found.seconds if found.seconds > 0 else 0.0
+    linked = (f"; {found.stored} linked from the host's store ({human_size(found.stored_bytes)}), hashed "
+              "when entered" if found.stored else "")
+    detail = (f"{found.files} files, {human_size(found.bytes)} hashed in {found.seconds:.1f}s "
               f"({human_size(rate)}/s){linked}: all match RECORD and the lock; stamped, read-only")
-    return {"detail": detail, "record": rec, "stamped": found.get("stamped")}
+    return {"detail": detail, "record": rec, "stamped": found.stamped}
 
 
 def check(t: Transport, gen_id: str) -> dict:
     """Rollback's quick check of one generation (every file's stat against its build's stamp, hashing what
     changed), for a switch that did not go through `rollback`: apply's reuse of an existing generation."""
-    out = t.run_agent("verify", {"op": "quick", "root": root_of(t.target), "id": gen_id})
-    out["named"] = out.get("named") or ""
-    verdict = "clean" if out["verdict"] == "clean" else f"drift: {out['named']}"
-    out["detail"] = f"{gen_id}: {out['files']} files against its stamp, {out['hashed']} hashed: {verdict}"
-    return out
+    q = QuickCheck.of(t.run_agent("verify", {"op": "quick", "root": root_of(t.target), "id": gen_id}), t.target.name)
+    verdict = "clean" if q.verdict == "clean" else f"drift: {q.named or ''}"
+    return dict(q.to_json(), named=q.named or "",
+                detail=f"{gen_id}: {q.files} files against its stamp, {q.hashed} hashed: {verdict}")

@@ -24,7 +24,7 @@ class WheelCache:
 
     def path(self, sha256: str, filename: str) -> Path:
         """<root>/<sha256>/<filename>, by the host store's own rule (a plain name under a 64-hex dir)."""
-        from .agent.build import AgentError, entry
+        from .agent.cache import AgentError, entry
 
         try:
             return Path(entry(str(self.root), sha256, filename))
@@ -35,7 +35,7 @@ class WheelCache:
         """The local file of every package (those with a `url`), downloading what the cache lacks with the
         host's fetcher (parallel, retried, resumed); a download whose sha256 differs from the lock is refused
         (one line naming the lock's line)."""
-        from .agent.build import AgentError, Download, Fetcher, fetchable
+        from .agent.fetch import AgentError, Download, Fetcher, fetchable
 
         lines = {p.pin: p.line for p in lock.packages}
         todo = [p for p in packages if p.get("url")]

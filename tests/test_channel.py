@@ -70,7 +70,7 @@ def test_agent_error_and_crash_are_one_line(tmp_path):
     with pytest.raises(HostError, match="unknown op 'nope'"):
         Local().run_agent("build", {"op": "nope", "root": str(tmp_path)})
     with pytest.raises(HostError, match="KeyError"):
-        Local().run_agent("build", {"op": "have", "root": str(tmp_path)})
+        Local().run_agent("cache", {"op": "have", "root": str(tmp_path)})
 
 
 def test_lock_of_300_packages_and_2mb_yaml_over_ssh(target, tmp_path):

@@ -19,7 +19,7 @@ import pytest
 
 from provision import apply as applymod
 from provision import lock as lockmod
-from provision.agent import build
+from provision.agent import fetch as agentfetch
 from provision.agent.host import AgentError
 from provision.errors import ProvisionError
 from provision.transport import connect
@@ -130,11 +130,11 @@ def package(m: Mirror, name: str, url: str | None = None) -> dict:
 def fetch(tmp_path: Path, pkgs: list[dict], **kw):
     """The host agent's fetch into a fresh cache: (count, bytes, seconds, figures)."""
     kw.setdefault("stall", 2.0)
-    return build.fetch(str(tmp_path / "cache"), pkgs, kw.pop("jobs", 4), **kw)
+    return agentfetch.fetch(str(tmp_path / "cache"), pkgs, kw.pop("jobs", 4), **kw)
 
 
 def cached(tmp_path: Path, p: dict) -> bytes:
-    return Path(build.entry(str(tmp_path / "cache"), p["sha256"], p["filename"])).read_bytes()
+    return Path(agentfetch.entry(str(tmp_path / "cache"), p["sha256"], p["filename"])).read_bytes()
 
 
 def no_partials(tmp_path: Path, p: dict | None = None) -> list[str]:
@@ -248,8 +248,8 @@ def test_big_file_fetched_as_parallel_ranges_and_a_cut_range_resumed(tmp_path, m
     the pieces are hashed in order and the file lands whole. With the lock's size the first request is the
     first range already; without it, a plain GET whose reply advertises ranges is cut short after its first."""
     seg = 64 * 1024
-    monkeypatch.setattr(build, "SPLIT", 2 * seg)
-    monkeypatch.setattr(build, "SEGMENT", seg)
+    monkeypatch.setattr(agentfetch, "SPLIT", 2 * seg)
+    monkeypatch.setattr(agentfetch, "SEGMENT", seg)
     size = mirror.wheels["alpha"].stat().st_size
     a = dict(package(mirror, "alpha"), **({"size": size} if sized else {}))
     mirror.script[a["filename"]] = ["ok", "ok", "cut"]
@@ -278,11 +278,11 @@ def test_whole_blocks_go_past_the_page_cache(tmp_path):
         m.script[a["filename"]] = ["cut"]
         fetch(tmp_path, [a], jobs=1)
         (_, _, sent1), (rng, status, _) = m.requests(a["filename"])
-        assert sent1 % build.ALIGN and status == 206       # the resume starts inside a block
-        entry = build.entry(str(tmp_path / "cache"), a["sha256"], a["filename"])
+        assert sent1 % agentfetch.ALIGN and status == 206       # the resume starts inside a block
+        entry = agentfetch.entry(str(tmp_path / "cache"), a["sha256"], a["filename"])
         resident = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", entry],
                                   capture_output=True, text=True, check=True).stdout.strip()
-        assert int(resident) <= 4 * build.ALIGN < a["size"] // 64, resident
+        assert int(resident) <= 4 * agentfetch.ALIGN < a["size"] // 64, resident
         assert Path(entry).read_bytes() == m.files[a["filename"]]
     finally:
         m.close()
@@ -291,7 +291,7 @@ def test_whole_blocks_go_past_the_page_cache(tmp_path):
 def _takes_direct(where: Path) -> bool:
     probe = where / "direct-probe"
     probe.write_bytes(b"")
-    fd = build._direct(str(probe))
+    fd = agentfetch._direct(str(probe))
     if fd is not None:
         os.close(fd)
     return fd is not None
@@ -328,7 +328,7 @@ def test_a_partial_file_of_other_bytes_is_refused_and_removed(tmp_path, mirror):
     mirror.script[a["filename"]] = ["cut", "503"]
     with pytest.raises(AgentError):
         fetch(tmp_path, [a], retries=1)
-    part = Path(build.entry(str(tmp_path / "cache"), a["sha256"], a["filename"]) + ".partial")
+    part = Path(agentfetch.entry(str(tmp_path / "cache"), a["sha256"], a["filename"]) + ".partial")
     with open(part, "r+b") as f:
         f.write(b"X")
     with pytest.raises(AgentError, match="sha256 mismatch .* came from an earlier run's partial file, now removed"):

@@ -306,7 +306,7 @@ def test_pack_refuses_a_folder_that_is_not_empty(adopted, tmp_path, wheels):
 def test_hash_mismatches_name_both_hashes_whole(tmp_path):
     """A wheel brought back by hash (pack's fetch, the host's cache) and a patched file that changed since apply:
     each refusal names both sha256 in full (cut short, two different hashes can look the same)."""
-    from provision.agent.build import AgentError, store
+    from provision.agent.cache import AgentError, store
 
     data = b"packed wheel bytes"
     got = hashlib.sha256(data).hexdigest()

@@ -50,7 +50,7 @@ provision.agent.host.serve(m)
 MESSAGE = {}            # the message this process was started with (to start sibling agents)
 AT_END = []             # what `end` does once this agent's process tree is gone (the host lock waits for work)
 ON_PULSE = []           # what each heartbeat from the controller does (the host lock notes its holder is heard)
-STDIN_OPS = {("host", "hold"), ("build", "push")}    # the operations that read stdin after their message
+STDIN_OPS = {("host", "hold"), ("cache", "push")}    # the operations that read stdin after their message
 
 
 class AgentError(Exception):

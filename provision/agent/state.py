@@ -323,7 +323,7 @@ def op_recover(lay, a):
     return out
 
 
-PARTIAL = re.compile(r"\.part-\d+-\d+$")      # agent/build.py's `store`: <entry>.part-<pid>-<thread>
+PARTIAL = re.compile(r"\.part-\d+-\d+$")      # agent/cache.py's `store`: <entry>.part-<pid>-<thread>
 
 
 def partial_dirs(lay):

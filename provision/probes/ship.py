@@ -41,7 +41,7 @@ def ship_tool(transport: Transport) -> str:
     files = bundle_files()
     name = digest(files)
     ask = {"op": "unpack", "root": root_of(transport.target), "name": name}
-    there = transport.run_agent("build", ask)
+    there = transport.run_agent("tool", ask)
     if there["complete"]:
         return there["path"]
     buf = io.BytesIO()
@@ -50,5 +50,5 @@ def ship_tool(transport: Transport) -> str:
             info = tarfile.TarInfo(rel)
             info.size, info.mode, info.mtime = len(data), 0o644, 0
             t.addfile(info, io.BytesIO(data))
-    out = transport.run_agent("build", dict(ask, tar=base64.b64encode(buf.getvalue()).decode()))
+    out = transport.run_agent("tool", dict(ask, tar=base64.b64encode(buf.getvalue()).decode()))
     return out["path"]

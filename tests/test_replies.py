@@ -1,0 +1,190 @@
+"""Agent replies are read through their declared shape (provision/replies.py): a host whose agent answers with a
+field of the wrong type, or without one, is refused in one line naming the host, the step and the field, through
+the library and through the CLI. The hostile host runs the real agents; its interpreter rewrites one reply."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from provision import apply as applymod, generations, lock as lockmod, pack as packmod, verify as verifymod
+from provision.errors import HostError
+from provision.replies import History, ReplyError, Rollback, Status
+from provision.transport import Local, Target
+from wheelhouse import write_lock
+
+ROOT = Path(__file__).resolve().parent.parent
+
+WRAPPER = r'''#!{python}
+"""A host's python3 that runs the real one and rewrites its agent's reply as RULES (agent:op -> code on `r`) say."""
+import json, subprocess, sys, threading
+
+first = sys.stdin.buffer.readline()
+msg = json.loads(first)
+with open({rules!r}) as f:
+    rule = json.load(f).get("%s:%s" % (msg.get("agent"), (msg.get("input") or {{}}).get("op")))
+child = subprocess.Popen([{python!r}] + sys.argv[1:], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+child.stdin.write(first)
+child.stdin.flush()
+
+
+def pump():
+    try:
+        for chunk in iter(lambda: sys.stdin.buffer.read1(65536), b""):
+            child.stdin.write(chunk)
+            child.stdin.flush()
+        child.stdin.close()
+    except OSError:
+        pass
+
+
+threading.Thread(target=pump, daemon=True).start()
+last = None
+for line in child.stdout:          # each line as it comes; the last held back where a rule rewrites it
+    if last is not None:
+        sys.stdout.buffer.write(last)
+        sys.stdout.flush()
+    last = line
+    if rule is None:
+        sys.stdout.buffer.write(last)
+        sys.stdout.flush()
+        last = None
+child.wait()
+if last is not None and rule is not None:
+    r = json.loads(last)
+    exec(rule, {{"r": r}})
+    last = (json.dumps(r) + "\n").encode()
+sys.stdout.buffer.write(last or b"")
+sys.exit(child.returncode)
+'''
+
+
+class Hostile:
+    """A loopback host whose python3 answers what the test chooses (`answer(agent, op, code)`), else the truth."""
+
+    def __init__(self, tmp_path: Path, root: Path):
+        self.bin = tmp_path / "hostile-bin"
+        self.bin.mkdir()
+        self.rules = tmp_path / "rules.json"
+        self.rules.write_text("{}")
+        py = self.bin / "python3"
+        py.write_text(WRAPPER.format(python=sys.executable, rules=str(self.rules)))
+        py.chmod(0o755)
+        self.root = root
+        self.transport = Local(Target(host="h", vars={"provision_root": str(root), "python": str(py)}))
+
+    def answer(self, agent: str, op: str, code: str) -> None:
+        self.rules.write_text(json.dumps({f"{agent}:{op}": code}))
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        env = dict(os.environ, PATH=f"{self.bin}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=str(ROOT))
+        return subprocess.run([sys.executable, "-m", "provision.cli", *args, "--local", "--root", str(self.root)],
+                              capture_output=True, text=True, cwd=ROOT, env=env)
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory, wheels):
+    """Two generations applied (a, then b current) on an honest host, then the same root behind a hostile python3
+    (one for the module: each test leaves the host runnable, though perhaps rolled back)."""
+    tmp_path = tmp_path_factory.mktemp("hostile")
+    root = tmp_path / "root"
+    honest = Local(Target(host="h", vars={"provision_root": str(root)}))
+    for name, ws in (("a", [wheels["alpha-1.0"]]), ("b", [wheels["alpha-2.0"]])):
+        applymod.apply(honest, lockmod.load(write_lock(tmp_path / f"{name}.yaml", name, ws)))
+    return Hostile(tmp_path, root)
+
+
+@pytest.fixture
+def host(hostile):
+    hostile.rules.write_text("{}")          # honest until the test says otherwise
+    return hostile
+
+
+CASES = [   # (agent, op, what the host does to its reply, the call, the field and why the line names)
+    ("state", "status", "r['current'] = ['0002-b']", lambda t: generations.status(t),
+     "status reply is malformed: current: expected a string, not list"),
+    ("state", "rollback", "del r['to']", lambda t: generations.rollback(t),
+     "rollback reply is malformed: to: missing"),
+    ("state", "rollback", "r['check'] = {'verdict': 'fine'}", lambda t: generations.rollback(t, dry_run=True),
+     "rollback reply is malformed: check.verdict: 'fine' is not clean or drift"),
+    ("state", "history", "r['generations'][0]['number'] = '1'", lambda t: generations.history(t),
+     "history reply is malformed: generations[0].number: expected a whole number, not str"),
+    ("state", "history", "r['current'] = '../../etc'", lambda t: generations.logs(t, "1"),
+     "history reply is malformed: current: '../../etc' is not a generation id"),
+    ("state", "gc", "r['generations'] = [{'id': '0001-a', 'run_dir': 7}]", lambda t: generations.gc(t, 1, True),
+     "gc reply is malformed: generations[0].run_dir: expected a string, not int"),
+    ("state", "logs", "r['logs'] = {'build.log': {'bytes': 'many', 'text': ''}}", lambda t: generations.logs(t),
+     "logs reply is malformed: logs['build.log'].bytes: expected a whole number, not str"),
+    ("state", "recover", "r['abandoned'] = '0001-a'", lambda t: generations.recover(t),
+     "recover reply is malformed: abandoned: expected a list, not str"),
+    ("state", "switch", "r['to'] = None", lambda t: generations.switch(t, "0001-a"),
+     "switch reply is malformed: to: missing"),
+    ("state", "read", "r['lock_text'] = ['lock: 1']", lambda t: generations.diff(t, "1"),
+     "read reply is malformed: lock_text: expected a string, not list"),
+    ("verify", "quick", "r['verdict'] = 'fine'", lambda t: verifymod.check(t, "0001-a"),
+     "check reply is malformed: verdict: 'fine' is not clean or drift"),
+    ("verify", "verify", "r['dists'] = []", lambda t: verifymod.verify(t),
+     "verify reply is malformed: dists: expected an object, not list"),
+    ("verify", "verify", "r['dists']['alpha']['changed'] = [1]", lambda t: verifymod.verify(t),
+     "verify reply is malformed: dists['alpha'].changed[0]: expected a string, not int"),
+]
+
+
+@pytest.mark.parametrize("agent,op,code,call,says", CASES, ids=[f"{c[0]}-{c[1]}-{i}" for i, c in enumerate(CASES)])
+def test_a_reply_of_the_wrong_shape_is_one_line_naming_host_step_and_field(host, agent, op, code, call, says):
+    call(host.transport)                   # the honest answer reads
+    host.answer(agent, op, code)
+    with pytest.raises(ReplyError) as e:
+        call(host.transport)
+    assert str(e.value) == f"h: the host's {says}"
+
+
+def test_pack_refuses_a_wheel_name_outside_its_folder(host, tmp_path):
+    host.answer("pack", "pack", "r['wheels'][0]['filename'] = '../../evil.whl'")
+    with pytest.raises(ReplyError, match=r"^h: the host's pack reply is malformed: wheels\[0\]\.filename: "
+                                         r"'\.\./\.\./evil\.whl' is not a wheel file name$"):
+        packmod.pack(host.transport, tmp_path / "out")
+    assert not (tmp_path / "evil.whl").exists()
+
+
+def test_a_build_whose_figures_have_the_wrong_shape_fails_its_step_in_one_line(host, tmp_path, wheels):
+    host.answer("build", "build", "r['fetched'] = 'many'")
+    with pytest.raises(HostError, match="^h: the host's build reply is malformed: fetched: expected a whole number, "
+                                        "not str$"):
+        applymod.apply(host.transport, lockmod.load(write_lock(tmp_path / "c.yaml", "c", [wheels["beta-1.0"]])))
+    host.answer("build", "have", "r['missing'] = [5]")
+    with pytest.raises(HostError, match=r"^h: the host's have reply is malformed: missing: not indexes of the 1 "
+                                        r"files asked about$"):
+        applymod.apply(host.transport, lockmod.load(write_lock(tmp_path / "d.yaml", "d", [wheels["gamma-1.0"]])))
+
+
+@pytest.mark.parametrize("verb,agent,op,code,says", [
+    (["status"], "state", "status", "r['current'] = ['0002-b']", "status reply is malformed: current"),
+    (["rollback"], "state", "rollback", "del r['to']", "rollback reply is malformed: to: missing"),
+    (["history"], "state", "history", "r['generations'] = {}", "history reply is malformed: generations"),
+    (["gc", "--dry-run"], "state", "gc", "r['bytes'] = '1'", "gc reply is malformed: bytes"),
+    (["logs"], "state", "logs", "r['probes'] = [{'name': 1, 'status': 'pass'}]", "logs reply is malformed: probes[0]"),
+])
+def test_the_cli_says_one_line_for_a_reply_of_the_wrong_shape(host, verb, agent, op, code, says):
+    host.answer(agent, op, code)
+    p = host.cli(*verb)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, (p.stdout, p.stderr)
+    lines = [x for x in p.stderr.strip().splitlines() if not x.startswith("local: gc ")]    # gc's progress lines
+    assert len(lines) == 1 and f"local: the host's {says}" in lines[0], p.stderr
+
+
+def test_a_read_reply_keeps_what_the_host_sent_and_the_checked_fields():
+    """`to_json` gives the reply back as it came (keys no dataclass declares included), so renderers see it whole."""
+    raw = {"current": "0002-b", "generations": [{"id": "0002-b", "number": 2, "status": "ready", "verify": {"x": 1}}],
+           "events": [], "warnings": ["w"], "more": 1}
+    h = History.of(raw, "h")
+    assert h.current == "0002-b" and h.generations[0].number == 2 and h.to_json() == raw
+    s = Status.of({"generations": 2, "ready": 2, "disk_bytes": 10, "probe": None, "root": "/r"}, "h")
+    assert s.probe is None and s.to_json()["probe"] is None
+    with pytest.raises(ReplyError, match="^h: the host's rollback reply is malformed: rollback: expected an object, "
+                                         "not list$"):
+        Rollback.of([], "h")
