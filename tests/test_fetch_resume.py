@@ -405,7 +405,7 @@ def test_a_big_files_first_range_decides_one_stream_or_ranges_by_its_rate(tmp_pa
     with the hash and the write), the rest is one more request on one stream; else it comes as parallel
     ranges. Either way the file lands whole and nothing is fetched twice. (The thresholds are set so that this
     loopback counts as fast, or as slow.)"""
-    seg = build.JUDGE_BYTES
+    seg = agentfetch.JUDGE_BYTES
     monkeypatch.setattr(build, "SPLIT", 2 * seg)
     monkeypatch.setattr(build, "SEGMENT", seg)
     monkeypatch.setattr(build, "FAST_LINK", 1.0 if fast else 1e18)
