@@ -14,7 +14,7 @@ from . import layout
 from .errors import HostError, InputError, ProvisionError
 from .facts import Facts
 from .lock import Lock
-from .replies import Built, Have, refuse
+from .replies import BuildEvent, Built, Have, refuse
 from .toolkit import wheels_home
 from .transport import Transport
 from .units import human_size
@@ -132,37 +132,34 @@ def setting(name: str, default: float, lo: float, hi: float) -> float:
     return v
 
 
-def describe(ev: dict) -> str | None:
+def describe(ev: BuildEvent) -> str | None:
     """One readable line for a build agent event (None: nothing worth showing); `level` says how loud."""
-    step = ev.get("step")
-    if step == "cache" and ev.get("healed"):
-        return healed_line(ev["healed"])
-    if step == "fetch" and ev.get("summary"):
-        if not ev.get("fetched"):
-            return f"fetch: all {ev.get('cached', 0)} wheels cached"
-        rate = ev["bytes"] / ev["seconds"] if ev.get("seconds") else 0
-        return (f"fetch: {ev['fetched']} wheels, {human_size(ev['bytes'])} in {ev['seconds']:.1f}s "
-                f"({human_size(rate)}/s); {ev.get('cached', 0)} cached")
-    if step == "fetch" and ev.get("retry"):
-        wait = ev.get("wait") if isinstance(ev.get("wait"), (int, float)) else 0
-        return f"fetch: {str(ev['retry'])[:120]}: {str(ev.get('why'))[:200]}; again in {wait:.1f}s"
-    if step == "fetch":
-        eta = f", {ev['eta']:.0f}s left" if ev.get("eta") is not None else ""
-        return (f"fetch {ev['done']}/{ev['total']} · {human_size(ev['bytes'])} of "
-                f"~{human_size(ev['total_bytes'])} · {human_size(ev['rate'])}/s{eta}")
-    if step == "store" and ev.get("total"):
-        return f"store: {ev['done']}/{ev['total']} contents linked ({ev.get('seconds', 0):.0f}s)"
-    if step in ("venv", "install") and ev.get("line"):
-        secs = f" ({ev['seconds']:.0f}s)" if ev.get("seconds") else ""
-        return f"{step}: {ev['line']}{secs}"
+    if ev.step == "cache" and ev.healed:
+        return healed_line(ev.healed)
+    if ev.step == "fetch" and ev.summary:
+        if not ev.fetched:
+            return f"fetch: all {ev.cached} wheels cached"
+        rate = ev.bytes / ev.seconds if ev.seconds else 0
+        return (f"fetch: {ev.fetched} wheels, {human_size(ev.bytes)} in {ev.seconds or 0:.1f}s "
+                f"({human_size(rate)}/s); {ev.cached} cached")
+    if ev.step == "fetch" and ev.retry:
+        return f"fetch: {ev.retry[:120]}: {str(ev.why)[:200]}; again in {ev.wait:.1f}s"
+    if ev.step == "fetch":
+        eta = f", {ev.eta:.0f}s left" if ev.eta is not None else ""
+        return (f"fetch {ev.done}/{ev.total} · {human_size(ev.bytes)} of "
+                f"~{human_size(ev.total_bytes)} · {human_size(ev.rate)}/s{eta}")
+    if ev.step == "store" and ev.total:
+        return f"store: {ev.done}/{ev.total} contents linked ({ev.seconds or 0:.0f}s)"
+    if ev.step in ("venv", "install") and ev.line:
+        secs = f" ({ev.seconds:.0f}s)" if ev.seconds else ""
+        return f"{ev.step}: {ev.line}{secs}"
     return None
 
 
-def level(ev: dict) -> str:
+def level(ev: BuildEvent) -> str:
     """"info" for a phase's line (fetch done, a fetch retried, install started, cache healed), "detail" for a
     per-package one (fetch counters, each line uv or pip prints)."""
-    if ev.get("step") == "fetch" and not (ev.get("summary") or ev.get("retry")) or ev.get("step") in ("venv", "install") \
-            and not ev.get("phase"):
+    if ev.step == "fetch" and not (ev.summary or ev.retry) or ev.step in ("venv", "install") and not ev.phase:
         return "detail"
     return "info"
 
@@ -224,7 +221,8 @@ def _build(transport: Transport, lock: Lock, facts: Facts, gen: dict, installer:
             if uv_push["recheck"]["healed"]:
                 say("build", "info", healed_line(uv_push["recheck"]["healed"], "pushed"))
 
-    def on_event(ev: dict) -> None:
+    def on_event(raw: dict) -> None:       # a malformed event ends the step (ReplyError), as a malformed reply does
+        ev = BuildEvent.of(raw, transport.target.name)
         line = describe(ev)
         if line:
             say("build", level(ev), line)

@@ -445,3 +445,26 @@ class Built(Reply):
     isolation_why: str | None = None
     store: StoreFigures | None = None
     recheck: Recheck | None = None
+
+
+@dataclass(frozen=True)
+class BuildEvent(Reply):
+    """A progress event of the build (its steps cache, fetch, store, venv, install): what the progress line shows."""
+    STEP = "build progress"
+    step: str | None = None
+    healed: list[str] = field(default_factory=list)      # cache: entries removed, as they no longer matched
+    summary: bool = False                                # fetch: done (fetched, cached, bytes, seconds)
+    fetched: int = 0
+    cached: int = 0
+    retry: str | None = None                             # fetch: what is tried again, why, in how long
+    why: str | None = None
+    wait: float = 0.0
+    done: int = 0                                        # fetch and store: how far
+    total: int = 0
+    bytes: int = 0
+    total_bytes: int = 0
+    rate: float = 0.0
+    eta: float | None = None
+    seconds: float | None = None
+    line: str | None = None                              # venv, install: a line of the installer's
+    phase: bool = False

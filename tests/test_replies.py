@@ -26,7 +26,9 @@ import json, subprocess, sys, threading
 first = sys.stdin.buffer.readline()
 msg = json.loads(first)
 with open({rules!r}) as f:
-    rule = json.load(f).get("%s:%s" % (msg.get("agent"), (msg.get("input") or {{}}).get("op")))
+    rules = json.load(f)
+said = "%s:%s" % (msg.get("agent"), (msg.get("input") or {{}}).get("op"))
+rule, on_event = rules.get(said), rules.get(said + ":event")
 child = subprocess.Popen([{python!r}] + sys.argv[1:], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 child.stdin.write(first)
 child.stdin.flush()
@@ -45,6 +47,10 @@ def pump():
 threading.Thread(target=pump, daemon=True).start()
 last = None
 for line in child.stdout:          # each line as it comes; the last held back where a rule rewrites it
+    if on_event and line.startswith(b'{{"_event"'):
+        ev = json.loads(line)
+        exec(on_event, {{"r": ev["_event"]}})
+        line = (json.dumps(ev) + "\n").encode()
     if last is not None:
         sys.stdout.buffer.write(last)
         sys.stdout.flush()
@@ -156,7 +162,11 @@ def test_a_build_whose_figures_have_the_wrong_shape_fails_its_step_in_one_line(h
     with pytest.raises(HostError, match="^h: the host's build reply is malformed: fetched: expected a whole number, "
                                         "not str$"):
         applymod.apply(host.transport, lockmod.load(write_lock(tmp_path / "c.yaml", "c", [wheels["beta-1.0"]])))
-    host.answer("build", "have", "r['missing'] = [5]")
+    host.answer("build", "build:event", "if r.get('step') == 'fetch' and r.get('summary'): r['bytes'] = 'lots'")
+    with pytest.raises(HostError, match="^h: the host's build progress reply is malformed: bytes: expected a whole "
+                                        "number, not str$"):
+        applymod.apply(host.transport, lockmod.load(write_lock(tmp_path / "e.yaml", "e", [wheels["beta-1.0"]])))
+    host.answer("cache", "have", "r['missing'] = [5]")
     with pytest.raises(HostError, match=r"^h: the host's have reply is malformed: missing: not indexes of the 1 "
                                         r"files asked about$"):
         applymod.apply(host.transport, lockmod.load(write_lock(tmp_path / "d.yaml", "d", [wheels["gamma-1.0"]])))
