@@ -172,8 +172,9 @@ def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: st
         kind = ev.get("event", "")
         d = ev.get("event_data", {})
         if kind in ("runner_on_ok", "runner_on_failed", "runner_on_unreachable") and d.get("host"):
-            results.setdefault(d.get("task", ""), {})[d["host"]] = dict(d.get("res") or {},
-                                                                        unreachable=kind == "runner_on_unreachable")
+            results.setdefault(d.get("task", ""), {})[d["host"]] = dict(
+                d.get("res") or {}, unreachable=kind == "runner_on_unreachable",
+                **({"failed": True} if kind == "runner_on_failed" else {}))    # also what a failed_when failed
             if isinstance(d.get("duration"), (int, float)):
                 durations.setdefault(d.get("task", ""), {})[d["host"]] = float(d["duration"])
         if kind == "playbook_on_task_start":
