@@ -268,3 +268,30 @@ def test_terminal_view_is_one_live_line_per_host(monkeypatch):
         printer.for_host(host)("build", "info", "fetch 1/3")
         printer.for_host(host)("build", "info", "fetch 2/3")            # within a few seconds: not repeated
     assert screen.getvalue().splitlines() == ["  h1  · build      fetch 1/3", "  h2  · build      fetch 1/3"]
+
+
+def test_a_failed_switch_fails_its_batch_and_the_partner_that_switched_goes_back(fleet, tmp_path, wheels):
+    """Both hosts pass their probes; h8's switch then fails (its new generation's venv is moved away once its
+    probes are seen done: the switch's check refuses a generation that drifted) while h7's switches. The batch has failed beyond --max-fail 0: with
+    --rollback-on-fail, h7 goes back (playbooks/rollback.yml) to the generation it was on."""
+    inv, roots, common, b, smi = fleet
+    c = write_lock(tmp_path / "c.yaml", "stack-c", [wheels["alpha-1.0"]])
+    ts = load_inventory(inv, Path(common[-1]), limit="h7:h8")
+    before = {h: current(roots, h) for h in ("h7", "h8")}
+    said = []
+
+    def progress_for(host):
+        def see(step, state, detail):
+            said.append((host, step, state))
+            if host == "h8" and (step, state) == ("probe", "done"):
+                gen = next(roots["h8"].glob("generations/*-stack-c"))
+                os.rename(gen / "venv", gen / "venv.moved")
+        return see
+    run = applymod.apply_fleet(ts, lockmod.load(c), rollback_on_fail=True, progress_for=progress_for)
+    rep = {r.host: r for r in run.reports}
+    assert (rep["h8"].status, rep["h8"].failed_step) == ("failed", "switch"), rep["h8"].error
+    assert run.failed_batch == 1 and run.failed_hosts == ["h8"]
+    assert rep["h7"].status == "rolled-back" and rep["h7"].rollback["to"] == before["h7"], rep["h7"]
+    assert {h: current(roots, h) for h in ("h7", "h8")} == before
+    assert ("h7", "switch", "done") in said and ("h7", "rollback", "done") in said, said
+    assert run.still_switched == []
