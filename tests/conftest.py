@@ -9,14 +9,6 @@ from pathlib import Path
 
 import pytest
 
-try:    # torch's compiler registers its stand-ins for sys.intern on first use; once a test in this process has
-    # loaded Ansible (provision's ssh transport builds its command line with Ansible's ssh plugin), sys.intern is
-    # Ansible's wrapper and torch refuses it. Loaded first, torch keeps the real one (the product never has both
-    # in one process: the engine runs in a generation's own interpreter).
-    import torch._dynamo  # noqa: F401
-except ImportError:
-    pass
-
 sys.path.insert(0, str(Path(__file__).parent))
 
 from provision.bundled import DEMO_LOCKS  # noqa: E402

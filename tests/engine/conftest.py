@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -15,6 +16,24 @@ if DEVICE == "cpu":
 else:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+
+
+@pytest.fixture(autouse=True)
+def plain_sys_intern():
+    """sys.intern as Python has it while an engine test runs. A test of this process that reached a host over
+    ssh has loaded Ansible (provision's transport builds its ssh command line with Ansible's plugin), which
+    wraps sys.intern in an object torch's compiler refuses when it first loads. The product never has both in
+    one process: the engine runs in a generation's own interpreter."""
+    wrapped = sys.intern
+    plain = getattr(type(wrapped), "unpatched_implementation", None)
+    if plain is None:
+        yield
+        return
+    sys.intern = plain
+    try:
+        yield
+    finally:
+        sys.intern = wrapped
 
 
 def random_pair(vocab=64, dim=64, n_layer=6, n_head=4, n_kv=2, draft_vocab=None, seed=0, scale=1.0,
