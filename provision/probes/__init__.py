@@ -35,7 +35,7 @@ REGISTRY = [
     Probe("torch-cuda", "torch.version.cuda = the lock's CUDA"),
     Probe("arch", "every GPU's capability in torch's (and sgl-kernel's, flashinfer's) targets", ("gpu",)),
     Probe("matmul", "bf16 matmul vs fp32 reference on every GPU", ("gpu",)),
-    Probe("flashinfer", "flashinfer prefill attention vs SDPA on every GPU; its JIT kernels compile for every "
+    Probe("flashinfer", "flashinfer decode attention vs SDPA on every GPU; its JIT kernels compile for every "
                         "capability the lock targets"),
     Probe("sgl-kernel", "sgl-kernel rmsnorm vs torch on every GPU", ("gpu",)),
     Probe("nccl", "NCCL all-reduce across GPUs (bf16, fp32; bus bandwidth)", ("gpus>=2",)),
