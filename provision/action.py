@@ -69,9 +69,23 @@ def target_of(action: ActionBase, task_vars: dict, known_hosts: str | None, root
     return t
 
 
+def append_event(path: str, host: str, step: str, state: str, detail: str, seconds: float) -> int:
+    """One progress line appended to `path`, the one shape every step's progress has:
+    {"host", "step", "state" (start|done|fail|info|wait), "detail", "seconds" (since the host's step began)}.
+    Returns the file's length after it (how far a reader must have read to have read it)."""
+    line = json.dumps({"host": host, "step": step, "state": state, "detail": detail,
+                       "seconds": round(seconds, 1)}) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, line.encode())      # one write of a short line: whole, whoever else appends
+        return os.lseek(fd, 0, os.SEEK_CUR)
+    finally:
+        os.close(fd)
+
+
 class Progress:
-    """A step's progress as JSON lines appended to `path` (none: dropped), one object per line:
-    {"host", "step", "detail", "seconds"}; while the step says nothing, a line every HEARTBEAT seconds says it runs."""
+    """A step's progress as `append_event` lines appended to `path` (none: dropped), its state "info"; while the
+    step says nothing, a line every HEARTBEAT seconds says it runs."""
 
     def __init__(self, path: str | None, host: str, step: str):
         self.path, self.host, self.step, self.t0 = path, host, step, time.monotonic()
@@ -81,13 +95,7 @@ class Progress:
         self.last = time.monotonic()
         if not self.path:
             return
-        line = json.dumps({"host": self.host, "step": self.step, "detail": detail,
-                           "seconds": round(self.last - self.t0, 1)}) + "\n"
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            os.write(fd, line.encode())      # one write of a short line: whole, whoever else appends
-        finally:
-            os.close(fd)
+        append_event(self.path, self.host, self.step, "info", detail, self.last - self.t0)
 
     def __enter__(self):
         def beat():

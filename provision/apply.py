@@ -15,7 +15,6 @@ A plan alone is `plan.plan_host`; rollback, history, gc and logs are the generat
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -31,6 +30,7 @@ from .facts import Facts, capture_lock, env_paths, gather
 from .fleet import FORKS
 from .lock import Lock
 from .plan import Plan, facts_digest, make_plan, stack_of_lock
+from .plays import tail
 from .transport import Cancelled, StepStalled, Transport, Watch
 
 Progress = Callable[[str, str, str], None]   # (step, state: start|done|fail|info, detail)
@@ -614,8 +614,8 @@ def _play_vars(lock: Lock, saved_plans: dict | None, tmp, targets: list, kw: dic
 
 
 class _Feed:
-    """The controller's end of a fleet apply's progress: the action plugin's step events (one JSON line each in
-    `file`) read as they come and said to `progress_for(host)`, each batch said to `on_batch` as the play starts it
+    """The controller's end of a fleet apply's progress: the action plugin's step events (`action.append_event`
+    lines in `file`, tailed by `plays.tail`) said to `progress_for(host)`, each batch said to `on_batch` as the play starts it
     (before its hosts' steps), how far it has read written to FILE.read (a host passes its gate once its lines are
     read), and the cancel flag turned into the cancel file the hosts watch. The switch, as the play's events say it."""
 
@@ -626,17 +626,15 @@ class _Feed:
         self.announced, self.first, self.stages, self.offset = 0, 0, 0, 0
         self.seen: set[str] = set()
         self.said = threading.Condition()
-        self.done = threading.Event()
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="apply progress", daemon=True)
+        self.tail = tail(self.file, self._line, every=0.05, after=self._read_to)
 
     def start(self) -> None:
         self.file.touch()
-        self.thread.start()
+        self.tail.__enter__()
 
     def stop(self) -> None:
-        self.done.set()
-        self.thread.join()
+        self.tail.__exit__(None, None, None)
 
     def announce(self, number: int) -> None:
         """Batches up to `number` as started, each said once and in order."""
@@ -684,32 +682,25 @@ class _Feed:
 
                 self.tell(host, "switch", "fail", said(res))
 
-    def _run(self) -> None:
-        while not self.done.wait(0.05):
-            self._read()
-        self._read()
+    def _line(self, host: str, ev: dict) -> None:
+        """A host's step event (`action.append_event`'s line), said after its batch's start."""
+        try:
+            host, step, state, detail = ev["host"], ev["step"], ev["state"], ev["detail"]
+        except KeyError:
+            return
+        self.seen.add(host)
+        number = self.batch_of.get(host, 0)
+        with self.said:     # a batch's steps come after its start (the play says it first)
+            self.said.wait_for(lambda: self.announced >= number, timeout=5)
+        self.announce(number)
+        self.tell(host, step, state, detail)
 
-    def _read(self) -> None:
-        with open(self.file, "rb") as f:
-            f.seek(self.offset)
-            data = f.read()
-        whole = data[:data.rfind(b"\n") + 1]
-        for line in whole.splitlines():
-            try:
-                ev = json.loads(line)
-                host, step, state, detail = ev["host"], ev["step"], ev["state"], ev["detail"]
-            except (ValueError, KeyError, TypeError):
-                continue
-            self.seen.add(host)
-            number = self.batch_of.get(host, 0)
-            with self.said:     # a batch's steps come after its start (the play says it first)
-                self.said.wait_for(lambda: self.announced >= number, timeout=5)
-            self.announce(number)
-            self.tell(host, step, state, detail)
+    def _read_to(self, offset: int) -> None:
+        """After each read: the cancel file made once cancelled, how far the file is read written to FILE.read."""
         if self.cancel.is_set() and not self.cancel_file.exists():
             self.cancel_file.touch()
-        if whole:
-            self.offset += len(whole)
+        if offset != self.offset:
+            self.offset = offset
             read = self.file.with_name(self.file.name + ".read")
             part = read.with_name(read.name + ".part")
             part.write_text(str(self.offset))

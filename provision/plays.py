@@ -123,11 +123,14 @@ class Play:
 
 
 class tail:
-    """While the block runs, each JSON line appended to `path` goes to `on_event(host, event)` (read every
-    quarter second, and once more at the end); the file is removed afterwards."""
+    """While the block runs, each JSON line appended to `path` goes to `on_event(host, event)` (read every `every`
+    seconds, and once more at the end), then `after(offset)` with how far the file has been read; the file is
+    removed afterwards."""
 
-    def __init__(self, path: Path, on_event: Callable[[str, dict], None]):
+    def __init__(self, path: Path, on_event: Callable[[str, dict], None], every: float = 0.25,
+                 after: Callable[[int], None] | None = None):
         self.path, self.on_event, self.stop, self.at = path, on_event, threading.Event(), 0
+        self.every, self.after = every, after
 
     def _read(self) -> None:
         try:
@@ -145,9 +148,11 @@ class tail:
                 continue
             if isinstance(ev, dict):
                 self.on_event(str(ev.get("host", "")), ev)
+        if self.after:
+            self.after(self.at)
 
     def _loop(self) -> None:
-        while not self.stop.wait(0.25):
+        while not self.stop.wait(self.every):
             self._read()
 
     def __enter__(self):

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from provision import apply as applymod, lock as lockmod
-from provision.action import HEARTBEAT, Progress
+from provision.action import HEARTBEAT, Progress, append_event
 from provision.inventory import load_inventory
 from provision.loopback import free_port
 from provision.plays import tail
@@ -164,6 +164,25 @@ def test_a_silent_step_says_it_runs_at_least_every_few_seconds(tmp_path):
                                       for _, ev in mine), mine
         gaps = [b["seconds"] - a["seconds"] for (_, a), (_, b) in zip(mine, mine[1:])]    # as the step wrote them
         assert max(gaps) < HEARTBEAT + 1.5, gaps
+
+
+def test_every_step_says_its_progress_in_one_line_shape_and_the_tail_says_how_far_it_read(tmp_path):
+    """A HostStep's progress and a fleet apply's step event are one shape of line (`append_event`'s); `tail`'s
+    `after` hears the offset up to the last whole line read, the one a fleet apply's gate waits for."""
+    path, seen, read = tmp_path / "progress.jsonl", [], []
+    with tail(path, lambda host, ev: seen.append((host, ev)), every=0.02, after=read.append):
+        with Progress(str(path), "v1", "probe") as say:
+            say("checking")
+        end = append_event(str(path), "v2", "build", "start", "", 0.04)
+        with open(path, "ab") as f:
+            f.write(b'{"host": "v2", "step": "bu')      # a line still being written is not read yet
+        until = time.monotonic() + 5
+        while not (read and read[-1] == end) and time.monotonic() < until:
+            time.sleep(0.02)
+        assert read and read[-1] == end, (read, end)
+    assert [(h, sorted(ev), ev["state"]) for h, ev in seen] == \
+        [("v1", ["detail", "host", "seconds", "state", "step"], "info"),
+         ("v2", ["detail", "host", "seconds", "state", "step"], "start")]
 
 
 def test_operators_run_the_probe_and_pack_playbooks_themselves(fleet):

@@ -4,7 +4,6 @@ Run by the CLI, each step event goes to its progress file and its cancel file st
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import sys
 import threading
@@ -14,54 +13,21 @@ from pathlib import Path
 from ansible.plugins.action import ActionBase
 from ansible.utils.display import Display
 
-try:
-    import provision  # noqa: F401 - the package these playbooks ship in
-except ImportError:      # an ansible-playbook from another environment: the package beside this directory
-    sys.path.append(str(Path(__file__).resolve().parents[3]))
+if importlib.util.find_spec("provision") is None:   # an ansible-playbook from another environment: the package
+    sys.path.append(str(Path(__file__).resolve().parents[3]))   # these playbooks ship in, beside this directory
 
 # Imported as the play loads this plugin (ansible-playbook's own process), so that each host's worker, forked from
 # it, starts with them.
 from provision import apply as applymod, lock as lockmod  # noqa: E402
+from provision.action import append_event, spec_of, target_of  # noqa: E402
 from provision.apply import CANCELLED, STAGED  # noqa: E402
 from provision.errors import Halted, InputError, ProvisionError  # noqa: E402
 from provision.facts import interpreter_arg  # noqa: E402
-from provision.inventory import _target  # noqa: E402
 from provision.plan import load_plans, lock_of_plan as plan_lock, plan_host  # noqa: E402
-from provision.transport import DEFAULT_KNOWN_HOSTS, check_root, connect  # noqa: E402
+from provision.transport import connect  # noqa: E402
 
 display = Display()
 CAUGHT_UP = 10.0     # seconds the gate waits for the controller to have read this host's progress
-
-
-def _spec() -> dict:
-    """The module's declared arguments (library/provision_apply.py), the one statement of them."""
-    path = Path(__file__).resolve().parents[1] / "library" / "provision_apply.py"
-    spec = importlib.util.spec_from_file_location("provision_apply_module", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.ARGUMENT_SPEC
-
-
-class _HostVars:
-    """The task's variables as the inventory names the host, each rendered by Ansible when read (what `_target`
-    reads of them), with what the command line set (`-c local`, `-u`, `--private-key`, `--become`) where they
-    say nothing."""
-
-    def __init__(self, templar, task_vars: dict, play_context):
-        self.templar, self.vars, self.given = templar, task_vars, {}
-        pc = play_context
-        for key, value in (("ansible_connection", "local" if pc.connection == "local" else None),
-                           ("ansible_user", pc.remote_user), ("ansible_ssh_private_key_file", pc.private_key_file),
-                           ("ansible_become", True if pc.become else None),
-                           ("ansible_become_user", pc.become_user if pc.become else None)):
-            if value is not None:
-                self.given[key] = value
-
-    def get(self, key: str, default=None):
-        if key in self.vars:
-            return self.templar.template(self.vars[key])
-        return self.given.get(key, default)
-
 
 
 class ActionModule(ActionBase):
@@ -73,7 +39,7 @@ class ActionModule(ActionBase):
         result = super().run(tmp, task_vars)
         task_vars = task_vars or {}
         result["batch"] = list(task_vars.get("ansible_play_batch") or [])     # the play's tolerance counts on it
-        _, args = self.validate_argument_spec(argument_spec=_spec(), required_one_of=[["lock", "plan_file"]])
+        _, args = self.validate_argument_spec(argument_spec=spec_of("provision_apply"), required_one_of=[["lock", "plan_file"]])
         host = task_vars.get("inventory_hostname", "host")
         ctl = _Controller(args["progress_file"], args["cancel_file"])
         if ctl.cancelled():
@@ -82,16 +48,7 @@ class ActionModule(ActionBase):
             saved = _saved_plan(args["plan_file"], host) if args["plan_file"] else None
             lock = plan_lock(saved) if saved is not None else lockmod.load(args["lock"])
             python = interpreter_arg(args["python"])
-            where = str(task_vars.get("inventory_file") or "inventory")
-            t = _target(host, _HostVars(self._templar, task_vars, self._play_context),
-                        Path(args["known_hosts"] or DEFAULT_KNOWN_HOSTS), where)
-            if args["root"]:
-                t.vars["provision_root"] = args["root"]
-            if "provision_root" in t.vars:
-                check_root(t.vars["provision_root"], f"{where}: host {host}: " + ("root" if args["root"] else
-                                                                                 "provision_root"))
-            if self._play_context.timeout:
-                t.timeout = float(self._play_context.timeout)
+            t = target_of(self, task_vars, args["known_hosts"], args["root"])
             if args["step_deadline"]:
                 t.deadline = float(args["step_deadline"])
             if args["wait_notice"]:
@@ -169,8 +126,8 @@ def _saved_plan(path: str, host: str):
 
 
 class _Controller:
-    """What the CLI that runs the play hears and says: each step event is one JSON line appended to its progress file
-    (this host's, and its offset kept); the CLI writes how far it has read to PROGRESS.read and creates its cancel
+    """What the CLI that runs the play hears and says: each step event is one `append_event` line appended to its
+    progress file (this host's, and its offset kept); the CLI writes how far it has read to PROGRESS.read and creates its cancel
     file on Ctrl-C. Without the files (ansible-playbook run directly), each step is an Ansible display line."""
 
     def __init__(self, progress_file: str | None, cancel_file: str | None):
@@ -182,6 +139,8 @@ class _Controller:
 
     def progress(self, host: str):
         """The apply's progress callback for this host."""
+        t0 = time.monotonic()
+
         def said(step: str, state: str, detail: str) -> None:
             if not self.file:
                 if state == "wait":
@@ -189,13 +148,7 @@ class _Controller:
                 elif state in ("done", "fail"):
                     display.vv(f"{step} {state}{': ' + detail if detail else ''}", host=host)
                 return
-            line = json.dumps({"host": host, "step": step, "state": state, "detail": detail}) + "\n"
-            fd = os.open(self.file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            try:       # one write of one line: lines of hosts writing at once never interleave
-                os.write(fd, line.encode())
-                self.said_up_to = os.lseek(fd, 0, os.SEEK_CUR)
-            finally:
-                os.close(fd)
+            self.said_up_to = append_event(self.file, host, step, state, detail, time.monotonic() - t0)
         return said
 
     def caught_up(self, within: float) -> bool:

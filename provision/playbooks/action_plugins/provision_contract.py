@@ -2,13 +2,12 @@
 (static: it is never imported)."""
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
-try:
-    import provision  # noqa: F401 - the package these playbooks ship in
-except ImportError:      # an ansible-playbook from another environment: the package beside this directory
-    sys.path.append(str(Path(__file__).resolve().parents[3]))
+if importlib.util.find_spec("provision") is None:   # an ansible-playbook from another environment: the package
+    sys.path.append(str(Path(__file__).resolve().parents[3]))   # these playbooks ship in, beside this directory
 
 from provision.action import HostStep
 
