@@ -18,7 +18,7 @@ else:
     torch.backends.cudnn.allow_tf32 = False
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")    # before the modules' own module-scoped models
 def plain_sys_intern():
     """sys.intern as Python has it while an engine test runs. A test of this process that reached a host over
     ssh has loaded Ansible (provision's transport builds its ssh command line with Ansible's plugin), which
