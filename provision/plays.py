@@ -47,6 +47,23 @@ def value_of(t, result: dict, seconds: float | None = None) -> dict:
     return out
 
 
+def facts_of(t, result: dict, seconds: float | None = None):
+    """facts.yml's result read back as `facts.gather` returns it: the host's Facts, checked field by field."""
+    from .facts import Facts
+    from .runner import answer
+
+    return Facts.from_reply(answer(t, result).get("facts"), t.name)
+
+
+def unlock_of(t, result: dict, seconds: float | None = None) -> dict:
+    """unlock.yml's result read back as `transport.unlock` returns it."""
+    from .layout import Layout, root_of
+    from .runner import answer
+    from .transport import unlocked
+
+    return unlocked(answer(t, result), Layout(root_of(t)).lock_file)
+
+
 def diff_of(t, result: dict, seconds: float | None = None) -> dict:
     """diff.yml's result read back as `generations.diff` returns it (each change a plan.Change again)."""
     from .plan import Change

@@ -77,6 +77,27 @@ def test_probe_of_an_inventory_is_each_hosts_probe_through_one_play(fleet):
         [f"0002-stack-b on {h}: pass" for h in HOSTS], out
 
 
+def test_facts_and_unlock_of_an_inventory_are_each_hosts_through_one_play(fleet):
+    """`hosts facts -i` and `unlock -i` run facts.yml and unlock.yml, one Ansible run each: each host's row is what
+    the verb gives for that host alone; a host whose port is closed is its own row."""
+    inv, roots, kh, t, dead, _ = fleet
+    code, out, err = one_play("facts", roots["v1"], ["hosts", "facts", "-i", inv, *kh, "--json"])
+    rows = json.loads(out)
+    assert code == 0 and [r["host"] for r in rows] == HOSTS, (out, err)
+    for r in rows:
+        one = json.loads(cli("hosts", "facts", *alone(t, roots[r["host"]]), "--json", check=0).stdout)
+        for k in ("root", "current", "os", "pythons", "gpus"):
+            assert r["result"][k] == one[k], k
+        assert [g["id"] for g in r["result"]["generations"]] == [g["id"] for g in one["generations"]] == \
+            ["0001-stack-a", "0002-stack-b"]
+    code, out, err = one_play("unlock", roots["v1"], ["unlock", "-i", inv, *kh, "--json"])
+    assert code == 0 and json.loads(out) == [{"host": h, "result": {"state": "free", "lock": f"{roots[h]}/.lock",
+                                                                    "ended": []}} for h in HOSTS], (out, err)
+    code, out, err = one_play("unlock", dead.parent / "root-dead", ["unlock", "-i", dead, *kh, "--timeout", "3"])
+    assert code == 1 and err.startswith("dead: unreachable: "), err
+    assert out.splitlines() == [f"{h}: {roots[h]}/.lock is not held" for h in HOSTS], out
+
+
 def test_probe_of_an_unknown_generation_is_each_hosts_error_through_the_play(fleet):
     inv, roots, kh, t, _, d = fleet
     code, out, err = one_play("probe", roots["v1"], ["probe", "-i", inv, *kh, "--lock", d / "a.yaml", "--json"])
