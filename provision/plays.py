@@ -47,6 +47,16 @@ def value_of(t, result: dict, seconds: float | None = None) -> dict:
     return out
 
 
+def typed(cls) -> Callable[..., dict]:
+    """A play_rows `read` for a module's result: the reply as reply dataclass `cls` (replies.py) reads it, checked
+    field by field (a reply of the wrong shape is the host's ReplyError, one line), given back as JSON."""
+    from .runner import answer
+
+    def read(t, result: dict, seconds: float | None = None) -> dict:
+        return cls.of(answer(t, result), t.name).to_json()
+    return read
+
+
 def facts_of(t, result: dict, seconds: float | None = None):
     """facts.yml's result read back as `facts.gather` returns it: the host's Facts, checked field by field."""
     from .facts import Facts
