@@ -209,8 +209,9 @@ def test_operators_run_the_probe_and_pack_playbooks_themselves(fleet):
 
 
 def test_each_step_module_declares_and_documents_its_arguments():
-    """The action plugins' modules: `ansible-doc` reads each one's DOCUMENTATION, whose options are its
-    ARGUMENT_SPEC, type for type, and whose RETURN says what it returns."""
+    """Every module's DOCUMENTATION reads in `ansible-doc` (the options modules share from the `provision` doc
+    fragment); an action plugin's module documents its ARGUMENT_SPEC, type for type, and RETURN says what it
+    returns."""
     import ast
     import subprocess
     import sys
@@ -223,11 +224,16 @@ def test_each_step_module_declares_and_documents_its_arguments():
     names = sorted(p.stem for p in (PLAYBOOKS / "action_plugins").glob("provision_*.py")
                    if "HostStep" in p.read_text())
     assert len(names) >= 6, names
+    every = sorted(p.stem for p in (PLAYBOOKS / "library").glob("provision_*.py"))
     doc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ansible-doc"), "-t", "module", "-M",
-                          str(PLAYBOOKS / "library"), "--json", *names], capture_output=True, text=True,
-                         env={**os.environ, "ANSIBLE_NOCOLOR": "1"})
-    assert doc.returncode == 0, doc.stderr
+                          str(PLAYBOOKS / "library"), "--json", *every], capture_output=True, text=True,
+                         env={**os.environ, "ANSIBLE_NOCOLOR": "1",      # the options they share: one fragment
+                              "ANSIBLE_DOC_FRAGMENT_PLUGINS": str(PLAYBOOKS / "doc_fragments")})
+    assert doc.returncode == 0 and "ERROR" not in doc.stderr, doc.stderr
     docs = json.loads(doc.stdout)
+    assert sorted(docs) == every
+    for name in every:       # every module's root: the fragment's, as its spec has it
+        assert docs[name]["doc"]["options"]["root"]["type"] == "path", name
     for name in names:
         spec, options = spec_of(name), docs[name]["doc"]["options"]
         assert set(options) == set(spec), name

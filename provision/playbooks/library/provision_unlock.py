@@ -8,11 +8,7 @@ description:
   - The lock's holder hears its controller's heartbeat. A holder that has heard none for longer than its own bound
     is orphaned; then the holder and the agents of its run are ended and the lock is free (C(broken)). A holder that
     still hears its controller is left alone (C(held), with C(why)); the task is then ok and unchanged.
-options:
-  root:
-    description: The host root (the inventory's provision_root).
-    type: path
-    default: /opt/provision
+extends_documentation_fragment: provision
 """
 
 RETURN = r"""
@@ -25,11 +21,11 @@ why: {description: why a held lock was left alone, type: str}
 """
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.provision import step
+from ansible.module_utils.provision import spec, step
 
 
 def main():
-    module = AnsibleModule(argument_spec={"root": {"type": "path", "default": "/opt/provision"}})
+    module = AnsibleModule(argument_spec=spec.ROOT)
     reply = step.run("host", "unlock", {"root": module.params["root"]})
     step.finish(module, reply, changed=reply.get("state") == "broken")
 
