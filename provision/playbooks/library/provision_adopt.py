@@ -25,17 +25,13 @@ id: {description: the generation recorded (null when nothing was adopted), type:
 detail: {description: why nothing was adopted (the host is already managed, ...), type: str}
 """
 
-from ansible.module_utils.basic import AnsibleModule
-
 ARGUMENT_SPEC = {"path": {"type": "str", "required": True}}   # its own; STEP (module_utils) the shared ones
 
 
 def main():
-    from ansible.module_utils.provision.spec import STEP
+    from ansible.module_utils.provision.spec import through_plugin
 
-    module = AnsibleModule(argument_spec=dict(STEP, **ARGUMENT_SPEC), supports_check_mode=True)
-    module.fail_json(msg="provision_adopt runs through its action plugin (action_plugins/provision_adopt.py "
-                         "beside this library): run it from provision's playbooks directory")
+    through_plugin("provision_adopt", ARGUMENT_SPEC)
 
 
 if __name__ == "__main__":

@@ -34,19 +34,15 @@ ok: {description: whether every required method is present, type: bool}
 methods: {description: "each required method: status (defined, inherited, missing), where, via", type: list}
 """
 
-from ansible.module_utils.basic import AnsibleModule
-
 ARGUMENT_SPEC = {"arch": {"type": "str", "required": True},
                  "python": {"type": "str"},
                  "site_packages": {"type": "str"}}   # its own; STEP (module_utils) the shared ones
 
 
 def main():
-    from ansible.module_utils.provision.spec import STEP
+    from ansible.module_utils.provision.spec import through_plugin
 
-    module = AnsibleModule(argument_spec=dict(STEP, **ARGUMENT_SPEC), supports_check_mode=True)
-    module.fail_json(msg="provision_contract runs through its action plugin (action_plugins/provision_contract.py "
-                         "beside this library): run it from provision's playbooks directory")
+    through_plugin("provision_contract", ARGUMENT_SPEC)
 
 
 if __name__ == "__main__":

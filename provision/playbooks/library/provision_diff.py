@@ -30,18 +30,14 @@ changes: {description: "each change: category, name, action (add, change, remove
 summary: {description: how many adds, changes and removals, type: dict}
 """
 
-from ansible.module_utils.basic import AnsibleModule
-
 ARGUMENT_SPEC = {"a": {"type": "str", "required": True},
                  "b": {"type": "str"}}   # its own; STEP (module_utils) the shared ones
 
 
 def main():
-    from ansible.module_utils.provision.spec import STEP
+    from ansible.module_utils.provision.spec import through_plugin
 
-    module = AnsibleModule(argument_spec=dict(STEP, **ARGUMENT_SPEC), supports_check_mode=True)
-    module.fail_json(msg="provision_diff runs through its action plugin (action_plugins/provision_diff.py "
-                         "beside this library): run it from provision's playbooks directory")
+    through_plugin("provision_diff", ARGUMENT_SPEC)
 
 
 if __name__ == "__main__":

@@ -60,8 +60,6 @@ check: {description: "`provision lock check` of the written lock (ok, errors, wa
 seconds: {description: "the phases' seconds (plan, pack, read, fetch, total)", type: dict}
 """
 
-from ansible.module_utils.basic import AnsibleModule
-
 ARGUMENT_SPEC = {"generation": {"type": "str"},
                  "out": {"type": "path", "required": True},
                  "allow_drift": {"type": "bool", "default": False},
@@ -73,11 +71,9 @@ ARGUMENT_SPEC = {"generation": {"type": "str"},
 
 
 def main():
-    from ansible.module_utils.provision.spec import STEP
+    from ansible.module_utils.provision.spec import through_plugin
 
-    module = AnsibleModule(argument_spec=dict(STEP, **ARGUMENT_SPEC), supports_check_mode=True)
-    module.fail_json(msg="provision_pack runs through its action plugin (action_plugins/provision_pack.py "
-                         "beside this library): run it from provision's playbooks directory")
+    through_plugin("provision_pack", ARGUMENT_SPEC)
 
 
 if __name__ == "__main__":

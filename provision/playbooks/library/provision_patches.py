@@ -42,8 +42,6 @@ files: {description: each touched or vouched-for file's sha256 afterwards, type:
 step_changed: {description: the files written (`changed` in `provision patches --json`), type: list}
 """
 
-from ansible.module_utils.basic import AnsibleModule
-
 ARGUMENT_SPEC = {"mode": {"type": "str", "choices": ["check", "apply", "revert"], "default": "check"},
                  "series": {"type": "list", "elements": "path", "default": []},
                  "python": {"type": "str"},
@@ -51,11 +49,9 @@ ARGUMENT_SPEC = {"mode": {"type": "str", "choices": ["check", "apply", "revert"]
 
 
 def main():
-    from ansible.module_utils.provision.spec import STEP
+    from ansible.module_utils.provision.spec import through_plugin
 
-    module = AnsibleModule(argument_spec=dict(STEP, **ARGUMENT_SPEC), supports_check_mode=True)
-    module.fail_json(msg="provision_patches runs through its action plugin (action_plugins/provision_patches.py "
-                         "beside this library): run it from provision's playbooks directory")
+    through_plugin("provision_patches", ARGUMENT_SPEC)
 
 
 if __name__ == "__main__":

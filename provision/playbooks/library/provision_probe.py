@@ -38,19 +38,15 @@ step_failed: {description: the required probes that failed (`failed` in `provisi
 seconds: {description: seconds the probes took, type: float}
 """
 
-from ansible.module_utils.basic import AnsibleModule
-
 ARGUMENT_SPEC = {"generation": {"type": "str"},
                  "only": {"type": "list", "elements": "str", "default": []},
                  "lock": {"type": "path"}}   # its own; STEP (module_utils) the shared ones
 
 
 def main():
-    from ansible.module_utils.provision.spec import STEP
+    from ansible.module_utils.provision.spec import through_plugin
 
-    module = AnsibleModule(argument_spec=dict(STEP, **ARGUMENT_SPEC), supports_check_mode=True)
-    module.fail_json(msg="provision_probe runs through its action plugin (action_plugins/provision_probe.py "
-                         "beside this library): run it from provision's playbooks directory")
+    through_plugin("provision_probe", ARGUMENT_SPEC)
 
 
 if __name__ == "__main__":
