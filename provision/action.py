@@ -19,13 +19,18 @@ from .plays import DONE, carried
 HEARTBEAT = 2.0             # seconds between "still running" lines of a step that says nothing itself
 
 
-def spec_of(module: str) -> dict:
-    """A module's declared arguments (playbooks/library/MODULE.py's ARGUMENT_SPEC), the one statement of them."""
-    path = PLAYBOOKS / "library" / f"{module}.py"
-    spec = importlib.util.spec_from_file_location(f"{module}_module", path)
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.ARGUMENT_SPEC
+    return mod
+
+
+def spec_of(module: str) -> dict:
+    """A module's declared arguments: those every step shares (module_utils/provision/spec.py's STEP) and its own
+    (playbooks/library/MODULE.py's ARGUMENT_SPEC), as the module itself declares them to Ansible."""
+    shared = _load("provision_module_spec", PLAYBOOKS / "module_utils" / "provision" / "spec.py").STEP
+    return dict(shared, **_load(f"{module}_module", PLAYBOOKS / "library" / f"{module}.py").ARGUMENT_SPEC)
 
 
 class TaskVars:

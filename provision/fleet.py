@@ -1,5 +1,6 @@
-"""Many hosts at once: one function run on each host in parallel (bounded by `forks`), one row per host in
-inventory order; an unreachable host, or a host's error, is a row. Rollouts are Ansible's (playbooks/apply.yml):
+"""Hosts one row each: one function run on each directly reached host in turn (`each`), one row per host in
+inventory order; an unreachable host, or a host's error, is a row. An inventory's hosts go through its verb's
+playbook, Ansible working on `forks` of them at once. Rollouts are Ansible's (playbooks/apply.yml):
 here their words, `--serial` batches and the `--max-fail` tolerance, as the CLI takes and reports them."""
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from typing import Any, Callable
 from .errors import Halted, InputError, ProvisionError
 from .transport import Target, Transport
 
-# Hosts contacted at once, whatever the verb: each host does its own work (facts, builds, switches) while the
-# controller waits on one SSH session per host, so the controller's cores are not what bounds it.
+# Ansible's --forks by default, whatever the verb: the inventory hosts a play works on at once. Each host does its own
+# work (facts, builds, switches) while the controller waits on one SSH session per host, so the controller's cores
+# are not what bounds it.
 FORKS = 16
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -48,6 +47,33 @@ def value_of(t, result: dict, seconds: float | None = None) -> dict:
     return out
 
 
+def typed(cls) -> Callable[..., dict]:
+    """A play_rows `read` for a module's result: the reply as reply dataclass `cls` (replies.py) reads it, checked
+    field by field (a reply of the wrong shape is the host's ReplyError, one line), given back as JSON."""
+    from .runner import answer
+
+    def read(t, result: dict, seconds: float | None = None) -> dict:
+        return cls.of(answer(t, result), t.name).to_json()
+    return read
+
+
+def facts_of(t, result: dict, seconds: float | None = None):
+    """facts.yml's result read back as `facts.gather` returns it: the host's Facts, checked field by field."""
+    from .facts import Facts
+    from .runner import answer
+
+    return Facts.from_reply(answer(t, result).get("facts"), t.name)
+
+
+def unlock_of(t, result: dict, seconds: float | None = None) -> dict:
+    """unlock.yml's result read back as `transport.unlock` returns it."""
+    from .layout import Layout, root_of
+    from .runner import answer
+    from .transport import unlocked
+
+    return unlocked(answer(t, result), Layout(root_of(t)).lock_file)
+
+
 def diff_of(t, result: dict, seconds: float | None = None) -> dict:
     """diff.yml's result read back as `generations.diff` returns it (each change a plan.Change again)."""
     from .plan import Change
@@ -79,7 +105,7 @@ class Play:
 
     def rows(self, targets: list, forks: int | None = None) -> list:
         """One fleet.Row per target, in order, from one Ansible run; the hosts' keys checked against the known_hosts
-        the targets name. A Ctrl-C cancels the run and is KeyboardInterrupt here."""
+        the targets name. A Ctrl-C stops the run and is KeyboardInterrupt here (runner.run_playbook)."""
         from .runner import RUNS
 
         given = {k: v for k, v in self.extravars.items() if v is not None}
@@ -93,33 +119,9 @@ class Play:
             return self._run(targets, dict(given, progress=path), forks)
 
     def _run(self, targets: list, given: dict, forks: int | None) -> list:
-        """play_rows, and whether SIGINT came meanwhile, whoever handled it: ansible-runner takes SIGINT (and
-        SIGTERM) over to cancel its run and keeps them, so the handlers before it are put back and a Ctrl-C it
-        took is KeyboardInterrupt here (Python writes each signal to the wakeup fd, whatever handles it)."""
         from .runner import play_rows
 
-        if threading.current_thread() is not threading.main_thread():
-            return play_rows(self.name, targets, given, forks=forks, read=self.read)
-        handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-        r, w = os.pipe()
-        os.set_blocking(r, False)
-        os.set_blocking(w, False)
-        before = signal.set_wakeup_fd(w)
-        try:
-            rows = play_rows(self.name, targets, given, forks=forks, read=self.read)
-        finally:
-            signal.set_wakeup_fd(before)
-            for s, h in handlers.items():
-                signal.signal(s, h)
-            try:
-                came = os.read(r, 4096)
-            except BlockingIOError:
-                came = b""
-            os.close(r)
-            os.close(w)
-        if signal.SIGINT in came:
-            raise KeyboardInterrupt
-        return rows
+        return play_rows(self.name, targets, given, forks=forks, read=self.read)
 
 
 class tail:

@@ -12,10 +12,13 @@ import math
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import tempfile
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -151,8 +154,8 @@ def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: st
                  cancel: Callable[[], bool] | None = None) -> RunResult:
     """playbooks/NAME.yml through ansible-runner on the targets. `on_event` hears each task start and loop item;
     `on_raw` every runner event as it comes (in this thread); `cancel` is polled while the play runs, and once it
-    returns True the play is killed (ansible-runner's cancel_callback: Ctrl-C is then the caller's, not the
-    runner's)."""
+    returns True the play is killed (Ctrl-C is then the caller's). Without `cancel`, a Ctrl-C (or SIGTERM) kills
+    the play and is then raised here as the process would have had it (`_signals_stop`)."""
     import ansible_runner
 
     RUNS.mkdir(parents=True, exist_ok=True)
@@ -195,20 +198,42 @@ def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: st
     t0 = time.perf_counter()
     sock_dir = tempfile.mkdtemp(prefix="pv-", dir="/tmp")   # ControlPath must stay under 108 bytes
     env = _env(run_dir, sock_dir, max((t.timeout for t in targets), default=TIMEOUT))
-    r = ansible_runner.run(private_data_dir=str(run_dir), playbook=str(PLAYBOOKS / f"{name}.yml"),
-                           inventory=str(hosts), envvars=env,
-                           suppress_env_files=True, quiet=True, event_handler=handler,
-                           **({"forks": forks} if forks else {}),
-                           **({"cancel_callback": cancel} if cancel else {}),
-                           cmdline=shlex.join(["-e", f"@{extra}"] + (["--check", "--diff"] if check else [])),
-                           settings={"suppress_ansible_output": True})
-    stop_masters(Path(sock_dir))
+    with _signals_stop(cancel) as stop:
+        r = ansible_runner.run(private_data_dir=str(run_dir), playbook=str(PLAYBOOKS / f"{name}.yml"),
+                               inventory=str(hosts), envvars=env,
+                               suppress_env_files=True, quiet=True, event_handler=handler,
+                               **({"forks": forks} if forks else {}), cancel_callback=stop,
+                               cmdline=shlex.join(["-e", f"@{extra}"] + (["--check", "--diff"] if check else [])),
+                               settings={"suppress_ansible_output": True})
+        stop_masters(Path(sock_dir))
     seconds = time.perf_counter() - t0
     error = None
     if r.rc != 0 or r.status != "successful":
         error = failures[0] if failures else f"ansible run {r.status} (rc {r.rc}); see {run_dir}"
     return RunResult(status=r.status, rc=r.rc, run_dir=str(run_dir), seconds=seconds, error=error, tasks=tasks,
                      unreachable=unreachable, results=results, durations=durations)
+
+
+@contextmanager
+def _signals_stop(cancel: Callable[[], bool] | None):
+    """The play's cancel_callback. Given `cancel`, it alone (the signals stay the caller's). Otherwise, in the main
+    thread, SIGINT and SIGTERM stop the play while it runs (ansible-runner's own handlers would stay installed after
+    it, and swallow the signal); afterwards the handlers before it are back and the signal that came is delivered
+    to them: a Ctrl-C is KeyboardInterrupt, as anywhere else in the process."""
+    if cancel is not None or threading.current_thread() is not threading.main_thread():
+        yield cancel or (lambda: False)
+        return
+    came: list[int] = []
+    kept = {s: signal.signal(s, lambda signum, frame: came.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield lambda: bool(came)
+    finally:
+        for s, h in kept.items():
+            signal.signal(s, h)
+    for s in dict.fromkeys(came):
+        if s == signal.SIGINT and kept[s] in (signal.default_int_handler, signal.SIG_DFL):
+            raise KeyboardInterrupt
+        signal.raise_signal(s)
 
 
 def stop_masters(sock_dir: Path) -> None:

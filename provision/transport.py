@@ -424,10 +424,15 @@ def unlock(transport: Transport) -> dict:
     longer than its own bound (the controller is gone or cut off, or the holder is stopped). Then the holder and
     the agents of its run are ended. Returns {state: free | held | broken, holder, heard (seconds since the
     holder last heard its controller), bound, ended (pids), why}; `held`: the lock was left alone."""
-    out = transport.run_agent("host", {"op": "unlock", "root": layout.of(transport).root})
+    return unlocked(transport.run_agent("host", {"op": "unlock", "root": layout.of(transport).root}),
+                    layout.of(transport).lock_file)
+
+
+def unlocked(out: dict, lock_file: str) -> dict:
+    """The host agent's unlock reply as `unlock` returns it: each field of the type it should have, or left out."""
     state = out.get("state") if out.get("state") in ("free", "held", "broken") else "held"
     said = {k: out.get(k) for k in ("heard", "bound") if isinstance(out.get(k), (int, float))}
-    return {"state": state, "lock": layout.of(transport).lock_file, **said,
+    return {"state": state, "lock": lock_file, **said,
             **{k: _printable(out[k]) for k in ("holder", "why") if isinstance(out.get(k), str)},
             "ended": [p for p in out.get("ended") or [] if isinstance(p, int)]}
 

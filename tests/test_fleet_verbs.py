@@ -77,6 +77,27 @@ def test_probe_of_an_inventory_is_each_hosts_probe_through_one_play(fleet):
         [f"0002-stack-b on {h}: pass" for h in HOSTS], out
 
 
+def test_facts_and_unlock_of_an_inventory_are_each_hosts_through_one_play(fleet):
+    """`hosts facts -i` and `unlock -i` run facts.yml and unlock.yml, one Ansible run each: each host's row is what
+    the verb gives for that host alone; a host whose port is closed is its own row."""
+    inv, roots, kh, t, dead, _ = fleet
+    code, out, err = one_play("facts", roots["v1"], ["hosts", "facts", "-i", inv, *kh, "--json"])
+    rows = json.loads(out)
+    assert code == 0 and [r["host"] for r in rows] == HOSTS, (out, err)
+    for r in rows:
+        one = json.loads(cli("hosts", "facts", *alone(t, roots[r["host"]]), "--json", check=0).stdout)
+        for k in ("root", "current", "os", "pythons", "gpus"):
+            assert r["result"][k] == one[k], k
+        assert [g["id"] for g in r["result"]["generations"]] == [g["id"] for g in one["generations"]] == \
+            ["0001-stack-a", "0002-stack-b"]
+    code, out, err = one_play("unlock", roots["v1"], ["unlock", "-i", inv, *kh, "--json"])
+    assert code == 0 and json.loads(out) == [{"host": h, "result": {"state": "free", "lock": f"{roots[h]}/.lock",
+                                                                    "ended": []}} for h in HOSTS], (out, err)
+    code, out, err = one_play("unlock", dead.parent / "root-dead", ["unlock", "-i", dead, *kh, "--timeout", "3"])
+    assert code == 1 and err.startswith("dead: unreachable: "), err
+    assert out.splitlines() == [f"{h}: {roots[h]}/.lock is not held" for h in HOSTS], out
+
+
 def test_probe_of_an_unknown_generation_is_each_hosts_error_through_the_play(fleet):
     inv, roots, kh, t, _, d = fleet
     code, out, err = one_play("probe", roots["v1"], ["probe", "-i", inv, *kh, "--lock", d / "a.yaml", "--json"])
@@ -207,8 +228,9 @@ def test_operators_run_the_probe_and_pack_playbooks_themselves(fleet):
 
 
 def test_each_step_module_declares_and_documents_its_arguments():
-    """The action plugins' modules: `ansible-doc` reads each one's DOCUMENTATION, whose options are its
-    ARGUMENT_SPEC, type for type, and whose RETURN says what it returns."""
+    """Every module's DOCUMENTATION reads in `ansible-doc` (the options modules share from the `provision` doc
+    fragment); an action plugin's module documents its ARGUMENT_SPEC, type for type, and RETURN says what it
+    returns."""
     import ast
     import subprocess
     import sys
@@ -221,11 +243,16 @@ def test_each_step_module_declares_and_documents_its_arguments():
     names = sorted(p.stem for p in (PLAYBOOKS / "action_plugins").glob("provision_*.py")
                    if "HostStep" in p.read_text())
     assert len(names) >= 6, names
+    every = sorted(p.stem for p in (PLAYBOOKS / "library").glob("provision_*.py"))
     doc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ansible-doc"), "-t", "module", "-M",
-                          str(PLAYBOOKS / "library"), "--json", *names], capture_output=True, text=True,
-                         env={**os.environ, "ANSIBLE_NOCOLOR": "1"})
-    assert doc.returncode == 0, doc.stderr
+                          str(PLAYBOOKS / "library"), "--json", *every], capture_output=True, text=True,
+                         env={**os.environ, "ANSIBLE_NOCOLOR": "1",      # the options they share: one fragment
+                              "ANSIBLE_DOC_FRAGMENT_PLUGINS": str(PLAYBOOKS / "doc_fragments")})
+    assert doc.returncode == 0 and "ERROR" not in doc.stderr, doc.stderr
     docs = json.loads(doc.stdout)
+    assert sorted(docs) == every
+    for name in every:       # every module's root: the fragment's, as its spec has it
+        assert docs[name]["doc"]["options"]["root"]["type"] == "path", name
     for name in names:
         spec, options = spec_of(name), docs[name]["doc"]["options"]
         assert set(options) == set(spec), name

@@ -69,6 +69,24 @@ sys.exit(child.returncode)
 '''
 
 
+MODULE_WRAPPER = r'''#!{python}
+"""An inventory host's python3: runs the real one on the module Ansible pipes in, and rewrites the module's result
+as RULES' "module" (code on `r`) says."""
+import json, subprocess, sys
+
+with open({rules!r}) as f:
+    code = json.load(f).get("module")
+p = subprocess.run([{python!r}, *sys.argv[1:]], input=sys.stdin.buffer.read(), stdout=subprocess.PIPE)
+out = p.stdout
+if code:
+    r = json.loads(out)
+    exec(code, {{"r": r}})
+    out = json.dumps(r).encode()
+sys.stdout.buffer.write(out)
+sys.exit(p.returncode)
+'''
+
+
 class Hostile:
     """A loopback host whose python3 answers what the test chooses (`answer(agent, op, code)`), else the truth."""
 
@@ -80,15 +98,23 @@ class Hostile:
         py = self.bin / "python3"
         py.write_text(WRAPPER.format(python=sys.executable, rules=str(self.rules)))
         py.chmod(0o755)
+        self.module_python = self.bin / "module-python3"
+        self.module_python.write_text(MODULE_WRAPPER.format(python=sys.executable, rules=str(self.rules)))
+        self.module_python.chmod(0o755)
+        self.inventory = tmp_path / "inv.ini"
+        self.inventory.write_text(f"h ansible_connection=local provision_root={root} "
+                                  f"ansible_python_interpreter={self.module_python}\n")
         self.root = root
         self.transport = Local(Target(host="h", vars={"provision_root": str(root), "python": str(py)}))
 
     def answer(self, agent: str, op: str, code: str) -> None:
         self.rules.write_text(json.dumps({f"{agent}:{op}": code}))
 
-    def cli(self, *args: str) -> subprocess.CompletedProcess:
+    def cli(self, *args: str, inventory: bool = False) -> subprocess.CompletedProcess:
+        """`provision ARGS` on this host: --local, or with `inventory` as an inventory's host (through its play)."""
         env = dict(os.environ, PATH=f"{self.bin}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=str(ROOT))
-        return subprocess.run([sys.executable, "-m", "provision.cli", *args, "--local", "--root", str(self.root)],
+        where = ["-i", str(self.inventory)] if inventory else ["--local", "--root", str(self.root)]
+        return subprocess.run([sys.executable, "-m", "provision.cli", *args, *where],
                               capture_output=True, text=True, cwd=ROOT, env=env)
 
 
@@ -185,6 +211,20 @@ def test_the_cli_says_one_line_for_a_reply_of_the_wrong_shape(host, verb, agent,
     assert p.returncode == 1 and "Traceback" not in p.stderr, (p.stdout, p.stderr)
     lines = [x for x in p.stderr.strip().splitlines() if not x.startswith("local: gc ")]    # gc's progress lines
     assert len(lines) == 1 and f"local: the host's {says}" in lines[0], p.stderr
+
+
+@pytest.mark.parametrize("verb,code,says", [
+    (["status"], "r['current'] = ['0002-b']", "status reply is malformed: current: expected a string, not list"),
+    (["history"], "r['generations'] = {}", "history reply is malformed: generations: expected a list, not dict"),
+    (["verify"], "r['found']['dists'] = []", "verify reply is malformed: dists: expected an object, not list"),
+])
+def test_an_inventory_host_whose_module_answers_the_wrong_shape_is_one_line(host, verb, code, says):
+    """The same hostile host as an inventory's (its play's module result rewritten): one line naming it, exit 1."""
+    host.rules.write_text(json.dumps({"module": code}))
+    p = host.cli(*verb, inventory=True)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, (p.stdout, p.stderr)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].removeprefix("error: ").startswith(f"h: the host's {says}"), p.stderr
 
 
 def test_a_read_reply_keeps_what_the_host_sent_and_the_checked_fields():

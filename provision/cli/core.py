@@ -424,9 +424,11 @@ def history(json_out: bool = JsonOpt, hosts: Hosts = HOSTS,
     from .. import generations
 
     if hosts.inventory is not None:
+        from ..plays import typed
+        from ..replies import History
         from ..runner import play_rows
 
-        rows = alone(play_rows("history", hosts.targets(), {}, forks=hosts.forks))
+        rows = alone(play_rows("history", hosts.targets(), {}, forks=hosts.forks, read=typed(History)))
     else:
         rows = over_hosts(hosts.targets(), generations.history, hosts.forks)
 
@@ -447,14 +449,14 @@ def status(json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
     """One table for the fleet: current generation, lock, since when, its last probe, the last probe of a generation
     that did not become current (a failed or stopped attempt), generations, disk (with -i: playbooks/status.yml
     through Ansible)."""
-    from .. import generations
+    from .. import generations, replies
     from ..fleet import each
-    from ..plays import Play
-    from ..runner import answer
+    from ..plays import Play, typed
     from .common import through_play
 
     ts = hosts.targets()      # one host's error is a row too: the table shows it
-    rows = Play("status", read=answer).rows(ts, hosts.forks) if through_play(ts) else each(ts, generations.status)
+    rows = (Play("status", read=typed(replies.Status)).rows(ts, hosts.forks) if through_play(ts)
+            else each(ts, generations.status))
     if json_out:
         print_json([r.to_json() for r in rows])
     else:

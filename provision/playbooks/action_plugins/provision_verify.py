@@ -34,9 +34,9 @@ class ActionModule(ActionBase):
             return dict(result, failed=True, generation=gen_id, msg=f"generation {gen_id} has no lock.yaml")
         try:
             lock = loads(str(reply["lock_text"]), f"{host}:{gen_id}/lock.yaml")
-        except ProvisionError as e:
-            return dict(result, failed=True, generation=gen_id, msg=str(e))
-        out = verdict_of(reply["found"], lock, reply.get("installer"), gen_id)
+            out = verdict_of(reply["found"], lock, reply.get("installer"), gen_id, host)
+        except ProvisionError as e:      # the lock, or the host's reply, is not what it should be: one line
+            return dict(result, failed=True, generation=gen_id, msg=e.message if e.where == host else str(e))
         result.update(out, changed=False, recorded=False)
         if boolean(self._task.args.get("record", False), strict=False) and not self._task.check_mode:
             args = {k: v for k, v in self._task.args.items() if k == "root"}

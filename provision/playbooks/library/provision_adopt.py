@@ -12,22 +12,12 @@ description:
   - "A host that is already managed is left alone (C(detail) says so)."
   - A host provision's connection cannot reach is unreachable, as Ansible counts it; a step that fails fails the task
     with the one line `provision` prints, its error type in C(error_type).
+extends_documentation_fragment: provision.step
 options:
   path:
     description: The environment's prefix or its bin/python on the host.
     type: str
     required: true
-  root:
-    description: The host root (default the inventory's provision_root, else /opt/provision).
-    type: path
-  known_hosts:
-    description: The known_hosts file host keys are checked against (default provision's, which
-      `provision hosts trust` writes).
-    type: path
-  progress:
-    description: A controller file to append the step's progress to, one JSON object a line (host, step, detail,
-      seconds), at least every 2 s while it runs; `provision` tails it.
-    type: path
 """
 
 RETURN = r"""
@@ -35,18 +25,13 @@ id: {description: the generation recorded (null when nothing was adopted), type:
 detail: {description: why nothing was adopted (the host is already managed, ...), type: str}
 """
 
-from ansible.module_utils.basic import AnsibleModule
-
-ARGUMENT_SPEC = {"path": {"type": "str", "required": True},
-                 "root": {"type": "path"},
-                 "known_hosts": {"type": "path"},
-                 "progress": {"type": "path"}}
+ARGUMENT_SPEC = {"path": {"type": "str", "required": True}}   # its own; STEP (module_utils) the shared ones
 
 
 def main():
-    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
-    module.fail_json(msg="provision_adopt runs through its action plugin (action_plugins/provision_adopt.py "
-                         "beside this library): run it from provision's playbooks directory")
+    from ansible.module_utils.provision.spec import through_plugin
+
+    through_plugin("provision_adopt", ARGUMENT_SPEC)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ description:
     as plan shows them. Reads the host only; never changes it."
   - A host provision's connection cannot reach is unreachable, as Ansible counts it; a step that fails fails the task
     with the one line `provision` prints, its error type in C(error_type).
+extends_documentation_fragment: provision.step
 options:
   a:
     description: From this generation (its number or id).
@@ -19,17 +20,6 @@ options:
   b:
     description: To this generation (default the current one).
     type: str
-  root:
-    description: The host root (default the inventory's provision_root, else /opt/provision).
-    type: path
-  known_hosts:
-    description: The known_hosts file host keys are checked against (default provision's, which
-      `provision hosts trust` writes).
-    type: path
-  progress:
-    description: A controller file to append the step's progress to, one JSON object a line (host, step, detail,
-      seconds), at least every 2 s while it runs; `provision` tails it.
-    type: path
 """
 
 RETURN = r"""
@@ -40,19 +30,14 @@ changes: {description: "each change: category, name, action (add, change, remove
 summary: {description: how many adds, changes and removals, type: dict}
 """
 
-from ansible.module_utils.basic import AnsibleModule
-
 ARGUMENT_SPEC = {"a": {"type": "str", "required": True},
-                 "b": {"type": "str"},
-                 "root": {"type": "path"},
-                 "known_hosts": {"type": "path"},
-                 "progress": {"type": "path"}}
+                 "b": {"type": "str"}}   # its own; STEP (module_utils) the shared ones
 
 
 def main():
-    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
-    module.fail_json(msg="provision_diff runs through its action plugin (action_plugins/provision_diff.py "
-                         "beside this library): run it from provision's playbooks directory")
+    from ansible.module_utils.provision.spec import through_plugin
+
+    through_plugin("provision_diff", ARGUMENT_SPEC)
 
 
 if __name__ == "__main__":

@@ -7,11 +7,8 @@ short_description: What a provision plan is made from - the host's OS, Pythons, 
 description:
   - Reads the host only; never changes it. The same reply as the facts agent gives `provision hosts facts`
     and `provision plan`, under one key (C(facts)), which provision's typed reader (Facts.from_reply) accepts as it is.
+extends_documentation_fragment: provision
 options:
-  root:
-    description: The host root (the inventory's provision_root).
-    type: path
-    default: /opt/provision
   python:
     description: The Python version a lock asks for (3.X); only interpreters of that version are looked for.
     type: str
@@ -37,15 +34,14 @@ facts:
 """
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.provision import step
+from ansible.module_utils.provision import spec, step
 
 
 def main():
-    module = AnsibleModule(argument_spec={"root": {"type": "path", "default": "/opt/provision"},
-                                          "python": {"type": "str"},
-                                          "interpreter": {"type": "path"},
-                                          "adopt": {"type": "path"},
-                                          "nvidia_smi": {"type": "str"}},
+    module = AnsibleModule(argument_spec=dict(spec.ROOT, **{"python": {"type": "str"},
+                                                            "interpreter": {"type": "path"},
+                                                            "adopt": {"type": "path"},
+                                                            "nvidia_smi": {"type": "str"}}),
                            supports_check_mode=True)
     p = module.params
     reply = step.run("facts", "gather", {k: p[k] for k in ("root", "python", "interpreter", "adopt", "nvidia_smi")})

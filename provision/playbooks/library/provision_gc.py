@@ -9,11 +9,8 @@ description:
     cached wheels no remaining generation needs; never `current` nor the generation a rollback returns to.
   - Check mode names what would go, removing nothing. The controller's own run directories are the CLI's to
     remove (`provision gc`).
+extends_documentation_fragment: provision
 options:
-  root:
-    description: The host root (the inventory's provision_root).
-    type: path
-    default: /opt/provision
   keep:
     description: Runnable generations to keep, current and the rollback target included.
     type: int
@@ -38,12 +35,11 @@ agent_warnings: {description: what the host root says is amiss (also the task's 
 """
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.provision import step
+from ansible.module_utils.provision import spec, step
 
 
 def main():
-    module = AnsibleModule(argument_spec={"root": {"type": "path", "default": "/opt/provision"},
-                                          "keep": {"type": "int", "default": 3}},
+    module = AnsibleModule(argument_spec=dict(spec.ROOT, **{"keep": {"type": "int", "default": 3}}),
                            supports_check_mode=True)
     p = module.params
     reply = step.run("state", "gc", {"root": p["root"], "keep": p["keep"], "dry_run": module.check_mode,

@@ -5,11 +5,8 @@ DOCUMENTATION = r"""
 module: provision_history
 short_description: The generations of a provision host root and its latest history events
 description: Reads the host root only; never changes it.
+extends_documentation_fragment: provision
 options:
-  root:
-    description: The host root (the inventory's provision_root).
-    type: path
-    default: /opt/provision
   limit:
     description: How many of the latest history events to return.
     type: int
@@ -24,12 +21,11 @@ agent_warnings: {description: history lines and manifests that could not be read
 """
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.provision import step
+from ansible.module_utils.provision import spec, step
 
 
 def main():
-    module = AnsibleModule(argument_spec={"root": {"type": "path", "default": "/opt/provision"},
-                                          "limit": {"type": "int", "default": 200}},
+    module = AnsibleModule(argument_spec=dict(spec.ROOT, **{"limit": {"type": "int", "default": 200}}),
                            supports_check_mode=True)
     step.finish(module, step.run("state", "history", {"root": module.params["root"],
                                                       "limit": module.params["limit"]}))

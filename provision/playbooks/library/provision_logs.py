@@ -5,11 +5,8 @@ DOCUMENTATION = r"""
 module: provision_logs
 short_description: The tail of each log of a generation, its probe results and why it failed
 description: Reads the host root only; never changes it. The same reply as `provision logs --json`.
+extends_documentation_fragment: provision
 options:
-  root:
-    description: The host root (the inventory's provision_root).
-    type: path
-    default: /opt/provision
   generation:
     description: The generation (its number or id); default the newest.
     type: str
@@ -30,13 +27,12 @@ probes: {description: each probe's name, status and reason, type: list}
 """
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.provision import step
+from ansible.module_utils.provision import spec, step
 
 
 def main():
-    module = AnsibleModule(argument_spec={"root": {"type": "path", "default": "/opt/provision"},
-                                          "generation": {"type": "str"},
-                                          "tail": {"type": "int", "default": 65536}},
+    module = AnsibleModule(argument_spec=dict(spec.ROOT, **{"generation": {"type": "str"},
+                                                            "tail": {"type": "int", "default": 65536}}),
                            supports_check_mode=True)
     p = module.params
     try:

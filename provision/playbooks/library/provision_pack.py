@@ -13,6 +13,7 @@ description:
   - "C(out) is a folder on the controller. The task fails when the written lock does not pass `provision lock check`."
   - A host provision's connection cannot reach is unreachable, as Ansible counts it; a step that fails fails the task
     with the one line `provision` prints, its error type in C(error_type).
+extends_documentation_fragment: provision.step
 options:
   generation:
     description: The generation (its number or id); default the current one.
@@ -43,17 +44,6 @@ options:
     description: Pack into C(out) even when it is not empty.
     type: bool
     default: false
-  root:
-    description: The host root (default the inventory's provision_root, else /opt/provision).
-    type: path
-  known_hosts:
-    description: The known_hosts file host keys are checked against (default provision's, which
-      `provision hosts trust` writes).
-    type: path
-  progress:
-    description: A controller file to append the step's progress to, one JSON object a line (host, step, detail,
-      seconds), at least every 2 s while it runs; `provision` tails it.
-    type: path
 """
 
 RETURN = r"""
@@ -70,8 +60,6 @@ check: {description: "`provision lock check` of the written lock (ok, errors, wa
 seconds: {description: "the phases' seconds (plan, pack, read, fetch, total)", type: dict}
 """
 
-from ansible.module_utils.basic import AnsibleModule
-
 ARGUMENT_SPEC = {"generation": {"type": "str"},
                  "out": {"type": "path", "required": True},
                  "allow_drift": {"type": "bool", "default": False},
@@ -79,16 +67,13 @@ ARGUMENT_SPEC = {"generation": {"type": "str"},
                  "extra": {"type": "list", "elements": "path", "default": []},
                  "name": {"type": "str"},
                  "jobs": {"type": "int"},
-                 "force": {"type": "bool", "default": False},
-                 "root": {"type": "path"},
-                 "known_hosts": {"type": "path"},
-                 "progress": {"type": "path"}}
+                 "force": {"type": "bool", "default": False}}   # its own; STEP (module_utils) the shared ones
 
 
 def main():
-    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
-    module.fail_json(msg="provision_pack runs through its action plugin (action_plugins/provision_pack.py "
-                         "beside this library): run it from provision's playbooks directory")
+    from ansible.module_utils.provision.spec import through_plugin
+
+    through_plugin("provision_pack", ARGUMENT_SPEC)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ description:
   - "C(mode=check) writes nothing; a patch that would fail fails the task with the report kept."
   - A host provision's connection cannot reach is unreachable, as Ansible counts it; a step that fails fails the task
     with the one line `provision` prints, its error type in C(error_type).
+extends_documentation_fragment: provision.step
 options:
   mode:
     description: check, apply or revert.
@@ -30,17 +31,6 @@ options:
   site_packages:
     description: Act on this site-packages folder of the host instead.
     type: str
-  root:
-    description: The host root (default the inventory's provision_root, else /opt/provision).
-    type: path
-  known_hosts:
-    description: The known_hosts file host keys are checked against (default provision's, which
-      `provision hosts trust` writes).
-    type: path
-  progress:
-    description: A controller file to append the step's progress to, one JSON object a line (host, step, detail,
-      seconds), at least every 2 s while it runs; `provision` tails it.
-    type: path
 """
 
 RETURN = r"""
@@ -52,21 +42,16 @@ files: {description: each touched or vouched-for file's sha256 afterwards, type:
 step_changed: {description: the files written (`changed` in `provision patches --json`), type: list}
 """
 
-from ansible.module_utils.basic import AnsibleModule
-
 ARGUMENT_SPEC = {"mode": {"type": "str", "choices": ["check", "apply", "revert"], "default": "check"},
                  "series": {"type": "list", "elements": "path", "default": []},
                  "python": {"type": "str"},
-                 "site_packages": {"type": "str"},
-                 "root": {"type": "path"},
-                 "known_hosts": {"type": "path"},
-                 "progress": {"type": "path"}}
+                 "site_packages": {"type": "str"}}   # its own; STEP (module_utils) the shared ones
 
 
 def main():
-    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
-    module.fail_json(msg="provision_patches runs through its action plugin (action_plugins/provision_patches.py "
-                         "beside this library): run it from provision's playbooks directory")
+    from ansible.module_utils.provision.spec import through_plugin
+
+    through_plugin("provision_patches", ARGUMENT_SPEC)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ description:
   - "The task fails when a required probe fails, with the report kept in the result."
   - A host provision's connection cannot reach is unreachable, as Ansible counts it; a step that fails fails the task
     with the one line `provision` prints, its error type in C(error_type).
+extends_documentation_fragment: provision.step
 options:
   generation:
     description: The generation (its number or id); default the current one.
@@ -25,17 +26,6 @@ options:
     description: The lock whose expectations the probes check (a path on the controller); default the
       generation's own lock.
     type: path
-  root:
-    description: The host root (default the inventory's provision_root, else /opt/provision).
-    type: path
-  known_hosts:
-    description: The known_hosts file host keys are checked against (default provision's, which
-      `provision hosts trust` writes).
-    type: path
-  progress:
-    description: A controller file to append the step's progress to, one JSON object a line (host, step, detail,
-      seconds), at least every 2 s while it runs; `provision` tails it.
-    type: path
 """
 
 RETURN = r"""
@@ -48,20 +38,15 @@ step_failed: {description: the required probes that failed (`failed` in `provisi
 seconds: {description: seconds the probes took, type: float}
 """
 
-from ansible.module_utils.basic import AnsibleModule
-
 ARGUMENT_SPEC = {"generation": {"type": "str"},
                  "only": {"type": "list", "elements": "str", "default": []},
-                 "lock": {"type": "path"},
-                 "root": {"type": "path"},
-                 "known_hosts": {"type": "path"},
-                 "progress": {"type": "path"}}
+                 "lock": {"type": "path"}}   # its own; STEP (module_utils) the shared ones
 
 
 def main():
-    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
-    module.fail_json(msg="provision_probe runs through its action plugin (action_plugins/provision_probe.py "
-                         "beside this library): run it from provision's playbooks directory")
+    from ansible.module_utils.provision.spec import through_plugin
+
+    through_plugin("provision_probe", ARGUMENT_SPEC)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,8 @@ description:
   - Under the host lock, settles what an interrupted run left, checks the target generation against its build's
     stamp and refuses one that drifted (unless force), then renames `current` (the commit point) and records it.
   - Check mode names the target without switching.
+extends_documentation_fragment: provision
 options:
-  root:
-    description: The host root (the inventory's provision_root).
-    type: path
-    default: /opt/provision
   to:
     description: The generation to switch to (its number or id); default the one current before the last switch.
     type: str
@@ -38,13 +35,12 @@ agent_warnings: {description: what the host root says is amiss (also the task's 
 """
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.provision import step
+from ansible.module_utils.provision import spec, step
 
 
 def main():
-    module = AnsibleModule(argument_spec={"root": {"type": "path", "default": "/opt/provision"},
-                                          "to": {"type": "str"},
-                                          "force": {"type": "bool", "default": False}},
+    module = AnsibleModule(argument_spec=dict(spec.ROOT, **{"to": {"type": "str"},
+                                                            "force": {"type": "bool", "default": False}}),
                            supports_check_mode=True)
     p = module.params
     reply = step.run("state", "rollback", {"root": p["root"], "to": p["to"], "force": p["force"],

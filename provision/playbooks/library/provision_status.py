@@ -5,11 +5,7 @@ DOCUMENTATION = r"""
 module: provision_status
 short_description: The current generation of a provision host root, its lock, last probe and disk use
 description: Reads the host root only; never changes it. The same reply as `provision status --json`.
-options:
-  root:
-    description: The host root (the inventory's provision_root).
-    type: path
-    default: /opt/provision
+extends_documentation_fragment: provision
 """
 
 RETURN = r"""
@@ -27,11 +23,11 @@ disk_bytes: {description: bytes under the root, each hard-linked file once, type
 """
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.provision import step
+from ansible.module_utils.provision import spec, step
 
 
 def main():
-    module = AnsibleModule(argument_spec={"root": {"type": "path", "default": "/opt/provision"}},
+    module = AnsibleModule(argument_spec=spec.ROOT,
                            supports_check_mode=True)
     step.finish(module, step.run("state", "status", {"root": module.params["root"]}))
 

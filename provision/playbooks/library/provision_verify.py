@@ -9,14 +9,11 @@ description:
   - On the host, every file of the generation's venv is hashed and compared with its RECORD (patched files with
     the hashes their series produced) and with the stamp its build sealed; the controller (this module's action
     plugin) judges that against the generation's lock, as `provision verify GEN` does.
-  - A generation that drifted fails the task, naming the changed files. Reads only unless C(record) is set (as
+  - "A generation that drifted fails the task, naming the changed files. Reads only unless C(record) is set (as
     `provision verify -i` sets it): then the verdict is recorded in the generation's manifest and the host's
-    history, as `provision verify` records it; check mode never records.
+    history, as `provision verify` records it; check mode never records."
+extends_documentation_fragment: provision
 options:
-  root:
-    description: The host root (the inventory's provision_root).
-    type: path
-    default: /opt/provision
   generation:
     description: The generation to check (its number or id); default the current one.
     type: str
@@ -56,17 +53,16 @@ unresolved: {description: on failure - the generation named is not on the host, 
 """
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.provision import step
+from ansible.module_utils.provision import spec, step
 
 
 def main():
-    module = AnsibleModule(argument_spec={"root": {"type": "path", "default": "/opt/provision"},
-                                          "generation": {"type": "str"},
-                                          "jobs": {"type": "int"},
-                                          "baseline": {"type": "bool", "default": False},
-                                          "record": {"type": "bool", "default": False},
-                                          "verdict": {"type": "dict"},
-                                          "event": {"type": "dict"}},
+    module = AnsibleModule(argument_spec=dict(spec.ROOT, **{"generation": {"type": "str"},
+                                                            "jobs": {"type": "int"},
+                                                            "baseline": {"type": "bool", "default": False},
+                                                            "record": {"type": "bool", "default": False},
+                                                            "verdict": {"type": "dict"},
+                                                            "event": {"type": "dict"}}),
                            required_together=[("verdict", "event")],
                            supports_check_mode=True)
     p = module.params

@@ -9,7 +9,7 @@ from .layout import Layout, pick_generation
 from .agent import facts, host, state, verify
 from .agent.host import AgentError
 
-AGENTS = {"state": state.OPS, "verify": verify.OPS, "facts": facts.OPS}
+AGENTS = {"state": state.OPS, "verify": verify.OPS, "facts": facts.OPS, "host": {"unlock": host.op_unlock}}
 STARTS_AGENTS = {("facts", "gather")}     # operations that start an agent in another interpreter (a generation's)
 
 
