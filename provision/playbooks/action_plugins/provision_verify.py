@@ -2,17 +2,15 @@
 reader (`provision.verify.verdict_of`), so a playbook and `provision verify` give one verdict; drift fails the task."""
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
 from ansible.module_utils.parsing.convert_bool import boolean
 from ansible.plugins.action import ActionBase
 
-try:
-    import provision  # noqa: F401 - the package these playbooks ship in
-except ImportError:      # an ansible-playbook from another environment: the package beside this directory
-    sys.path.append(str(Path(__file__).resolve().parents[3]))
-
+if importlib.util.find_spec("provision") is None:   # an ansible-playbook from another environment: the package
+    sys.path.append(str(Path(__file__).resolve().parents[3]))   # these playbooks ship in, beside this directory
 
 
 class ActionModule(ActionBase):
