@@ -406,10 +406,10 @@ def test_a_big_files_first_range_decides_one_stream_or_ranges_by_its_rate(tmp_pa
     ranges. Either way the file lands whole and nothing is fetched twice. (The thresholds are set so that this
     loopback counts as fast, or as slow.)"""
     seg = agentfetch.JUDGE_BYTES
-    monkeypatch.setattr(build, "SPLIT", 2 * seg)
-    monkeypatch.setattr(build, "SEGMENT", seg)
-    monkeypatch.setattr(build, "FAST_LINK", 1.0 if fast else 1e18)
-    monkeypatch.setattr(build, "SINK_BOUND", 0.0 if fast else 2.0)
+    monkeypatch.setattr(agentfetch, "SPLIT", 2 * seg)
+    monkeypatch.setattr(agentfetch, "SEGMENT", seg)
+    monkeypatch.setattr(agentfetch, "FAST_LINK", 1.0 if fast else 1e18)
+    monkeypatch.setattr(agentfetch, "SINK_BOUND", 0.0 if fast else 2.0)
     data = os.urandom(4 * seg + 12345)
     name = "big-1.0-py3-none-any.whl"
     m = Mirror({name: data})
