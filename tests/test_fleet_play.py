@@ -14,6 +14,7 @@ from provision.inventory import load_inventory
 from provision.loopback import free_port
 from provision.runner import RUNS
 from test_core import cli
+from loophosts import write_inventory
 from wheelhouse import write_lock
 
 HOSTS = ["f1", "f2", "f3"]
@@ -24,10 +25,7 @@ def fleet(sshd, wheels, tmp_path_factory):
     d = tmp_path_factory.mktemp("fleetplay")
     t = sshd.target
     roots = {h: d / f"root-{h}" for h in HOSTS}
-    inv = d / "inv.yml"
-    inv.write_text(f"all:\n  vars: {{ansible_host: {t.host}, ansible_port: {t.port}, ansible_user: {t.user}, "
-                   f"ansible_ssh_private_key_file: {t.key_file}}}\n  hosts:\n"
-                   + "".join(f"    {h}: {{provision_root: {roots[h]}}}\n" for h in HOSTS))
+    inv = write_inventory(d / "inv.yml", t, roots)
     locks = [write_lock(d / "a.yaml", "stack-a", [wheels["alpha-1.0"]]),
              write_lock(d / "b.yaml", "stack-b", [wheels["alpha-2.0"]]),
              write_lock(d / "c.yaml", "stack-c", [wheels["alpha-2.0"], wheels["beta-1.0"]])]

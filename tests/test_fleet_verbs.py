@@ -20,6 +20,7 @@ from test_core import cli
 from test_fleet_play import alone, plays
 from test_playbooks import ansible_playbook, results
 from test_reach import sudo_host  # noqa: F401 - the module's fixture
+from loophosts import write_inventory
 from wheelhouse import write_lock
 
 HOSTS = ["v1", "v2"]
@@ -31,10 +32,7 @@ def fleet(sshd, wheels, tmp_path_factory):
     d = tmp_path_factory.mktemp("fleetverbs")
     t = sshd.target
     roots = {h: d / f"root-{h}" for h in HOSTS}
-    inv = d / "inv.yml"
-    inv.write_text(f"all:\n  vars: {{ansible_host: {t.host}, ansible_port: {t.port}, ansible_user: {t.user}, "
-                   f"ansible_ssh_private_key_file: {t.key_file}}}\n  hosts:\n"
-                   + "".join(f"    {h}: {{provision_root: {roots[h]}}}\n" for h in HOSTS))
+    inv = write_inventory(d / "inv.yml", t, roots)
     for lk in (write_lock(d / "a.yaml", "stack-a", [wheels["alpha-1.0"]]),
                write_lock(d / "b.yaml", "stack-b", [wheels["alpha-2.0"], wheels["beta-1.0"]])):
         run = applymod.apply_fleet(load_inventory(inv, t.known_hosts), lockmod.load(lk))
