@@ -74,6 +74,15 @@ def target_of(action: ActionBase, task_vars: dict, known_hosts: str | None, root
     return t
 
 
+def connect_task(action: ActionBase, target):
+    """The target's transport over the task's own connection: Ansible's ssh connection plugin as Ansible set it
+    up for this host (its options, its master), or the controller itself for `connection: local`."""
+    from .transport import connect
+
+    conn = action._connection
+    return connect(target, conn if getattr(conn, "transport", None) == "ssh" else None)
+
+
 def append_event(path: str, host: str, step: str, state: str, detail: str, seconds: float) -> int:
     """One progress line appended to `path`, the one shape every step's progress has:
     {"host", "step", "state" (start|done|fail|info|wait), "detail", "seconds" (since the host's step began)}.
@@ -139,8 +148,6 @@ class HostStep(ActionBase):
         return False
 
     def run(self, tmp=None, task_vars=None):
-        from .transport import connect
-
         result = super().run(tmp, task_vars)
         task_vars = task_vars or {}
         _, args = self.validate_argument_spec(argument_spec=spec_of(self.MODULE))
@@ -150,7 +157,7 @@ class HostStep(ActionBase):
         except InputError as e:
             return dict(result, failed=True, msg=str(e))
         try:
-            tr = connect(t)
+            tr = connect_task(self, t)
         except HostKeyError as e:       # in ssh's words, which the CLI turns into how to trust the key it names
             return dict(result, unreachable=True, msg=f"Host key verification failed ({e.message.split(';')[0]})")
         except ProvisionError as e:     # not reached (as provision's fleets count it): Ansible's unreachable

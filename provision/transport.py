@@ -678,43 +678,55 @@ ANSIBLE_SSH_ARGS = ["-C", "-o", "ControlMaster=auto", "-o", "ControlPersist=60s"
 
 
 def ssh_command(target: Target, *, control: str | None, known_hosts: Path | None = None,
-                checking: str = "yes") -> list[str]:
+                checking: str = "yes", conn=None) -> list[str]:
     """The ssh command line (up to and including the host; the remote command follows) that Ansible's ssh
-    connection plugin builds for this host from its inventory variables (ansible_host, ansible_port, ansible_user,
+    connection plugin builds for this host: `conn`, a task's own connection (its options set by Ansible for the
+    host), or else one made here from the target's inventory variables (ansible_host, ansible_port, ansible_user,
     ansible_ssh_private_key_file, ansible_ssh_common_args, ansible_ssh_extra_args, ansible_ssh_args) and Ansible's
     settings (ssh_executable, ssh_args, ...): the operator's ~/.ssh/config, ProxyJump, agent and certificates
     apply. Ahead of them (ssh takes the first value given for an option) go ours: host keys checked strictly
     (`checking`) against the managed known_hosts only, never a prompt, keepalives every `keepalive_interval` s
-    (KEEPALIVE_COUNT unanswered end the connection), and one master per connection at `control` (None: none)."""
+    (KEEPALIVE_COUNT unanswered end the connection), and one master per connection at `control` (None: none) —
+    unless `conn` keeps its own master (ControlPersist), which its sessions then share with Ansible's."""
     from ansible.playbook.play_context import PlayContext
     from ansible.plugins.loader import connection_loader
 
-    with _PLUGIN:
-        conn = connection_loader.get("ssh", PlayContext(), None)
-    hostvars = {"ansible_host": target.host, **target.ssh_args}
-    if target.port != 22:             # else the ssh config's Port for this name holds, as for Ansible
-        hostvars["ansible_port"] = target.port
-    if target.user:
-        hostvars["ansible_user"] = target.user
-    if target.key_file:
-        hostvars["ansible_ssh_private_key_file"] = target.key_file
-    conn.set_options(var_options=hostvars)
-    kh = Path(known_hosts or target.known_hosts).expanduser().absolute()
     every = keepalive_interval(target)
-    ours = ["-o", f"StrictHostKeyChecking={checking}", "-o", f"UserKnownHostsFile={kh}",
-            "-o", "GlobalKnownHostsFile=/dev/null", "-o", "BatchMode=yes",
-            "-o", f"ServerAliveInterval={every}", "-o", f"ServerAliveCountMax={KEEPALIVE_COUNT}",
-            *(["-o", "ControlMaster=auto", "-o", f"ControlPersist={PERSIST}", "-o", f"ControlPath={control}"]
-              if control else ["-o", "ControlMaster=no", "-o", "ControlPath=none"])]
-    theirs = conn.get_option("ssh_args") or ""
-    if theirs.split() == ANSIBLE_SSH_ARGS:    # Ansible's own default, not the operator's: ours replace its master
-        theirs = ""                           # options, and its -C would cost pushed wheels (compressed) half their speed
-    conn.set_option("ssh_args", " ".join([shlex.join(ours), theirs]).strip())
-    conn.set_option("timeout", every)                   # ConnectTimeout: TCP and the SSH banner
+    if conn is None:
+        with _PLUGIN:
+            conn = connection_loader.get("ssh", PlayContext(), None)
+        hostvars = {"ansible_host": target.host, **target.ssh_args}
+        if target.port != 22:             # else the ssh config's Port for this name holds, as for Ansible
+            hostvars["ansible_port"] = target.port
+        if target.user:
+            hostvars["ansible_user"] = target.user
+        if target.key_file:
+            hostvars["ansible_ssh_private_key_file"] = target.key_file
+        conn.set_options(var_options=hostvars)
+        if (conn.get_option("ssh_args") or "").split() == ANSIBLE_SSH_ARGS:   # Ansible's own default, not the
+            conn.set_option("ssh_args", "")   # operator's: ours replace its master options, and its -C would cost
+        conn.set_option("timeout", every)     # pushed wheels (compressed) half their speed; ConnectTimeout: TCP, banner
     # `_build_command` is the plugin's private builder of exactly this command line (ansible-core's ssh plugin has
     # kept its signature across the range pyproject pins); this is the one place it is called.
-    argv = conn._build_command(conn.get_option("ssh_executable"), "ssh")
-    return [os.fsdecode(a) for a in argv] + [str(conn.get_option("host"))]
+    argv = [os.fsdecode(a) for a in conn._build_command(conn.get_option("ssh_executable"), "ssh")]
+    kh = Path(known_hosts or target.known_hosts).expanduser().absolute()
+    ours = ["-o", f"StrictHostKeyChecking={checking}", "-o", f"UserKnownHostsFile={kh}",
+            "-o", "GlobalKnownHostsFile=/dev/null", "-o", "BatchMode=yes",
+            "-o", f"ServerAliveInterval={every}", "-o", f"ServerAliveCountMax={KEEPALIVE_COUNT}"]
+    if not shares_master(argv):
+        ours += (["-o", "ControlMaster=auto", "-o", f"ControlPersist={PERSIST}", "-o", f"ControlPath={control}"]
+                 if control else ["-o", "ControlMaster=no", "-o", "ControlPath=none"])
+    at = argv.index(os.fsdecode(conn.get_option("ssh_executable"))) + 1     # after the binary (and any sshpass)
+    return argv[:at] + ours + argv[at:] + [str(conn.get_option("host"))]
+
+
+def shares_master(argv: list[str]) -> bool:
+    """Whether an ssh command line of Ansible's keeps a master of its own (a ControlPersist with its ControlPath)."""
+    opts = [(a[2:] if a.startswith("-o") else a).split("=", 1) for a in argv if "=" in a]
+    first = {}
+    for k, v in opts:
+        first.setdefault(k.lower(), v.strip('"'))
+    return first.get("controlpersist", "no") not in ("no", "0") and first.get("controlpath", "none") != "none"
 
 
 class SSH(Local):
@@ -727,12 +739,14 @@ class SSH(Local):
 
     session = True
 
-    def __init__(self, target: Target):
+    def __init__(self, target: Target, conn=None):
         self.target, self.watch = target, None
         self.control = str(_control_dir() / str(next(_SOCKETS)))
         self.log = Path(self.control + ".log")
-        self.ssh = ssh_command(target, control=self.control)
-        _MASTERS[self.control] = [*self.ssh[:-1], "-O", "exit", self.ssh[-1]]     # how close() stops it
+        self.ssh = ssh_command(target, control=self.control, conn=conn)
+        self.shared = f"ControlPath={self.control}" not in self.ssh   # the master is Ansible's (a task's connection)
+        if not self.shared:
+            _MASTERS[self.control] = [*self.ssh[:-1], "-O", "exit", self.ssh[-1]]     # how close() stops it
         first = [*self.ssh[:-1], "-E", str(self.log), self.ssh[-1], quote(become_argv(target, ["true"]))]
         limit = 4 * keepalive_interval(target) + 30      # a hang guard: ssh's own ConnectTimeout says it first
         try:    # the master: its errors (and later, why it went) go to its log
@@ -949,5 +963,7 @@ def trust_host(target: Target) -> tuple[str, str]:
     return key.get_name(), fingerprint(key)
 
 
-def connect(target: Target) -> Transport:
-    return Local(target) if target.local else SSH(target)
+def connect(target: Target, conn=None) -> Transport:
+    """The target's transport; `conn`, an Ansible task's own ssh connection to it, whose command line and master
+    its sessions then use."""
+    return Local(target) if target.local else SSH(target, conn)

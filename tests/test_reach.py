@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from loophosts import readable_host
+from loophosts import readable_host, write_inventory
 from provision.transport import trust_host
 from test_core import cli
 from wheelhouse import write_lock
@@ -139,3 +139,24 @@ def test_ansibles_default_ssh_args_give_way_to_ours_an_operators_stay(monkeypatc
     monkeypatch.setenv("ANSIBLE_SSH_ARGS", "-C -o Compression=yes")
     argv = ssh_command(t, control=None)
     assert "-C" in argv and "Compression=yes" in argv
+
+
+def test_a_plays_host_steps_share_the_tasks_own_ssh_connection(target, wheels, tmp_path, monkeypatch):
+    """Every ssh command of `apply -i` (provision's stage step, then the switch as Ansible's own module task) is
+    the ssh executable Ansible's settings name, and they all go through one master connection to the host, the
+    one Ansible keeps for it: provision's steps run over the task's own connection, not a second one."""
+    log = tmp_path / "ssh.log"
+    wrapper = tmp_path / "ssh-logged"
+    wrapper.write_text(f"#!/bin/sh\n{{ printf '%s\\037' \"$@\"; printf '\\036'; }} >> {log}\nexec ssh \"$@\"\n")
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("ANSIBLE_SSH_EXECUTABLE", str(wrapper))
+    root = tmp_path / "h1"
+    inv = write_inventory(tmp_path / "inv.yml", target, {"h1": root})
+    lk = write_lock(tmp_path / "a.yaml", "stack-a", [wheels["alpha-1.0"]])
+    cli("apply", "-i", inv, "--known-hosts", target.known_hosts, "--lock", lk, check=0)
+    assert (root / "current").readlink() == Path("generations/0001-stack-a")
+    runs = [r.split("\x1f")[:-1] for r in log.read_text().split("\x1e")[:-1]]
+    paths = [[a.split("=", 1)[1].strip('"') for a in argv if a.startswith("ControlPath=")][:1] for argv in runs]
+    assert all(paths) and len({p[0] for p in paths}) == 1, runs    # ssh takes an option's first value
+    assert any("-I -c" in argv[-1] for argv in runs), runs      # provision's own step (an agent)
+    assert any("/usr/bin/python3" in argv[-1] and "-I -c" not in argv[-1] for argv in runs), runs  # Ansible's task

@@ -17,7 +17,7 @@ import typer
 
 from ..errors import InputError
 from .common import (HOSTS, Hosts, JsonOpt, alone, console, edge, err_console, exit_for, host_options, over_hosts,
-                     plain, print_json, print_rows, row_error, styled, writable)
+                     plain, print_json, print_rows, row_error, styled, through_play, writable)
 
 LockOpt = typer.Option(None, "--lock", "-l", help="lockfile (YAML)")
 FullOpt = typer.Option(False, "--full", help="list every change (default: a summary with the headline changes)")
@@ -299,7 +299,7 @@ def apply(lock: Optional[Path] = LockOpt,
     python = interpreter_arg(python)
     ts = hosts.targets()
     by_host = plans_for(saved, ts, str(plan_file)) if saved else None
-    if len(ts) > 1:
+    if through_play(ts):
         printer = FleetPrinter(json_out, [t.name for t in ts])
         if not json_out:
             err_console.print(f"apply {lk.name} → {len(ts)} hosts", markup=False)
@@ -452,7 +452,6 @@ def status(json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
     from .. import generations, replies
     from ..fleet import each
     from ..plays import Play, typed
-    from .common import through_play
 
     ts = hosts.targets()      # one host's error is a row too: the table shows it
     rows = (Play("status", read=typed(replies.Status)).rows(ts, hosts.forks) if through_play(ts)

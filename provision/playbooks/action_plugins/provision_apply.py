@@ -19,12 +19,11 @@ if importlib.util.find_spec("provision") is None:   # an ansible-playbook from a
 # Imported as the play loads this plugin (ansible-playbook's own process), so that each host's worker, forked from
 # it, starts with them.
 from provision import apply as applymod, lock as lockmod  # noqa: E402
-from provision.action import append_event, spec_of, target_of  # noqa: E402
+from provision.action import append_event, connect_task, spec_of, target_of  # noqa: E402
 from provision.apply import CANCELLED, STAGED  # noqa: E402
 from provision.errors import Halted, InputError, ProvisionError  # noqa: E402
 from provision.facts import interpreter_arg  # noqa: E402
 from provision.plan import load_plans, lock_of_plan as plan_lock, plan_host  # noqa: E402
-from provision.transport import connect  # noqa: E402
 
 display = Display()
 CAUGHT_UP = 10.0     # seconds the gate waits for the controller to have read this host's progress
@@ -62,7 +61,7 @@ class ActionModule(ActionBase):
                              where=host)
             raise Halted(CANCELLED if ctl.cancelled() else STAGED, where=host)
         try:
-            tr = connect(t)
+            tr = connect_task(self, t)
         except ProvisionError as e:     # not reached (as provision's fleets count it): Ansible's unreachable
             return dict(result, unreachable=True, msg=str(e))
         cancel = ctl.watch()
