@@ -55,6 +55,18 @@ def current(roots, h) -> str:
     return os.readlink(roots[h] / "current").removeprefix("generations/")
 
 
+def test_a_fleet_applys_switch_is_recorded_as_the_apply_it_completes(fleet):
+    """Each host's history says what its switches were: the applies of stack-a, -b and -c, each with its lock, as a
+    one-host apply records them (the play's switch task), never as a rollback."""
+    inv, roots, kh, t = fleet
+    for h in HOSTS:
+        events = [json.loads(ln) for ln in (roots[h] / "history.jsonl").read_text().splitlines()]
+        switches = [e for e in events if e.get("event") in ("apply", "switch", "rollback")][:3]
+        assert [(e["event"], e["from"], e["to"], e["lock"]) for e in switches] == [
+            ("apply", None, "0001-stack-a", "stack-a"), ("apply", "0001-stack-a", "0002-stack-b", "stack-b"),
+            ("apply", "0002-stack-b", "0003-stack-c", "stack-c")], events
+
+
 def test_status_of_an_inventory_is_each_hosts_status_through_one_play(fleet):
     inv, roots, kh, t = fleet
     before = plays("status", roots["f1"])
