@@ -11,7 +11,7 @@ import pytest
 
 from provision import lock as lockmod, lockcheck, plan, toolkit
 from provision.agent import build as agentbuild
-from provision.agent import probes as agentprobes
+from provision.agent import gpu_probes, probes as agentprobes
 from provision.facts import Facts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,9 +48,9 @@ def test_lock_check_refuses_cuda12_from_wheels_before_any_download():
 
 def test_nvcc_probe_skips_for_a_host_toolkit_that_is_absent_and_fails_for_a_missing_wheel_toolkit(tmp_path):
     absent = str(tmp_path / "cuda-12.8")
-    r = agentprobes.p_nvcc({"cuda_home": absent, "cuda_source": "host", "cuda_version": "12.8.1"})
+    r = gpu_probes.p_nvcc({"cuda_home": absent, "cuda_source": "host", "cuda_version": "12.8.1"})
     assert r["status"] == "skip" and "source host" in r["reason"]
-    r = agentprobes.p_nvcc({"cuda_home": absent, "cuda_source": "wheels", "cuda_version": "13.0.1"})
+    r = gpu_probes.p_nvcc({"cuda_home": absent, "cuda_source": "wheels", "cuda_version": "13.0.1"})
     assert r["status"] == "fail"
 
 
@@ -77,13 +77,13 @@ def test_nvcc_probe_compiles_what_the_lock_targets_and_the_gpus_are_arch_specifi
     home, release = _nvcc_home()
     a = {"cuda_home": home, "cuda_source": "host", "cuda_version": release, "ccs": ["12.0", "8.9"],
          "gpus": [{"compute_cap": "9.0"}, {"compute_cap": "12.0"}]}
-    r = agentprobes.p_nvcc(a)
+    r = gpu_probes.p_nvcc(a)
     assert r["status"] == "pass", r
     assert r["figures"]["targets"] == {"8.9": "lock", "9.0": "gpu", "12.0": "lock+gpu"}
     assert r["figures"]["compiled"].keys() == {"sm_89", "sm_90a", "sm_120a"} and not r["figures"]["failed"]
     assert "sm_120a (lock+gpu, " in r["reason"] and "sm_90a (gpu, " in r["reason"]
-    assert [agentprobes.specific(cc) for cc in ("8.9", "9.0", "10.3", "12.0")] == ["8.9", "9.0a", "10.3a", "12.0a"]
-    r = agentprobes.p_nvcc(dict(a, gpus=[{"compute_cap": "[N/A]"}]))
+    assert [gpu_probes.specific(cc) for cc in ("8.9", "9.0", "10.3", "12.0")] == ["8.9", "9.0a", "10.3a", "12.0a"]
+    r = gpu_probes.p_nvcc(dict(a, gpus=[{"compute_cap": "[N/A]"}]))
     assert r["status"] == "fail" and "compute capability '[N/A]', not major.minor" in r["reason"]
 
 
