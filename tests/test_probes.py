@@ -14,7 +14,7 @@ import yaml
 
 from provision import apply as applymod
 from provision import generations, lock as lockmod
-from provision.agent import gpu_probes, probes as agentprobes
+from provision.agent import collective, gpu_probes, probes as agentprobes
 from provision.probes import REGISTRY, run_probes
 from provision.transport import Local, Target, connect
 from test_core import ctrl_c_as_at_a_terminal
@@ -232,7 +232,7 @@ def test_smoke_and_collective_harness_on_cpu(monkeypatch, agent_bundle):
     """The comparison and the one-process-per-rank all-reduce harness the GPU probes use, on CPU (gloo)."""
     monkeypatch.setenv("PROVISION_ALLREDUCE_SIZES", "4096,262144")
     assert gpu_probes.smoke_matmul("cpu", n=256) < 2e-2
-    out = agentprobes.run_workers("nccl", 2, "gloo", timeout=120)
+    out = collective.run_workers("nccl", 2, "gloo", timeout=120)
     assert out["ok"] and out["world"] == 2 and {r["dtype"] for r in out["rows"]} == {"bfloat16", "float32"}
     assert all(r["us"] > 0 and r["busbw_GBps"] >= 0 for r in out["rows"])
     assert gpu_probes.covered("12.0", ["sm_90", "compute_90"]) == "compute_90 (PTX JIT)"
