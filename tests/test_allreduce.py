@@ -17,7 +17,7 @@ import sglang_wheel  # noqa: E402
 from provision import agent, patches  # noqa: E402
 from provision.bundled import PATCHES  # noqa: E402
 from provision.agent import allreduce as ar  # noqa: E402
-from provision.agent import probes as agentprobes  # noqa: E402
+from provision.agent import collective  # noqa: E402
 from provision.probes import run_probes  # noqa: E402
 from provision.probes.ship import bundle_files  # noqa: E402
 from provision.transport import Local  # noqa: E402
@@ -156,7 +156,7 @@ def test_harness_on_cpu_one_process_per_rank(agent_bundle):
     reference sum; every GPU-only path skips with its reason on both ranks."""
     a = {"allreduce_backend": "gloo", "world": 2, "timeout": 120,
          "allreduce": {"hiddens": [64], "tokens": [1, 3], "iters": 20}}
-    r = agentprobes.p_allreduce(a)
+    r = collective.p_allreduce(a)
     assert r["status"] == "pass", r["reason"]
     f = r["figures"]
     assert f["backend"] == "gloo" and f["world"] == 2
@@ -169,7 +169,7 @@ def test_harness_on_cpu_one_process_per_rank(agent_bundle):
 
 
 def test_one_gpu_skips_and_the_ranks_travel_in_the_agent_bundle(adopted, tmp_path):  # noqa: F811
-    assert agentprobes.p_allreduce({"gpus": [{"compute_cap": "9.0"}]})["status"] == "skip"
+    assert collective.p_allreduce({"gpus": [{"compute_cap": "9.0"}]})["status"] == "skip"
     adopted.target.vars["provision_nvidia_smi"] = fake_smi(tmp_path, gpus=1)
     r = by_name(run_probes(adopted, lock_text(), only=["allreduce"]))["allreduce"]
     assert r["status"] == "skip" and r["reason"].startswith("one GPU on this host")

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from provision import apply as applymod
-from provision.agent import probes as agentprobes
+from provision.agent import jit
 from provision.probes import run_probes
 from provision.transport import Local, Target
 from test_probes import by_name, fake_smi, lock_text
@@ -26,13 +26,13 @@ def test_the_check_runs_beside_the_jit_processes_and_progress_is_never_silent(fl
     before the other ends. The check's answer says what its imports took apart from its run; the controller
     hears the running processes named at least every PROGRESS_EVERY seconds."""
     home, _ = _nvcc_home()
-    monkeypatch.setattr(agentprobes, "PROGRESS_EVERY", 0.5)
-    st, reason, figs = agentprobes.jit_part({"ccs": ["12.0"], "cuda_home": home}, python=flashinfer_python,
+    monkeypatch.setattr(jit, "PROGRESS_EVERY", 0.5)
+    st, reason, figs = jit.jit_part({"ccs": ["12.0"], "cuda_home": home}, python=flashinfer_python,
                                             build=(), check=("allreduce-fusion",), beside=CHECK)
     spans = figs["jit_spans"]
-    assert sorted(spans) == [agentprobes.CHECK, "check sm_120a"], spans
-    (c0, c1), (j0, j1) = spans[agentprobes.CHECK], spans["check sm_120a"]
-    assert figs["jit_workers"] == agentprobes.compile_slots(2)[0] == 2   # two cores, memory for two compiles
+    assert sorted(spans) == [jit.CHECK, "check sm_120a"], spans
+    (c0, c1), (j0, j1) = spans[jit.CHECK], spans["check sm_120a"]
+    assert figs["jit_workers"] == jit.compile_slots(2)[0] == 2   # two cores, memory for two compiles
     assert c0 < j1 and j0 < c1, spans                                   # they overlapped
     assert figs["jit_seconds"] == j1
     got = figs["_beside"]
@@ -42,7 +42,7 @@ def test_the_check_runs_beside_the_jit_processes_and_progress_is_never_silent(fl
     assert 0 <= got["figures"]["check_seconds"] < c1 - c0
     heard = [e["_event"] for e in map(json.loads, capsys.readouterr().out.splitlines()) if "_event" in e]
     doing = [e["doing"] for e in heard if e.get("step") == "probe"]
-    assert any(agentprobes.CHECK in d and "check sm_120a" in d for d in doing), doing
+    assert any(jit.CHECK in d and "check sm_120a" in d for d in doing), doing
     ticks = len([d for d in doing if d.startswith("flashinfer (jit ")])
     assert ticks >= int(max(c1, j1) / 0.5) - 1, (ticks, spans)          # one at least every half second
 
@@ -59,7 +59,7 @@ def test_the_probe_with_nothing_to_compile_runs_the_check_alone_and_accounts_for
     assert r["status"] == "fail" and r["reason"].startswith(NO_CUDA), r
     assert "JIT not compiled: the lock names no compute capability" in r["reason"]
     f = r["figures"]
-    assert list(f["jit_spans"]) == [agentprobes.CHECK], f
-    start, end = f["jit_spans"][agentprobes.CHECK]
+    assert list(f["jit_spans"]) == [jit.CHECK], f
+    start, end = f["jit_spans"][jit.CHECK]
     assert sorted(f["import_seconds"]) == ["flashinfer", "torch"], f
     assert sum(f["import_seconds"].values()) + f["check_seconds"] <= end - start <= f["wall_seconds"] <= r["seconds"]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from provision import lock as lockmod
-from provision.agent import kernels, probes as agentprobes
+from provision.agent import jit, kernels
 from provision.engine.settings import kernel_cache
 from provision.layout import Layout
 from provision.probes import run_probes
@@ -107,23 +107,23 @@ def test_builds_run_side_by_side_within_the_workers_given_and_an_overrun_is_kill
                                                    str(tmp_path / f"k{i}.o")],
                                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE))
 
-    out = agentprobes.run_parallel([job(i) for i in range(4)], 2, 60, said)
+    out = jit.run_parallel([job(i) for i in range(4)], 2, 60, said)
     assert sorted(out) == ["k0", "k1", "k2", "k3"]
     assert all(p.returncode == 0 for p, _, _, _, _ in out.values()) and all((tmp_path / f"k{i}.o").exists()
                                                                           for i in range(4))
     assert max(n for n, _, _ in seen) == 2 and seen[-1] == (0, 4, 4)
-    slow = agentprobes.run_parallel([("slow", lambda: subprocess.Popen(["sleep", "30"], stdout=subprocess.PIPE,
+    slow = jit.run_parallel([("slow", lambda: subprocess.Popen(["sleep", "30"], stdout=subprocess.PIPE,
                                                                        stderr=subprocess.PIPE))], 4, 0.5)
     p, stdout, _, seconds, _ = slow["slow"]
     assert stdout == b"" and p.returncode != 0 and seconds < 10
 
 
 def test_workers_are_bounded_by_cores_and_memory():
-    cores, mem = agentprobes.cores(), agentprobes.mem_available()
-    assert agentprobes.compile_slots(6) == (min(6, cores, mem // agentprobes.COMPILE_MEMORY),
-                                            max(1, min(cores, mem // agentprobes.COMPILE_MEMORY) // min(6, cores)))
-    assert agentprobes.compile_slots(6, per=mem)[0] == 1                  # memory for one compile: one at a time
-    assert agentprobes.compile_slots(1) == (1, min(cores, mem // agentprobes.COMPILE_MEMORY))
+    cores, mem = jit.cores(), jit.mem_available()
+    assert jit.compile_slots(6) == (min(6, cores, mem // jit.COMPILE_MEMORY),
+                                            max(1, min(cores, mem // jit.COMPILE_MEMORY) // min(6, cores)))
+    assert jit.compile_slots(6, per=mem)[0] == 1                  # memory for one compile: one at a time
+    assert jit.compile_slots(1) == (1, min(cores, mem // jit.COMPILE_MEMORY))
 
 
 @pytest.fixture

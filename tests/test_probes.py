@@ -14,7 +14,7 @@ import yaml
 
 from provision import apply as applymod
 from provision import generations, lock as lockmod
-from provision.agent import probes as agentprobes
+from provision.agent import collective, engine_probe, gpu_probes
 from provision.probes import REGISTRY, run_probes
 from provision.transport import Local, Target, connect
 from test_core import ctrl_c_as_at_a_terminal
@@ -231,14 +231,14 @@ def test_no_gpu_probes_skip_with_reasons(adopted):
 def test_smoke_and_collective_harness_on_cpu(monkeypatch, agent_bundle):
     """The comparison and the one-process-per-rank all-reduce harness the GPU probes use, on CPU (gloo)."""
     monkeypatch.setenv("PROVISION_ALLREDUCE_SIZES", "4096,262144")
-    assert agentprobes.smoke_matmul("cpu", n=256) < 2e-2
-    out = agentprobes.run_workers("nccl", 2, "gloo", timeout=120)
+    assert gpu_probes.smoke_matmul("cpu", n=256) < 2e-2
+    out = collective.run_workers("nccl", 2, "gloo", timeout=120)
     assert out["ok"] and out["world"] == 2 and {r["dtype"] for r in out["rows"]} == {"bfloat16", "float32"}
     assert all(r["us"] > 0 and r["busbw_GBps"] >= 0 for r in out["rows"])
-    assert agentprobes.covered("12.0", ["sm_90", "compute_90"]) == "compute_90 (PTX JIT)"
-    assert agentprobes.covered("8.6", ["sm_80"]) == "sm_80"
-    assert agentprobes.covered("9.0", ["sm_80", "sm_90a"]) == "sm_90a"
-    assert agentprobes.covered("10.3", ["sm_90", "sm_100a"]) is None
+    assert gpu_probes.covered("12.0", ["sm_90", "compute_90"]) == "compute_90 (PTX JIT)"
+    assert gpu_probes.covered("8.6", ["sm_80"]) == "sm_80"
+    assert gpu_probes.covered("9.0", ["sm_80", "sm_90a"]) == "sm_90a"
+    assert gpu_probes.covered("10.3", ["sm_90", "sm_100a"]) is None
 
 
 # ---------------------------------------------------------------- patches, contract, JIT cache
@@ -423,11 +423,11 @@ FAULT_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a t
 
 
 def probe_engine(fault: str, *serve_args, prompts=FAULT_PROMPTS, max_tokens=32) -> dict:
-    """The engine probe's host side (agent/probes.p_engine) against the real server with one fault injected
+    """The engine probe's host side (agent/engine_probe.p_engine) against the real server with one fault injected
     (tests/engine/serve_with_fault.py)."""
     argv = [sys.executable, str(FAULTY), fault, "--host", "127.0.0.1", "--port", "0", "--device", "cpu",
             "--threads", "1", "--max-seq-len", "256", *map(str, serve_args)]
-    r = agentprobes.p_engine({"engine": {"kind": "included", "argv": argv, "env": {"PYTHONPATH": str(ROOT)},
+    r = engine_probe.p_engine({"engine": {"kind": "included", "argv": argv, "env": {"PYTHONPATH": str(ROOT)},
                                          "device": "cpu", "prompts": prompts, "max_tokens": max_tokens,
                                          "min_speedup": 0.01}})
     assert not engine_procs(str(FAULTY), fault)
@@ -489,8 +489,8 @@ def test_engine_probe_passes_divergences_at_near_ties(tmp_path):
 
 
 def test_near_tie_verdict():
-    bound, judge = agentprobes.near_tie_bound, agentprobes.judge_divergence
-    u = agentprobes.UNIT_ROUNDOFF
+    bound, judge = engine_probe.near_tie_bound, engine_probe.judge_divergence
+    u = engine_probe.UNIT_ROUNDOFF
     assert bound("bfloat16", 8, 10.0) / bound("float32", 8, 10.0) == u["bfloat16"] / u["float32"]
     assert bound("float16", 8, 10.0) < bound("bfloat16", 8, 10.0) < bound("bfloat16", 32, 10.0)
     assert bound("bfloat16", 8, 20.0) == 2 * bound("bfloat16", 8, 10.0) and bound("int8", 8, 10.0) is None

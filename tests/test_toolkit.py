@@ -11,7 +11,7 @@ import pytest
 
 from provision import lock as lockmod, lockcheck, plan, toolkit
 from provision.agent import build as agentbuild
-from provision.agent import probes as agentprobes
+from provision.agent import gpu_probes, jit
 from provision.facts import Facts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,9 +48,9 @@ def test_lock_check_refuses_cuda12_from_wheels_before_any_download():
 
 def test_nvcc_probe_skips_for_a_host_toolkit_that_is_absent_and_fails_for_a_missing_wheel_toolkit(tmp_path):
     absent = str(tmp_path / "cuda-12.8")
-    r = agentprobes.p_nvcc({"cuda_home": absent, "cuda_source": "host", "cuda_version": "12.8.1"})
+    r = gpu_probes.p_nvcc({"cuda_home": absent, "cuda_source": "host", "cuda_version": "12.8.1"})
     assert r["status"] == "skip" and "source host" in r["reason"]
-    r = agentprobes.p_nvcc({"cuda_home": absent, "cuda_source": "wheels", "cuda_version": "13.0.1"})
+    r = gpu_probes.p_nvcc({"cuda_home": absent, "cuda_source": "wheels", "cuda_version": "13.0.1"})
     assert r["status"] == "fail"
 
 
@@ -77,13 +77,13 @@ def test_nvcc_probe_compiles_what_the_lock_targets_and_the_gpus_are_arch_specifi
     home, release = _nvcc_home()
     a = {"cuda_home": home, "cuda_source": "host", "cuda_version": release, "ccs": ["12.0", "8.9"],
          "gpus": [{"compute_cap": "9.0"}, {"compute_cap": "12.0"}]}
-    r = agentprobes.p_nvcc(a)
+    r = gpu_probes.p_nvcc(a)
     assert r["status"] == "pass", r
     assert r["figures"]["targets"] == {"8.9": "lock", "9.0": "gpu", "12.0": "lock+gpu"}
     assert r["figures"]["compiled"].keys() == {"sm_89", "sm_90a", "sm_120a"} and not r["figures"]["failed"]
     assert "sm_120a (lock+gpu, " in r["reason"] and "sm_90a (gpu, " in r["reason"]
-    assert [agentprobes.specific(cc) for cc in ("8.9", "9.0", "10.3", "12.0")] == ["8.9", "9.0a", "10.3a", "12.0a"]
-    r = agentprobes.p_nvcc(dict(a, gpus=[{"compute_cap": "[N/A]"}]))
+    assert [gpu_probes.specific(cc) for cc in ("8.9", "9.0", "10.3", "12.0")] == ["8.9", "9.0a", "10.3a", "12.0a"]
+    r = gpu_probes.p_nvcc(dict(a, gpus=[{"compute_cap": "[N/A]"}]))
     assert r["status"] == "fail" and "compute capability '[N/A]', not major.minor" in r["reason"]
 
 
@@ -113,7 +113,7 @@ def test_flashinfer_jit_compiles_for_sm120_without_a_gpu_and_reports_what_it_ref
     SiLU-and-mul kernel compiles; the trtllm all-reduce fusion module is refused for 12.0 (a finding, not a
     failure) and accepted for 9.0."""
     home, _ = _nvcc_home()
-    st, reason, figs = agentprobes.jit_part({"ccs": ["12.0"], "cuda_home": home}, python=flashinfer_python,
+    st, reason, figs = jit.jit_part({"ccs": ["12.0"], "cuda_home": home}, python=flashinfer_python,
                                             build=("silu-and-mul",))
     got = figs["jit"]["sm_120a"]
     if got["silu-and-mul"]["status"] == "built":                          # a host with a driver: linked
@@ -127,12 +127,12 @@ def test_flashinfer_jit_compiles_for_sm120_without_a_gpu_and_reports_what_it_ref
     assert got["silu-and-mul"]["module"] == "silu_and_mul" and got["silu-and-mul"]["seconds"] > 0
     assert got["allreduce-fusion"]["status"] == "refused" and "major versions [9, 10]" in \
         got["allreduce-fusion"]["error"]
-    hopper = agentprobes.flashinfer_jit("9.0", home, flashinfer_python, build=(), check=("allreduce-fusion",))
+    hopper = jit.flashinfer_jit("9.0", home, flashinfer_python, build=(), check=("allreduce-fusion",))
     assert hopper == {"allreduce-fusion": {"status": "accepted", "module": "trtllm_comm"}}
 
-    st, reason, _ = agentprobes.jit_part({"ccs": ["12.0"], "cuda_home": str(tmp_path / "cuda")})
+    st, reason, _ = jit.jit_part({"ccs": ["12.0"], "cuda_home": str(tmp_path / "cuda")})
     assert st == "skip" and reason == f"JIT not compiled: no nvcc at {tmp_path / 'cuda' / 'bin' / 'nvcc'}"
-    assert agentprobes.jit_part({"ccs": [], "cuda_home": home})[0] == "skip"
+    assert jit.jit_part({"ccs": [], "cuda_home": home})[0] == "skip"
 
 
 # What the JIT worker printed for flashinfer 0.7.2's silu-and-mul on this CPU-only machine (no driver), with a
@@ -158,9 +158,9 @@ def test_a_jit_link_that_only_lacks_the_drivers_libcuda_skips_and_nothing_else_p
     error, fails. (The compiler's output is recorded; the driver's presence is what is stood in for.)"""
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "nvcc").write_text("")
-    monkeypatch.setattr(agentprobes, "jit_builds", lambda *a, **k: {"_workers": 1, "sm_120a": {"silu-and-mul": out}})
-    monkeypatch.setattr(agentprobes, "driver_libcuda", lambda: driver)
-    st, reason, figs = agentprobes.jit_part({"ccs": ["12.0"], "cuda_home": str(tmp_path)}, build=("silu-and-mul",),
+    monkeypatch.setattr(jit, "jit_builds", lambda *a, **k: {"_workers": 1, "sm_120a": {"silu-and-mul": out}})
+    monkeypatch.setattr(jit, "driver_libcuda", lambda: driver)
+    st, reason, figs = jit.jit_part({"ccs": ["12.0"], "cuda_home": str(tmp_path)}, build=("silu-and-mul",),
                                             check=())
     assert (st, reason[:len(why)]) == (status, why), reason
     assert figs["jit_unlinked"] == (["silu-and-mul sm_120a (32s)"] if status == "skip" else [])

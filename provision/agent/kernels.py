@@ -66,6 +66,20 @@ def prepare(root, gen_id, cuda_home, archs):
     return dict(rec, created=created)
 
 
+IN_USE = {}         # this process's entry (`use`): the probes, JIT builds and engines started here compile into it
+OPERATOR_ENV = {}   # what this process's environment said for the entry's variables before `use`
+
+
+def use(root, gen_id, cuda_home, archs):
+    """The entry `prepare` makes, put in this process's environment (the processes it starts inherit it) and kept
+    in IN_USE; returns it."""
+    rec = prepare(root, gen_id, cuda_home, archs)
+    OPERATOR_ENV.update({v: os.environ.get(v) for v in rec["env"]})
+    os.environ.update(rec["env"])
+    IN_USE.update(rec)
+    return rec
+
+
 def record_of(lay, gen_id):
     """The key generation `gen_id` records (None: none, or not one of ours)."""
     k = (read_json(os.path.join(lay.gen(gen_id).dir, RECORD)) or {}).get("key")

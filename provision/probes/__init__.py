@@ -1,6 +1,6 @@
 """Verification probes: a registry (name, needs, required) and `run_probes`, which runs them inside one
 generation's own interpreter on the host, stores `probes.json` in that generation and a `probe` event
-in history. Host-side probes live in `agent/probes.py`; patches and the contract are checked from here.
+in history. Host-side probes are run by `agent/probes.py`; patches and the contract are checked from here.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class Probe:
     title: str
     needs: tuple = ()          # "gpu", "gpus>=2", "cuda", "engine"; packages are checked on the host
     required: bool = True      # a failure blocks the switch; warnings never do
-    side: str = "host"         # host: agent/probes.py in the generation's python; control: from here
+    side: str = "host"         # host: the probes agent in the generation's python; control: from here
 
 
 REGISTRY = [
