@@ -3,8 +3,9 @@ alone, the CUDA 12.8 baseline (cold and cached), then a PyPI-only CUDA 13 lock, 
 CUDA 13 lock. Prints cold apply, cached apply, reuse, rollback and gc; each cold apply's fetch beside the line
 rate measured just before it (a plain download of the biggest wheel), with ratios and the load average; and the
 plan from the baseline to the SGLang 0.5.23 lock as the host shows it.
-Usage: python bench/real_stack.py [--python /path/to/python3.12] [--json] [--part all|fetch|upgrade|sglang ...]
+Usage: python bench/real_stack.py [--python /path/to/python3.12] [--json] [--part all|fetch|upgrade|cuda13|sglang ...]
        [--workdir DIR] [--fetch-only]
+--part cuda13: only the CUDA 13 lock's cold and cached applies (part of upgrade; for a host with less disk).
 It downloads the wheels of the three locks (about 12 GB, and the baseline's 5 GB again for the fetch alone) into
 fresh host roots, one per part, and removes each before the next part starts (the upgrade part peaks at about
 50 GB on disk, the SGLang part at about 35 GB).
@@ -295,19 +296,28 @@ def apply(tr, lk, label: str, rows: list, quiet: bool, line=None) -> dict:
     return row
 
 
+def cold_and_cached(tr, work: Path, locks: dict, rows: list, quiet: bool, key: str, label: str) -> None:
+    """locks[key] applied cold, then again under a new name with every wheel cached, that cached apply beside `cp -a`
+    of its venv and uv's hardlink install of its wheels, against its target (TARGETS[key])."""
+    lk = locks[key]
+    apply(tr, lk, f"cold: {label}", rows, quiet, line=locks["line"])
+    row = apply(tr, renamed(lk, f"{lk.name}-again", work), f"cached: {label}", rows, quiet)
+    side_by_side(tr, row, tr.target.vars["python"], work)
+    row["target_s"] = TARGETS[key]
+
+
+def cuda13(tr, work: Path, locks: dict, fig: dict, rows: list, quiet: bool) -> None:
+    """The CUDA 13 lock alone on a fresh root (about 13 GB on disk at its peak): cold, then cached."""
+    cold_and_cached(tr, work, locks, rows, quiet, "cuda13", "CUDA 13")
+
+
 def upgrade(tr, work: Path, locks: dict, fig: dict, rows: list, quiet: bool) -> None:
     """The baseline cold and cached, the plan from it to the SGLang 0.5.23 lock, the CUDA 13 lock cold and cached,
     reuse, rollback, gc."""
-    base, target = locks["baseline"], locks["cuda13"]
-    apply(tr, base, "cold: baseline", rows, quiet, line=locks["line"])
-    row = apply(tr, renamed(base, "cuda12.8-sglang0.5.9-again", work), "cached: baseline", rows, quiet)
-    side_by_side(tr, row, tr.target.vars["python"], work)
-    row["target_s"] = TARGETS["baseline"]
+    base = locks["baseline"]
+    cold_and_cached(tr, work, locks, rows, quiet, "baseline", "baseline")
     fig["plan_baseline_to_sglang"] = render_plan(plan_host(tr, locks["sglang"]))
-    apply(tr, target, "cold: CUDA 13", rows, quiet, line=locks["line"])
-    row = apply(tr, renamed(target, "cuda13-torch2.11-pypi-again", work), "cached: CUDA 13", rows, quiet)
-    side_by_side(tr, row, tr.target.vars["python"], work)
-    row["target_s"] = TARGETS["cuda13"]
+    cold_and_cached(tr, work, locks, rows, quiet, "cuda13", "CUDA 13")
     before = generations.history(tr)["current"]
     apply(tr, base, "reuse: baseline", rows, quiet)
     t0 = time.perf_counter()
@@ -344,7 +354,7 @@ def fetch(tr, work: Path, locks: dict, fig: dict, rows: list, quiet: bool) -> No
     fig["fetch_links"] = fetch_links(locks["line"], work / "links", streams())
 
 
-PARTS = {"fetch": fetch, "upgrade": upgrade, "sglang": sglang}
+PARTS = {"fetch": fetch, "upgrade": upgrade, "cuda13": cuda13, "sglang": sglang}
 
 
 def main() -> None:
@@ -377,7 +387,7 @@ def main() -> None:
     if not python:
         sys.exit("no Python 3.12 that runs; pass --python")
     locks.update(cuda13=lockmod.load(TARGET), sglang=lockmod.load(SGLANG))
-    parts = list(PARTS) if "all" in args.part else [p for p in PARTS if p in args.part]
+    parts = [p for p in PARTS if p != "cuda13"] if "all" in args.part else [p for p in PARTS if p in args.part]
     rows: list[dict] = []
     fig = {"commit": commit(), "python": python, "parts": parts, "line_rate_wheel": locks["line"].filename}
     work = Path(tempfile.mkdtemp(prefix="real-stack-", dir=args.workdir))
