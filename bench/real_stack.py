@@ -92,6 +92,7 @@ def fetch_alone(lk: lockmod.Lock, biggest, work: Path, jobs: int) -> dict:
     c2 = cpu_seconds()
     after, _ = line_rate(biggest.url)
     c3 = cpu_seconds()
+    plain = plain_downloads([p.url for p in lk.packages], work / "plain")
     n, nbytes = res[0], res[1]
     rate = nbytes / secs
     progress = [e["_event"] for e in map(json.loads, events.getvalue().splitlines()) if "bytes" in e.get("_event", {})]
@@ -102,6 +103,7 @@ def fetch_alone(lk: lockmod.Lock, biggest, work: Path, jobs: int) -> dict:
     return {"line_rate_Bps": [round(before), round(after)], "line_rate_wheel": biggest.filename,
             "line_rate_wheel_bytes": size, "jobs": jobs, "wheels": n, "bytes": nbytes, "fetch_s": round(secs, 2),
             "fetch_Bps": round(rate), "fetch_of_line_rate": round(rate / ((before + after) / 2), 3),
+            "plain_same_bytes_s": round(plain, 2), "fetch_of_plain_same_bytes": round(secs / plain, 3),
             "half_in_s": when(0.5), "ninety_in_s": when(0.9),
             "cpu_s_per_GB": {"fetch": round((c2 - c1) / nbytes * 1e9, 2),
                              "plain_download": round((c1 - c0 + c3 - c2) / (2 * size) * 1e9, 2)},
@@ -109,6 +111,19 @@ def fetch_alone(lk: lockmod.Lock, biggest, work: Path, jobs: int) -> dict:
 
 
 SLOW_LINK = 50e6      # bytes per second of the rate-limited loopback link
+
+
+def plain_downloads(urls: list[str], out: Path) -> float:
+    """Seconds of one plain download of every url in turn (one curl, one connection it keeps, each file written
+    under `out`), the files then removed: the same bytes as a fetch of them, fetched the plain way."""
+    out.mkdir(parents=True, exist_ok=True)
+    args = [a for i, u in enumerate(urls) for a in ("-o", str(out / str(i)), u)]
+    subprocess.run(["sync"], check=True)
+    t0 = time.perf_counter()
+    subprocess.run(["curl", "-sSf", *args], check=True)
+    secs = time.perf_counter() - t0
+    shutil.rmtree(out)
+    return secs
 
 
 def plain_download(url: str, out: Path) -> float:
@@ -432,7 +447,9 @@ def render_fetch(fig: dict) -> str:
     return (render_links(fig["fetch_links"]) + "\n" if "fetch_links" in fig else "") + (f"fetch of {fig['wheels']} wheels ({fig['bytes'] / 1e9:.2f} GB) with {fig['jobs']} streams: "
             f"{fig['fetch_s']:.1f} s, {fig['fetch_Bps'] / 1e6:.0f} MB/s = {fig['fetch_of_line_rate']:.2f} x the line "
             f"rate ({fig['line_rate_Bps'][0] / 1e6:.0f} MB/s before, {fig['line_rate_Bps'][1] / 1e6:.0f} MB/s after: "
-            f"a plain download of {fig['line_rate_wheel']}); CPU {fig['cpu_s_per_GB']['fetch']:.2f} s/GB "
+            f"a plain download of {fig['line_rate_wheel']}); a plain download of the same {fig['wheels']} wheels "
+            f"one after another (curl, one connection) {fig['plain_same_bytes_s']:.1f} s: the fetch takes "
+            f"{fig['fetch_of_plain_same_bytes']:.2f} x its time; CPU {fig['cpu_s_per_GB']['fetch']:.2f} s/GB "
             f"(a plain download {fig['cpu_s_per_GB']['plain_download']:.2f}); load average {fig['load_average']:.1f}")
 
 
