@@ -141,12 +141,12 @@ def agent_fetch(pkg: dict, cache: Path, jobs: int) -> tuple[float, dict]:
     import contextlib
     import io
 
-    from provision.agent import build as agentbuild
+    from provision.agent import fetch as agentfetch
 
     subprocess.run(["sync"], check=True)
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):         # the agent's progress events
-        res = agentbuild.fetch(str(cache), [pkg], jobs)
+        res = agentfetch.fetch(str(cache), [pkg], jobs)
     secs = time.perf_counter() - t0
     shutil.rmtree(cache)
     return secs, res[3]
