@@ -18,7 +18,7 @@ from .agent import patcher as diffs
 from .errors import LockError, PatchError, ProvisionError, SeriesError
 from .lock import IDENT_RE, PROJECT_RE
 from . import layout
-from .replies import Contract, Inspected, Mismatches, PatchRun, refuse
+from .replies import Contract, Inspected, Mismatches, PatchRefused, PatchRun, refuse
 from .transport import Transport
 
 SERIES_FILE = "series.yaml"
@@ -319,7 +319,7 @@ def apply_series(transport: Transport, series_list: list[Series], *, python: str
                "series": gate(series_list, dists, where)}
     host = transport.target.name
     run = PatchRun.of(transport.run_agent("patcher", payload, python=python), host)
-    if run.failed:
+    if isinstance(run, PatchRefused):
         raise PatchError(run.failed, where=where)
     by_name = {p["name"]: p for p in payload["series"]}
     files_of = {(s.name, p.name): p.files for s in series_list for p in [*s.patches, *s.upstream]}

@@ -479,9 +479,9 @@ PROBE_STATUS = {"pattern": re.compile(r"^(pass|fail|skip|warn)\Z"), "what": "pas
 class ProbeResult(Reply):
     name: str
     status: str = field(metadata=PROBE_STATUS)
-    reason: str | None = None
+    reason: str
+    figures: dict
     seconds: float | None = None
-    figures: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -525,20 +525,32 @@ class PatchRow(Reply):
 class SeriesRun(Reply):
     name: str
     patches: list[PatchRow]
-    site_packages: str | None = field(default=None, metadata=PATH)
+    site_packages: str = field(metadata=PATH)
+
+
+@dataclass(frozen=True)
+class PatchRefused(Reply):
+    """`run` refused: the patch that did not apply, and why (nothing written)."""
+    STEP = "patch"
+    mode: str
+    failed: str
 
 
 @dataclass(frozen=True)
 class PatchRun(Reply):
-    """`run`: each series' patches and their status, each file's sha256 after; or the patch that did not apply
-    (`failed`, nothing written)."""
+    """`run`: each series' patches and their status, each file's sha256 after (PatchRefused where one did not
+    apply)."""
     STEP = "patch"
     mode: str
-    failed: str | None = None
-    written: bool = False
-    series: list[SeriesRun] = field(default_factory=list)
-    files: dict[str, str] = field(default_factory=dict, metadata=SHA256)
-    changed: list[str] = field(default_factory=list)
+    written: bool
+    series: list[SeriesRun]
+    files: dict[str, str] = field(metadata=SHA256)
+    changed: list[str]
+
+    @classmethod
+    def of(cls, data, host: str):
+        failed = isinstance(data, dict) and data.get("failed") is not None
+        return read(PatchRefused if failed else cls, data, host, cls.STEP)
 
 
 @dataclass(frozen=True)
@@ -565,6 +577,7 @@ class Via(Reply):
 
 @dataclass(frozen=True)
 class ContractMethod(Reply):
+    """A required method: where it is defined (`from`, `at`), or missing (perhaps reachable `via` a member)."""
     method: str
     status: str = field(metadata={"pattern": re.compile(r"^(defined|inherited|missing)\Z"),
                                   "what": "defined, inherited or missing"})
@@ -602,7 +615,11 @@ class Contract(Reply):
     @classmethod
     def of(cls, data, host: str):
         found = isinstance(data, dict) and data.get("found") is True
-        return read(cls if found else ContractMissing, data, host, cls.STEP)
+        made = read(cls if found else ContractMissing, data, host, cls.STEP)
+        for i, m in enumerate(getattr(made, "methods", [])):
+            if m.status != "missing" and None in (m.at, m.from_):
+                refuse(host, cls.STEP, f"methods[{i}].{'at' if m.at is None else 'from'}", f"missing ({m.status})")
+        return made
 
 
 # ---------------------------------------------------------------- the tool agent (probes/ship.py)
