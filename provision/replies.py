@@ -295,11 +295,11 @@ class Logs(Reply):
     STEP = "logs"
     id: str = field(metadata=GEN_ID)
     dir: str = field(metadata=PATH)
+    logs: dict[str, LogTail]
+    probes: list[ProbeLine]
     status: str | None = None
     reason: str | None = None
     run_dir: str | None = None
-    logs: dict[str, LogTail] = field(default_factory=dict)
-    probes: list[ProbeLine] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -265,6 +265,7 @@ def test_a_build_whose_figures_have_the_wrong_shape_fails_its_step_in_one_line(h
     (["history"], "state", "history", "r['generations'] = {}", "history reply is malformed: generations"),
     (["gc", "--dry-run"], "state", "gc", "r['bytes'] = '1'", "gc reply is malformed: bytes"),
     (["logs"], "state", "logs", "r['probes'] = [{'name': 1, 'status': 'pass'}]", "logs reply is malformed: probes[0]"),
+    (["logs"], "state", "logs", "del r['logs']", "logs reply is malformed: logs: missing"),
 ])
 def test_the_cli_says_one_line_for_a_reply_of_the_wrong_shape(host, verb, agent, op, code, says):
     host.answer(agent, op, code)

@@ -530,7 +530,7 @@ def logs(hosts: Hosts, generation: Optional[str] = typer.Argument(None, help="nu
     if json_out:
         print_json(out)
         return
-    console.print(f"{out['id']}: {out['status']}" + (f" ({out['reason']})" if out.get("reason") else ""))
+    console.print(f"{out['id']}: {out.get('status')}" + (f" ({out['reason']})" if out.get("reason") else ""))
     for r in out["probes"]:
         console.print(f"  probe {r['name']:<12} {r['status']:<5} {r.get('reason') or ''}")
     for name, log in out["logs"].items():
