@@ -18,6 +18,7 @@ from .agent import patcher as diffs
 from .errors import LockError, PatchError, ProvisionError, SeriesError
 from .lock import IDENT_RE, PROJECT_RE
 from . import layout
+from .replies import Contract, Inspected, Mismatches, PatchRefused, PatchRun, refuse
 from .transport import Transport
 
 SERIES_FILE = "series.yaml"
@@ -232,10 +233,10 @@ def _where(transport, python, site_packages):
 
 
 def installed(transport: Transport, packages: list[str], *, python: str, site_packages=None) -> dict:
-    """{package: {name, version, root} or None} in the target environment."""
+    """{package: its InstalledDist (name, version, root) or None} in the target environment."""
     out = transport.run_agent("patcher", {"op": "inspect", "packages": packages,
                                           "site_packages": _sp(site_packages)}, python=python)
-    return out["packages"]
+    return Inspected.of(out, transport.target.name).packages
 
 
 def gate(series_list: list[Series], dists: dict, where: str) -> list[dict]:
@@ -248,22 +249,22 @@ def gate(series_list: list[Series], dists: dict, where: str) -> list[dict]:
         dist = dists.get(s.package)
         if dist is None:
             raise PatchError(f"series {s.name}: {s.package} is not installed in {where}", where=s.where)
-        version = _version(dist["version"], s.where)
+        version = _version(dist.version, s.where)
         if not s.specifier.contains(version, prereleases=True):
             raise PatchError(f"series {s.name} applies to {s.package}{s.specifier}, but {s.package} "
-                             f"{dist['version']} is installed in {where}; refusing", where=s.where)
+                             f"{dist.version} is installed in {where}; refusing", where=s.where)
         rows = []
         for p in s.patches:
             row = {"name": p.name, "text": p.text}
             if p.applies_to is not None:
                 pdist = dists.get(canonicalize_name(p.applies_to.name))
-                if pdist is None or not p.applies_to.specifier.contains(_version(pdist["version"], p.where),
+                if pdist is None or not p.applies_to.specifier.contains(_version(pdist.version, p.where),
                                                                          prereleases=True):
                     row["skip"] = True
-                    have = f"{pdist['version']} installed" if pdist else "not installed"
+                    have = f"{pdist.version} installed" if pdist else "not installed"
                     row["skip_reason"] = f"needs {p.applies_to}; {p.applies_to.name} {have}"
             rows.append(row)
-        payload.append({"name": s.name, "package": s.package, "version": dist["version"],
+        payload.append({"name": s.name, "package": s.package, "version": dist.version,
                         "specifier": str(s.specifier), "patches": rows,
                         "upstream": [{"name": u.name, "evidence": u.evidence, "contracts": u.contracts}
                                      for u in s.upstream]})
@@ -273,14 +274,14 @@ def gate(series_list: list[Series], dists: dict, where: str) -> list[dict]:
 def for_installed(series_list: list[Series], dists: dict, where: str) -> list[Series]:
     """The series whose package is installed at a release they apply to; PatchError if none."""
     kept = [s for s in series_list if dists.get(s.package)
-            and s.specifier.contains(_version(dists[s.package]["version"], s.where), prereleases=True)]
+            and s.specifier.contains(_version(dists[s.package].version, s.where), prereleases=True)]
     if not kept:
         known = ", ".join(f"{s.name} ({s.package}{s.specifier})" for s in series_list)
         packages = sorted({s.package for s in series_list})
         if not any(dists.get(p) for p in packages):
             raise PatchError(f"{', '.join(packages)} is not installed in {where} (series: {known}); refusing",
                              where=where)
-        have = ", ".join(sorted({f"{s.package} {dists[s.package]['version']}" if dists.get(s.package)
+        have = ", ".join(sorted({f"{s.package} {dists[s.package].version}" if dists.get(s.package)
                                  else f"no {s.package}" for s in series_list}))
         raise PatchError(f"no series applies to {have} in {where} (series: {known}); refusing", where=where)
     return kept
@@ -316,17 +317,21 @@ def apply_series(transport: Transport, series_list: list[Series], *, python: str
         series_list = for_installed(series_list, dists, where)
     payload = {"op": "run", "mode": mode, "site_packages": _sp(site_packages),
                "series": gate(series_list, dists, where)}
-    out = transport.run_agent("patcher", payload, python=python)
-    if out.get("failed"):
-        raise PatchError(out["failed"], where=where)
+    host = transport.target.name
+    run = PatchRun.of(transport.run_agent("patcher", payload, python=python), host)
+    if isinstance(run, PatchRefused):
+        raise PatchError(run.failed, where=where)
     by_name = {p["name"]: p for p in payload["series"]}
     files_of = {(s.name, p.name): p.files for s in series_list for p in [*s.patches, *s.upstream]}
-    for s in out["series"]:
-        s.update({k: by_name[s["name"]][k] for k in ("package", "version", "specifier")})
-        for row in s["patches"]:
-            row["files"] = files_of.get((s["name"], row["name"]), [])
-    out["ok"] = all(p["status"] != "failed" for s in out["series"] for p in s["patches"])
-    out["host"] = transport.target.name
+    out = run.to_json()
+    for i, (s, told) in enumerate(zip(run.series, out.get("series", []))):
+        if s.name not in by_name:
+            refuse(host, PatchRun.STEP, f"series[{i}].name", f"{s.name[:120]!r} is not a series asked for")
+        told.update({k: by_name[s.name][k] for k in ("package", "version", "specifier")})
+        for p, row in zip(s.patches, told["patches"]):
+            row["files"] = files_of.get((s.name, p.name), [])
+    out["ok"] = all(p.status != "failed" for s in run.series for p in s.patches)
+    out["host"] = host
     out["python"] = python
     return out
 
@@ -336,12 +341,17 @@ def verify_manifest(transport: Transport, manifest_files: dict, python: str, *, 
     missing). Relative paths are taken from the environment's site-packages."""
     out = transport.run_agent("patcher", {"op": "verify", "files": manifest_files,
                                           "site_packages": _sp(site_packages)}, python=python)
-    return out["mismatches"]
+    return Mismatches.of(out, transport.target.name).to_json()["mismatches"]
+
+
+def contract(transport: Transport, arch: str, python: str, *, site_packages=None):
+    """The EAGLE-3 interface contract of `arch` (a name or a config.json on the host), statically: a Contract, or a
+    ContractMissing where the host finds no class of it."""
+    out = transport.run_agent("contracts", {"op": "check", "architecture": arch, "site_packages": _sp(site_packages)},
+                              python=python)
+    return Contract.of(out, transport.target.name)
 
 
 def check_contract(transport: Transport, arch: str, python: str, *, site_packages=None) -> dict:
-    """The EAGLE-3 interface contract of `arch` (a name or a config.json on the host), statically."""
-    out = transport.run_agent("contracts", {"op": "check", "architecture": arch, "site_packages": _sp(site_packages)},
-                              python=python)
-    out["host"] = transport.target.name
-    return out
+    """`contract` as JSON, naming the host."""
+    return dict(contract(transport, arch, python, site_packages=site_packages).to_json(), host=transport.target.name)

@@ -71,7 +71,7 @@ def unlock_of(t, result: dict, seconds: float | None = None) -> dict:
     from .runner import answer
     from .transport import unlocked
 
-    return unlocked(answer(t, result), Layout(root_of(t)).lock_file)
+    return unlocked(answer(t, result), Layout(root_of(t)).lock_file, t.name)
 
 
 def diff_of(t, result: dict, seconds: float | None = None) -> dict:

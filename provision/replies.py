@@ -295,11 +295,11 @@ class Logs(Reply):
     STEP = "logs"
     id: str = field(metadata=GEN_ID)
     dir: str = field(metadata=PATH)
+    logs: dict[str, LogTail]
+    probes: list[ProbeLine]
     status: str | None = None
     reason: str | None = None
     run_dir: str | None = None
-    logs: dict[str, LogTail] = field(default_factory=dict)
-    probes: list[ProbeLine] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -468,3 +468,187 @@ class BuildEvent(Reply):
     seconds: float | None = None
     line: str | None = None                              # venv, install: a line of the installer's
     phase: bool = False
+
+
+# ---------------------------------------------------------------- the probes agent (probes/__init__.py)
+
+PROBE_STATUS = {"pattern": re.compile(r"^(pass|fail|skip|warn)\Z"), "what": "pass, fail, skip or warn"}
+
+
+@dataclass(frozen=True)
+class ProbeResult(Reply):
+    name: str
+    status: str = field(metadata=PROBE_STATUS)
+    reason: str
+    figures: dict
+    seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class ProbesRun(Reply):
+    """`run`: each host probe's verdict, in the generation's interpreter; what that interpreter has installed."""
+    STEP = "probe"
+    results: list[ProbeResult]
+    python: str | None = None
+    version: str | None = None
+    dists: dict[str, str] = field(default_factory=dict)
+    kernels: dict | None = None
+
+
+# ---------------------------------------------------------------- the patcher and contracts agents (patches.py)
+
+@dataclass(frozen=True)
+class InstalledDist(Reply):
+    name: str
+    version: str
+    root: str = field(metadata=PATH)
+
+
+@dataclass(frozen=True)
+class Inspected(Reply):
+    """`inspect`: each package asked about, installed (its distribution) or not (None)."""
+    STEP = "inspect"
+    packages: dict[str, InstalledDist | None]
+    python: str | None = None
+    site_packages: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PatchRow(Reply):
+    name: str
+    status: str
+    files: list[str] = field(default_factory=list)
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class SeriesRun(Reply):
+    name: str
+    patches: list[PatchRow]
+    site_packages: str = field(metadata=PATH)
+
+
+@dataclass(frozen=True)
+class PatchRefused(Reply):
+    """`run` refused: the patch that did not apply, and why (nothing written)."""
+    STEP = "patch"
+    mode: str
+    failed: str
+
+
+@dataclass(frozen=True)
+class PatchRun(Reply):
+    """`run`: each series' patches and their status, each file's sha256 after (PatchRefused where one did not
+    apply)."""
+    STEP = "patch"
+    mode: str
+    written: bool
+    series: list[SeriesRun]
+    files: dict[str, str] = field(metadata=SHA256)
+    changed: list[str]
+
+    @classmethod
+    def of(cls, data, host: str):
+        failed = isinstance(data, dict) and data.get("failed") is not None
+        return read(PatchRefused if failed else cls, data, host, cls.STEP)
+
+
+@dataclass(frozen=True)
+class Mismatch(Reply):
+    path: str
+    expected: str
+    actual: str | None = None
+
+
+@dataclass(frozen=True)
+class Mismatches(Reply):
+    """`verify`: the manifest's patched files whose sha256 differs (actual None: missing)."""
+    STEP = "patch verify"
+    mismatches: list[Mismatch]
+
+
+@dataclass(frozen=True)
+class Via(Reply):
+    member: str
+    class_: str = field(metadata={"key": "class"})
+    status: str
+    from_: str = field(metadata={"key": "from"})
+
+
+@dataclass(frozen=True)
+class ContractMethod(Reply):
+    """A required method: where it is defined (`from`, `at`), or missing (perhaps reachable `via` a member)."""
+    method: str
+    status: str = field(metadata={"pattern": re.compile(r"^(defined|inherited|missing)\Z"),
+                                  "what": "defined, inherited or missing"})
+    at: str | None = None
+    from_: str | None = field(default=None, metadata={"key": "from"})
+    via: Via | None = None
+
+
+@dataclass(frozen=True)
+class ContractMissing(Reply):
+    """`check`: no class of the architecture found (why: `reason`)."""
+    STEP = "contract"
+    arch: str
+    found: bool
+    ok: bool = False
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Contract(Reply):
+    """`check`: the EAGLE-3 interface contract of one architecture's class in the installed SGLang, method by
+    method (ContractMissing where the class is not found)."""
+    STEP = "contract"
+    arch: str
+    found: bool
+    ok: bool
+    package: InstalledDist
+    module: str
+    class_: str = field(metadata={"key": "class"})
+    at: str
+    mro_: list[str] = field(metadata={"key": "mro"})      # `mro` would be the class's own method
+    required_source: str
+    methods: list[ContractMethod]
+
+    @classmethod
+    def of(cls, data, host: str):
+        found = isinstance(data, dict) and data.get("found") is True
+        made = read(cls if found else ContractMissing, data, host, cls.STEP)
+        for i, m in enumerate(getattr(made, "methods", [])):
+            if m.status != "missing" and None in (m.at, m.from_):
+                refuse(host, cls.STEP, f"methods[{i}].{'at' if m.at is None else 'from'}", f"missing ({m.status})")
+        return made
+
+
+# ---------------------------------------------------------------- the tool agent (probes/ship.py)
+
+@dataclass(frozen=True)
+class Unpacked(Reply):
+    """`unpack`: the tool's directory on the host, and whether it is all there (the caller checks where it is)."""
+    STEP = "unpack"
+    path: str = field(metadata=PATH)
+    complete: bool = False
+
+
+# ---------------------------------------------------------------- the host agent's lock replies (transport.py)
+
+@dataclass(frozen=True)
+class Ended(Reply):
+    """`end`: a stopped step's agent ended here (`stopped`: it was stopped, not running)."""
+    STEP = "end"
+    ended: bool = False
+    stopped: bool = False
+
+
+@dataclass(frozen=True)
+class Unlocked(Reply):
+    """`unlock`: the host lock free, held (why) or broken (the pids ended)."""
+    STEP = "unlock"
+    state: str = field(metadata={"pattern": re.compile(r"^(free|held|broken)\Z"), "what": "free, held or broken"})
+    holder: str | None = None
+    why: str | None = None
+    heard: float | None = None
+    bound: float | None = None
+    ended: list[int] = field(default_factory=list)

@@ -327,15 +327,18 @@ class Transport:
         if not isinstance(pid, int) or isinstance(pid, bool) or not isinstance(start, int):
             return None
         watch, self.watch = self.watch, None      # the step's cancel flag and deadline are not this command's
+        from .replies import Ended
+
         try:
-            out = self.run_agent("host", {"op": "end", "pid": pid, "start": start, "grace": END_GRACE})
+            out = Ended.of(self.run_agent("host", {"op": "end", "pid": pid, "start": start, "grace": END_GRACE}),
+                           self.target.name)
         except HostError as e:
             return f"its host agent (pid {pid}) could not be ended: {e.message}"
         finally:
             self.watch = watch
-        if not out.get("ended"):
+        if not out.ended:
             return None
-        how = ", stopped" if out.get("stopped") else ""
+        how = ", stopped" if out.stopped else ""
         return f"its host agent (pid {pid}{how}) did not end with its session: ended it"
 
     def spawn(self, argv: list[str]):
@@ -425,16 +428,19 @@ def unlock(transport: Transport) -> dict:
     the agents of its run are ended. Returns {state: free | held | broken, holder, heard (seconds since the
     holder last heard its controller), bound, ended (pids), why}; `held`: the lock was left alone."""
     return unlocked(transport.run_agent("host", {"op": "unlock", "root": layout.of(transport).root}),
-                    layout.of(transport).lock_file)
+                    layout.of(transport).lock_file, transport.target.name)
 
 
-def unlocked(out: dict, lock_file: str) -> dict:
-    """The host agent's unlock reply as `unlock` returns it: each field of the type it should have, or left out."""
-    state = out.get("state") if out.get("state") in ("free", "held", "broken") else "held"
-    said = {k: out.get(k) for k in ("heard", "bound") if isinstance(out.get(k), (int, float))}
-    return {"state": state, "lock": lock_file, **said,
-            **{k: _printable(out[k]) for k in ("holder", "why") if isinstance(out.get(k), str)},
-            "ended": [p for p in out.get("ended") or [] if isinstance(p, int)]}
+def unlocked(out: dict, lock_file: str, host: str) -> dict:
+    """The host agent's unlock reply as `unlock` returns it, read as replies.Unlocked (ReplyError naming `host` for
+    one of the wrong shape): the fields it left out left out, its words made printable."""
+    from .replies import Unlocked
+
+    r = Unlocked.of(out, host)
+    said = {k: getattr(r, k) for k in ("heard", "bound") if getattr(r, k) is not None}
+    return {"state": r.state, "lock": lock_file, **said,
+            **{k: _printable(getattr(r, k)) for k in ("holder", "why") if getattr(r, k) is not None},
+            "ended": r.ended}
 
 
 def _printable(text: str) -> str:

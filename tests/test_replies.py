@@ -11,10 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from provision import apply as applymod, generations, lock as lockmod, pack as packmod, verify as verifymod
+from packaging.specifiers import SpecifierSet
+
+from provision import apply as applymod, generations, lock as lockmod, pack as packmod, patches, verify as verifymod
+from provision import probes as probesmod
 from provision.errors import HostError
-from provision.replies import History, ReplyError, Rollback, Status
-from provision.transport import Local, Target
+from provision.probes.ship import ship_tool
+from provision.replies import (Contract, Ended, History, Inspected, Mismatches, PatchRun, ProbesRun, ReplyError,
+                               Rollback, Status, Unlocked, Unpacked)
+from provision.transport import Local, Target, unlock
 from wheelhouse import write_lock
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -163,7 +168,54 @@ CASES = [   # (agent, op, what the host does to its reply, the call, the field a
      "verify reply is malformed: dists: expected an object, not list"),
     ("verify", "verify", "r['dists']['alpha']['changed'] = [1]", lambda t: verifymod.verify(t),
      "verify reply is malformed: dists['alpha'].changed[0]: expected a string, not int"),
+    ("tool", "unpack", "r['complete'] = 'yes'", lambda t: ship_tool(t),
+     "unpack reply is malformed: complete: expected true or false, not str"),
+    ("host", "unlock", "r['state'] = 'gone'", lambda t: unlock(t),
+     "unlock reply is malformed: state: 'gone' is not free, held or broken"),
+    ("host", "unlock", "r['ended'] = ['1']", lambda t: unlock(t),
+     "unlock reply is malformed: ended[0]: expected a whole number, not str"),
 ]
+
+
+def sp_of(t) -> str:
+    return str(next(Path(t.target.vars["provision_root"]).glob("generations/0002-b/venv/lib/python*/site-packages")))
+
+
+def patch_none(t):
+    """An empty series for alpha, applied in generation 0002-b's site-packages by the host's python3."""
+    series = patches.Series(name="alpha-2", path=Path("/nonexistent"), package="alpha", specifier=SpecifierSet(">=1"))
+    return patches.apply_series(t, [series], python=t.target.vars["python"], site_packages=sp_of(t))
+
+
+def probe_packages(t):
+    """The probes agent's packages probe, run by the host's python3 in its own environment."""
+    return probesmod._run_host(t, ["packages"], {"packages": {}, "packages_source": "test"}, t.target.vars["python"],
+                               600)
+
+
+# the agents a step runs in a named interpreter: the host's python3, on generation 0002-b's site-packages
+NAMED = [
+    ("patcher", "inspect", "r['packages']['alpha']['root'] = 'alpha'",
+     lambda t: patches.installed(t, ["alpha"], python=t.target.vars["python"], site_packages=sp_of(t)),
+     "inspect reply is malformed: packages['alpha'].root: 'alpha' is not an absolute path"),
+    ("patcher", "run", "r['series'][0]['name'] = 'beta-1'", patch_none,
+     "patch reply is malformed: series[0].name: 'beta-1' is not a series asked for"),
+    ("patcher", "run", "r['files'] = {'alpha/__init__.py': 'abc'}", patch_none,
+     "patch reply is malformed: files['alpha/__init__.py']: 'abc' is not a sha256"),
+    ("patcher", "verify", "r['mismatches'][0]['expected'] = 5",
+     lambda t: patches.verify_manifest(t, {"alpha/x.py": "0" * 64}, t.target.vars["python"], site_packages=sp_of(t)),
+     "patch verify reply is malformed: mismatches[0].expected: expected a string, not int"),
+    ("contracts", "check", "r['found'] = True",
+     lambda t: patches.check_contract(t, "LlamaForCausalLMEagle3", t.target.vars["python"], site_packages=sp_of(t)),
+     "contract reply is malformed: package: missing"),
+    ("probes", "run", "r['results'][0]['status'] = 'great'", probe_packages,
+     "probe reply is malformed: results[0].status: 'great' is not pass, fail, skip or warn"),
+    ("probes", "run", "r['results'][0]['name'] = 'patches'", probe_packages,
+     "probe reply is malformed: results[0].name: 'patches' was not asked for"),
+    ("probes", "run", "r['kernels'] = 'warm'", probe_packages,
+     "probe reply is malformed: kernels: expected an object, not str"),
+]
+CASES += NAMED
 
 
 @pytest.mark.parametrize("agent,op,code,call,says", CASES, ids=[f"{c[0]}-{c[1]}-{i}" for i, c in enumerate(CASES)])
@@ -173,6 +225,15 @@ def test_a_reply_of_the_wrong_shape_is_one_line_naming_host_step_and_field(host,
     with pytest.raises(ReplyError) as e:
         call(host.transport)
     assert str(e.value) == f"h: the host's {says}"
+
+
+def test_the_tool_is_refused_where_the_host_says_it_lies_outside_its_root(host):
+    """The tool agent's `path` is where the engine is run from: one outside <root>/tool/<digest> is refused."""
+    assert ship_tool(host.transport).startswith(f"{host.root}/tool/")
+    host.answer("tool", "unpack", "r['path'] = '/tmp'")
+    with pytest.raises(ReplyError, match=rf"^h: the host's unpack reply is malformed: path: '/tmp' is not "
+                                         rf"{host.root}/tool/[0-9a-f]{{16}}$"):
+        ship_tool(host.transport)
 
 
 def test_pack_refuses_a_wheel_name_outside_its_folder(host, tmp_path):
@@ -204,6 +265,7 @@ def test_a_build_whose_figures_have_the_wrong_shape_fails_its_step_in_one_line(h
     (["history"], "state", "history", "r['generations'] = {}", "history reply is malformed: generations"),
     (["gc", "--dry-run"], "state", "gc", "r['bytes'] = '1'", "gc reply is malformed: bytes"),
     (["logs"], "state", "logs", "r['probes'] = [{'name': 1, 'status': 'pass'}]", "logs reply is malformed: probes[0]"),
+    (["logs"], "state", "logs", "del r['logs']", "logs reply is malformed: logs: missing"),
 ])
 def test_the_cli_says_one_line_for_a_reply_of_the_wrong_shape(host, verb, agent, op, code, says):
     host.answer(agent, op, code)
@@ -217,6 +279,8 @@ def test_the_cli_says_one_line_for_a_reply_of_the_wrong_shape(host, verb, agent,
     (["status"], "r['current'] = ['0002-b']", "status reply is malformed: current: expected a string, not list"),
     (["history"], "r['generations'] = {}", "history reply is malformed: generations: expected a list, not dict"),
     (["verify"], "r['found']['dists'] = []", "verify reply is malformed: dists: expected an object, not list"),
+    (["logs"], "r['probes'] = [{'name': 1, 'status': 'pass'}]",
+     "logs reply is malformed: probes[0].name: expected a string, not int"),
 ])
 def test_an_inventory_host_whose_module_answers_the_wrong_shape_is_one_line(host, verb, code, says):
     """The same hostile host as an inventory's (its play's module result rewritten): one line naming it, exit 1."""
@@ -238,3 +302,36 @@ def test_a_read_reply_keeps_what_the_host_sent_and_the_checked_fields():
     with pytest.raises(ReplyError, match="^h: the host's rollback reply is malformed: rollback: expected an object, "
                                          "not list$"):
         Rollback.of([], "h")
+
+
+@pytest.mark.parametrize("cls,data,says", [
+    (Ended, {"ended": "yes"}, "end reply is malformed: ended: expected true or false, not str"),
+    (Unpacked, {"path": "tool/x", "complete": True}, "unpack reply is malformed: path: 'tool/x' is not an absolute "
+                                                     "path"),
+    (Unlocked, {"state": "held", "heard": "long"}, "unlock reply is malformed: heard: expected a number, not str"),
+    (ProbesRun, {"python": "/usr/bin/python3"}, "probe reply is malformed: results: missing"),
+    (ProbesRun, {"results": [{"name": "nccl", "status": "pass", "reason": "", "figures": []}]},
+     "probe reply is malformed: results[0].figures: expected an object, not list"),
+    (Inspected, {"packages": {"sglang": {"name": "sglang", "version": "0.5.9", "root": "/x/../etc"}}},
+     "inspect reply is malformed: packages['sglang'].root: '/x/../etc' is not an absolute path"),
+    (PatchRun, {"mode": "apply", "written": True, "files": {}, "changed": [],
+                "series": [{"name": "s", "site_packages": "/s", "patches": [{"name": "p"}]}]},
+     "patch reply is malformed: series[0].patches[0].status: missing"),
+    (PatchRun, {"mode": "apply", "series": []}, "patch reply is malformed: written: missing"),
+    (Mismatches, {"mismatches": [{"path": "a.py"}]},
+     "patch verify reply is malformed: mismatches[0].expected: missing"),
+    (Contract, {"arch": "A", "found": True, "ok": True, "package": {"name": "sglang", "version": "1", "root": "/s"},
+                "module": "m", "class": "C", "at": "m.py:1", "mro": ["C"], "required_source": "derived",
+                "methods": [{"method": "f", "status": "gone"}]},
+     "contract reply is malformed: methods[0].status: 'gone' is not defined, inherited or missing"),
+    (Contract, {"arch": "A", "found": True, "ok": True, "package": {"name": "sglang", "version": "1", "root": "/s"},
+                "module": "m", "class": "C", "at": "m.py:1", "mro": ["C"], "required_source": "derived",
+                "methods": [{"method": "f", "status": "inherited", "at": "b.py:3"}]},
+     "contract reply is malformed: methods[0].from: missing (inherited)"),
+    (Contract, {"arch": "A", "found": "no"}, "contract reply is malformed: found: expected true or false, not str"),
+])
+def test_each_reply_is_checked_field_by_field(cls, data, says):
+    """The reader itself, on a reply of the wrong shape: one line naming the host, the step and the field."""
+    with pytest.raises(ReplyError) as e:
+        cls.of(data, "h1")
+    assert str(e.value) == f"h1: the host's {says}"

@@ -520,17 +520,16 @@ def logs(hosts: Hosts, generation: Optional[str] = typer.Argument(None, help="nu
          json_out: bool = JsonOpt):
     """A generation's build and probe logs (default: the newest generation; with -i: playbooks/logs.yml through
     Ansible)."""
-    from .. import generations
-    from ..plays import Play
-    from ..runner import answer
+    from .. import generations, replies
+    from ..plays import Play, typed
 
     t, generation = hosts.one(generation)
     out = over_hosts([t], lambda tr: generations.logs(tr, generation),
-                     play=Play("logs", {"generation": generation}, read=answer))[0].value
+                     play=Play("logs", {"generation": generation}, read=typed(replies.Logs)))[0].value
     if json_out:
         print_json(out)
         return
-    console.print(f"{out['id']}: {out['status']}" + (f" ({out['reason']})" if out.get("reason") else ""))
+    console.print(f"{out['id']}: {out.get('status')}" + (f" ({out['reason']})" if out.get("reason") else ""))
     for r in out["probes"]:
         console.print(f"  probe {r['name']:<12} {r['status']:<5} {r.get('reason') or ''}")
     for name, log in out["logs"].items():

@@ -14,6 +14,7 @@ from ..errors import Cancelled, HostError, ProvisionError
 from .. import layout, toolkit
 from ..facts import Environment, Facts, gather
 from ..lock import Lock
+from ..replies import ProbesRun, refuse
 from ..transport import Transport
 from .ship import ship_tool
 
@@ -121,7 +122,9 @@ def _engine_spec(transport: Transport, lock: Lock, python: str, facts: Facts) ->
     return spec
 
 
-def _run_host(transport: Transport, names: list[str], payload: dict, python: str, timeout: float) -> dict:
+def _run_host(transport: Transport, names: list[str], payload: dict, python: str, timeout: float) -> ProbesRun:
+    """The probes agent's verdicts (a failed agent: each probe failed, naming why); ReplyError for a reply of the
+    wrong shape."""
     payload = dict(payload, op="run", probes=names)
     env = {str(k): str(v) for k, v in (transport.target.vars.get("provision_probe_env") or {}).items()}
     try:
@@ -129,9 +132,12 @@ def _run_host(transport: Transport, names: list[str], payload: dict, python: str
     except Cancelled:        # Ctrl-C: the probes were interrupted, which is no verdict on the generation
         raise
     except HostError as e:
-        return {"results": [_res(n, "fail", f"probe agent failed in {python}: {e.message}") for n in names],
-                "dists": {}}
-    return out
+        out = {"results": [_res(n, "fail", f"probe agent failed in {python}: {e.message}") for n in names]}
+    run = ProbesRun.of(out, transport.target.name)
+    for i, r in enumerate(run.results):
+        if r.name not in names:
+            refuse(transport.target.name, ProbesRun.STEP, f"results[{i}].name", f"{r.name[:120]!r} was not asked for")
+    return run
 
 
 def _probe_patches(transport: Transport, lock: Lock, manifest: dict, python: str) -> dict:
@@ -162,16 +168,16 @@ def _probe_contract(transport: Transport, lock: Lock, dists: dict, python: str) 
                     architecture=arch)
     from .. import patches
 
-    rep = patches.check_contract(transport, arch, python)
-    figs = {"architecture": arch, "class": rep.get("class"), "module": rep.get("module"),
-            "methods": {m["method"]: m["status"] for m in rep.get("methods", [])}}
-    if not rep.get("found"):
-        return _res("contract", "fail", rep.get("reason") or f"{arch} not found in sglang", **figs)
-    missing = [m["method"] for m in rep.get("methods", []) if m["status"] == "missing"]
-    if missing or not rep.get("ok"):
-        return _res("contract", "fail", f"{rep.get('class')} lacks {', '.join(missing)} (called by the EAGLE-3 "
-                                        "worker)", **figs)
-    return _res("contract", "pass", f"{rep.get('class')} provides {', '.join(figs['methods'])}", **figs)
+    rep = patches.contract(transport, arch, python)
+    figs = {"architecture": arch, "class": None, "module": None, "methods": {}}
+    if not rep.found:
+        return _res("contract", "fail", rep.reason or f"{arch} not found in sglang", **figs)
+    figs.update({"class": rep.class_, "module": rep.module, "methods": {m.method: m.status for m in rep.methods}})
+    missing = [m.method for m in rep.methods if m.status == "missing"]
+    if missing or not rep.ok:
+        return _res("contract", "fail", f"{rep.class_} lacks {', '.join(missing)} (called by the EAGLE-3 worker)",
+                    **figs)
+    return _res("contract", "pass", f"{rep.class_} provides {', '.join(figs['methods'])}", **figs)
 
 
 def run_probes(transport: Transport, lock: Lock | None = None, *, generation: str | None = None,
@@ -190,9 +196,9 @@ def run_probes(transport: Transport, lock: Lock | None = None, *, generation: st
     lay = layout.of(transport)
     if manifest is None:
         gen_id = resolve_generation(transport, generation)
-        info = generations.read(transport, gen_id)
-        manifest = info.get("manifest") or {}
-        gen_lock = lockmod.loads(info["lock_text"], f"{gen_id}/lock.yaml") if info.get("lock_text") else None
+        info = generations.read_generation(transport, gen_id)
+        manifest = info.manifest
+        gen_lock = lockmod.loads(info.lock_text, f"{gen_id}/lock.yaml") if info.lock_text else None
     else:
         gen_id, gen_lock = generation, lock
     if lock is None and gen_lock is None:
@@ -237,11 +243,9 @@ def run_probes(transport: Transport, lock: Lock | None = None, *, generation: st
     host_python = kernels = None
     if to_host:
         out = _run_host(transport, to_host, payload, python, float(lock.probes.get("timeout", 3600)))
-        host_python = out.get("python")
-        kernels = out.get("kernels") if isinstance(out.get("kernels"), dict) else None
-        for r in out.get("results", []):
-            results[r["name"]] = r
-        dists = out.get("dists") or {}
+        host_python, kernels, dists = out.python, out.kernels, out.dists
+        for r in out.results:
+            results[r.name] = r.to_json()
     for p in selected:
         if p.side != "control" or p.name in results:
             continue

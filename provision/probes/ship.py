@@ -12,7 +12,8 @@ import io
 import tarfile
 from pathlib import Path
 
-from ..layout import root_of
+from .. import layout
+from ..replies import Unpacked, refuse
 from ..transport import Transport
 
 PKG = Path(__file__).resolve().parent.parent          # the local `provision` package
@@ -40,15 +41,26 @@ def ship_tool(transport: Transport) -> str:
     """Make sure the engine is on the host; returns the directory to put on PYTHONPATH."""
     files = bundle_files()
     name = digest(files)
-    ask = {"op": "unpack", "root": root_of(transport.target), "name": name}
-    there = transport.run_agent("tool", ask)
-    if there["complete"]:
-        return there["path"]
+    lay = layout.of(transport)
+    ask = {"op": "unpack", "root": lay.root, "name": name}
+    there = unpacked(transport, ask, lay.tool_dir(name))
+    if there.complete:
+        return there.path
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as t:
         for rel, data in files:
             info = tarfile.TarInfo(rel)
             info.size, info.mode, info.mtime = len(data), 0o644, 0
             t.addfile(info, io.BytesIO(data))
-    out = transport.run_agent("tool", dict(ask, tar=base64.b64encode(buf.getvalue()).decode()))
-    return out["path"]
+    out = unpacked(transport, dict(ask, tar=base64.b64encode(buf.getvalue()).decode()), lay.tool_dir(name))
+    if not out.complete:
+        refuse(transport.target.name, Unpacked.STEP, "complete", "false after unpacking")
+    return out.path
+
+
+def unpacked(transport: Transport, ask: dict, where: str) -> Unpacked:
+    """The tool agent's reply to `ask`, whose path must be `where` (the directory the layout names for it)."""
+    out = Unpacked.of(transport.run_agent("tool", ask), transport.target.name)
+    if out.path != where:
+        refuse(transport.target.name, Unpacked.STEP, "path", f"{out.path[:120]!r} is not {where}")
+    return out
