@@ -90,7 +90,7 @@ def series_payload(source: lockmod.Lock, base: lockmod.Lock | None, host: str) -
     from . import patches
 
     out = []
-    versions = {p.name: {"version": p.version} for p in source.packages}
+    versions = {p.name: p.version for p in source.packages}
     for rel in source.patches:
         try:
             s = patches.load_series((base or source).resolve_path(rel))

@@ -239,32 +239,32 @@ def installed(transport: Transport, packages: list[str], *, python: str, site_pa
     return Inspected.of(out, transport.target.name).packages
 
 
-def gate(series_list: list[Series], dists: dict, where: str) -> list[dict]:
-    """The agent's payload for each series, with patches whose gate fails marked to skip.
+def gate(series_list: list[Series], versions: dict[str, str], where: str) -> list[dict]:
+    """The agent's payload for each series, with patches whose gate fails marked to skip; `versions`: each
+    installed distribution's version by its canonical name.
 
     A series whose package is missing, or whose version is outside the series' specifier, is
     refused as a whole (PatchError)."""
     payload = []
     for s in series_list:
-        dist = dists.get(s.package)
-        if dist is None:
+        installed_version = versions.get(s.package)
+        if installed_version is None:
             raise PatchError(f"series {s.name}: {s.package} is not installed in {where}", where=s.where)
-        version = _version(dist.version, s.where)
+        version = _version(installed_version, s.where)
         if not s.specifier.contains(version, prereleases=True):
             raise PatchError(f"series {s.name} applies to {s.package}{s.specifier}, but {s.package} "
-                             f"{dist.version} is installed in {where}; refusing", where=s.where)
+                             f"{installed_version} is installed in {where}; refusing", where=s.where)
         rows = []
         for p in s.patches:
             row = {"name": p.name, "text": p.text}
             if p.applies_to is not None:
-                pdist = dists.get(canonicalize_name(p.applies_to.name))
-                if pdist is None or not p.applies_to.specifier.contains(_version(pdist.version, p.where),
-                                                                         prereleases=True):
+                have = versions.get(canonicalize_name(p.applies_to.name))
+                if have is None or not p.applies_to.specifier.contains(_version(have, p.where), prereleases=True):
                     row["skip"] = True
-                    have = f"{pdist.version} installed" if pdist else "not installed"
-                    row["skip_reason"] = f"needs {p.applies_to}; {p.applies_to.name} {have}"
+                    row["skip_reason"] = (f"needs {p.applies_to}; {p.applies_to.name} "
+                                          + (f"{have} installed" if have else "not installed"))
             rows.append(row)
-        payload.append({"name": s.name, "package": s.package, "version": dist.version,
+        payload.append({"name": s.name, "package": s.package, "version": installed_version,
                         "specifier": str(s.specifier), "patches": rows,
                         "upstream": [{"name": u.name, "evidence": u.evidence, "contracts": u.contracts}
                                      for u in s.upstream]})
@@ -316,7 +316,7 @@ def apply_series(transport: Transport, series_list: list[Series], *, python: str
     if matching:
         series_list = for_installed(series_list, dists, where)
     payload = {"op": "run", "mode": mode, "site_packages": _sp(site_packages),
-               "series": gate(series_list, dists, where)}
+               "series": gate(series_list, {k: d.version for k, d in dists.items() if d is not None}, where)}
     host = transport.target.name
     run = PatchRun.of(transport.run_agent("patcher", payload, python=python), host)
     if isinstance(run, PatchRefused):

@@ -204,13 +204,13 @@ def test_ssh_drop_mid_build(tmp_path, stacks, how):
         t = h.target
         a = applied(t, stacks[0])
         tr = connect(t)
-        drop = (lambda: (time.sleep(0.3), h.vanish())) if how == "whole sshd" else (lambda: (time.sleep(0.3),
-                                                                                            kill_sessions(h)))
+        drop = h.vanish if how == "whole sshd" else (lambda: kill_sessions(h))
         killer = threading.Thread(target=drop)
 
-        def progress(step, state, detail):
-            if (step, state) == ("build", "start"):
+        def progress(step, state, detail):      # the build agent has said something: it runs on the host now
+            if (step, state) == ("build", "info") and detail.startswith(("fetch", "install")) and killer.ident is None:
                 killer.start()
+                killer.join()
 
         with pytest.raises(ProvisionError) as e:
             applymod.apply(tr, stacks[1], progress=progress)

@@ -71,7 +71,7 @@ VERBS = {
 }
 # What each says of the named host (exit code, text): the host's own answer, ok or not.
 SAYS = {
-    "plan": (0, f"Plan for {NAMED}"), "apply": (0, f"No changes: {NAMED} already runs stack-b"),
+    "plan": (0, f"Plan for {NAMED}"), "apply": (0, f"{NAMED}  noop           0002-stack-b"),
     "adopt": (0, f"{NAMED}: host is already managed"),
     "rollback": (0, f"Would roll back {NAMED}: current 0002-stack-b → 0001-stack-a"),
     "history": (0, f"generations on {NAMED}"), "status": (0, NAMED),

@@ -85,8 +85,7 @@ def test_apply_playbook_gives_each_host_the_generation_provision_apply_gives(sit
         assert hist["current"] == "0002-stack-b", hist
         ev = hist["events"][-1]
         assert (ev["event"], ev["from"], ev["to"], ev["lock"]) == \
-            ("rollback", "0001-stack-a", "0002-stack-b", "stack-b"), ev        # the play's switch, forward
-        assert ev["forward"] is True
+            ("apply", "0001-stack-a", "0002-stack-b", "stack-b"), ev        # the play's switch: the apply it completes
 
     cli("apply", BY_CLI, "-i", inv, "--known-hosts", kh, "--lock", b, check=0)
     theirs = manifest(roots, BY_CLI, "0002-stack-b")
