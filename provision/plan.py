@@ -552,12 +552,15 @@ def download_estimate(facts: Facts, lock: Lock) -> dict:
     dirs, seen = set(), set()
     for p in lock.packages:
         listing = wheel_files(lock, p)
-        if listing is None:         # not at hand: its whole guessed size counts as new (store or own)
+        if listing is None:         # not at hand: its whole guessed size is new (store or own), or linked
             guess = UNPACK_FACTOR * (sizes[p.name] or 0)
             guessed += 1
             installed += guess
             unpacked += guess if p.sha256 not in cached else 0
-            (entered if iso == "store" else own)[1] += guess
+            if p.sha256 in stored:    # its files are in the host's store already: linked, no new data
+                linked[1] += guess
+            else:
+                (entered if iso == "store" else own)[1] += guess
             continue
         size = sum(blocks(n) for _, _, n in listing)
         installed += size

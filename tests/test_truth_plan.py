@@ -210,3 +210,26 @@ def test_disk_check_of_a_build_from_cached_wheels_counts_only_the_install(tmp_pa
         assert plan.action == "build"
         assert bool([e for e in plan.errors if "free under" in e]) == refused, (free, plan.errors)
         assert any(f"less than {human_size(MIN_FREE_BYTES)} to spare" in w for w in plan.warnings) != refused
+
+
+def test_disk_check_of_wheels_not_at_hand_counts_those_the_store_holds_as_linked(tmp_path, wheels):
+    """A lock whose wheels are only URLs (their files not at hand to list): the plan guesses each one's installed
+    size from its download, and where the host's cache and store hold that wheel already, the guess is linked,
+    not new data; the disk a build needs is then the generation's own files alone, as when the files are listed."""
+    from provision.facts import gather
+
+    from provision.plan import UNPACK_FACTOR, download_estimate
+
+    tr = Local(Target(host="local", vars={"provision_root": str(tmp_path / "root")}))
+    ws = [wheels["alpha-1.0"], wheels["beta-1.0"]]
+    assert applymod.apply(tr, lockmod.load(write_lock(tmp_path / "a.yaml", "a", ws))).status == "applied"
+    path = write_lock(tmp_path / "b.yaml", "b", ws)
+    data = yaml.safe_load(path.read_text())
+    for pkg, w in zip(data["packages"], ws):
+        pkg["url"], pkg["size"] = f"https://wheels.invalid/{w.name}", w.stat().st_size
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    remote = lockmod.load(path)
+    dl = download_estimate(gather(tr, python=remote.platform.python), remote)
+    guess = UNPACK_FACTOR * sum(w.stat().st_size for w in ws)
+    assert (dl["estimated"], dl["wheels"], dl["entered"]["bytes"], dl["linked"]["bytes"]) == (2, 0, 0, guess), dl
+    assert dl["disk_needed"] == dl["own"]["bytes"], dl
