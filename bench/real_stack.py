@@ -3,9 +3,10 @@ alone, the CUDA 12.8 baseline (cold and cached), then a PyPI-only CUDA 13 lock, 
 CUDA 13 lock. Prints cold apply, cached apply, reuse, rollback and gc; each cold apply's fetch beside the line
 rate measured just before it (a plain download of the biggest wheel), with ratios and the load average; and the
 plan from the baseline to the SGLang 0.5.23 lock as the host shows it.
-Usage: python bench/real_stack.py [--python /path/to/python3.12] [--json] [--part all|fetch|upgrade|cuda13|sglang ...]
+Usage: python bench/real_stack.py [--python /path/to/python3.12] [--json] [--part all|fetch|upgrade|baseline|cuda13|sglang ...]
        [--workdir DIR] [--fetch-only]
---part cuda13: only the CUDA 13 lock's cold and cached applies (part of upgrade; for a host with less disk).
+--part baseline, --part cuda13: only that lock's cold and cached applies (each a piece of upgrade; for a host with
+less disk).
 It downloads the wheels of the three locks (about 12 GB, and the baseline's 5 GB again for the fetch alone) into
 fresh host roots, one per part, and removes each before the next part starts (the upgrade part peaks at about
 50 GB on disk, the SGLang part at about 35 GB).
@@ -321,6 +322,11 @@ def cold_and_cached(tr, work: Path, locks: dict, rows: list, quiet: bool, key: s
     row["target_s"] = TARGETS[key]
 
 
+def baseline(tr, work: Path, locks: dict, fig: dict, rows: list, quiet: bool) -> None:
+    """The CUDA 12.8 baseline alone on a fresh root (about 30 GB on disk at its peak): cold, then cached."""
+    cold_and_cached(tr, work, locks, rows, quiet, "baseline", "baseline")
+
+
 def cuda13(tr, work: Path, locks: dict, fig: dict, rows: list, quiet: bool) -> None:
     """The CUDA 13 lock alone on a fresh root (about 13 GB on disk at its peak): cold, then cached."""
     cold_and_cached(tr, work, locks, rows, quiet, "cuda13", "CUDA 13")
@@ -369,7 +375,7 @@ def fetch(tr, work: Path, locks: dict, fig: dict, rows: list, quiet: bool) -> No
     fig["fetch_links"] = fetch_links(locks["line"], work / "links", streams())
 
 
-PARTS = {"fetch": fetch, "upgrade": upgrade, "cuda13": cuda13, "sglang": sglang}
+PARTS = {"fetch": fetch, "upgrade": upgrade, "baseline": baseline, "cuda13": cuda13, "sglang": sglang}
 
 
 def main() -> None:
@@ -402,7 +408,7 @@ def main() -> None:
     if not python:
         sys.exit("no Python 3.12 that runs; pass --python")
     locks.update(cuda13=lockmod.load(TARGET), sglang=lockmod.load(SGLANG))
-    parts = [p for p in PARTS if p != "cuda13"] if "all" in args.part else [p for p in PARTS if p in args.part]
+    parts = [p for p in PARTS if p not in ("baseline", "cuda13")] if "all" in args.part else [p for p in PARTS if p in args.part]
     rows: list[dict] = []
     fig = {"commit": commit(), "python": python, "parts": parts, "line_rate_wheel": locks["line"].filename}
     work = Path(tempfile.mkdtemp(prefix="real-stack-", dir=args.workdir))
