@@ -399,13 +399,17 @@ def render_plan(plan: Plan, full: bool = False) -> str:
 
 def files_line(dl: dict) -> str:
     """What the build does with each file, with sizes, and how generations are kept apart."""
+    guessed = dl.get("estimated") or 0      # packages whose files are not at hand: counted by size alone
+
     def n(part: str) -> str:
-        return f"{dl[part]['files']} ({human_size(dl[part]['bytes'])})"
+        return f"{dl[part]['files']}{'+' if guessed else ''} ({'~' if guessed else ''}{human_size(dl[part]['bytes'])})"
     how = {"store": "linked from the host's immutable store, uv hardlinks from its cache",
            "reflink": "uv clones its cache (copy-on-write): every file the generation's own",
            "copy": f"uv copies every file ({dl.get('isolation_why') or 'no store here'})"}[dl["isolation"]]
     return (f"{n('linked')} linked from the store, {n('entered')} copied into it, {n('own')} the generation's own "
-            f"(with its directories and stamp), compiled: none at build; isolation {dl['isolation']}: {how}")
+            f"(with its directories and stamp), compiled: none at build; isolation {dl['isolation']}: {how}"
+            + (f"; {guessed} package{'s' if guessed > 1 else ''} not at hand to list: files uncounted, sizes "
+               f"guessed as {UNPACK_FACTOR}x the download" if guessed else ""))
 
 
 SEED_PACKAGES = {"pip", "setuptools", "wheel"}   # what `python -m venv` seeds, unless a lock lists them

@@ -218,7 +218,7 @@ def test_disk_check_of_wheels_not_at_hand_counts_those_the_store_holds_as_linked
     not new data; the disk a build needs is then the generation's own files alone, as when the files are listed."""
     from provision.facts import gather
 
-    from provision.plan import UNPACK_FACTOR, download_estimate
+    from provision.plan import UNPACK_FACTOR, download_estimate, files_line
 
     tr = Local(Target(host="local", vars={"provision_root": str(tmp_path / "root")}))
     ws = [wheels["alpha-1.0"], wheels["beta-1.0"]]
@@ -233,3 +233,6 @@ def test_disk_check_of_wheels_not_at_hand_counts_those_the_store_holds_as_linked
     guess = UNPACK_FACTOR * sum(w.stat().st_size for w in ws)
     assert (dl["estimated"], dl["wheels"], dl["entered"]["bytes"], dl["linked"]["bytes"]) == (2, 0, 0, guess), dl
     assert dl["disk_needed"] == dl["own"]["bytes"], dl
+    assert files_line(dl).startswith(f"0+ (~{human_size(guess)}) linked from the store, 0+ (~0 B) copied into it") \
+        and files_line(dl).endswith("; 2 packages not at hand to list: files uncounted, sizes guessed as 3x the "
+                                    "download"), files_line(dl)
