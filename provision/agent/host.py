@@ -49,6 +49,7 @@ provision.agent.host.serve(m)
 """.strip()
 MESSAGE = {}            # the message this process was started with (to start sibling agents)
 AT_END = []             # what `end` does once this agent's process tree is gone (the host lock waits for work)
+WORKING = []            # <root>/.work held shared while this agent lives (never closed: its exit lets it go)
 ON_PULSE = []           # what each heartbeat from the controller does (the host lock notes its holder is heard)
 STDIN_OPS = {("host", "hold"), ("cache", "push")}    # the operations that read stdin after their message
 
@@ -126,7 +127,7 @@ def guard(working, root, heartbeat=None, reads_stdin=False):
         try:
             f = open(Layout(root).work, "a+")
             fcntl.flock(f, fcntl.LOCK_SH)
-            AT_END.append(f.close)
+            WORKING.append(f)   # let go by this process's exit alone: after its last thread has stopped
         except OSError:
             pass
     for s in (signal.SIGHUP, signal.SIGTERM):

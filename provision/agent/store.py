@@ -329,9 +329,9 @@ def link_venv(files, venv, jobs=8, every=2.0, progress=None):
     # Contents new to the store are copied while hashed on the pool's threads (long reads and hashes that let each
     # other run); those it holds already take only short syscalls each (the attribute off, a link, a rename, the
     # attribute on), which run three times faster in one thread than in several contending for the interpreter.
-    work = sorted(groups.items())
-    new = [item for item in work if not os.path.lexists(item[0])]
-    held = [item for item in work if os.path.lexists(item[0])] if new else work
+    new, held = [], []
+    for item in sorted(groups.items()):
+        (held if os.path.lexists(item[0]) else new).append(item)
     chunks = [new[i:i + 256] for i in range(0, len(new), 256)]      # a pool task per 256 contents, not per file
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         entering = pool.map(chunk, chunks)
