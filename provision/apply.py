@@ -76,6 +76,7 @@ class ApplyReport:
     build: dict | None = None          # the build's figures: fetched, cached, pushed, seconds per phase, isolation
     verify: dict | None = None         # the seal's full check of the new generation (manifest `verify`)
     error: str | None = None
+    error_type: str | None = None      # the error's kind (errors.py) where the host's step raised one
     seconds: float = 0.0
     batch: int = 0                     # a fleet rollout's batch (1-based; 0 outside one)
     rollback: dict | None = None       # a fleet rollout's rollback of this host (its batch failed)
@@ -333,7 +334,7 @@ def _build(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps,
 def _halt_at(gate: Callable[[], None] | None, transport: Transport, report: ApplyReport, built: str | None) -> None:
     """The fleet's gate before the commit point. A halted apply leaves `current` as it was; the generation it
     built is complete and probed, so it is kept runnable (never current yet) for a later apply to reuse."""
-    from .fleet import Halted
+    from .errors import Halted
 
     if gate is None:
         return
@@ -342,11 +343,11 @@ def _halt_at(gate: Callable[[], None] | None, transport: Transport, report: Appl
     except Halted as e:
         report.status, report.current = "stopped", report.previous
         kept = ""
-        if built is not None:
+        if built is not None:      # the play's stage (its switch is the next task) or a stop before the switch
             try:
                 generations.mark(transport, built, status="ready", stopped=e.message,
-                                 event={"event": "apply-stopped", "generation": built, "lock": report.lock_name,
-                                        "reason": e.message})
+                                 event={"event": "staged" if e.message == STAGED else "apply-stopped",
+                                        "generation": built, "lock": report.lock_name, "reason": e.message})
                 kept = f"; {built} kept (probed, a later apply reuses it)"
             except ProvisionError as me:
                 report.warnings.append(f"could not record {built} as kept ({me}); the next apply settles it")
@@ -727,8 +728,10 @@ def _fleet_report(groups: list, plan: list, results: dict, lock: Lock, max_fail:
                                   error=str(unreachable(t, said(r).removeprefix(f"{t.name}: "))))
             elif isinstance(r.get("report"), dict):
                 rep = _report_of(r["report"])
+                rep.error_type = r.get("error_type") if r.get("failed") else None
             else:
                 rep = ApplyReport(host=t.name, lock_name=lock.name, error=f"{t.name}: {said(r)}",
+                                  error_type=r.get("error_type"),
                                   status="not-attempted" if r.get("status") == "not-attempted" else "failed")
             rep.batch = b.number
             if sw is not None and not sw.get("failed") and not sw.get("unreachable"):

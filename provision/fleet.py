@@ -1,6 +1,5 @@
-"""Hosts one row each: one function run on each directly reached host in turn (`each`), one row per host in
-inventory order; an unreachable host, or a host's error, is a row. An inventory's hosts go through its verb's
-playbook, Ansible working on `forks` of them at once. Rollouts are Ansible's (playbooks/apply.yml):
+"""Hosts one row each, in order: a verb's hosts go through its playbook, Ansible working on `forks` of them at
+once, and an unreachable host, or a host's error, is a row (`Row`). Rollouts are Ansible's (playbooks/apply.yml):
 here their words, `--serial` batches and the `--max-fail` tolerance, as the CLI takes and reports them."""
 from __future__ import annotations
 
@@ -8,8 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .errors import Halted, InputError, ProvisionError
-from .transport import Target, Transport
+from .errors import InputError, ProvisionError
 
 # Ansible's --forks by default, whatever the verb: the inventory hosts a play works on at once. Each host does its own
 # work (facts, builds, switches) while the controller waits on one SSH session per host, so the controller's cores
@@ -40,36 +38,6 @@ class Row:
             return {"host": self.host, "error": self.error.message, "where": self.error.where,
                     "stage": self.stage, "exit_code": self.error.exit_code}
         return {"host": self.host, "result": value_json(self.value)}
-
-
-def _run(t: Target, fn: Callable[[Transport], Any]) -> Row:
-    """fn(transport) on one target: its row (a ProvisionError's `.report`, if any, is the row's value)."""
-    from .transport import connect
-
-    try:
-        tr = connect(t)
-    except ProvisionError as e:
-        return Row(t.name, error=e, stage="connect")
-    try:
-        return Row(t.name, value=fn(tr))
-    except Halted as e:
-        return Row(t.name, value=getattr(e, "report", None), error=e, stage="halted")
-    except ProvisionError as e:
-        return Row(t.name, value=getattr(e, "report", None), error=e, stage="run")
-    finally:
-        tr.close()
-
-
-def each(targets: list[Target], fn: Callable[[Transport], Any], *,
-         on_row: Callable[[Row], None] | None = None) -> list[Row]:
-    """fn(transport) on each target in turn, one row each (`on_row` sees each as it is known): a host reached
-    directly. An inventory's hosts go through its verb's playbook, Ansible running them side by side."""
-    rows = []
-    for t in targets:
-        rows.append(_run(t, fn))
-        if on_row:
-            on_row(rows[-1])
-    return rows
 
 
 # ---------------------------------------------------------------- batches and tolerance (Ansible's words)

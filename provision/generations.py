@@ -148,28 +148,13 @@ def diff(t: Transport, a: str, b: str | None = None) -> dict:
     return {"host": t.target.name, "from": ids[0], "to": ids[1], "changes": changes, "summary": summarize(changes)}
 
 
-def rollback_hosts(targets: list, to: str | None = None, *, dry_run: bool = False, force: bool = False,
-                   serial: str | list[str] = "0", forks: int | None = None) -> list:
-    """rollback on hosts named without an inventory; one fleet.Row per host. One host goes back over provision's
-    own connection (no play to start); several through playbooks/rollback.yml (`rollback_play`), batch by batch,
-    each host on its own: a dead or hung host is its row, never a reason to keep the others where they are."""
-    if len(targets) > 1:
-        return rollback_play(targets, to, dry_run=dry_run, force=force, serial=serial, forks=forks)
-    from .fleet import each
-
-    rows = each(targets, lambda tr: rollback(tr, to, dry_run=dry_run, force=force))
-    for row in rows:
-        row.batch = 1
-    return rows
-
-
-# ---------------------------------------------------------------- an inventory's hosts: the playbooks, through Ansible
+# ---------------------------------------------------------------- the verbs' playbooks, through Ansible
 
 def rollback_play(targets: list, to: str | None = None, *, dry_run: bool = False, force: bool = False,
                   serial: str | list[str] = "0", forks: int | None = None) -> list:
-    """`rollback_hosts` as playbooks/rollback.yml (`dry_run`: its --check), one Ansible run per batch of `serial`
-    (Ansible would end a play at a batch whose every host failed; here each host goes back on its own, a dead one
-    named in its row). One fleet.Row per host, values as `rollback` returns them."""
+    """`rollback` on the hosts as playbooks/rollback.yml (`dry_run`: its --check), one Ansible run per batch of
+    `serial` (Ansible would end a play at a batch whose every host failed; here each host goes back on its own, a
+    dead one named in its row). One fleet.Row per host, values as `rollback` returns them."""
     from .fleet import batches
     from .runner import answer, play_rows
 
@@ -184,10 +169,18 @@ def rollback_play(targets: list, to: str | None = None, *, dry_run: bool = False
     return rows
 
 
-def gc_play(targets: list, keep: int = 3, dry_run: bool = False, forks: int | None = None) -> list:
-    """`gc` as playbooks/gc.yml (`dry_run`: its --check) over the hosts, then the controller's run directories of
-    what each removed; one fleet.Row per host. The module answers once: no progress while a host collects."""
-    from .runner import answer, play_rows
+def gc_play(targets: list, keep: int = 3, dry_run: bool = False, forks: int | None = None,
+            on_progress=None) -> list:
+    """`gc` as playbooks/gc.yml (`dry_run`: its --check) over the hosts, each host's run directories of what it
+    removed too; one fleet.Row per host. `on_progress(host, event)` hears each host's phases as it collects."""
+    from .plays import Play
 
-    return play_rows("gc", targets, {"keep": keep}, check=dry_run, forks=forks,
-                     read=lambda t, r, seconds: collected(replies.Gc.of(answer(t, r), t.name), dry_run))
+    return Play("gc", {"keep": keep}, check=dry_run, on_progress=on_progress).rows(targets, forks)
+
+
+def gc_progress(ev: dict) -> str:
+    """One line of gc's progress (after the host's name and "gc"): its phase, how far, since when."""
+    far = f" {ev['directories']}/{ev['of']} directories" if ev.get("of") else \
+        f" {ev['items']} items" + (f", {ev['store_entries']} store entries" if ev.get("store_entries") else "") \
+        if ev.get("items") is not None else ""
+    return f"{ev.get('phase', '')}{far} ({ev.get('seconds', 0):.1f}s)"

@@ -95,13 +95,14 @@ def pack_of(t, result: dict, seconds: float | None = None) -> dict:
 @dataclass
 class Play:
     """A verb as its playbook (playbooks/NAME.yml): the extra vars it is given, how a host's result is read back
-    (`read`, default `value_of`), and `on_progress(host, event)` for the progress its steps append (a file made
-    for the run, given to the play as `progress`)."""
+    (`read`, default `value_of`), `on_progress(host, event)` for the progress its steps append (a file made
+    for the run, given to the play as `progress`), and whether it runs in check mode."""
 
     name: str
     extravars: dict = field(default_factory=dict)
     read: Callable[..., Any] = value_of
     on_progress: Callable[[str, dict], None] | None = None
+    check: bool = False             # the play's --check (a dry run)
 
     def rows(self, targets: list, forks: int | None = None) -> list:
         """One fleet.Row per target, in order, from one Ansible run; the hosts' keys checked against the known_hosts
@@ -121,7 +122,7 @@ class Play:
     def _run(self, targets: list, given: dict, forks: int | None) -> list:
         from .runner import play_rows
 
-        return play_rows(self.name, targets, given, forks=forks, read=self.read)
+        return play_rows(self.name, targets, given, forks=forks, read=self.read, check=self.check)
 
 
 class tail:

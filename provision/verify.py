@@ -121,13 +121,13 @@ def generation_arg(generation: str | None) -> None:
 
 
 def verify(t: Transport, generation: str | None = None, baseline: bool = False, jobs: int | None = None,
-           progress=None) -> dict:
+           progress=None, record: bool = True) -> dict:
     """`provision verify HOST [GEN]`: the generation (default current) checked on the host, judged against its
     lock, the verdict recorded (manifest `verify`, history event `verify`). Returns the verdict with the
     figures: bytes hashed, seconds, and (baseline) the seconds of a first read of the same files from disk
     (`cache` says how: each file's page cache is dropped before the hashing and before the read), the ratio
     hashing ÷ that read. `progress(event)` sees the host's progress events (one at least every
-    PROVISION_PROGRESS_EVERY seconds)."""
+    PROVISION_PROGRESS_EVERY seconds). `record` false: the verdict is only returned (`recorded` says which)."""
     generation_arg(generation)
     try:
         gen_id = generations.resolve(t, generation)
@@ -144,36 +144,27 @@ def verify(t: Transport, generation: str | None = None, baseline: bool = False, 
                                    "jobs": jobs, "progress_every": progress_every()}, on_event=progress)
     out = verdict_of(found, lock, manifest.get("installer"), gen_id, t.target.name)
     rec = out.pop("record")
-    warnings = []
+    warnings, recorded = [], False
     try:
-        generations.mark(t, gen_id, event=event_of(rec), verify=rec)
+        if record:
+            generations.mark(t, gen_id, event=event_of(rec), verify=rec)
+            recorded = True
     except HostError as e:        # a root mounted read-only: the verdict stands, unrecorded
         warnings.append(f"the verdict is not recorded: {e.message}")
-    return dict(out, host=t.target.name, warnings=warnings)
+    return dict(out, host=t.target.name, warnings=warnings, recorded=recorded)
 
 
-VERIFY_KEYS = {"record", "recorded", "not_recorded", "unresolved"}     # what a verify task's result holds besides
-#                                                                         `verdict_of`'s and Ansible's own
-
-
-def verify_fleet(targets: list, generation: str | None = None, baseline: bool = False, jobs: int | None = None,
-                 forks: int | None = None) -> list:
-    """`provision verify -i INV`: playbooks/verify.yml through Ansible on every host, the verdict recorded as
-    `verify` records it. One fleet.Row per host, in the inventory's order: the verdict as `verify` returns it
-    (clean or drift), or the host's error (unreachable: stage "connect"; a generation named that the host lacks:
-    InputError, as for one host)."""
-    from .runner import play_rows, reply_of
-
-    def read(t, r: dict, seconds) -> dict:
-        if "verdict" not in r:
-            raise (InputError if r.get("unresolved") else HostError)(str(r.get("msg") or "failed"), where=t.name)
-        warnings = [f"the verdict is not recorded: {r['not_recorded']}"] if r.get("not_recorded") else []
-        value = {k: v for k, v in reply_of(r).items() if k not in VERIFY_KEYS}
-        return dict(value, host=t.name, warnings=warnings)
+def verify_play(targets: list, generation: str | None = None, baseline: bool = False, jobs: int | None = None,
+                forks: int | None = None, on_progress=None) -> list:
+    """`provision verify`: playbooks/verify.yml through Ansible on every host, the verdict recorded. One fleet.Row
+    per host, in order: the verdict as `verify` returns it (clean or drift), or the host's error (unreachable:
+    stage "connect"; a generation named that the host lacks: InputError). `on_progress(host, event)` hears each
+    host's progress (files and bytes hashed), at least every few seconds."""
+    from .plays import Play
 
     generation_arg(generation)
-    given = {"generation": generation, "jobs": jobs, "baseline": baseline, "record": True}
-    return play_rows("verify", targets, {k: v for k, v in given.items() if v is not None}, forks=forks, read=read)
+    return Play("verify", {"generation": generation, "jobs": jobs, "baseline": baseline, "record": True},
+                on_progress=on_progress).rows(targets, forks)
 
 
 def event_of(rec: dict) -> dict:

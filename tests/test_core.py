@@ -90,7 +90,8 @@ def test_plan_apply_noop_rollback_history(target, locks):
     h = json.loads(cli("history", *host_args(target), "--json", check=0).stdout)
     assert h["current"] == "0001-stack-a"
     assert [(g["id"], g["status"]) for g in h["generations"]] == [("0001-stack-a", "ready"), ("0002-stack-b", "ready")]
-    assert [e["event"] for e in h["events"] if e["event"] != "probe"] == ["apply", "apply", "rollback"]
+    assert [e["event"] for e in h["events"] if e["event"] != "probe"] == ["staged", "apply", "staged", "apply",
+                                                                          "rollback"]   # staged: built, probed
     table = cli("history", *host_args(target), check=0).stdout
     assert "0001-stack-a" in table and "→" in table
 

@@ -279,21 +279,11 @@ def writable(path: Path, option: str) -> None:
         path.unlink()
 
 
-def through_play(ts: list[Target]) -> bool:
-    """Whether the verb acts on an inventory's hosts (-i, or several hosts): then through its playbook."""
-    return len(ts) > 1 or any(t.inventory for t in ts)
-
-
-def over_hosts(ts: list[Target], fn, forks: int = FORKS, on_row=None, play=None) -> list:
-    """The verb on its hosts, one fleet.Row each: an inventory's hosts through its playbook (`play`, an
-    plays.Play: one Ansible run, `forks` hosts at once), one host reached directly by fn(transport). With one
-    host, its error is the command's error (one line, its exit code); with several, an error is that host's row.
-    A verb with no playbook (no `play`) goes to its hosts one after another."""
-    from ..fleet import each
-
-    if play is not None and through_play(ts):
-        return alone(play.rows(ts, forks))
-    return alone(each(ts, fn, on_row=on_row))
+def over_hosts(ts: list[Target], play, forks: int = FORKS) -> list:
+    """The verb on its hosts as its playbook (`play`, a plays.Play): one Ansible run, `forks` hosts at once, one
+    fleet.Row each, in order. With one host, its error is the command's error (one line, its exit code); with
+    several, an error is that host's row."""
+    return alone(play.rows(ts, forks))
 
 
 def alone(rows: list) -> list:
@@ -303,9 +293,9 @@ def alone(rows: list) -> list:
     return rows
 
 
-def each_host(ts: list[Target], fn, play=None, forks: int = FORKS) -> list:
+def each_host(ts: list[Target], play, forks: int = FORKS) -> list:
     """The verb's result on each host (see over_hosts), in order, or the first error raised."""
-    rows = over_hosts(ts, fn, forks, play=play)
+    rows = over_hosts(ts, play, forks)
     for r in rows:
         if not r.ok:
             raise r.error

@@ -17,7 +17,7 @@ import typer
 
 from ..errors import InputError
 from .common import (HOSTS, Hosts, JsonOpt, alone, console, edge, err_console, exit_for, host_options, over_hosts,
-                     plain, print_json, print_rows, row_error, styled, through_play, writable)
+                     plain, print_json, print_rows, row_error, styled, writable)
 
 LockOpt = typer.Option(None, "--lock", "-l", help="lockfile (YAML)")
 FullOpt = typer.Option(False, "--full", help="list every change (default: a summary with the headline changes)")
@@ -116,6 +116,8 @@ class FleetPrinter:
     def for_host(self, host: str):
         def progress(step: str, state: str, detail: str) -> None:
             if self.quiet:
+                return
+            if state == "plan":            # the plan itself: a fleet's is `provision plan -i`'s to show
                 return
             if state == "wait":            # "waiting for HOST: STEP (no progress for N s)"
                 with self.lock:
@@ -227,11 +229,11 @@ def plan(lock: Path = LockOpt, json_out: bool = JsonOpt,
          detailed_exitcode: bool = typer.Option(False, "--detailed-exitcode",
                                                 help="exit 0 no changes, 2 changes, 1 error"),
          hosts: Hosts = HOSTS, full: bool = FullOpt, python: Optional[str] = PythonOpt):
-    """Dry-run diff of host vs lock (read-only); with -i, playbooks/apply.yml in check mode through Ansible."""
+    """Dry-run diff of host vs lock (read-only): playbooks/apply.yml in check mode through Ansible."""
     from .. import apply as applymod, lock as lockmod
     from ..errors import ProvisionError
     from ..facts import interpreter_arg
-    from ..plan import plan_host, render_plan, save_plans
+    from ..plan import render_plan, save_plans
 
     if lock is None:
         raise InputError("required: the lockfile to plan for (--lock FILE)", where="--lock")
@@ -240,10 +242,7 @@ def plan(lock: Path = LockOpt, json_out: bool = JsonOpt,
         python = interpreter_arg(python)
         if out:
             writable(out, "--out")
-        if hosts.inventory is not None:
-            rows = applymod.plan_fleet(hosts.targets(), lk, interpreter=python, forks=hosts.forks)
-        else:
-            rows = over_hosts(hosts.targets(), lambda tr: plan_host(tr, lk, interpreter=python), hosts.forks)
+        rows = alone(applymod.plan_fleet(hosts.targets(), lk, interpreter=python, forks=hosts.forks))
     except ProvisionError as e:
         if detailed_exitcode:   # 2 means "changes" there; every error is 1
             e.exit_code = 1
@@ -283,11 +282,9 @@ def apply(lock: Optional[Path] = LockOpt,
     playbooks/apply.yml (every host of a batch passes its probes before any switches). Ctrl-C stops before the
     switch (a switch under way completes) and says where each host is (exit 130)."""
     from .. import apply as applymod, lock as lockmod
-    from ..errors import ProvisionError
     from ..facts import interpreter_arg
     from ..fleet import parse_max_fail, parse_serial
-    from ..plan import load_plans, lock_of_plan, plans_for, render_plan
-    from ..transport import connect
+    from ..plan import load_plans, lock_of_plan, plans_for
 
     batches, tolerance = parse_serial(serial), parse_max_fail(max_fail)
 
@@ -299,53 +296,64 @@ def apply(lock: Optional[Path] = LockOpt,
     python = interpreter_arg(python)
     ts = hosts.targets()
     by_host = plans_for(saved, ts, str(plan_file)) if saved else None
-    if through_play(ts):
-        printer = FleetPrinter(json_out, [t.name for t in ts])
-        if not json_out:
-            err_console.print(f"apply {lk.name} → {len(ts)} hosts", markup=False)
-        try:
-            fleet = applymod.apply_fleet(ts, lk, serial=batches, max_fail=tolerance,
-                                         rollback_on_fail=rollback_on_fail, forks=hosts.forks, adopt_path=adopt,
-                                         skip_probes=skip_probe, installer=installer.value if installer else None,
-                                         wheels_from=wheels_from.value, progress_for=printer.for_host,
-                                         on_row=printer.row, on_batch=printer.batch, saved_plans=by_host,
-                                         interpreter=python)
-        finally:
-            printer.close()
-        if json_out:
-            print_json(fleet.to_json())
-        else:
-            again = [*(["--plan", plan_file] if plan_file else ["--lock", lock]),
-                     *(["--adopt", adopt] if adopt else []), *(a for p in skip_probe for a in ("--skip-probe", p)),
-                     *(["--installer", installer.value] if installer else []),
-                     *(["--wheels-from", wheels_from.value] if wheels_from != WheelsFrom.host else []),
-                     "--serial", serial, "--max-fail", max_fail,
-                     *(["--rollback-on-fail"] if rollback_on_fail else [])]
-            _print_fleet(fleet, hosts.command("apply", *again), hosts.command("rollback"))
-        if fleet.interrupted:
-            raise typer.Exit(130)
-        if not fleet.ok:
-            raise typer.Exit(1)
+    kw = dict(adopt_path=adopt, skip_probes=skip_probe, installer=installer.value if installer else None,
+              wheels_from=wheels_from.value, saved_plans=by_host, interpreter=python)
+    if hosts.inventory is None:         # HOST or --local: its steps as they finish, its report
+        _apply_one(ts[0], lk, json_out, verbose, full, kw)
         return
-    t = ts[0]
-    tr = connect(t)
+    printer = FleetPrinter(json_out, [t.name for t in ts])
+    if not json_out:
+        err_console.print(f"apply {lk.name} → {len(ts)} hosts", markup=False)
     try:
-        if not json_out:
-            err_console.print(f"apply {lk.name} → {t.name}", markup=False)
-        rep = applymod.apply(tr, lk, saved_plan=by_host[t.name] if by_host else None, adopt_path=adopt,
-                             skip_probes=skip_probe, installer=installer.value if installer else None,
-                             wheels_from=wheels_from.value, progress=StepPrinter(json_out, verbose),
-                             on_plan=None if json_out else lambda p: err_console.print(render_plan(p, full=full),
-                                                                                     markup=False),
-                             interpreter=python)
-    except ProvisionError as e:   # the report survives a failure (with --json, the edge prints it)
-        if not json_out and getattr(e, "report", None) is not None:
-            _print_probes(e.report.probes)
-            for w in e.report.warnings:
-                err_console.print(f"warning: {w}")
-        raise
+        fleet = applymod.apply_fleet(ts, lk, serial=batches, max_fail=tolerance, rollback_on_fail=rollback_on_fail,
+                                     forks=hosts.forks, progress_for=printer.for_host, on_row=printer.row,
+                                     on_batch=printer.batch, **kw)
     finally:
-        tr.close()
+        printer.close()
+    if json_out:
+        print_json(fleet.to_json())
+    else:
+        again = [*(["--plan", plan_file] if plan_file else ["--lock", lock]),
+                 *(["--adopt", adopt] if adopt else []), *(a for p in skip_probe for a in ("--skip-probe", p)),
+                 *(["--installer", installer.value] if installer else []),
+                 *(["--wheels-from", wheels_from.value] if wheels_from != WheelsFrom.host else []),
+                 "--serial", serial, "--max-fail", max_fail,
+                 *(["--rollback-on-fail"] if rollback_on_fail else [])]
+        _print_fleet(fleet, hosts.command("apply", *again), hosts.command("rollback"))
+    if fleet.interrupted:
+        raise typer.Exit(130)
+    if not fleet.ok:
+        raise typer.Exit(1)
+
+
+def _apply_one(t, lk, json_out: bool, verbose: bool, full: bool, kw: dict) -> None:
+    """apply on one host named without an inventory (HOST, or --local: `connection: local`), through the same play:
+    the plan before anything changes, each step as it finishes, then the probes and the outcome; a failure is the
+    command's error (its kind's exit code), the report with it."""
+    from .. import apply as applymod, errors
+    from ..plan import Plan, render_plan
+
+    if not json_out:
+        err_console.print(f"apply {lk.name} → {t.name}", markup=False)
+    printer = StepPrinter(json_out, verbose)
+
+    def said(step: str, state: str, detail: str) -> None:
+        if state != "plan":
+            printer(step, state, detail)
+        elif not json_out:
+            err_console.print(render_plan(Plan.from_json(json.loads(detail)), full=full), markup=False)
+    fleet = applymod.apply_fleet([t], lk, forks=1, progress_for=lambda host: said, **kw)
+    rep = fleet.reports[0]
+    if rep.status not in ("applied", "reused", "noop"):
+        kind = errors.Interrupted if fleet.interrupted else getattr(errors, str(rep.error_type), None)
+        kind = kind if isinstance(kind, type) and issubclass(kind, errors.ProvisionError) else errors.ProvisionError
+        e = kind(rep.error or f"{t.name}: {rep.status}")
+        e.report = rep
+        if not json_out:
+            _print_probes(rep.probes)
+            for w in rep.warnings:
+                err_console.print(f"warning: {w}")
+        raise e
     if json_out:
         print_json(rep.to_json())
     elif rep.status == "noop":
@@ -364,15 +372,14 @@ def apply(lock: Optional[Path] = LockOpt,
 def adopt(hosts: Hosts,
           path: Optional[str] = typer.Argument(None, help="prefix (or bin/python) of the existing environment"),
           json_out: bool = JsonOpt):
-    """Capture an existing, unmanaged environment (the same PATH on each host) as generation 0 (with -i:
-    playbooks/adopt.yml through Ansible)."""
-    from .. import apply as applymod
+    """Capture an existing, unmanaged environment (the same PATH on each host) as generation 0
+    (playbooks/adopt.yml through Ansible)."""
     from ..plays import Play
 
     ts, (path,) = hosts.targets_and_args((path,))
     if path is None:
         raise InputError("required: the environment to adopt (its prefix or bin/python)", where="PATH")
-    rows = over_hosts(ts, lambda tr: applymod.adopt_host(tr, path), hosts.forks, play=Play("adopt", {"path": path}))
+    rows = over_hosts(ts, Play("adopt", {"path": path}), hosts.forks)
 
     def show(r):
         v = r.value
@@ -389,14 +396,14 @@ def rollback(to: Optional[str] = typer.Option(None, "--to", help="generation num
              force: bool = typer.Option(False, "--force", help="switch even to a generation that fails verification"),
              serial: str = SerialOpt, json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
     """Switch `current` back to the generation current before the last switch, as history records it (atomic,
-    offline, nothing reinstalled); fleets in batches. With -i, playbooks/rollback.yml through Ansible (--dry-run:
-    its --check): each host goes back on its own, an unreachable one named."""
+    offline, nothing reinstalled); fleets in batches. playbooks/rollback.yml through Ansible (--dry-run: its
+    --check): each host goes back on its own, an unreachable one named."""
     from .. import generations
     from ..fleet import parse_serial
 
     batches = parse_serial(serial)
-    fleet = generations.rollback_play if hosts.inventory is not None else generations.rollback_hosts
-    rows = alone(fleet(hosts.targets(), to, dry_run=dry_run, force=force, serial=batches, forks=hosts.forks))
+    rows = alone(generations.rollback_play(hosts.targets(), to, dry_run=dry_run, force=force, serial=batches,
+                                           forks=hosts.forks))
 
     def show(r):
         out = r.value
@@ -420,17 +427,11 @@ def rollback(to: Optional[str] = typer.Option(None, "--to", help="generation num
 @host_options()
 def history(json_out: bool = JsonOpt, hosts: Hosts = HOSTS,
             events: bool = typer.Option(False, "--events", help="also list history.jsonl events")):
-    """Generations with lock, time, status and probe summary (with -i: playbooks/history.yml through Ansible)."""
-    from .. import generations
+    """Generations with lock, time, status and probe summary (playbooks/history.yml through Ansible)."""
+    from ..plays import Play, typed
+    from ..replies import History
 
-    if hosts.inventory is not None:
-        from ..plays import typed
-        from ..replies import History
-        from ..runner import play_rows
-
-        rows = alone(play_rows("history", hosts.targets(), {}, forks=hosts.forks, read=typed(History)))
-    else:
-        rows = over_hosts(hosts.targets(), generations.history, hosts.forks)
+    rows = over_hosts(hosts.targets(), Play("history", read=typed(History)), hosts.forks)
 
     def show(r):
         console.print(history_table(r.value, r.host))
@@ -447,15 +448,13 @@ def history(json_out: bool = JsonOpt, hosts: Hosts = HOSTS,
 @host_options()
 def status(json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
     """One table for the fleet: current generation, lock, since when, its last probe, the last probe of a generation
-    that did not become current (a failed or stopped attempt), generations, disk (with -i: playbooks/status.yml
-    through Ansible)."""
-    from .. import generations, replies
-    from ..fleet import each
+    that did not become current (a failed or stopped attempt), generations, disk (playbooks/status.yml through
+    Ansible)."""
+    from .. import replies
     from ..plays import Play, typed
 
-    ts = hosts.targets()      # one host's error is a row too: the table shows it
-    rows = (Play("status", read=typed(replies.Status)).rows(ts, hosts.forks) if through_play(ts)
-            else each(ts, generations.status))
+    # one host's error is a row too: the table shows it
+    rows = Play("status", read=typed(replies.Status)).rows(hosts.targets(), hosts.forks)
     if json_out:
         print_json([r.to_json() for r in rows])
     else:
@@ -472,9 +471,7 @@ def diff(hosts: Hosts,
          a: Optional[str] = typer.Argument(None, help="from this generation (number or id)", show_default=False),
          b: Optional[str] = typer.Argument(None, help="to this generation (default: current)"),
          json_out: bool = JsonOpt):
-    """Stack changes between two generations of HOST, rendered like plan (with -i: playbooks/diff.yml through
-    Ansible)."""
-    from .. import generations
+    """Stack changes between two generations of HOST, rendered like plan (playbooks/diff.yml through Ansible)."""
     from ..inventory import only
     from ..plan import render
     from ..plays import Play, diff_of
@@ -482,8 +479,7 @@ def diff(hosts: Hosts,
     ts, (a, b) = hosts.targets_and_args((a, b))
     if a is None:
         raise InputError("required: the generation to diff from (number or id)", where="A")
-    d = over_hosts([only(ts)], lambda tr: generations.diff(tr, a, b),
-                   play=Play("diff", {"a": a, "b": b}, read=diff_of))[0].value
+    d = over_hosts([only(ts)], Play("diff", {"a": a, "b": b}, read=diff_of))[0].value
     if json_out:
         print_json(dict(d, changes=[asdict(c) for c in d["changes"]]))
     else:
@@ -498,18 +494,14 @@ def gc(keep: int = typer.Option(3, "--keep", min=1, help="runnable generations t
        dry_run: bool = typer.Option(False, "--dry-run", help="list what would be removed"),
        json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
     """Remove old/failed generations, unused cache entries, their run dirs (never current or rollback's); report
-    the bytes freed. One host's progress goes to stderr as it collects; with -i, playbooks/gc.yml runs through
-    Ansible (--dry-run: its --check), whose module answers once: no progress lines then, each host's report when
-    the play is done."""
+    the bytes freed (playbooks/gc.yml through Ansible; --dry-run: its --check). Each host's progress goes to stderr
+    as it collects, never silent for more than a few seconds."""
     from .. import generations
 
-    def said(tr):           # gc's progress on stderr: never silent for more than a few seconds
-        return None if json_out else lambda ev: err_console.print(gc_progress(tr.target.name, ev), markup=False)
-    if hosts.inventory is not None:
-        rows = alone(generations.gc_play(hosts.targets(), keep=keep, dry_run=dry_run, forks=hosts.forks))
-    else:
-        rows = over_hosts(hosts.targets(), lambda tr: generations.gc(tr, keep=keep, dry_run=dry_run,
-                                                                     on_event=said(tr)), hosts.forks)
+    def said(host: str, ev: dict) -> None:
+        err_console.print(f"{host}: {ev.get('step', 'gc')} {ev.get('detail', '')}", markup=False, soft_wrap=True)
+    rows = alone(generations.gc_play(hosts.targets(), keep=keep, dry_run=dry_run, forks=hosts.forks,
+                                     on_progress=None if json_out else said))
     print_rows(rows, lambda r: console.print(gc_text(r.host, r.value), markup=False), json_out)
     exit_for(rows, bad=lambda v: v.get("errors"))    # a removal that failed (what was done is reported)
 
@@ -518,14 +510,12 @@ def gc(keep: int = typer.Option(3, "--keep", min=1, help="runnable generations t
 @host_options(forks=False, after="json_out")
 def logs(hosts: Hosts, generation: Optional[str] = typer.Argument(None, help="number or id"),
          json_out: bool = JsonOpt):
-    """A generation's build and probe logs (default: the newest generation; with -i: playbooks/logs.yml through
-    Ansible)."""
-    from .. import generations, replies
+    """A generation's build and probe logs (default: the newest generation; playbooks/logs.yml through Ansible)."""
+    from .. import replies
     from ..plays import Play, typed
 
     t, generation = hosts.one(generation)
-    out = over_hosts([t], lambda tr: generations.logs(tr, generation),
-                     play=Play("logs", {"generation": generation}, read=typed(replies.Logs)))[0].value
+    out = over_hosts([t], Play("logs", {"generation": generation}, read=typed(replies.Logs)))[0].value
     if json_out:
         print_json(out)
         return
@@ -570,14 +560,6 @@ def playbooks(path: bool = typer.Option(False, "--path", help="print only the di
 def register(app: typer.Typer) -> None:
     for verb in (plan, apply, adopt, rollback, history, status, diff, gc, logs, demo, playbooks):
         app.command()(verb)
-
-
-def gc_progress(host: str, ev: dict) -> str:
-    """One line of gc's progress: its phase, how far, since when."""
-    far = f" {ev['directories']}/{ev['of']} directories" if ev.get("of") else \
-        f" {ev['items']} items" + (f", {ev['store_entries']} store entries" if ev.get("store_entries") else "") \
-        if ev.get("items") is not None else ""
-    return f"{host}: gc {ev.get('phase', '')}{far} ({ev.get('seconds', 0):.1f}s)"
 
 
 def gc_text(host: str, out: dict) -> str:

@@ -26,12 +26,11 @@ def trust(yes: bool = typer.Option(False, "--yes", "-y", help="record without as
 @edge
 @host_options()
 def facts(json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
-    """The facts a plan is made from (one round trip per host; with -i: playbooks/facts.yml through Ansible)."""
-    from ..facts import gather
+    """The facts a plan is made from (one round trip per host: playbooks/facts.yml through Ansible)."""
     from ..plays import Play, facts_of
     from ..units import human_size
 
-    rows = over_hosts(hosts.targets(), gather, hosts.forks, play=Play("facts", read=facts_of))
+    rows = over_hosts(hosts.targets(), Play("facts", read=facts_of), hosts.forks)
 
     def show(r):
         f = r.value.to_json()
@@ -51,12 +50,11 @@ def unlock(json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
     """Break the host lock of a run whose controller is gone. The lock's holder hears its controller's heartbeat;
     a holder that has heard none for longer than its own bound (about 30 s: the controller was killed, the network
     was cut, or the holder is stopped) is orphaned, and unlock ends it and the agents of its run, then the lock is
-    free. While the holder still hears its controller, unlock refuses (exit 1) and names it. With -i:
-    playbooks/unlock.yml through Ansible."""
+    free. While the holder still hears its controller, unlock refuses (exit 1) and names it (playbooks/unlock.yml
+    through Ansible)."""
     from ..plays import Play, unlock_of
-    from ..transport import unlock as unlock_host
 
-    rows = over_hosts(hosts.targets(), unlock_host, hosts.forks, play=Play("unlock", read=unlock_of))
+    rows = over_hosts(hosts.targets(), Play("unlock", read=unlock_of), hosts.forks)
     print_rows(rows, lambda r: console.print(unlock_text(r.host, r.value), markup=False, soft_wrap=True), json_out)
     exit_for(rows, bad=lambda v: v["state"] == "held")
 

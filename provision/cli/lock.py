@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from .common import HOSTS, Hosts, console, edge, err_console, host_options, print_json
+from .common import HOSTS, Hosts, console, edge, err_console, host_options, over_hosts, print_json
 
 JsonOpt = typer.Option(False, "--json", help="machine-readable output")
 
@@ -81,16 +81,13 @@ def capture(out: Path = typer.Option(..., "-o", "--out", help="write the capture
             python: str = typer.Option("python3", "--python", help="interpreter or environment prefix to capture"),
             name: str = typer.Option("adopted", "--name", help="name of the captured lock"),
             hosts: Hosts = HOSTS, json_out: bool = JsonOpt):
-    """A lock from a live host's environment (what `apply` adopts as generation 0)."""
-    from .. import facts, lock as lockmod
-    from ..transport import connect
+    """A lock from a live host's environment (what `apply` adopts as generation 0; playbooks/capture.yml through
+    Ansible)."""
+    from .. import lock as lockmod
+    from ..plays import Play
 
     t, = hosts.one()
-    tr = connect(t)
-    try:
-        data = facts.capture_lock(tr, python, name=name)
-    finally:
-        tr.close()
+    data = over_hosts([t], Play("capture", {"python": python, "name": name}))[0].value["lock"]
     lk = lockmod.write(out, lockmod.dump(data))
     if json_out:
         print_json({"lock": str(out), "name": lk.name, "packages": len(lk.packages)})

@@ -6,8 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from .common import (Hosts, JsonOpt, ProgressLines, console, edge, err_console, host_options, over_hosts, print_json,
-                     through_play)
+from .common import Hosts, JsonOpt, ProgressLines, console, edge, err_console, host_options, over_hosts, print_json
 
 
 @edge
@@ -34,36 +33,15 @@ def pack(hosts: Hosts,
     files, each checked against its RECORD as it is read (drift refuses the pack), and DIR/lock.yaml naming each
     by sha256. Members are stored as they are, so a generation packs to the same bytes on any host;
     PROVISION_PACK_LEVEL=1..9 deflates them (smaller wheels, several times the time on a small host), except
-    where deflate would not shrink them. With -i, playbooks/pack.yml through Ansible (the wheelhouse is written
-    here all the same), its progress on stderr at least every few seconds."""
-    from .. import pack as packmod
-    from ..transport import connect
+    where deflate would not shrink them. playbooks/pack.yml through Ansible (the wheelhouse is written here, on
+    the controller), its progress on stderr at least every few seconds."""
+    from ..plays import Play, pack_of
 
     t, generation = hosts.one(generation)
-    if through_play([t]):
-        from ..plays import Play, pack_of
-
-        given = {"out": str(out.resolve()), "generation": generation, "allow_drift": allow_drift,
-                 "base": str(base.resolve()) if base else None, "extra": [str(p.resolve()) for p in with_],
-                 "lock_name": name, "jobs": jobs, "force": force}
-        play = Play("pack", given, read=pack_of, on_progress=ProgressLines(json_out))
-        rep = over_hosts([t], None, play=play)[0].value
-    else:
-        tr = connect(t)
-        status = None if json_out or not err_console.is_terminal else err_console.status(f"packing {t.name} …")
-
-        def progress(ev: dict) -> None:
-            if status is not None and ev.get("step") == "pack":
-                status.update(f"packing {t.name}: {progress_line(ev)}")
-        try:
-            if status is not None:
-                status.start()
-            rep = packmod.pack(tr, out, generation, allow_drift=allow_drift, base=base, extra=with_, name=name,
-                               jobs=jobs, force=force, progress=progress)
-        finally:
-            if status is not None:
-                status.stop()
-            tr.close()
+    given = {"out": str(out.resolve()), "generation": generation, "allow_drift": allow_drift,
+             "base": str(base.resolve()) if base else None, "extra": [str(p.resolve()) for p in with_],
+             "lock_name": name, "jobs": jobs, "force": force}
+    rep = over_hosts([t], Play("pack", given, read=pack_of, on_progress=ProgressLines(json_out)))[0].value
     if json_out:
         print_json(dict(rep, check=rep["check"].to_json()))
     else:

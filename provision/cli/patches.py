@@ -88,17 +88,12 @@ env_options = options("env", Env, ENV_PARAMS)
 ENV = Env()     # the default of an `env` parameter that follows others with defaults (env_options replaces it)
 
 
-def _each(hosts: Hosts, env: Env, fn, render, json_out: bool, play) -> None:
-    """fn(transport, python, site_packages) on each host (a --site-packages alone is this machine's); an
-    inventory's hosts through `play` (an plays.Play, given python and site_packages too); each report rendered,
-    exit 1 unless all are ok."""
-    from .. import patches as patchmod
-
+def _each(hosts: Hosts, env: Env, render, json_out: bool, play) -> None:
+    """`play` (a plays.Play, given the environment's python and site_packages) on each host (a --site-packages
+    alone is this machine's); each report rendered, exit 1 unless all are ok."""
     sp = str(env.site_packages) if env.site_packages else None
     play.extravars.update(python=env.python, site_packages=sp)
-    reports = each_host(hosts.targets(local_by_default=env.site_packages is not None),
-                        lambda tr: fn(tr, patchmod.env_python(tr, env.python, env.site_packages), sp), play=play,
-                        forks=hosts.forks)
+    reports = each_host(hosts.targets(local_by_default=env.site_packages is not None), play, hosts.forks)
     if json_out:
         print_json(reports[0] if len(reports) == 1 else reports)
     else:
@@ -124,13 +119,9 @@ def series_verb(ctx: typer.Context, series: Optional[List[Path]] = SeriesOpt, en
     from ..plays import Play
 
     mode = ctx.info_name
-    loaded, matching = patchmod.chosen_series(series)
+    patchmod.chosen_series(series)      # a series refused here, before any host is contacted
     play = Play("patches", {"mode": mode, "series": [str(Path(d).resolve()) for d in series or []]})
-    _each(hosts, env, lambda tr, python, sp: patchmod.apply_series(tr, loaded, python=python,
-                                                                   check_only=mode == "check",
-                                                                   revert=mode == "revert", site_packages=sp,
-                                                                   matching=matching),
-          _render_patches, json_out, play)
+    _each(hosts, env, _render_patches, json_out, play)
 
 
 @edge
@@ -139,11 +130,9 @@ def series_verb(ctx: typer.Context, series: Optional[List[Path]] = SeriesOpt, en
 def contract(arch: str = typer.Argument(..., help="architecture name, or a model's config.json on the host"),
              env: Env = ENV, json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
     """EAGLE-3 interface contract of ARCH in the installed SGLang (static; never imports it)."""
-    from .. import patches as patchmod
     from ..plays import Play
 
-    _each(hosts, env, lambda tr, python, sp: patchmod.check_contract(tr, arch, python, site_packages=sp),
-          _render_contract, json_out, Play("contract", {"arch": arch}))
+    _each(hosts, env, _render_contract, json_out, Play("contract", {"arch": arch}))
 
 
 def register(app: typer.Typer) -> None:

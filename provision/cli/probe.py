@@ -41,18 +41,18 @@ def probe(only: List[str] = typer.Option([], "--only", help="run only this probe
           lock: Optional[Path] = typer.Option(None, "--lock", "-l",
                                               help="expectations (default: the generation's own lock)"),
           json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
-    """Run the verification probes inside a generation; exit 1 if a required probe fails. With -i,
-    playbooks/probe.yml through Ansible: each host's progress at least every few seconds."""
+    """Run the verification probes inside a generation; exit 1 if a required probe fails (playbooks/probe.yml
+    through Ansible: each host's progress at least every few seconds)."""
     from .. import lock as lockmod
     from ..plays import Play
-    from ..probes import check_names, run_probes
+    from ..probes import check_names
 
-    lk = lockmod.load(lock) if lock else None
+    if lock:
+        lockmod.load(lock)          # a lock refused here, before any host is contacted
     check_names(only, "--only")
     play = Play("probe", {"generation": generation, "lock": str(lock.resolve()) if lock else None, "only": only},
                 on_progress=ProgressLines(json_out))
-    rows = over_hosts(hosts.targets(), lambda tr: run_probes(tr, lk, generation=generation, only=only or None),
-                      hosts.forks, play=play)
+    rows = over_hosts(hosts.targets(), play, hosts.forks)
 
     def show(r):
         rep = r.value

@@ -6,9 +6,8 @@ from typing import Optional
 
 import typer
 
-from .common import (Hosts, JsonOpt, alone, console, edge, err_console, exit_for, host_options, over_hosts, plain,
-                     print_rows, styled)
-from .pack import progress_line
+from .common import (Hosts, JsonOpt, ProgressLines, alone, console, edge, err_console, exit_for, host_options, print_rows,
+                     styled)
 
 
 def figures(v: dict) -> str:
@@ -42,29 +41,13 @@ def verify(hosts: Hosts,
                                               help="hashing threads on the host (default: 2 per core, at most 32)"),
            json_out: bool = JsonOpt):
     """Every file of a generation against its RECORD hash (patched files against their series' hashes) and its
-    distributions against its lock; exit 1 on drift, one line per distribution."""
+    distributions against its lock; exit 1 on drift, one line per distribution (playbooks/verify.yml through
+    Ansible; each host's progress on stderr at least every few seconds)."""
     from .. import verify as verifymod
 
     ts, (generation,) = hosts.targets_and_args((generation,))
-    verifymod.generation_arg(generation)
-    if hosts.inventory is not None:      # a fleet: verify.yml through Ansible
-        rows = alone(verifymod.verify_fleet(ts, generation, baseline=baseline, jobs=jobs, forks=hosts.forks))
-    else:
-        status = None if json_out or not err_console.is_terminal else err_console.status("verifying …")
-
-        def progress(host: str):
-            def tell(ev: dict) -> None:
-                if status is not None:
-                    status.update(plain(f"verifying {host}: {progress_line(ev)}"))
-            return tell
-        if status is not None:
-            status.start()
-        try:
-            rows = over_hosts(ts, lambda tr: verifymod.verify(tr, generation, baseline=baseline, jobs=jobs,
-                                                              progress=progress(tr.target.name)), hosts.forks)
-        finally:
-            if status is not None:
-                status.stop()
+    rows = alone(verifymod.verify_play(ts, generation, baseline=baseline, jobs=jobs, forks=hosts.forks,
+                                       on_progress=ProgressLines(json_out)))
 
     def show(r):
         v = r.value

@@ -4,6 +4,7 @@ Run by the CLI, each step event goes to its progress file and its cancel file st
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 import threading
@@ -78,12 +79,12 @@ class ActionModule(ActionBase):
             rep = applymod.apply(tr, lock, saved_plan=saved, adopt_path=args["adopt"],
                                  skip_probes=args["skip_probes"], installer=args["installer"],
                                  wheels_from=args["wheels_from"], interpreter=python, gate=staged,
-                                 progress=ctl.progress(host), cancel=cancel)
+                                 progress=ctl.progress(host), on_plan=ctl.plan(host), cancel=cancel)
             failed = None
         except ProvisionError as e:     # stopped at the gate (the one way it ends well), or failed
-            rep, failed = getattr(e, "report", None), str(e)
+            rep, failed, kind = getattr(e, "report", None), str(e), {"error_type": type(e).__name__}
             if rep is None:
-                return dict(result, failed=True, msg=failed)
+                return dict(result, failed=True, msg=failed, **kind)
             if rep.status == "stopped" and STAGED in failed:
                 failed = None
         finally:
@@ -92,7 +93,7 @@ class ActionModule(ActionBase):
         for w in rep.warnings:
             display.warning(f"{host}: {w}")
         if failed:
-            return dict(result, **_result_of(rep), failed=True, msg=failed)
+            return dict(result, **_result_of(rep), failed=True, msg=failed, **kind)
         return dict(result, **_result_of(rep),
                     changed=rep.status == "stopped" and (rep.plan or {}).get("action") == "build")
 
@@ -148,6 +149,14 @@ class _Controller:
                     display.vv(f"{step} {state}{': ' + detail if detail else ''}", host=host)
                 return
             self.said_up_to = append_event(self.file, host, step, state, detail, time.monotonic() - t0)
+        return said
+
+    def plan(self, host: str):
+        """The apply's on_plan for this host: the plan, before anything changes, as one progress line (state "plan",
+        its JSON the detail) for the CLI to render; nothing without a progress file."""
+        def said(plan) -> None:
+            if self.file:
+                self.said_up_to = append_event(self.file, host, "plan", "plan", json.dumps(plan.to_json()), 0.0)
         return said
 
     def caught_up(self, within: float) -> bool:

@@ -1,5 +1,7 @@
 #!/usr/bin/python
-"""Ansible module: collect a host's old and failed generations and unused cache entries, as `provision gc` does."""
+"""Ansible module: collect a host's old and failed generations and unused cache entries, as `provision gc` does.
+Its work runs in its action plugin, on the controller through provision's own host steps (its progress, a phase
+at a time, to the task's progress file); this file declares its arguments and documents its result."""
 
 DOCUMENTATION = r"""
 module: provision_gc
@@ -9,7 +11,7 @@ description:
     cached wheels no remaining generation needs; never `current` nor the generation a rollback returns to.
   - Check mode names what would go, removing nothing. The controller's own run directories are the CLI's to
     remove (`provision gc`).
-extends_documentation_fragment: provision
+extends_documentation_fragment: provision.step
 options:
   keep:
     description: Runnable generations to keep, current and the rollback target included.
@@ -34,17 +36,13 @@ recovered: {description: what settling an interrupted run found (not in check mo
 agent_warnings: {description: what the host root says is amiss (also the task's warnings), type: list}
 """
 
-from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.provision import spec, step
+ARGUMENT_SPEC = {"keep": {"type": "int", "default": 3}}   # its own; STEP (module_utils) the shared ones
 
 
 def main():
-    module = AnsibleModule(argument_spec=dict(spec.ROOT, **{"keep": {"type": "int", "default": 3}}),
-                           supports_check_mode=True)
-    p = module.params
-    reply = step.run("state", "gc", {"root": p["root"], "keep": p["keep"], "dry_run": module.check_mode,
-                                     "take_lock": not module.check_mode})
-    step.finish(module, reply, changed=not module.check_mode and bool(reply.get("generations") or reply.get("cache")))
+    from ansible.module_utils.provision.spec import through_plugin
+
+    through_plugin("provision_gc", ARGUMENT_SPEC)
 
 
 if __name__ == "__main__":

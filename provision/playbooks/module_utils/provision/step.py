@@ -6,10 +6,10 @@ import sys
 import tempfile
 
 from .layout import Layout, pick_generation
-from .agent import facts, host, state, verify
+from .agent import facts, host, state
 from .agent.host import AgentError
 
-AGENTS = {"state": state.OPS, "verify": verify.OPS, "facts": facts.OPS, "host": {"unlock": host.op_unlock}}
+AGENTS = {"state": state.OPS, "facts": facts.OPS, "host": {"unlock": host.op_unlock}}
 STARTS_AGENTS = {("facts", "gather")}     # operations that start an agent in another interpreter (a generation's)
 
 
