@@ -6,7 +6,8 @@ operator types it (interpreter start included), the two engines taking turns:
 - `plan -i` of N hosts;
 - `apply -i` of a cached 3-package lock to N hosts (a new lock name each run, so each host builds a new
   generation; every wheel is already in the host's cache);
-- `rollback -i` of N hosts, and of one host (`rollback h1 -i`).
+- `rollback -i` of N hosts, and of one host (`rollback h1 -i`), and of one host named without an inventory
+  (`rollback USER@HOST:PORT --root ROOT`: the earlier engine reached it directly, this one through the same play).
 
 Usage: python bench/core_bench.py --overhead [--against REV] [--repeat N] [--fleet N] [--json]
 """
@@ -31,7 +32,8 @@ from provision.loopback import LoopbackHost  # noqa: E402
 from provision.transport import trust_host  # noqa: E402
 from wheelhouse import make_wheel, write_lock  # noqa: E402
 
-TARGETS = {"plan": 3.0, "apply": 10.0, "rollback": 3.0, "rollback_1": 2.0}   # seconds, this checkout's engine
+TARGETS = {"plan": 3.0, "apply": 10.0, "rollback": 3.0, "rollback_1": 2.0,
+           "rollback_host": 2.0}   # seconds, this checkout's engine
 
 
 def checkout(rev: str, into: Path) -> Path:
@@ -100,7 +102,9 @@ def _measure(fig: dict, host, d: Path, against: str, repeat: int, n: int) -> Non
             walls["apply"][name].append(run(src, ["apply", *inv, "--lock", renamed], env))
             walls["rollback"][name].append(run(src, ["rollback", *inv], env))     # back to stack-b
             walls["rollback_1"][name].append(run(src, ["rollback", "h1", *inv], env))   # h1 forward again
-            run(src, ["rollback", "h1", *inv], env)                                 # h1 back with the rest
+            one = [f"{t.user}@{t.host}:{t.port}", "--key", t.key_file, "--known-hosts", t.known_hosts,
+                   "--root", d / name / "h1"]
+            walls["rollback_host"][name].append(run(src, ["rollback", *one], env))   # h1 back with the rest
     for k, by in walls.items():
         for name, w in by.items():
             fig[f"{k}_{name}_s"] = statistics.median(w)
@@ -110,7 +114,8 @@ def report(fig: dict, repeat: int, n: int) -> None:
     print(f"{describe(fig)}: medians of {repeat}; this checkout ({fig['this']}) against {fig['against']}, "
           "taking turns in one run")
     labels = {"plan": f"plan -i, {n} hosts", "apply": f"apply -i, {n} hosts (cached 3-package lock)",
-              "rollback": f"rollback -i, {n} hosts", "rollback_1": "rollback h1 -i (one host)"}
+              "rollback": f"rollback -i, {n} hosts", "rollback_1": "rollback h1 -i (one host)",
+              "rollback_host": "rollback USER@HOST:PORT (one host, no inventory)"}
     print(f"{'':46} {fig['against']:>10} {fig['this']:>10}  ratio   target")
     for k, label in labels.items():
         old, new = fig[f"{k}_against_s"], fig[f"{k}_this_s"]

@@ -340,7 +340,9 @@ def through_play(t, lk, row: dict, quiet: bool) -> None:
     wall = time.perf_counter() - t0
     if not fleet.ok:
         sys.exit(f"the apply through the play failed: {fleet.to_json()}")
+    rep = fleet.reports[0]
     row.update(through_play_s=round(wall, 2), play_of_call=round(wall / row["wall_s"], 3),
+               play_steps=step_seconds(rep), play_probe_s=probe_seconds(rep),
                play_load_average=[round(load, 2), round(os.getloadavg()[0], 2)], play_slower_bound=PLAY_SLOWER)
     if not quiet:
         print(f"  [{row['phase']}, through the play] {wall:.2f} s ({wall / row['wall_s']:.2f}x the call)",

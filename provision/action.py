@@ -54,6 +54,12 @@ class TaskVars:
         return self.given.get(key, default)
 
 
+def host_name(task_vars: dict) -> str:
+    """The task's host as provision names it: the name the CLI gave it (provision_name, where Ansible's differs),
+    else its inventory name."""
+    return str(task_vars.get("provision_name") or task_vars.get("inventory_hostname", "host"))
+
+
 def target_of(action: ActionBase, task_vars: dict, known_hosts: str | None, root: str | None):
     """The task's host as provision reaches it: the inventory's name, address, user, key, ssh options and become;
     `root` (the task's) over the inventory's provision_root; Ansible's connect timeout. InputError on a value
@@ -61,7 +67,7 @@ def target_of(action: ActionBase, task_vars: dict, known_hosts: str | None, root
     from .inventory import _target
     from .transport import DEFAULT_KNOWN_HOSTS, check_root
 
-    host = task_vars.get("inventory_hostname", "host")
+    host = host_name(task_vars)
     where = str(task_vars.get("inventory_file") or "inventory")
     t = _target(host, TaskVars(action._templar, task_vars, action._play_context),
                 Path(known_hosts or DEFAULT_KNOWN_HOSTS), where)
@@ -81,6 +87,49 @@ def connect_task(action: ActionBase, target):
 
     conn = action._connection
     return connect(target, conn if getattr(conn, "transport", None) == "ssh" else None)
+
+
+def controller_alive(spec) -> bool:
+    """Whether the process `runner.controller_id` named is still running (the CLI that runs this play)."""
+    from .runner import controller_id
+
+    pid = str(spec).split(":", 1)[0]
+    if not pid.isdigit():
+        return True             # not a controller's id: nothing to watch
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass
+    return ":" not in str(spec) or controller_id(int(pid)) == str(spec)
+
+
+class ControllerGone:
+    """Set `flag` once the CLI that runs this play (task var provision_controller) is gone or asks the play to stop
+    (its Ctrl-C: the file task var provision_stop names exists), polled every `every` seconds in a thread until
+    `stop`: the step then stops its host command. Nothing to watch for a play an operator runs with
+    ansible-playbook."""
+
+    def __init__(self, task_vars: dict, flag: threading.Event, every: float = 0.25):
+        self.spec, self.flag, self.done = task_vars.get("provision_controller"), flag, threading.Event()
+        self.stop_file = task_vars.get("provision_stop")
+        if self.watched:
+            threading.Thread(target=self._poll, args=(every,), name="controller watch", daemon=True).start()
+
+    @property
+    def watched(self) -> bool:
+        return self.spec is not None or self.stop_file is not None
+
+    def _poll(self, every: float) -> None:
+        while not self.done.wait(every):
+            if (self.spec is not None and not controller_alive(self.spec)) or \
+                    (self.stop_file is not None and os.path.exists(str(self.stop_file))):
+                self.flag.set()
+                return
+
+    def stop(self) -> None:
+        self.done.set()
 
 
 def append_event(path: str, host: str, step: str, state: str, detail: str, seconds: float) -> int:
@@ -151,7 +200,7 @@ class HostStep(ActionBase):
         result = super().run(tmp, task_vars)
         task_vars = task_vars or {}
         _, args = self.validate_argument_spec(argument_spec=spec_of(self.MODULE))
-        host = task_vars.get("inventory_hostname", "host")
+        host = host_name(task_vars)
         try:
             t = target_of(self, task_vars, args.get("known_hosts"), args.get("root"))
         except InputError as e:
@@ -162,12 +211,18 @@ class HostStep(ActionBase):
             return dict(result, unreachable=True, msg=f"Host key verification failed ({e.message.split(';')[0]})")
         except ProvisionError as e:     # not reached (as provision's fleets count it): Ansible's unreachable
             return dict(result, unreachable=True, msg=e.message)
+        gone = ControllerGone(task_vars, threading.Event())
+        if gone.watched:        # the controller killed: the step's host command stops, the host lock with it
+            from .transport import Watch
+
+            tr.watch = Watch(self.STEP or self.MODULE, None, gone.flag)
         try:
             with Progress(args.get("progress"), host, self.STEP or self.MODULE) as progress:
                 value = self.step(tr, args, progress)
         except ProvisionError as e:
             return dict(result, failed=True, msg=e.message, error_type=type(e).__name__, error_where=e.where)
         finally:
+            gone.stop()
             tr.close()
         out = dict(result, **carried(value), changed=self.changed(value))
         out[DONE] = True

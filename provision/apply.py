@@ -200,7 +200,7 @@ def apply(transport: Transport, lock: Lock, *, saved_plan: Plan | None = None, a
                        wheels_from=wheels_from, on_plan=on_plan, progress=progress, gate=gate,
                        interpreter=interpreter)
         except KeyboardInterrupt:
-            raise _interrupted(report) from None
+            raise interrupted(report) from None
     except ProvisionError as e:
         if isinstance(e, (Cancelled, Interrupted)) and report.status not in ("applied", "reused", "unknown"):
             report.status = "interrupted"
@@ -355,7 +355,7 @@ def _halt_at(gate: Callable[[], None] | None, transport: Transport, report: Appl
                      where=transport.target.name) from None
 
 
-def _interrupted(report: ApplyReport) -> Interrupted:
+def interrupted(report: ApplyReport) -> Interrupted:
     """Where a Ctrl-C left the host, in one line (the report is the truth: a switch under way completed)."""
     step = next((s.name for s in reversed(report.steps) if s.status == "failed"), None)
     if report.generation and report.current == report.generation and report.previous != report.generation:

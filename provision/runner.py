@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -80,13 +81,34 @@ def remote_tmp(t: Target, run_id: str) -> str:
     return Layout(root_of(t)).scratch(f"ansible-{run_id}")
 
 
-def inventory(targets: list[Target], run_id: str, interpreters: dict[str, str] | None = None) -> dict:
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,254}\Z")   # a host name Ansible keeps as it is written
+
+
+def ansible_names(targets: list[Target]) -> dict[str, str]:
+    """Each target's name → its name in a run's inventory: the same, unless Ansible would read it otherwise (a
+    `host:port` named on the command line is a host and a port to Ansible); then one it keeps, the target's own
+    name beside it as provision_name (what the run's events and steps name the host by)."""
+    out: dict[str, str] = {}
+    for t in targets:
+        name = t.name if SAFE_NAME.match(t.name) else re.sub(r"[^A-Za-z0-9._@-]", "_", t.name).lstrip("._@-") or "host"
+        base, n = name, 1
+        while name in out.values():
+            n += 1
+            name = f"{base}-{n}"
+        out[t.name] = name
+    return out
+
+
+def inventory(targets: list[Target], run_id: str, interpreters: dict[str, str] | None = None,
+              ssh_args: str = "") -> dict:
     """Ansible inventory for targets (every value data, never a template): each host's provision_root, and a
     remote temp dir of its own for this run under it. `interpreters`: host name → a python the
-    host's facts found (checked by the caller)."""
-    hosts = {}
+    host's facts found (checked by the caller). `ssh_args`: the run's own ssh options (its masters, keepalives),
+    each host's ssh_args after its host-key options and before the inventory's own ssh_args; the operator's
+    ssh_common_args and ssh_extra_args (the inventory's, else Ansible's settings) stay as they are."""
+    hosts, names = {}, ansible_names(targets)
     for t in targets:
-        py = (interpreters or {}).get(t.name) or t.vars.get("python") or "/usr/bin/python3"
+        py = (interpreters or {}).get(t.name) or t.vars.get("python") or "python3"    # as the agents find it
         v = {"ansible_python_interpreter": py, "provision_root": root_of(t),
              "ansible_remote_tmp": remote_tmp(t, run_id),
              **{k: t.vars[k] for k in ("provision_nvidia_smi",) if t.vars.get(k)}}     # what a step reads of them
@@ -99,19 +121,37 @@ def inventory(targets: list[Target], run_id: str, interpreters: dict[str, str] |
             if t.key_file:
                 v["ansible_ssh_private_key_file"] = t.key_file
             v.update(t.ssh_args)      # the inventory's own ssh options (a bastion, an ssh config) still apply
-            # Host keys are verified against the known_hosts file provision manages (ssh takes an option's first value).
-            v["ansible_ssh_common_args"] = (f"-o UserKnownHostsFile={t.known_hosts} -o StrictHostKeyChecking=yes "
-                                            "-o BatchMode=yes " + t.ssh_args.get("ansible_ssh_common_args", "")).strip()
+            # Host keys are verified against the known_hosts file provision manages: ssh takes an option's first
+            # value, and ssh_args come first on Ansible's ssh command line.
+            v["ansible_ssh_args"] = " ".join(filter(None, (
+                f"-o UserKnownHostsFile={t.known_hosts} -o StrictHostKeyChecking=yes -o BatchMode=yes", ssh_args,
+                t.ssh_args.get("ansible_ssh_args", ""))))
             if t.become:
                 v.update(ansible_become=True, ansible_become_method="sudo", ansible_become_user=t.become)
-        hosts[t.name] = v
+        if names[t.name] != t.name:
+            v["provision_name"] = t.name
+        hosts[names[t.name]] = v
     return {"all": {"hosts": hosts}}
 
 
-def _env(run_dir: Path, sock_dir: str, timeout: float = TIMEOUT) -> dict:
+def ansible_playbook() -> str:
+    """ansible-playbook from the same environment as this tool, also when it is not activated (the PATH a play's
+    `python3` is looked up on stays the operator's), else the PATH's."""
+    beside = os.path.join(os.path.dirname(sys.executable), "ansible-playbook")
+    return beside if os.access(beside, os.X_OK) else "ansible-playbook"
+
+
+def run_ssh_args(sock_dir: str, env: dict) -> str:
+    """The run's own ssh options: one master per host under `sock_dir` (ControlPersist, shared by the play's
+    module tasks and its steps), and keepalives every ANSIBLE_TIMEOUT seconds (KEEPALIVE_COUNT unanswered drop the
+    host, as the transport drops it)."""
+    return (f"-o ControlMaster=auto -o ControlPersist=60s -o ControlPath={sock_dir}/%C "
+            f"-o ServerAliveInterval={env['ANSIBLE_TIMEOUT']} -o ServerAliveCountMax={KEEPALIVE_COUNT}")
+
+
+def _env(run_dir: Path, timeout: float = TIMEOUT) -> dict:
     """Ansible's settings for one run. `timeout` (seconds, the transport's: TCP connect, SSH banner and handshake)
-    is Ansible's connect timeout and the SSH keepalive period; a host that leaves KEEPALIVE_COUNT keepalives in a
-    row unanswered is dropped, as the transport drops it."""
+    is Ansible's connect timeout and the SSH keepalive period (`run_ssh_args`)."""
     period = str(max(1, math.ceil(timeout)))
     return {
         "ANSIBLE_HOME": str(run_dir / "ansible"),
@@ -119,16 +159,12 @@ def _env(run_dir: Path, sock_dir: str, timeout: float = TIMEOUT) -> dict:
         "ANSIBLE_PIPELINING": "True",
         "ANSIBLE_HOST_KEY_CHECKING": "True",
         "ANSIBLE_TIMEOUT": period,
-        "ANSIBLE_SSH_ARGS": f"-o ControlMaster=auto -o ControlPersist=60s -o ControlPath={sock_dir}/%C "
-                            f"-o ServerAliveInterval={period} -o ServerAliveCountMax={KEEPALIVE_COUNT}",
         "ANSIBLE_RETRY_FILES_ENABLED": "False",
         "ANSIBLE_NOCOLOR": "1",
         "ANSIBLE_DEPRECATION_WARNINGS": "False",
         "ANSIBLE_LOCALHOST_WARNING": "False",
         "ANSIBLE_INVENTORY_UNPARSED_WARNING": "False",
         "ANSIBLE_PYTHON_INTERPRETER": "auto_silent",
-        # ansible-playbook from the same environment as this tool, also when it is not activated
-        "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
     }
 
 
@@ -162,17 +198,26 @@ def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: st
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{time.monotonic_ns() % 10**6}"
     run_dir = RUNS / f"{run_id}-{name}-{label or 'run'}"
     (run_dir / "tmp").mkdir(parents=True)
-    hosts = write_vars(run_dir / "inventory" / "hosts.yml", inventory(targets, run_id, interpreters))
-    extra = write_vars(run_dir / "vars.yml", extravars)
+    sock_dir = tempfile.mkdtemp(prefix="pv-", dir="/tmp")   # ControlPath must stay under 108 bytes
+    env = _env(run_dir, max((t.timeout for t in targets), default=TIMEOUT))
+    hosts = write_vars(run_dir / "inventory" / "hosts.yml",
+                       inventory(targets, run_id, interpreters, ssh_args=run_ssh_args(sock_dir, env)))
+    stop_file = run_dir / "stop"        # a Ctrl-C here: each step's host command stops (action.ControllerGone)
+    extra = write_vars(run_dir / "vars.yml", dict(extravars, provision_controller=controller_id(),
+                                                  provision_stop=str(stop_file)))
     failures: list[str] = []
     tasks: list[str] = []
     unreachable: list[str] = []
     results: dict[str, dict[str, dict]] = {}
     durations: dict[str, dict[str, float]] = {}
 
+    ours = {a: name for name, a in ansible_names(targets).items() if a != name}
+
     def handler(ev: dict) -> bool:
         kind = ev.get("event", "")
         d = ev.get("event_data", {})
+        if d.get("host") in ours:            # the host as the run's targets name it
+            d["host"] = ours[d["host"]]
         if kind in ("runner_on_ok", "runner_on_failed", "runner_on_unreachable") and d.get("host"):
             results.setdefault(d.get("task", ""), {})[d["host"]] = dict(
                 d.get("res") or {}, unreachable=kind == "runner_on_unreachable",
@@ -196,14 +241,14 @@ def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: st
         return True
 
     t0 = time.perf_counter()
-    sock_dir = tempfile.mkdtemp(prefix="pv-", dir="/tmp")   # ControlPath must stay under 108 bytes
-    env = _env(run_dir, sock_dir, max((t.timeout for t in targets), default=TIMEOUT))
-    with _signals_stop(cancel) as stop:
+    with _signals_stop(cancel, stop_file) as stop:
         r = ansible_runner.run(private_data_dir=str(run_dir), playbook=str(PLAYBOOKS / f"{name}.yml"),
+                               binary=ansible_playbook(),
                                inventory=str(hosts), envvars=env,
                                suppress_env_files=True, quiet=True, event_handler=handler,
                                **({"forks": forks} if forks else {}), cancel_callback=stop,
-                               cmdline=shlex.join(["-e", f"@{extra}"] + (["--check", "--diff"] if check else [])),
+                               cmdline=shlex.join(["-e", f"@{extra}"] + (["--check", "--diff"] if check else [])
+                                                  + [str(PLAYBOOKS / f"{name}.yml")]),   # `binary` takes it here
                                settings={"suppress_ansible_output": True})
         stop_masters(Path(sock_dir))
     seconds = time.perf_counter() - t0
@@ -214,23 +259,43 @@ def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: st
                      unreachable=unreachable, results=results, durations=durations)
 
 
+def controller_id(pid: int | None = None) -> str:
+    """This process as a play's steps watch it (`action.controller_alive`): "PID:START", START its start time in
+    clock ticks since boot where /proc tells it (a reused pid is then another process), else "PID"."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f"{pid}:{f.read().rsplit(')', 1)[1].split()[19]}"
+    except (OSError, IndexError):
+        return str(pid)
+
+
+STOP_GRACE = 15.0      # seconds a play has, after a Ctrl-C, to stop its steps' host commands before it is killed
+
+
 @contextmanager
-def _signals_stop(cancel: Callable[[], bool] | None):
+def _signals_stop(cancel: Callable[[], bool] | None, stop_file: Path):
     """The play's cancel_callback. Given `cancel`, it alone (the signals stay the caller's). Otherwise, in the main
-    thread, SIGINT and SIGTERM stop the play while it runs (ansible-runner's own handlers would stay installed after
-    it, and swallow the signal); afterwards the handlers before it are back and the signal that came is delivered
-    to them: a Ctrl-C is KeyboardInterrupt, as anywhere else in the process."""
+    thread, SIGINT and SIGTERM stop the play while it runs: the first creates `stop_file`, on which each step stops
+    its host command (the host lock, and what the step started there, go with it) and the play ends; a second
+    signal, or STOP_GRACE seconds, kill the play (ansible-runner's own handlers would stay installed after it, and
+    swallow the signal). Afterwards the handlers before it are back and the signal that came is delivered to them:
+    a Ctrl-C is KeyboardInterrupt, as anywhere else in the process."""
     if cancel is not None or threading.current_thread() is not threading.main_thread():
         yield cancel or (lambda: False)
         return
-    came: list[int] = []
-    kept = {s: signal.signal(s, lambda signum, frame: came.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    came: list[tuple[int, float]] = []
+
+    def heard(signum, frame) -> None:
+        came.append((signum, time.monotonic()))
+        stop_file.touch()
+    kept = {s: signal.signal(s, heard) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield lambda: bool(came)
+        yield lambda: len(came) > 1 or bool(came) and time.monotonic() - came[0][1] > STOP_GRACE
     finally:
         for s, h in kept.items():
             signal.signal(s, h)
-    for s in dict.fromkeys(came):
+    for s in dict.fromkeys(signum for signum, _ in came):
         if s == signal.SIGINT and kept[s] in (signal.default_int_handler, signal.SIG_DFL):
             raise KeyboardInterrupt
         signal.raise_signal(s)
@@ -258,8 +323,9 @@ def reply_of(result: dict) -> dict:
 
 
 def said(result: dict) -> str:
-    """What a failed or unreachable task's result says, as one line."""
-    return " ".join(str(result.get("msg") or result.get("module_stderr") or "failed").split())
+    """What a failed or unreachable task's result says, as one line (without Ansible's "Task failed: ")."""
+    return " ".join(str(result.get("msg") or result.get("module_stderr") or "failed").split()).removeprefix(
+        "Task failed: ")
 
 
 def answer(t: Target, result: dict, seconds: float | None = None) -> dict:
@@ -289,6 +355,8 @@ def play_rows(name: str, targets: list[Target], extravars: dict, *, task: str | 
                             stage="run"))
         elif r.get("unreachable"):
             rows.append(Row(t.name, error=unreachable(t, said(r)), stage="connect"))
+        elif r.get("failed") and become_refused(t, said(r)):       # reached, but not as the user it must run as
+            rows.append(Row(t.name, error=become_refused(t, said(r)), stage="connect"))
         else:
             try:
                 rows.append(Row(t.name, value=read(t, r, durations.get(t.name))))
@@ -300,10 +368,24 @@ def play_rows(name: str, targets: list[Target], extravars: dict, *, task: str | 
 def unreachable(t: Target, msg: str) -> HostError:
     """Ansible's word on a host it could not reach, as one line; a key the known_hosts lacks (or that changed) is a
     HostKeyError that says how to trust it, as provision's own connection says."""
-    from .transport import trust_command
+    from .transport import ssh_error, trust_command
 
     msg = " ".join(msg.split()).removeprefix(f"{t.name}: ")      # the row names its host
     if "Host key verification failed" in msg:
         return HostKeyError(f"{msg} (known_hosts {t.known_hosts}); verify the host's key, then "
                             f"`{trust_command(t)}`", where=t.name)
-    return HostError(msg, where=t.name)
+    known = ssh_error(t, msg, 255)      # ssh's own words where Ansible passed them on: as provision says them
+    return known if not known.message.startswith("ssh: ") else HostError(msg, where=t.name)
+
+
+BECOME_REFUSED = ("Missing sudo password", "Incorrect sudo password", "is not in the sudoers file")
+
+
+def become_refused(t: Target, msg: str) -> HostError | None:
+    """Ansible's word that sudo would not run a task as the become user, as provision's own connection says it
+    (None for any other failure)."""
+    if not t.become or not any(w in msg for w in BECOME_REFUSED):
+        return None
+    why = "a password is required" if "password" in msg else "the login user may not use sudo"
+    return HostError(f"sudo refused to run as {t.become} ({why}): become needs passwordless sudo (NOPASSWD) for "
+                     "the login user", where=t.name)

@@ -767,7 +767,7 @@ class SSH(Local):
             self.close()
             result = Result(r.returncode, r.stdout.decode(errors="replace"), said)
             _sudo_refused(target, result)
-            raise _ssh_error(target, said, r.returncode)
+            raise ssh_error(target, said, r.returncode)
         threading.Thread(target=self._watch, name=f"keepalive {target.name}", daemon=True).start()
 
     def _watch(self) -> None:
@@ -844,7 +844,7 @@ class SSH(Local):
         self.log.unlink(missing_ok=True)
 
 
-def _ssh_error(target: Target, said: str, rc: int) -> HostError:
+def ssh_error(target: Target, said: str, rc: int) -> HostError:
     """ssh's failure to connect (its log and stderr, `said`), in one line naming the host."""
     lines = [ln.strip() for ln in said.splitlines() if ln.strip() and not ln.startswith("@")]
     text = "\n".join(lines)
@@ -914,7 +914,7 @@ def scan_host_key(target: Target):
             raise HostError("no SSH host key within the timeout", where=target.name) from None
         words = kh.read_text().split() if kh.exists() else []
     if len(words) < 3:
-        raise _ssh_error(target, r.stderr, r.returncode)
+        raise ssh_error(target, r.stderr, r.returncode)
     try:
         return paramiko.PKey.from_type_string(words[1], base64.b64decode(words[2]))
     except (paramiko.SSHException, ValueError) as e:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -85,7 +86,23 @@ def test_status_of_an_inventory_is_each_hosts_status_through_one_play(fleet):
     assert h[1]["host"] == "f2" and h[1]["result"] == one, (h[1], one)
 
 
-def test_gc_dry_run_of_an_inventory_is_the_plays_check_and_changes_nothing(fleet):
+def test_one_host_without_an_inventory_and_local_run_the_verbs_playbook(fleet, tmp_path):
+    """A host named without -i, and --local, go through the verb's playbook as an inventory's hosts do: one Ansible
+    run each, on an inventory of that one host (`connection: local` for --local)."""
+    inv, roots, kh, t = fleet
+    before = plays("status", roots["f1"])
+    one = json.loads(cli("status", *alone(t, roots["f1"]), "--json", check=0).stdout)
+    assert len(plays("status", roots["f1"]) - before) == 1 and one[0]["result"]["current"] == "0003-stack-c"
+    local = tmp_path / "local-root"
+    before = plays("history", local)
+    h = json.loads(cli("history", "--local", "--root", local, "--json", check=0).stdout)
+    (run,) = plays("history", local) - before
+    hosts = (run / "inventory" / "hosts.yml").read_text()
+    assert re.search(r"ansible_connection: !unsafe '?local", hosts) and "ansible_host" not in hosts, hosts
+    assert h["current"] is None and h["generations"] == [], h
+
+
+def test_gc_dry_run_of_an_inventory_is_the_plays_check_says_each_hosts_progress_and_changes_nothing(fleet):
     inv, roots, kh, t = fleet
     kept = {h: sorted(os.listdir(roots[h] / "generations")) for h in HOSTS}
     history = {h: (roots[h] / "history.jsonl").read_text() for h in HOSTS}
@@ -93,7 +110,8 @@ def test_gc_dry_run_of_an_inventory_is_the_plays_check_and_changes_nothing(fleet
     for h in HOSTS:
         assert f"{h}: would remove 1 generations," in p.stdout and "kept current 0003-stack-c and rollback target " \
             "0002-stack-b" in p.stdout, p.stdout
-    assert p.stdout.count("- 0001-stack-a") == 3 and "gc survey" not in p.stderr, p.stdout + p.stderr
+    assert p.stdout.count("- 0001-stack-a") == 3, p.stdout + p.stderr
+    assert all(f"{h}: gc survey" in p.stderr for h in HOSTS), p.stderr       # each host's progress as it collects
     before = plays("gc", roots["f1"])
     rows = json.loads(cli("gc", "-i", inv, *kh, "--keep", "1", "--dry-run", "--json", check=0).stdout)
     assert len(plays("gc", roots["f1"]) - before) == 1

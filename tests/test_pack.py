@@ -201,7 +201,8 @@ def test_adopted_drift_refused_then_recorded_with_base_and_extra(adopted, tmp_pa
     out = tmp_path / "house"
     p = cli("pack", "--local", "--root", root, "--out", out, check=1)
     assert "no longer match their RECORD: alpha: alpha/__init__.py" in p.stderr and "--allow-drift" in p.stderr
-    assert len(p.stderr.strip().splitlines()) == 1
+    said = [x for x in p.stderr.strip().splitlines() if not x.lstrip().startswith("local  · pack ")]   # progress
+    assert len(said) == 1 and said[0].startswith("error: local: "), p.stderr
     assert not any(out.iterdir())             # the wheels it wrote as it read are gone with the refusal
 
     base = write_lock(tmp_path / "base.yaml", "gpu-base", [], engine={"kind": "none"}, probes={"min_speedup": 1.0},
@@ -227,7 +228,7 @@ def test_adopted_drift_refused_then_recorded_with_base_and_extra(adopted, tmp_pa
     (out / "bad.yaml").write_text(yaml.safe_dump(bad))
     assert "packages.0.drift" in cli("lock", "check", out / "bad.yaml", check=2).stderr
 
-    # `--local` loads neither SSH nor Ansible; `--json` gives the figures
+    # `--local` runs pack.yml (`connection: local`) without loading paramiko; `--json` gives the figures
     code = ("import sys, json; from provision.cli import app\n"
             "try:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n    rc = e.code\n"
             "print(json.dumps([rc, [m for m in ('paramiko', 'ansible_runner') if m in sys.modules]]))")
@@ -235,7 +236,7 @@ def test_adopted_drift_refused_then_recorded_with_base_and_extra(adopted, tmp_pa
                         str(tmp_path / "h2"), "--allow-drift", "--json"], capture_output=True, text=True,
                        cwd=Path(__file__).parent.parent)
     lines = r.stdout.strip().splitlines()
-    assert json.loads(lines[-1]) == [0, []], r.stderr
+    assert json.loads(lines[-1]) == [0, ["ansible_runner"]], r.stderr
     rep = json.loads("\n".join(lines[:-1]))
     assert rep["distributions"] == 2 and rep["seconds"]["read"] > 0 and rep["ratio"] > 0
     beta = pk["beta"]["filename"]

@@ -32,7 +32,8 @@ def playbook_dir() -> Path:
 
 def ansible_playbook(inv: Path, name: str, *args: str, known_hosts: Path | None = None) -> subprocess.CompletedProcess:
     """ansible-playbook as an operator runs it (from the tool's environment), host keys checked against
-    `known_hosts` (else the inventory's own ssh options); each result one JSON line (-v)."""
+    `known_hosts` (Ansible's ssh options for its modules, provision_known_hosts for the steps its action plugins
+    run; else the inventory's own ssh options and provision's known_hosts); each result one JSON line (-v)."""
     bindir = os.path.dirname(sys.executable)
     ssh = {"ANSIBLE_SSH_COMMON_ARGS": f"-o UserKnownHostsFile={known_hosts} -o StrictHostKeyChecking=yes"} \
         if known_hosts else {}
@@ -41,8 +42,9 @@ def ansible_playbook(inv: Path, name: str, *args: str, known_hosts: Path | None 
            "ANSIBLE_NOCOLOR": "1", "ANSIBLE_HOME": str(inv.parent / "ansible-home"),
            "ANSIBLE_LOCAL_TEMP": str(inv.parent / "ansible-tmp"), "PATH": bindir + os.pathsep + os.environ["PATH"]}
     try:
+        given = ["-e", f"provision_known_hosts={known_hosts}"] if known_hosts else []
         return subprocess.run([os.path.join(bindir, "ansible-playbook"), "-i", str(inv), str(playbook_dir() / name),
-                               "-v", *args], env=env, capture_output=True, text=True, timeout=300)
+                               "-v", *given, *args], env=env, capture_output=True, text=True, timeout=300)
     finally:
         stop_masters(cp)
 

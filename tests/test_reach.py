@@ -121,9 +121,10 @@ def test_the_playbooks_the_cli_runs_keep_the_hosts_ssh_options_and_become(tmp_pa
     inv.write_text("gpu ansible_host=gpu-behind ansible_user=ops ansible_become=yes "
                    "ansible_ssh_common_args='-F /etc/ops/ssh_config'\n")
     kh = tmp_path / "kh"
-    v = runner.inventory(load_inventory(inv, kh), "run")["all"]["hosts"]["gpu"]
-    assert v["ansible_ssh_common_args"] == (f"-o UserKnownHostsFile={kh} -o StrictHostKeyChecking=yes -o BatchMode=yes "
-                                            "-F /etc/ops/ssh_config")
+    v = runner.inventory(load_inventory(inv, kh), "run", ssh_args="-o ControlPath=/tmp/x/%C")["all"]["hosts"]["gpu"]
+    assert v["ansible_ssh_args"] == (f"-o UserKnownHostsFile={kh} -o StrictHostKeyChecking=yes -o BatchMode=yes "
+                                     "-o ControlPath=/tmp/x/%C")      # first on the line: ssh takes the first value
+    assert v["ansible_ssh_common_args"] == "-F /etc/ops/ssh_config"     # the operator's, as given
     assert (v["ansible_host"], v["ansible_become"], v["ansible_become_user"]) == ("gpu-behind", True, "root")
 
 
@@ -159,4 +160,4 @@ def test_a_plays_host_steps_share_the_tasks_own_ssh_connection(target, wheels, t
     paths = [[a.split("=", 1)[1].strip('"') for a in argv if a.startswith("ControlPath=")][:1] for argv in runs]
     assert all(paths) and len({p[0] for p in paths}) == 1, runs    # ssh takes an option's first value
     assert any("-I -c" in argv[-1] for argv in runs), runs      # provision's own step (an agent)
-    assert any("/usr/bin/python3" in argv[-1] and "-I -c" not in argv[-1] for argv in runs), runs  # Ansible's task
+    assert any("python3 && sleep 0" in argv[-1] and "-I -c" not in argv[-1] for argv in runs), runs  # Ansible's task

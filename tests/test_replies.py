@@ -25,13 +25,23 @@ from wheelhouse import write_lock
 ROOT = Path(__file__).resolve().parent.parent
 
 WRAPPER = r'''#!{python}
-"""A host's python3 that runs the real one and rewrites its agent's reply as RULES (agent:op -> code on `r`) say."""
+"""A host's python3 that runs the real one and rewrites its agent's reply as RULES (agent:op -> code on `r`) say;
+run with no arguments (a module Ansible pipes in), it rewrites the module's result as RULES' "module" says."""
 import json, subprocess, sys, threading
 
-first = sys.stdin.buffer.readline()
-msg = json.loads(first)
 with open({rules!r}) as f:
     rules = json.load(f)
+if len(sys.argv) == 1:
+    p = subprocess.run([{python!r}], input=sys.stdin.buffer.read(), stdout=subprocess.PIPE)
+    out = p.stdout
+    if rules.get("module"):
+        r = json.loads(out)
+        exec(rules["module"], {{"r": r}})
+        out = json.dumps(r).encode()
+    sys.stdout.buffer.write(out)
+    sys.exit(p.returncode)
+first = sys.stdin.buffer.readline()
+msg = json.loads(first)
 said = "%s:%s" % (msg.get("agent"), (msg.get("input") or {{}}).get("op"))
 rule, on_event = rules.get(said), rules.get(said + ":event")
 child = subprocess.Popen([{python!r}] + sys.argv[1:], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -74,24 +84,6 @@ sys.exit(child.returncode)
 '''
 
 
-MODULE_WRAPPER = r'''#!{python}
-"""An inventory host's python3: runs the real one on the module Ansible pipes in, and rewrites the module's result
-as RULES' "module" (code on `r`) says."""
-import json, subprocess, sys
-
-with open({rules!r}) as f:
-    code = json.load(f).get("module")
-p = subprocess.run([{python!r}, *sys.argv[1:]], input=sys.stdin.buffer.read(), stdout=subprocess.PIPE)
-out = p.stdout
-if code:
-    r = json.loads(out)
-    exec(code, {{"r": r}})
-    out = json.dumps(r).encode()
-sys.stdout.buffer.write(out)
-sys.exit(p.returncode)
-'''
-
-
 class Hostile:
     """A loopback host whose python3 answers what the test chooses (`answer(agent, op, code)`), else the truth."""
 
@@ -103,17 +95,14 @@ class Hostile:
         py = self.bin / "python3"
         py.write_text(WRAPPER.format(python=sys.executable, rules=str(self.rules)))
         py.chmod(0o755)
-        self.module_python = self.bin / "module-python3"
-        self.module_python.write_text(MODULE_WRAPPER.format(python=sys.executable, rules=str(self.rules)))
-        self.module_python.chmod(0o755)
         self.inventory = tmp_path / "inv.ini"
-        self.inventory.write_text(f"h ansible_connection=local provision_root={root} "
-                                  f"ansible_python_interpreter={self.module_python}\n")
+        self.inventory.write_text(f"h ansible_connection=local provision_root={root} ansible_python_interpreter={py}\n")
         self.root = root
         self.transport = Local(Target(host="h", vars={"provision_root": str(root), "python": str(py)}))
 
     def answer(self, agent: str, op: str, code: str) -> None:
-        self.rules.write_text(json.dumps({f"{agent}:{op}": code}))
+        """The agent's reply to `op` rewritten by `code`; agent "module": a module's result (its op unused)."""
+        self.rules.write_text(json.dumps({"module" if agent == "module" else f"{agent}:{op}": code}))
 
     def cli(self, *args: str, inventory: bool = False) -> subprocess.CompletedProcess:
         """`provision ARGS` on this host: --local, or with `inventory` as an inventory's host (through its play)."""
@@ -259,35 +248,41 @@ def test_a_build_whose_figures_have_the_wrong_shape_fails_its_step_in_one_line(h
         applymod.apply(host.transport, lockmod.load(write_lock(tmp_path / "d.yaml", "d", [wheels["gamma-1.0"]])))
 
 
-@pytest.mark.parametrize("verb,agent,op,code,says", [
-    (["status"], "state", "status", "r['current'] = ['0002-b']", "status reply is malformed: current"),
-    (["rollback"], "state", "rollback", "del r['to']", "rollback reply is malformed: to: missing"),
-    (["history"], "state", "history", "r['generations'] = {}", "history reply is malformed: generations"),
+@pytest.mark.parametrize("verb,agent,op,code,says", [      # agent "module": the verb's module task's result
+    (["status"], "module", "status", "r['current'] = ['0002-b']", "status reply is malformed: current"),
+    (["rollback"], "module", "rollback", "del r['to']", "rollback reply is malformed: to: missing"),
+    (["history"], "module", "history", "r['generations'] = {}", "history reply is malformed: generations"),
     (["gc", "--dry-run"], "state", "gc", "r['bytes'] = '1'", "gc reply is malformed: bytes"),
-    (["logs"], "state", "logs", "r['probes'] = [{'name': 1, 'status': 'pass'}]", "logs reply is malformed: probes[0]"),
-    (["logs"], "state", "logs", "del r['logs']", "logs reply is malformed: logs: missing"),
+    (["verify"], "verify", "verify", "r['dists'] = []", "verify reply is malformed: dists"),
+    (["logs"], "module", "logs", "r['probes'] = [{'name': 1, 'status': 'pass'}]", "logs reply is malformed: probes[0]"),
+    (["logs"], "module", "logs", "del r['logs']", "logs reply is malformed: logs: missing"),
 ])
 def test_the_cli_says_one_line_for_a_reply_of_the_wrong_shape(host, verb, agent, op, code, says):
+    """--local through the verb's play (`connection: local`): the module's result, or the agent's reply to the
+    action plugin's step, of the wrong shape is one line naming the host, exit 1."""
     host.answer(agent, op, code)
     p = host.cli(*verb)
     assert p.returncode == 1 and "Traceback" not in p.stderr, (p.stdout, p.stderr)
-    lines = [x for x in p.stderr.strip().splitlines() if not x.startswith("local: gc ")]    # gc's progress lines
+    lines = [x for x in p.stderr.strip().splitlines()          # gc's and verify's progress lines
+             if not x.lstrip().startswith(("local: gc ", "local  · verify"))]
     assert len(lines) == 1 and f"local: the host's {says}" in lines[0], p.stderr
 
 
-@pytest.mark.parametrize("verb,code,says", [
-    (["status"], "r['current'] = ['0002-b']", "status reply is malformed: current: expected a string, not list"),
-    (["history"], "r['generations'] = {}", "history reply is malformed: generations: expected a list, not dict"),
-    (["verify"], "r['found']['dists'] = []", "verify reply is malformed: dists: expected an object, not list"),
-    (["logs"], "r['probes'] = [{'name': 1, 'status': 'pass'}]",
+@pytest.mark.parametrize("verb,rule,code,says", [
+    (["status"], "module", "r['current'] = ['0002-b']", "status reply is malformed: current: expected a string, not list"),
+    (["history"], "module", "r['generations'] = {}",
+     "history reply is malformed: generations: expected a list, not dict"),
+    (["verify"], "verify:verify", "r['dists'] = []", "verify reply is malformed: dists: expected an object, not list"),
+    (["logs"], "module", "r['probes'] = [{'name': 1, 'status': 'pass'}]",
      "logs reply is malformed: probes[0].name: expected a string, not int"),
 ])
-def test_an_inventory_host_whose_module_answers_the_wrong_shape_is_one_line(host, verb, code, says):
-    """The same hostile host as an inventory's (its play's module result rewritten): one line naming it, exit 1."""
-    host.rules.write_text(json.dumps({"module": code}))
+def test_an_inventory_host_whose_module_answers_the_wrong_shape_is_one_line(host, verb, rule, code, says):
+    """The same hostile host as an inventory's (its play's module result, or its step's agent reply, rewritten):
+    one line naming it, exit 1."""
+    host.rules.write_text(json.dumps({rule: code}))
     p = host.cli(*verb, inventory=True)
     assert p.returncode == 1 and "Traceback" not in p.stderr, (p.stdout, p.stderr)
-    lines = p.stderr.strip().splitlines()
+    lines = [x for x in p.stderr.strip().splitlines() if not x.lstrip().startswith("h  · verify")]   # progress
     assert len(lines) == 1 and lines[0].removeprefix("error: ").startswith(f"h: the host's {says}"), p.stderr
 
 

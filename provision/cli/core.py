@@ -330,7 +330,7 @@ def _apply_one(t, lk, json_out: bool, verbose: bool, full: bool, kw: dict) -> No
     """apply on one host named without an inventory (HOST, or --local: `connection: local`), through the same play:
     the plan before anything changes, each step as it finishes, then the probes and the outcome; a failure is the
     command's error (its kind's exit code), the report with it."""
-    from .. import apply as applymod, errors
+    from .. import apply as applymod
     from ..plan import Plan, render_plan
 
     if not json_out:
@@ -344,11 +344,8 @@ def _apply_one(t, lk, json_out: bool, verbose: bool, full: bool, kw: dict) -> No
             err_console.print(render_plan(Plan.from_json(json.loads(detail)), full=full), markup=False)
     fleet = applymod.apply_fleet([t], lk, forks=1, progress_for=lambda host: said, **kw)
     rep = fleet.reports[0]
-    if rep.status not in ("applied", "reused", "noop"):
-        kind = errors.Interrupted if fleet.interrupted else getattr(errors, str(rep.error_type), None)
-        kind = kind if isinstance(kind, type) and issubclass(kind, errors.ProvisionError) else errors.ProvisionError
-        e = kind(rep.error or f"{t.name}: {rep.status}")
-        e.report = rep
+    e = _apply_error(fleet, rep, t.name)
+    if e is not None:
         if not json_out:
             _print_probes(rep.probes)
             for w in rep.warnings:
@@ -365,6 +362,22 @@ def _apply_one(t, lk, json_out: bool, verbose: bool, full: bool, kw: dict) -> No
         verb = "Switched to the existing" if rep.status == "reused" else "Applied"
         console.print(f"{verb} {lk.name} on {t.name}: current {rep.previous or '(none)'} → {rep.generation} "
                       f"in {rep.seconds:.1f}s{_reprobed(rep)}.")
+
+
+def _apply_error(fleet, rep, host: str):
+    """One host's apply that did not end well as the command's error (None when it did): Ctrl-C says where it left
+    the host (exit 130); a failure is the error its step raised, of its kind (its exit code), the report with it."""
+    from .. import apply as applymod, errors
+
+    if fleet.interrupted:
+        return applymod.interrupted(rep)
+    if rep.status in ("applied", "reused", "noop"):
+        return None
+    kind = getattr(errors, str(rep.error_type), None)
+    kind = kind if isinstance(kind, type) and issubclass(kind, errors.ProvisionError) else errors.ProvisionError
+    e = kind(rep.error or f"{host}: {rep.status}")
+    e.report = rep
+    return e
 
 
 @edge

@@ -20,7 +20,8 @@ if importlib.util.find_spec("provision") is None:   # an ansible-playbook from a
 # Imported as the play loads this plugin (ansible-playbook's own process), so that each host's worker, forked from
 # it, starts with them.
 from provision import apply as applymod, lock as lockmod  # noqa: E402
-from provision.action import append_event, connect_task, spec_of, target_of  # noqa: E402
+from provision.action import (ControllerGone, append_event, connect_task, host_name, spec_of,  # noqa: E402
+                              target_of)
 from provision.apply import CANCELLED, STAGED  # noqa: E402
 from provision.errors import Halted, InputError, ProvisionError  # noqa: E402
 from provision.facts import interpreter_arg  # noqa: E402
@@ -40,8 +41,8 @@ class ActionModule(ActionBase):
         task_vars = task_vars or {}
         result["batch"] = list(task_vars.get("ansible_play_batch") or [])     # the play's tolerance counts on it
         _, args = self.validate_argument_spec(argument_spec=spec_of("provision_apply"), required_one_of=[["lock", "plan_file"]])
-        host = task_vars.get("inventory_hostname", "host")
-        ctl = _Controller(args["progress_file"], args["cancel_file"])
+        host = host_name(task_vars)
+        ctl = _Controller(args["progress_file"], args["cancel_file"], task_vars)
         if ctl.cancelled():
             return dict(result, failed=True, status="not-attempted", msg="interrupted (Ctrl-C) before this host started")
         try:
@@ -127,12 +128,14 @@ def _saved_plan(path: str, host: str):
 
 class _Controller:
     """What the CLI that runs the play hears and says: each step event is one `append_event` line appended to its
-    progress file (this host's, and its offset kept); the CLI writes how far it has read to PROGRESS.read and creates its cancel
-    file on Ctrl-C. Without the files (ansible-playbook run directly), each step is an Ansible display line."""
+    progress file (this host's, and its offset kept); the CLI writes how far it has read to PROGRESS.read and creates
+    its cancel file on Ctrl-C; the CLI gone (killed) is a cancel too. Without the files (ansible-playbook run
+    directly), each step is an Ansible display line."""
 
-    def __init__(self, progress_file: str | None, cancel_file: str | None):
+    def __init__(self, progress_file: str | None, cancel_file: str | None, task_vars: dict):
         self.file, self.cancel_file, self.said_up_to = progress_file, cancel_file, 0
         self.flag, self.done = threading.Event(), threading.Event()
+        self.gone = ControllerGone(task_vars, self.flag)
 
     def cancelled(self) -> bool:
         return bool(self.cancel_file) and os.path.exists(self.cancel_file)
@@ -175,9 +178,10 @@ class _Controller:
         return False
 
     def watch(self) -> threading.Event | None:
-        """The apply's cancel flag, set once the cancel file appears (polled in a thread until `stop`)."""
+        """The apply's cancel flag, set once the cancel file appears (polled in a thread until `stop`) or the CLI is
+        gone."""
         if not self.cancel_file:
-            return None
+            return self.flag if self.gone.watched else None
 
         def poll() -> None:
             while not self.done.wait(0.2):
@@ -189,3 +193,4 @@ class _Controller:
 
     def stop(self) -> None:
         self.done.set()
+        self.gone.stop()
