@@ -118,6 +118,28 @@ def test_builds_run_side_by_side_within_the_workers_given_and_an_overrun_is_kill
     assert stdout == b"" and p.returncode != 0 and seconds < 10
 
 
+def test_a_compile_only_host_compiles_the_same_sources_once_and_different_ones_again(tmp_path, agent_bundle):
+    """On a host that only compiles (no driver to link or run), a build the cache holds for the same sources is
+    not run again, and says so; for other sources (or no digest: a host with a driver, where ninja judges) the
+    build runs. The digest of the sources follows flashinfer's and tvm-ffi's patched files, not other packages'."""
+    ws = tmp_path / "flashinfer"
+    ws.mkdir()
+    (ws / jit.JIT_DONE).write_text(json.dumps({"sources": "same", "held": {"sm_120a": ["norm"]}}))
+    home = str(tmp_path / "no-toolkit")
+    out = jit.jit_builds(["12.0"], home, build=("norm",), check=(), workspace=str(ws), reuse="same")
+    assert out["sm_120a"]["norm"] == {"status": "compiled", "reused": True, "compiled": 0, "seconds": 0.0,
+                                      "missing": ["cuda"]} and out["_spans"] == {}          # no process started
+    assert json.loads((ws / jit.JIT_DONE).read_text()) == {"sources": "same", "held": {"sm_120a": ["norm"]}}
+    for reuse in ("other", None):        # a build process runs (this interpreter has no flashinfer: it fails)
+        out = jit.jit_builds(["12.0"], home, build=("norm",), check=(), workspace=str(ws), reuse=reuse)
+        assert "reused" not in out["sm_120a"]["norm"] and list(out["_spans"]) == ["norm sm_120a"], out
+        (ws / jit.JIT_DONE).write_text(json.dumps({"sources": "same", "held": {"sm_120a": ["norm"]}}))
+
+    base = jit.sources(None)
+    assert jit.sources(None, {"sglang/srt/server_args.py": "0" * 64}) == base
+    assert jit.sources(None, {"flashinfer/jit/core.py": "0" * 64}) != base
+
+
 def test_workers_are_bounded_by_cores_and_memory():
     cores, mem = jit.cores(), jit.mem_available()
     assert jit.compile_slots(6) == (min(6, cores, mem // jit.COMPILE_MEMORY),
@@ -183,7 +205,9 @@ def toolkit_with_cublas(tmp_path) -> tuple[str, str]:
 def test_flashinfer_probe_compiles_into_the_cache_once_then_finds_it_warm(tmp_path, flashinfer_python):
     """flashinfer 0.6.4's JIT by the real nvcc for 12.0a, through the probe of a generation (the venv with
     flashinfer adopted): the first run compiles into <root>/cache/kernels/<key>/flashinfer, the second compiles
-    nothing; the controller heard which build ran; HOME stays untouched."""
+    nothing (on this host, which has no driver to link with, it runs no build for the same sources and says so);
+    once the sources differ (a patched flashinfer file recorded), the builds run again, and ninja finds nothing to
+    compile; the controller heard which build ran; HOME stays untouched."""
     from provision import apply as applymod
 
     home, release = toolkit_with_cublas(tmp_path)
@@ -206,6 +230,15 @@ def test_flashinfer_probe_compiles_into_the_cache_once_then_finds_it_warm(tmp_pa
     assert cold["figures"]["jit_cache"] == str(tmp_path / "root" / "cache" / "kernels" / key / "flashinfer")
     assert cold["figures"]["jit_builds"] == 3 and cold["figures"]["jit_compiled"] == 3, cold["figures"]
     assert warm["figures"]["jit_builds"] == 3 and warm["figures"]["jit_compiled"] == 0, warm["figures"]
+    assert [r.get("reused") for r in warm["figures"]["jit"]["sm_120a"].values() if "compiled" in r] == [True] * 3
+    assert "not again" in warm["reason"] and list(warm["figures"]["jit_spans"]) == ["check sm_120a"], warm
+    man = tmp_path / "root" / "generations" / "0000-adopted" / "manifest.json"
+    data = json.loads(man.read_text())
+    man.chmod(0o644)
+    man.write_text(json.dumps(dict(data, patches={"files": {"flashinfer/jit/core.py": "0" * 64}})))
+    other = run_probes(tr, lk, only=["flashinfer"])["results"][0]
+    assert not any(r.get("reused") for r in other["figures"]["jit"]["sm_120a"].values()), other["figures"]
+    assert other["figures"]["jit_compiled"] == 0 and "not again" not in other["reason"], other
     assert (Path(cold["figures"]["jit_cache"]) / ".cache" / "flashinfer" / "0.6.4" / "120a" / "cached_ops" /
             "norm").is_dir()
     assert any(h.startswith("probe flashinfer (jit ") and "sm_120a" in h for h in heard), heard

@@ -5,6 +5,7 @@ all at once as cores and memory allow, beside its check on the GPUs (`flashinfer
 operator's own flashinfer JIT cache, checked for builds of another CUDA.
 """
 import glob
+import hashlib
 import json
 import os
 import re
@@ -95,7 +96,7 @@ def op_jit(a):
 JIT_BUILD = {"decode": "decode attention", "norm": "norm", "silu-and-mul": "silu-and-mul"}
 JIT_CHECK = {"allreduce-fusion": "trtllm allreduce fusion"}
 JIT_TIMEOUT = 1200      # seconds per build
-JIT_DONE = "provision-jit.json"   # in flashinfer's cache dir: {arch: [the builds it holds]}
+JIT_DONE = "provision-jit.json"   # in flashinfer's cache dir: {"sources": digest, "held": {arch: [builds]}}
 COMPILE_MEMORY = 2 << 30   # bytes one nvcc of a flashinfer module may take (cicc on the norm module: about 1.5 GiB)
 
 
@@ -196,8 +197,57 @@ def flashinfer_jit(cc, cuda_home, python=sys.executable, build=tuple(JIT_BUILD),
 CHECK = "check on the GPUs"      # the label of the flashinfer probe's check among the JIT builds
 
 
+def held(workspace):
+    """(sources, {arch: [builds]}) the kernel cache's flashinfer workspace records (None, {}: nothing recorded)."""
+    rec = (read_json(os.path.join(workspace, JIT_DONE)) or {}) if workspace else {}
+    if not isinstance(rec, dict) or not isinstance(rec.get("held"), dict):
+        return None, {}
+    return rec.get("sources"), {a: [n for n in v if isinstance(n, str)] for a, v in rec["held"].items()
+                                if isinstance(v, list)}
+
+
+def compiler_version():
+    """The host C++ compiler nvcc calls by default (g++ on the PATH): its version, or None."""
+    try:
+        p = subprocess.run(["g++", "-dumpfullversion", "-dumpversion"], capture_output=True, text=True, timeout=30)
+        return p.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def sources(cuda_home, patched=None):
+    """What compiling flashinfer's JIT modules reads besides the kernel cache's key, by content: every file of
+    flashinfer and of tvm-ffi as this interpreter has them (each distribution's RECORD hashes them all; `patched`,
+    {path: sha256}, the files a patch changed since), the toolkit's nvcc and the host's C++ compiler (their
+    versions). Equal sources compile alike; one digest of them."""
+    from importlib import metadata
+
+    h = hashlib.sha256()
+    for dist in ("flashinfer-python", "apache-tvm-ffi"):
+        try:
+            rec = metadata.distribution(dist).read_text("RECORD") or ""
+        except metadata.PackageNotFoundError:
+            rec = ""
+        h.update(("%s\0%s\0" % (dist, rec)).encode())
+    mine = sorted((k, v) for k, v in (patched or {}).items() if str(k).startswith(("flashinfer/", "tvm_ffi/")))
+    h.update(json.dumps([mine, kernels.cuda_version(cuda_home), compiler_version()]).encode())
+    return h.hexdigest()[:20]
+
+
+def patched_files(a):
+    """{path: sha256} of the files the probed generation's patch series changed ({} where the probe run names
+    no generation of a root)."""
+    from ..layout import Layout
+    from .verify import patched_files as of
+
+    k = a.get("kernels")
+    if not isinstance(k, dict) or not isinstance(k.get("root"), str) or not isinstance(k.get("generation"), str):
+        return {}
+    return of(Layout(k["root"]).gen(k["generation"]))
+
+
 def jit_builds(ccs, cuda_home, python=sys.executable, build=tuple(JIT_BUILD), check=tuple(JIT_CHECK),
-               timeout=JIT_TIMEOUT, workspace=None, said=None, beside=None, every=None):
+               timeout=JIT_TIMEOUT, workspace=None, said=None, beside=None, every=None, reuse=None):
     """flashinfer's JIT modules generated (and `build` ones compiled) for each capability in `ccs` by `python`'s
     flashinfer with the nvcc of `cuda_home`, no GPU visible, each build in a process of its own, all at once as far
     as cores and memory allow (`compile_slots`), in `workspace` (flashinfer's base: the kernel cache; default a
@@ -206,13 +256,19 @@ def jit_builds(ccs, cuda_home, python=sys.executable, build=tuple(JIT_BUILD), ch
     says how many ran at once, `_spans` when each process started and ended ({label: [s, s]} from the start).
     `beside`: the payload of one more agent process, started first and run among the builds with the GPUs
     visible and a build's share of the cores (the probe's check, whose first call compiles its own kernel): its
-    answer under `_beside`. `said(running, done, total)` hears each start and end (and every `every` seconds)."""
+    answer under `_beside`. `said(running, done, total)` hears each start and end (and every `every` seconds).
+    `reuse`: the digest of these `sources`, on a host that only compiles (no driver to link or run them): a build
+    the workspace holds for the same sources is not run again (status compiled, `reused`); its objects stand for
+    it, as a compile of the same sources would make them again."""
     bindirs = [os.path.dirname(python)] + ([os.path.join(cuda_home, "bin")] if cuda_home else [])   # ninja, nvcc
-    ready = (read_json(os.path.join(workspace, JIT_DONE)) or {}) if workspace else {}
-    jobs = []
+    recorded, ready = held(workspace)
+    same = reuse is not None and recorded == reuse
+    jobs, reused = [], {}
     for cc in ccs:   # a build not yet in the cache: a process of its own; those that are, and the checks: one
-        warm = [n for n in build if n in (ready.get(sm(specific(cc))) or ())]
-        jobs += [(cc, (n,), ()) for n in build if n not in warm]
+        arch = sm(specific(cc))
+        reused[arch] = [n for n in build if same and n in ready.get(arch, ())]
+        warm = [n for n in build if n in ready.get(arch, ()) and n not in reused[arch]]
+        jobs += [(cc, (n,), ()) for n in build if n not in warm and n not in reused[arch]]
         if warm or check:
             jobs.append((cc, tuple(warm), tuple(check)))
     workers, each = compile_slots(len(jobs) + (beside is not None) or 1)
@@ -254,13 +310,17 @@ def jit_builds(ccs, cuda_home, python=sys.executable, build=tuple(JIT_BUILD), ch
         for name in b:      # the build's process from start to end (the interpreter and flashinfer's import too)
             got.setdefault(name, {"status": "failed", "error": "no result"})["process_seconds"] = seconds
         per.update(got)
-    if workspace and jobs:    # what this cache now holds, for the next run's grouping (ninja still decides what is stale)
-        held = {arch: sorted(n for n, r in mods.items() if r.get("status") in ("built", "compiled"))
-                for arch, mods in out.items() if not arch.startswith("_")}
+    for arch, names in reused.items():
+        for n in names:
+            out.setdefault(arch, {})[n] = {"status": "compiled", "reused": True, "compiled": 0, "seconds": 0.0,
+                                           "missing": ["cuda"]}
+    if workspace and (jobs or any(reused.values())):   # what the cache now holds, and for which sources (ninja
+        now = {arch: sorted(n for n, r in mods.items() if r.get("status") in ("built", "compiled"))   # still
+               for arch, mods in out.items() if not arch.startswith("_")}                             # decides)
         try:
             tmp = os.path.join(workspace, "%s.tmp-%d" % (JIT_DONE, os.getpid()))
             with open(tmp, "w") as f:
-                json.dump(held, f)
+                json.dump({"sources": reuse, "held": now}, f)
             os.replace(tmp, os.path.join(workspace, JIT_DONE))
         except OSError:
             pass
@@ -280,7 +340,7 @@ def jit_part(a, python=sys.executable, build=tuple(JIT_BUILD), check=tuple(JIT_C
     nvcc = os.path.join(home, "bin", "nvcc") if home else None
     skip = ("JIT not compiled: the lock names no compute capability" if not ccs else
             "JIT not compiled: no nvcc at %s" % nvcc if not nvcc or not os.path.exists(nvcc) else None)
-    ok, bad, refused, unlinked = [], [], [], []
+    ok, bad, refused, unlinked, before = [], [], [], [], []
     driver = driver_libcuda()
     t0 = time.perf_counter()
 
@@ -291,8 +351,9 @@ def jit_part(a, python=sys.executable, build=tuple(JIT_BUILD), check=tuple(JIT_C
     if skip and beside is None:
         return "skip", skip, {}
     cache = (kernels.IN_USE.get("env") or {}).get(kernels.KINDS["flashinfer"])
+    reuse = sources(home, patched_files(a)) if cache and not driver and not skip else None   # compile-only host
     per = jit_builds([] if skip else ccs, home, python, build, check, workspace=cache, said=said, beside=beside,
-                     every=PROGRESS_EVERY)
+                     every=PROGRESS_EVERY, reuse=reuse)
     workers, spans = per.pop("_workers"), per.pop("_spans", {})
     extra = {"_beside": per.pop("_beside")} if beside is not None else {}
     if skip:
@@ -303,6 +364,8 @@ def jit_part(a, python=sys.executable, build=tuple(JIT_BUILD), check=tuple(JIT_C
             if name in JIT_CHECK:
                 if r["status"] == "refused":
                     refused.append("%s (%s)" % (what, arch))
+            elif r.get("reused"):
+                before.append("%s %s" % (what, arch))
             elif r["status"] == "built":
                 ok.append("%s %s (%.0fs)" % (what, arch, r["seconds"]))
             elif r["status"] == "compiled" and r.get("missing") == ["cuda"] and not driver:
@@ -317,9 +380,12 @@ def jit_part(a, python=sys.executable, build=tuple(JIT_BUILD), check=tuple(JIT_C
     tail = "; refused: %s" % ", ".join(refused) if refused else ""
     if bad:
         return "fail", "JIT failed: %s%s" % ("; ".join(bad), tail), figs
-    if unlinked:        # compiled; the link alone wants the driver's libcuda (the toolkit has no stub of it)
-        return "skip", ("no NVIDIA driver on this host: JIT compiled %s; not linked: -lcuda needs the driver's "
-                        "library and the toolkit has no stub of it%s" % (", ".join(ok + unlinked), tail)), figs
+    again = ("; compiled earlier for the same sources (flashinfer's and tvm-ffi's files, nvcc, g++), not again: %s"
+             % ", ".join(before)) if before else ""
+    if unlinked or before:   # compiled; the link alone wants the driver's libcuda (the toolkit has no stub of it)
+        return "skip", ("no NVIDIA driver on this host: JIT compiled %s%s; not linked: -lcuda needs the driver's "
+                        "library and the toolkit has no stub of it%s" % (", ".join(ok + unlinked) or "nothing new",
+                                                                         again, tail)), dict(figs, jit_sources=reuse)
     return "pass", "JIT-compiled %s%s" % (", ".join(ok), tail), figs
 
 
