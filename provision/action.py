@@ -148,11 +148,12 @@ def append_event(path: str, host: str, step: str, state: str, detail: str, secon
 
 class Progress:
     """A step's progress as `append_event` lines appended to `path` (none: dropped), its state "info"; while the
-    step says nothing, a line every HEARTBEAT seconds says it runs."""
+    step says nothing, a line every HEARTBEAT seconds says it runs, and what the host last said it does
+    (`doing()`, e.g. the probe that runs) where it said so."""
 
-    def __init__(self, path: str | None, host: str, step: str):
+    def __init__(self, path: str | None, host: str, step: str, doing=None):
         self.path, self.host, self.step, self.t0 = path, host, step, time.monotonic()
-        self.last, self.stop = self.t0, threading.Event()
+        self.last, self.stop, self.doing = self.t0, threading.Event(), doing
 
     def __call__(self, detail: str) -> None:
         self.last = time.monotonic()
@@ -164,7 +165,8 @@ class Progress:
         def beat():
             while not self.stop.wait(0.5):
                 if time.monotonic() - self.last >= HEARTBEAT:
-                    self(f"running ({time.monotonic() - self.t0:.0f}s)")
+                    what = self.doing() if self.doing else None      # what the host last said it does
+                    self(f"{what or 'running'} ({time.monotonic() - self.t0:.0f}s)")
         if self.path:
             threading.Thread(target=beat, daemon=True).start()
         return self
@@ -211,13 +213,14 @@ class HostStep(ActionBase):
             return dict(result, unreachable=True, msg=f"Host key verification failed ({e.message.split(';')[0]})")
         except ProvisionError as e:     # not reached (as provision's fleets count it): Ansible's unreachable
             return dict(result, unreachable=True, msg=e.message)
-        gone = ControllerGone(task_vars, threading.Event())
-        if gone.watched:        # the controller killed: the step's host command stops, the host lock with it
-            from .transport import Watch
+        from .transport import Watch
 
-            tr.watch = Watch(self.STEP or self.MODULE, None, gone.flag)
+        gone = ControllerGone(task_vars, threading.Event())   # the controller killed or stopping: the step's host
+        tr.watch = Watch(self.STEP or self.MODULE, None, gone.flag if gone.watched else None)   # command stops
+        said = tr.watch
         try:
-            with Progress(args.get("progress"), host, self.STEP or self.MODULE) as progress:
+            with Progress(args.get("progress"), host, self.STEP or self.MODULE,
+                          doing=lambda: said.doing) as progress:
                 value = self.step(tr, args, progress)
         except ProvisionError as e:
             return dict(result, failed=True, msg=e.message, error_type=type(e).__name__, error_where=e.where)
