@@ -138,6 +138,11 @@ def test_a_compile_only_host_compiles_the_same_sources_once_and_different_ones_a
     base = jit.sources(None)
     assert jit.sources(None, {"sglang/srt/server_args.py": "0" * 64}) == base
     assert jit.sources(None, {"flashinfer/jit/core.py": "0" * 64}) != base
+    rec = ("flashinfer/jit/core.py,sha256=aaa,10\n../../../bin/flashinfer,sha256=venv1,302\n"       # a RECORD of
+           "flashinfer/__pycache__/x.pyc,,\nflashinfer_python-0.6.4.dist-info/INSTALLER,sha256=i,2\n")  # one venv
+    other_venv = rec.replace("venv1", "venv2").replace("sha256=i,", "sha256=j,").replace(",,", ",sha256=p,7")
+    assert jit.package_files(rec) == jit.package_files(other_venv) == ["flashinfer/jit/core.py,sha256=aaa,10"]
+    assert jit.package_files(rec.replace("aaa", "bbb")) != jit.package_files(rec)      # a file of the package
 
 
 def test_workers_are_bounded_by_cores_and_memory():

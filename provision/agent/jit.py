@@ -215,6 +215,18 @@ def compiler_version():
         return None
 
 
+def package_files(record):
+    """A RECORD's lines for the package's own files, sorted: not its scripts (outside site-packages: their first
+    line names the environment's interpreter), its bytecode, nor its .dist-info (what the installer wrote)."""
+    out = []
+    for line in record.splitlines():
+        path = line.rsplit(",", 2)[0]
+        top = path.split("/", 1)[0]
+        if path and not path.startswith("../") and "__pycache__" not in path and not top.endswith(".dist-info"):
+            out.append(line)
+    return sorted(out)
+
+
 def sources(cuda_home, patched=None):
     """What compiling flashinfer's JIT modules reads besides the kernel cache's key, by content: every file of
     flashinfer and of tvm-ffi as this interpreter has them (each distribution's RECORD hashes them all; `patched`,
@@ -228,7 +240,7 @@ def sources(cuda_home, patched=None):
             rec = metadata.distribution(dist).read_text("RECORD") or ""
         except metadata.PackageNotFoundError:
             rec = ""
-        h.update(("%s\0%s\0" % (dist, rec)).encode())
+        h.update(("%s\0%s\0" % (dist, "\n".join(package_files(rec)))).encode())
     mine = sorted((k, v) for k, v in (patched or {}).items() if str(k).startswith(("flashinfer/", "tvm_ffi/")))
     h.update(json.dumps([mine, kernels.cuda_version(cuda_home), compiler_version()]).encode())
     return h.hexdigest()[:20]
