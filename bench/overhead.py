@@ -116,11 +116,12 @@ def report(fig: dict, repeat: int, n: int) -> None:
     labels = {"plan": f"plan -i, {n} hosts", "apply": f"apply -i, {n} hosts (cached 3-package lock)",
               "rollback": f"rollback -i, {n} hosts", "rollback_1": "rollback h1 -i (one host)",
               "rollback_host": "rollback USER@HOST:PORT (one host, no inventory)"}
-    print(f"{'':46} {fig['against']:>10} {fig['this']:>10}  ratio   target")
+    width = max(map(len, labels.values()))
+    print(f"{'':{width}} {fig['against']:>10} {fig['this']:>10}  ratio   target")
     for k, label in labels.items():
         old, new = fig[f"{k}_against_s"], fig[f"{k}_this_s"]
         ok = "met" if new <= TARGETS[k] else "MISSED"
-        print(f"{label:46} {old:9.2f}s {new:9.2f}s  {new / old:5.2f}x  ≤ {TARGETS[k]:.0f} s {ok}")
+        print(f"{label:{width}} {old:9.2f}s {new:9.2f}s  {new / old:5.2f}x  ≤ {TARGETS[k]:.0f} s {ok}")
 
 
 def main(argv: list[str] | None = None) -> None:

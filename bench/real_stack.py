@@ -6,7 +6,9 @@ plan from the baseline to the SGLang 0.5.23 lock as the host shows it.
 Usage: python bench/real_stack.py [--python /path/to/python3.12] [--json] [--part all|fetch|upgrade|baseline|cuda13|sglang ...]
        [--workdir DIR] [--fetch-only]
 --part baseline, --part cuda13: only that lock's cold and cached applies (each a piece of upgrade; for a host with
-less disk).
+less disk). Each cached apply is timed beside `cp -a` of its venv and uv's hardlink install of its wheels, against
+its target, and then once more under another name through playbooks/apply.yml (as `provision apply` runs it): the
+play's seconds over the call's.
 It downloads the wheels of the three locks (about 12 GB, and the baseline's 5 GB again for the fetch alone) into
 fresh host roots, one per part, and removes each before the next part starts (the upgrade part peaks at about
 50 GB on disk, the SGLang part at about 35 GB).
