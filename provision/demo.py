@@ -1,6 +1,7 @@
-"""The demo on a throwaway loopback host: plan → apply A → plan → apply B → plan → rollback → history; all real
-(sshd, ansible-runner, uv, PyPI wheels, the included engine probed in generation B); output goes through the CLI's
-callbacks. Also lock B's wheelhouse: the CPU torch wheel it pins by name and sha256, found, checked, named."""
+"""The demo on a throwaway loopback host: plan → apply A → plan → apply B → plan → rollback → history, each through
+the playbook the CLI runs for it; all real (sshd, ansible-runner, uv, PyPI wheels, the included engine probed in
+generation B); output goes through the CLI's callbacks. Also lock B's wheelhouse: the CPU torch wheel it pins by
+name and sha256, found, checked, named."""
 from __future__ import annotations
 
 import shutil
@@ -13,10 +14,12 @@ from . import apply as applymod, generations
 from . import lock as lockmod
 from .build import sha256_file
 from .bundled import DEMO_LOCKS
-from .errors import InputError
+from .errors import InputError, ProvisionError
 from .loopback import LoopbackHost
-from .plan import plan_host, render_plan
-from .transport import connect, trust_host
+from .plan import render_plan
+from .plays import Play, typed
+from .replies import History
+from .transport import trust_host
 
 
 def _pip_download(pin: str, house: Path) -> None:
@@ -78,6 +81,13 @@ def wheelhouse_lock(path: Path, house: Path, given: Path | None = None,
     return out
 
 
+def _one(rows: list):
+    """The one host's value of a play's rows; its error raised."""
+    if not rows[0].ok:
+        raise rows[0].error
+    return rows[0].value
+
+
 def run_demo(say: Callable[[str], None], progress, show_history: Callable[[dict, str], None],
              show_probes: Callable[[dict | None], None], keep: bool = False,
              torch_wheel: Path | None = None) -> dict:
@@ -92,31 +102,32 @@ def run_demo(say: Callable[[str], None], progress, show_history: Callable[[dict,
         say(f"\n## throwaway host {host.spec} (sshd on loopback, root {host.root})")
         kind, fp = trust_host(t)
         say(f"trusted its fresh host key {kind} {fp} (in {t.known_hosts})")
-        tr = connect(t)
-        try:
-            for step, lk in (("plan", a), ("apply", a), ("plan", b), ("apply", b), ("plan", b)):
-                say(f"\n## provision {step} {host.spec} --lock {lk.path}")
-                if step == "plan":
-                    say(render_plan(plan_host(tr, lk)))
-                else:
-                    rep = applymod.apply(tr, lk, progress=progress)
-                    show_probes(rep.probes)
-                    say(f"Applied {lk.name}: current {rep.previous or '(none)'} → {rep.generation} "
-                        f"in {rep.seconds:.1f}s")
-                    figures[f"apply_{lk.name}_s"] = rep.seconds
-                    engine = next((r for r in (rep.probes or {}).get("results", []) if r["name"] == "engine"), None)
-                    if engine and engine["status"] != "skip":
-                        figures["engine"] = {k: engine["figures"].get(k) for k in
-                                             ("greedy_identical", "accept_length", "speedup", "baseline_tok_s",
-                                              "spec_tok_s")}
-            say(f"\n## provision rollback {host.spec}")
-            rb = generations.rollback(tr)
-            figures["rollback_s"] = rb["seconds"]
-            say(f"Rolled back: current {rb['from']} → {rb['to']} in {rb['seconds']:.2f}s (nothing reinstalled)")
-            say(f"\n## provision history {host.spec}")
-            show_history(generations.history(tr), host.spec)
-        finally:
-            tr.close()
+
+        def steps(step: str, state: str, detail: str) -> None:    # the plan line is the plan step's to show
+            if state != "plan":
+                progress(step, state, detail)
+        for step, lk in (("plan", a), ("apply", a), ("plan", b), ("apply", b), ("plan", b)):
+            say(f"\n## provision {step} {host.spec} --lock {lk.path}")
+            if step == "plan":
+                say(render_plan(_one(applymod.plan_fleet([t], lk))))
+                continue
+            rep = applymod.apply_fleet([t], lk, forks=1, progress_for=lambda h: steps).reports[0]
+            if rep.status not in ("applied", "reused", "noop"):
+                raise ProvisionError(rep.error or f"apply {lk.name}: {rep.status}", where="demo")
+            show_probes(rep.probes)
+            say(f"Applied {lk.name}: current {rep.previous or '(none)'} → {rep.generation} in {rep.seconds:.1f}s")
+            figures[f"apply_{lk.name}_s"] = rep.seconds
+            engine = next((r for r in (rep.probes or {}).get("results", []) if r["name"] == "engine"), None)
+            if engine and engine["status"] != "skip":
+                figures["engine"] = {k: engine["figures"].get(k) for k in
+                                     ("greedy_identical", "accept_length", "speedup", "baseline_tok_s",
+                                      "spec_tok_s")}
+        say(f"\n## provision rollback {host.spec}")
+        rb = _one(generations.rollback_play([t]))
+        figures["rollback_s"] = rb["seconds"]
+        say(f"Rolled back: current {rb['from']} → {rb['to']} in {rb['seconds']:.2f}s (nothing reinstalled)")
+        say(f"\n## provision history {host.spec}")
+        show_history(_one(Play("history", read=typed(History)).rows([t])), host.spec)
     finally:
         if keep:
             host.stop()
