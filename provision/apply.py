@@ -677,7 +677,7 @@ class _Feed:
             if kind == "runner_on_start":
                 self.tell(host, "switch", "start", "")
             elif kind == "runner_on_ok":
-                self.tell(host, "switch", "done", f"{res.get('from')} → {res.get('to')}")
+                self.tell(host, "switch", "done", f"{res.get('from') or '(none)'} → {res.get('to')}")
             elif kind in ("runner_on_failed", "runner_on_unreachable"):
                 from .runner import said
 
