@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import apply as applymod, generations
+from .fleet import values
 from . import lock as lockmod
 from .build import sha256_file
 from .bundled import DEMO_LOCKS
@@ -81,13 +82,6 @@ def wheelhouse_lock(path: Path, house: Path, given: Path | None = None,
     return out
 
 
-def _one(rows: list):
-    """The one host's value of a play's rows; its error raised."""
-    if not rows[0].ok:
-        raise rows[0].error
-    return rows[0].value
-
-
 def run_demo(say: Callable[[str], None], progress, show_history: Callable[[dict, str], None],
              show_probes: Callable[[dict | None], None], keep: bool = False,
              torch_wheel: Path | None = None) -> dict:
@@ -109,7 +103,7 @@ def run_demo(say: Callable[[str], None], progress, show_history: Callable[[dict,
         for step, lk in (("plan", a), ("apply", a), ("plan", b), ("apply", b), ("plan", b)):
             say(f"\n## provision {step} {host.spec} --lock {lk.path}")
             if step == "plan":
-                say(render_plan(_one(applymod.plan_fleet([t], lk))))
+                say(render_plan(values(applymod.plan_fleet([t], lk))[0]))
                 continue
             rep = applymod.apply_fleet([t], lk, forks=1, progress_for=lambda h: steps).reports[0]
             if rep.status not in ("applied", "reused", "noop"):
@@ -123,11 +117,11 @@ def run_demo(say: Callable[[str], None], progress, show_history: Callable[[dict,
                                      ("greedy_identical", "accept_length", "speedup", "baseline_tok_s",
                                       "spec_tok_s")}
         say(f"\n## provision rollback {host.spec}")
-        rb = _one(generations.rollback_play([t]))
+        rb = values(generations.rollback_play([t]))[0]
         figures["rollback_s"] = rb["seconds"]
         say(f"Rolled back: current {rb['from']} → {rb['to']} in {rb['seconds']:.2f}s (nothing reinstalled)")
         say(f"\n## provision history {host.spec}")
-        show_history(_one(Play("history", read=typed(History)).rows([t])), host.spec)
+        show_history(values(Play("history", read=typed(History)).rows([t]))[0], host.spec)
     finally:
         if keep:
             host.stop()

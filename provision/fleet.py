@@ -40,6 +40,15 @@ class Row:
         return {"host": self.host, "result": value_json(self.value)}
 
 
+
+def values(rows: list[Row]) -> list:
+    """Each host's value, in order, or the first host's error raised."""
+    for r in rows:
+        if not r.ok:
+            raise r.error
+    return [r.value for r in rows]
+
+
 # ---------------------------------------------------------------- batches and tolerance (Ansible's words)
 
 _COUNT = re.compile(r"(0|[1-9][0-9]{0,8})\Z")

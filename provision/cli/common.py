@@ -24,7 +24,7 @@ try:                 # newer typer carries its own copy of click
 except ImportError:  # pragma: no cover
     from click import exceptions as click_errors
 from ..errors import InputError, ProvisionError
-from ..fleet import FORKS
+from ..fleet import FORKS, values
 from ..layout import DEFAULT_ROOT
 from ..transport import DEADLINE, DEFAULT_KNOWN_HOSTS, NOTICE, TIMEOUT, Target
 
@@ -295,11 +295,7 @@ def alone(rows: list) -> list:
 
 def each_host(ts: list[Target], play, forks: int = FORKS) -> list:
     """The verb's result on each host (see over_hosts), in order, or the first error raised."""
-    rows = over_hosts(ts, play, forks)
-    for r in rows:
-        if not r.ok:
-            raise r.error
-    return [r.value for r in rows]
+    return values(over_hosts(ts, play, forks))
 
 
 class ProgressLines:
