@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from provision import pack as packmod, verify as verifymod
-from provision.agent import pack as agentpack
+from provision.agent import pack as agentpack, record
 from provision.transport import Local, Target
 from test_core import cli
 from test_pack import site_hashes
@@ -122,8 +122,31 @@ def test_verify_is_heard_while_it_runs(heavy, monkeypatch):
         tr.close()
     assert v["verdict"] == "clean" and v["read_bytes"] == v["bytes"]
     phases = [e["phase"] for e in events]
-    assert {"hash", "seal", "read"} <= set(phases)
-    assert len(events) > len(set(phases)), events      # the meter's own events, not only each phase's start
+    assert {"hash", "seal", "read"} <= set(phases)     # each phase told at its start; the ticks between: below
     assert all(e["step"] == "verify" and e["every"] == EVERY for e in events)
     times = [e["seconds"] for e in events]
     assert max(b - a for a, b in zip(times, times[1:])) <= 5.0
+
+
+def test_the_meter_speaks_on_its_own_while_a_phase_runs(monkeypatch):
+    """The meter's thread tells the phase every `every` seconds while nothing else is said (one long file), each
+    event with the counts so far; none after the meter closes. (How long verify takes depends on the disk, so
+    the ticks are heard here, from a phase held open, not from a verify that may end within one interval.)"""
+    told = []
+    monkeypatch.setattr(record, "event", lambda **e: told.append(e))
+    with record.Meter("verify", EVERY) as m:
+        m.phase("hash", files_total=2, bytes_total=30)
+        m.add(1, 10)
+        for _ in range(1000):                       # up to 10 s on a loaded machine; 3 intervals are enough
+            if len(told) >= 4:
+                break
+            record.time.sleep(0.01)
+    closed = len(told)
+    record.time.sleep(3 * EVERY)
+    assert len(told) == closed >= 4, told           # the start, then three of the meter's own
+    assert told[0] == dict(told[0], phase="hash", files=0, bytes=0, files_total=2, bytes_total=30)
+    assert all(e["step"] == "verify" and e["every"] == EVERY for e in told)
+    counts = [e["bytes"] for e in told]
+    assert counts == sorted(counts) and counts[-1] == 10
+    secs = [e["seconds"] for e in told]
+    assert secs == sorted(secs) and secs[-1] >= 3 * EVERY * 0.9
