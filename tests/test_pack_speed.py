@@ -72,7 +72,7 @@ def test_compressed_content_is_stored_the_rest_deflated_and_the_rebuild_is_the_s
     assert rep["cache"].startswith("the page cache dropped")
 
     ticks = [e for e in events if e.get("step") == "pack" and e.get("phase") == "pack"]
-    assert len(ticks) >= 2, events               # the phase's start, then the meter's own events while it runs
+    assert ticks, events                         # the phase's start (the meter's own ticks: the test at the end)
     assert all(e["every"] == EVERY for e in events)
     times = [e["seconds"] for e in events]
     assert times == sorted(times) and max(b - a for a, b in zip(times, times[1:])) <= 5.0
