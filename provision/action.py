@@ -181,10 +181,12 @@ class HostStep(ActionBase):
     `progress` (a controller file for `Progress`). The step's value is the task's result (`value_of` reads it back);
     a ProvisionError it raises fails the task with its one line, its type and where; a host provision's connection
     cannot reach is unreachable, as Ansible counts it. `verdict(value)`: a line that fails the task with the value
-    kept (a failed probe), or None."""
+    kept (a failed probe), or None. STOPPABLE false: the controller gone or stopping never cuts the step's host
+    command (a switch is one commit)."""
 
     MODULE = ""
     STEP = ""
+    STOPPABLE = True
     _supports_check_mode = False
     _supports_async = False
     TRANSFERS_FILES = False
@@ -216,7 +218,8 @@ class HostStep(ActionBase):
         from .transport import Watch
 
         gone = ControllerGone(task_vars, threading.Event())   # the controller killed or stopping: the step's host
-        tr.watch = Watch(self.STEP or self.MODULE, None, gone.flag if gone.watched else None)   # command stops
+        tr.watch = Watch(self.STEP or self.MODULE, None,      # command stops
+                         gone.flag if gone.watched and self.STOPPABLE else None)
         said = tr.watch
         try:
             with Progress(args.get("progress"), host, self.STEP or self.MODULE,

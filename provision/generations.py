@@ -31,9 +31,11 @@ def mark(t: Transport, gen_id: str, event: dict | None = None, remove_venv: bool
     return ask(t, replies.Marked, "mark", id=gen_id, fields=fields, event=event, remove_venv=remove_venv).to_json()
 
 
-def switch(t: Transport, gen_id: str, kind: str = "switch", event: dict | None = None) -> dict:
-    """Commit `gen_id` as current (rename of `current`); `bookkeeping_failed` names what failed after it."""
-    return ask(t, replies.Switched, "switch", id=gen_id, kind=kind, event=event or {}).to_json()
+def switch(t: Transport, gen_id: str, kind: str = "switch", event: dict | None = None, take_lock: bool = False) -> dict:
+    """Commit `gen_id` as current (rename of `current`); `bookkeeping_failed` names what failed after it.
+    `take_lock`: under the host lock (a caller that does not hold it already)."""
+    return ask(t, replies.Switched, "switch", id=gen_id, kind=kind, event=event or {},
+               **({"take_lock": True} if take_lock else {})).to_json()
 
 
 def recover(t: Transport) -> dict:

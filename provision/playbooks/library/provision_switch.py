@@ -1,6 +1,8 @@
 #!/usr/bin/python
 """Ansible module: make a staged generation current, as `provision apply` does at its commit point (the same agent,
-the same checks), recorded in the host's history as the apply it completes."""
+the same checks), recorded in the host's history as the apply it completes. Its work runs in its action plugin, on
+the controller through provision's own host steps, over the connection the play's stage task used; this file
+declares its arguments and documents its result."""
 
 DOCUMENTATION = r"""
 module: provision_switch
@@ -10,7 +12,7 @@ description:
     host's history as an apply of its lock (the event `apply`), as a one-host `provision apply` does.
   - Refuses a generation that is not runnable (failed, abandoned, still building, without its interpreter).
   - The play's `stage` task (provision_apply) builds, seals and probes the generation and stops before this.
-extends_documentation_fragment: provision
+extends_documentation_fragment: provision.step
 options:
   to:
     description: The generation to make current (its id, as the stage task returns it).
@@ -39,20 +41,16 @@ event: {description: the history event recorded, type: dict}
 bookkeeping_failed: {description: records that failed after the switch (it stands; the next run repairs), type: list}
 """
 
-from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.provision import spec, step
+ARGUMENT_SPEC = {"to": {"type": "str", "required": True},
+                 "lock": {"type": "str"},
+                 "skipped_probes": {"type": "list", "elements": "str", "default": []},
+                 "reuse": {"type": "bool", "default": False}}   # its own; STEP (module_utils) the shared ones
 
 
 def main():
-    module = AnsibleModule(argument_spec=dict(spec.ROOT, **{
-        "to": {"type": "str", "required": True}, "lock": {"type": "str"},
-        "skipped_probes": {"type": "list", "elements": "str", "default": []},
-        "reuse": {"type": "bool", "default": False}}))
-    p = module.params
-    event = {"lock": p["lock"], "skipped_probes": p["skipped_probes"], **({"reuse": True} if p["reuse"] else {})}
-    reply = step.run("state", "switch", {"root": p["root"], "id": p["to"], "kind": "apply", "event": event,
-                                         "take_lock": True})
-    step.finish(module, reply, changed=reply.get("from") != reply.get("to"))
+    from ansible.module_utils.provision.spec import through_plugin
+
+    through_plugin("provision_switch", ARGUMENT_SPEC)
 
 
 if __name__ == "__main__":
