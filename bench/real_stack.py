@@ -334,7 +334,7 @@ def cold_and_cached(tr, work: Path, locks: dict, rows: list, quiet: bool, key: s
 
 def through_play(t, lk, row: dict, quiet: bool) -> None:
     """The same cached apply again under another name, through playbooks/apply.yml as `provision apply -i` runs it
-    (Ansible's play: ansible-playbook's start, the stage task, the batch's tolerance, the switch as a module), beside
+    (Ansible's play: ansible-playbook's start, the stage task, the batch's tolerance, the switch task), beside
     the direct call just measured: the engine's overhead on a real stack, in the same run."""
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
