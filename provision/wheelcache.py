@@ -1,10 +1,14 @@
 """The controller's wheel cache (`apply --wheels-from controller`): each wheel of a lock is fetched once
 per controller, in parallel, verified by sha256 on its way in, and kept by hash under
-PROVISION_HOME/cache/wheels/<sha256>/<filename>; the build pushes them to each host's store by hash."""
+PROVISION_HOME/cache/wheels/<sha256>/<filename>; the build pushes them to each host's store by hash. A fleet's
+hosts (threads of one process, or the play's worker processes) share each download: a flock per wheel, under
+<cache>/.locks."""
 from __future__ import annotations
 
 import contextlib
-import threading
+import fcntl
+import os
+import re
 from pathlib import Path
 
 from .errors import ProvisionError
@@ -14,13 +18,30 @@ from .transport import CONTROLLER_HOME
 CACHE = CONTROLLER_HOME / "cache" / "wheels"
 
 
+SHA256 = re.compile(r"[0-9a-f]{64}\Z")
+
+
 class WheelCache:
-    """Wheels by sha256 in `root`; concurrent `fetch` calls (one per host of a fleet) share each download."""
+    """Wheels by sha256 in `root`; concurrent `fetch` calls (one per host of a fleet, in one process or in
+    several) share each download."""
 
     def __init__(self, root: Path = CACHE, jobs: int = 8, stall: float = 30.0):
         self.root, self.jobs, self.stall = Path(root), jobs, stall
-        self._guard = threading.Lock()
-        self._locks: dict[str, threading.Lock] = {}
+
+    @contextlib.contextmanager
+    def held(self, sha256: str):
+        """This wheel's flock (<root>/.locks/<sha256>), held for the block: a second fetch of it, from another
+        thread or process, waits until the first is done and then finds the file."""
+        if not SHA256.match(sha256):
+            raise ProvisionError(f"bad sha256 {sha256!r} (64 lowercase hex digits)")
+        locks = self.root / ".locks"
+        locks.mkdir(parents=True, exist_ok=True)
+        fd = os.open(locks / sha256, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
     def path(self, sha256: str, filename: str) -> Path:
         """<root>/<sha256>/<filename>, by the host store's own rule (a plain name under a 64-hex dir)."""
@@ -39,11 +60,9 @@ class WheelCache:
 
         lines = {p.pin: p.line for p in lock.packages}
         todo = [p for p in packages if p.get("url")]
-        with self._guard:
-            held = [self._locks.setdefault(sha, threading.Lock()) for sha in sorted({p["sha256"] for p in todo})]
         with contextlib.ExitStack() as stack:
-            for one in held:             # in sha256 order: a second host waits for the first host's downloads
-                stack.enter_context(one)
+            for sha in sorted({p["sha256"] for p in todo}):   # in sha256 order: a second host waits for the first
+                stack.enter_context(self.held(sha))          # host's downloads
             missing, seen = [], set()
             for p in todo:
                 dest = self.path(p["sha256"], p["filename"])
@@ -68,11 +87,7 @@ class WheelCache:
         return [self.path(p["sha256"], p["filename"]) for p in todo]
 
 
-_SHARED: dict[Path, WheelCache] = {}
-_SHARED_GUARD = threading.Lock()
-
-
 def shared(root: Path = CACHE) -> WheelCache:
-    """The one cache object of this process for `root` (so a fleet's hosts share its downloads)."""
-    with _SHARED_GUARD:
-        return _SHARED.setdefault(Path(root), WheelCache(root))
+    """The controller's cache at `root` (each instance shares its downloads with every other, through the
+    flocks)."""
+    return WheelCache(root)

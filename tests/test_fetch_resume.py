@@ -364,6 +364,29 @@ def test_controller_cache_retries_and_names_the_lock_line(tmp_path, mirror):
     assert [r[1] for r in mirror.requests(a)][-1] == 206
 
 
+def test_controller_cache_fetches_each_wheel_once_for_processes_at_once(tmp_path, mirror):
+    """A fleet's hosts fetch into the controller's cache from the play's worker processes, not threads of one:
+    three processes let go at once (each wheel's flock held here until all three have started) download each
+    wheel once between them; the others wait for it and find the file."""
+    lk_path = served_lock(tmp_path, mirror, ["alpha", "beta"])
+    lk = lockmod.load(lk_path)
+    cache = WheelCache(tmp_path / "ctl")
+    code = ("import sys; from provision import lock; from provision.wheelcache import WheelCache\n"
+            "lk = lock.load(sys.argv[1])\n"
+            "items = [{'label': p.pin, 'url': p.url, 'sha256': p.sha256, 'filename': p.filename} for p in lk.packages]\n"
+            "print(len(WheelCache(sys.argv[2]).fetch(lk, items)))\n")
+    with cache.held(lk.package("alpha").sha256), cache.held(lk.package("beta").sha256):
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(lk_path), str(tmp_path / "ctl")], cwd=ROOT,
+                                  stdout=subprocess.PIPE, text=True) for _ in range(3)]
+        time.sleep(1.0)                 # a head start; the count below holds however the three interleave
+        assert mirror.seen == []
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0] and outs == ["2\n"] * 3, outs
+    assert sorted(n for n, _, _, _ in mirror.seen) == sorted(mirror.wheels[n].name for n in ("alpha", "beta"))
+    got = [cache.path(p.sha256, p.filename).read_bytes() for p in lk.packages]
+    assert got == [mirror.wheels[n].read_bytes() for n in ("alpha", "beta")]
+
+
 def test_apply_over_ssh_survives_503_and_a_cut_and_resumes_with_range(target, tmp_path, mirror):
     lk = served_lock(tmp_path, mirror, ["alpha", "beta"])
     a = mirror.wheels["alpha"].name
