@@ -195,10 +195,10 @@ def _build(transport: Transport, lock: Lock, facts: Facts, gen: dict, installer:
     for what in ("dir", "venv"):      # the state agent's reply: untrusted until checked
         under(lay.generations, gen.get(what), f"generation {what}", transport.target.name)
     if from_controller:     # every wheel then comes from the controller's cache; the host gets no URL
-        from .wheelcache import shared
+        from .wheelcache import WheelCache
 
         remote = [p for p in pkgs if p.get("url")]
-        for item, path in zip(remote, shared().fetch(lock, remote)):
+        for item, path in zip(remote, WheelCache().fetch(lock, remote)):
             del item["url"]
             local.append((item, path))
     pushes = [push(transport, root, local)]

@@ -8,17 +8,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import re
 from pathlib import Path
 
 from .errors import ProvisionError
-from .lock import Lock
+from .lock import SHA_RE, Lock
 from .transport import CONTROLLER_HOME
 
 CACHE = CONTROLLER_HOME / "cache" / "wheels"
-
-
-SHA256 = re.compile(r"[0-9a-f]{64}\Z")
 
 
 class WheelCache:
@@ -32,7 +28,7 @@ class WheelCache:
     def held(self, sha256: str):
         """This wheel's flock (<root>/.locks/<sha256>), held for the block: a second fetch of it, from another
         thread or process, waits until the first is done and then finds the file."""
-        if not SHA256.match(sha256):
+        if not SHA_RE.match(sha256):
             raise ProvisionError(f"bad sha256 {sha256!r} (64 lowercase hex digits)")
         locks = self.root / ".locks"
         locks.mkdir(parents=True, exist_ok=True)
@@ -86,8 +82,3 @@ class WheelCache:
                             dest.parent.rmdir()
         return [self.path(p["sha256"], p["filename"]) for p in todo]
 
-
-def shared(root: Path = CACHE) -> WheelCache:
-    """The controller's cache at `root` (each instance shares its downloads with every other, through the
-    flocks)."""
-    return WheelCache(root)
