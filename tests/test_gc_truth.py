@@ -91,3 +91,22 @@ def test_gc_sets_a_generation_aside_whole_and_the_next_run_finishes_it(tmp_path,
     assert out["cache"]                                               # a's wheels: no kept generation names them
     assert out["recovered"]["trash_bytes"] + out["bytes"] == before - du(root)
     assert not (root / ".trash").exists()
+
+
+def test_gc_keep_beyond_the_ready_count_removes_no_ready_generation(tmp_path, wheels):
+    """`--keep N` keeps the newest N runnable generations: with N at or above how many there are, none goes.
+    Seven ready generations, `--keep 8` and `--keep 10` remove nothing; `--keep 7` nothing either; `--keep 3`
+    removes the four oldest beyond current, its rollback target and the newest other one."""
+    root = tmp_path / "root"
+    tr = Local(Target(host="local", vars={"provision_root": str(root)}))
+    ids = [applymod.apply(tr, lockmod.load(write_lock(tmp_path / f"l{i}.yaml", f"l{i}",
+                                                      [make_wheel(tmp_path / "wh", f"pkg{i}", "1.0")]))).generation
+           for i in range(7)]
+    for n in ("10", "8", "7"):
+        dry = gc_cli(root, "--keep", n, "--dry-run")
+        assert dry["generations"] == [], (n, [g["id"] for g in dry["generations"]])
+    out = gc_cli(root, "--keep", "10")
+    assert out["generations"] == [] and all((root / "generations" / g).is_dir() for g in ids)
+    out = gc_cli(root, "--keep", "3")
+    assert sorted(g["id"] for g in out["generations"]) == ids[:4]
+    assert all((root / "generations" / g).is_dir() for g in ids[4:])

@@ -397,7 +397,7 @@ def op_gc(lay, a):
     protected = {cur, back[1] if back else None}
     spare = [g for g in all_gens if g[2].get("status") in RUNNABLE and g[1] not in protected]
     keep = max(0, int(a.get("keep", 3)) - len([p for p in protected if p]))
-    kept_runnable = {g[1] for g in spare[len(spare) - keep:]} if keep else set()
+    kept_runnable = {g[1] for g in spare[-keep:]} if keep else set()   # keep > len(spare): every one
     doomed = [g for g in all_gens if g[1] not in protected and g[1] not in kept_runnable
               and g[2].get("status") != "unreadable"]
     kept = [g for g in all_gens if g not in doomed]
