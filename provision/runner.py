@@ -1,7 +1,8 @@
 """ansible-runner wrapper: a fresh private data dir per run, host-key-checked SSH, events → progress.
 
-Inventory and variables reach Ansible as files whose every value is tagged !unsafe (data, never a
-template); each host gets a remote temp dir of its own per run under its provision root.
+Inventory and variables reach Ansible as files in which no value can be templated (data, never a template:
+each string Ansible could render is tagged !unsafe, every other one quoted, so it stays that string); each host
+gets a remote temp dir of its own per run under its provision root.
 `run_playbook` returns a RunResult whose `error` is one line (task, host, item, message) on failure;
 the run directory is kept as the run's artifacts for post-mortems. `play_rows` is a fleet verb as a playbook: one
 fleet.Row per host, as the verbs over provision's own connection give them.
@@ -57,11 +58,21 @@ class _Dumper(yaml.SafeDumper):
     pass
 
 
-_Dumper.add_representer(Unsafe, lambda d, v: d.represent_scalar("!unsafe", str(v)))
+def _represent_unsafe(dumper, value):
+    """A string Ansible could render (it holds `{`, which every Jinja delimiter starts with) is tagged !unsafe; any
+    other is a double-quoted YAML string, which no Ansible renders. Not every string is tagged: ansible-core 2.19
+    resolves a tagged scalar's type as if it were unquoted, so `!unsafe "0013"` reads as the int 11 (YAML 1.1
+    octal) and `!unsafe "1.10"` as the float 1.1."""
+    if "{" in value:
+        return dumper.represent_scalar("!unsafe", str(value))
+    return dumper.represent_scalar("tag:yaml.org,2002:str", str(value), style='"')
+
+
+_Dumper.add_representer(Unsafe, _represent_unsafe)
 
 
 def unsafe(data):
-    """`data` with every string value (not key) marked !unsafe, at any depth."""
+    """`data` with every string value (not key) marked as data (`Unsafe`), at any depth."""
     if isinstance(data, dict):
         return {str(k): unsafe(v) for k, v in data.items()}
     if isinstance(data, (list, tuple)):

@@ -98,7 +98,7 @@ def test_one_host_without_an_inventory_and_local_run_the_verbs_playbook(fleet, t
     h = json.loads(cli("history", "--local", "--root", local, "--json", check=0).stdout)
     (run,) = plays("history", local) - before
     hosts = (run / "inventory" / "hosts.yml").read_text()
-    assert re.search(r"ansible_connection: !unsafe '?local", hosts) and "ansible_host" not in hosts, hosts
+    assert re.search(r"ansible_connection: \"local\"", hosts) and "ansible_host" not in hosts, hosts
     assert h["current"] is None and h["generations"] == [], h
 
 
