@@ -51,10 +51,13 @@ class Inventory:
             hosts = self._matching(limit) if limit else self.inv.get_hosts("all")
             if not hosts:
                 raise InventoryError(f"--limit {limit!r} matches no host of the inventory", where=self.where)
+            if limit:
+                self._each_term_names_a_host(limit, f"--limit {limit!r}")
             if host is not None:
                 named = self._matching(host)
                 if not named:
                     raise InventoryError(f"{host!r} names no host or group of the inventory", where=self.where)
+                self._each_term_names_a_host(host, repr(host))
                 hosts = [h for h in hosts if h in named]
                 if not hosts:
                     raise InventoryError(f"{host!r} and --limit {limit!r} name no host in common", where=self.where)
@@ -63,6 +66,17 @@ class Inventory:
                    for h in hosts]
         _refuse_duplicates(out, self.where)
         return out
+
+    def _each_term_names_a_host(self, pattern: str, said: str) -> None:
+        """Each host, group or wildcard that `pattern` adds (`a,b`, `a:b`; not `!x`, `&g`, `@file`) matches a host:
+        Ansible drops one that matches nothing, so `--limit h1,h33` would act on h1 alone, silently."""
+        from ansible.inventory.manager import split_host_pattern
+
+        for term in split_host_pattern(pattern):
+            if term and term[0] not in "!&@" and not self._matching(term):
+                raise InventoryError(f"{term!r} (in {said}) names no host or group of the inventory"
+                                     if term != pattern else f"{term!r} names no host or group of the inventory",
+                                     where=self.where)
 
     def _matching(self, pattern: str) -> list:
         """The hosts `pattern` matches, read as `--limit` reads it (`a:b`, `g:&h`, `g:!x`, `@file`)."""
@@ -191,6 +205,11 @@ def _become(value, at: str) -> str | None:
         raise InventoryError(f"ansible_become {value('ansible_become')!r} is not a boolean", where=at) from None
     if not on:
         return None
+    for name in ("ansible_become_password", "ansible_become_pass", "ansible_sudo_pass", "ansible_sudo_password"):
+        if value(name) is not None:
+            raise InventoryError(f"{name}: provision runs sudo without a password (sudo -n); give "
+                                 f"{value('ansible_become_user') or 'root'}'s sudo rule NOPASSWD for this user, or "
+                                 f"connect as root", where=at)
     method = value("ansible_become_method")
     if method not in (None, "sudo"):
         raise InventoryError(f"ansible_become_method {method!r}: provision becomes another user through sudo only",

@@ -95,6 +95,9 @@ REACH = {        # what provision cannot reach a host with, refused in one line 
     "ansible_become=true ansible_become_method=su": "ansible_become_method 'su': provision becomes another user "
                                                     "through sudo only",
     "ansible_become=maybe": "ansible_become 'maybe' is not a boolean",
+    "ansible_become=true ansible_become_password=s3cret": "ansible_become_password: provision runs sudo without a "
+                                                          "password (sudo -n); give root's sudo rule NOPASSWD for "
+                                                          "this user, or connect as root",
     "ansible_ssh_common_args='-o ProxyJump={{ bastion }}'": "ansible_ssh_common_args is a template "
                                                            "('-o ProxyJump={{ bastion }}'); provision reads inventory "
                                                            "values as data: write the value itself",
@@ -109,3 +112,38 @@ def test_a_connection_provision_cannot_make_is_one_line_before_any_contact(liste
     p = cli("status", "-i", inv, "--known-hosts", tmp_path / "kh", "--timeout", "1", check=2)
     assert p.stderr == f"error: {inv}: host h1: {REACH[setting]}\n", p.stderr
     assert accepted == [], "a host was contacted"
+
+
+LIMITS = {   # --limit / HOST with -i: every host or group a pattern adds must be one of the inventory's
+    ("--limit", "h1,h33"): "'h33' (in --limit 'h1,h33') names no host or group of the inventory",
+    ("--limit", "h33:h1"): "'h33' (in --limit 'h33:h1') names no host or group of the inventory",
+    ("--limit", "h1,gpu*"): "'gpu*' (in --limit 'h1,gpu*') names no host or group of the inventory",
+    ("HOST", "h2,h33"): "'h33' (in 'h2,h33') names no host or group of the inventory",
+}
+
+
+@pytest.mark.parametrize("verb", ["status", "rollback"])
+@pytest.mark.parametrize("how", list(LIMITS))
+def test_a_pattern_naming_one_unknown_host_is_an_error_before_any_contact(listener, tmp_path, verb, how):
+    """Ansible drops a name of a pattern that matches nothing: `--limit h1,h33` would act on h1 alone, silently."""
+    port, accepted = listener
+    inv = tmp_path / "hosts.ini"
+    inv.write_text("".join(f"h{i} ansible_host=127.0.0.1 ansible_port={port}\n" for i in range(1, 9)))
+    opt, pattern = how
+    argv = [verb, "--limit", pattern] if opt == "--limit" else [verb, pattern]
+    p = cli(*argv, "-i", inv, "--known-hosts", tmp_path / "kh", "--timeout", "1", check=2)
+    assert p.stderr == f"error: {inv}: {LIMITS[how]}\n", p.stderr
+    assert accepted == [], "a host was contacted"
+
+
+def test_a_pattern_that_only_narrows_is_read_as_ansible_reads_it(listener, tmp_path):
+    """The control: negations and intersections are not names to find (`h1,h2,!h2`, `all:&h1`), and a known name
+    list is contacted."""
+    port, accepted = listener
+    inv = tmp_path / "hosts.ini"
+    inv.write_text("".join(f"h{i} ansible_host=127.0.0.1 ansible_port={port}\n" for i in range(1, 3)))
+    for pattern in ("h1,h2,!h2", "all:&h1", "h1,!h33"):
+        p = cli("status", "--limit", pattern, "-i", inv, "--known-hosts", tmp_path / "kh", "--timeout", "1",
+                "--json", check=None)
+        assert "names no host" not in p.stderr and p.returncode != 2, (pattern, p.stderr)
+    assert len(accepted) >= 3
