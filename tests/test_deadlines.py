@@ -18,7 +18,7 @@ from provision import apply as applymod
 from provision import lock as lockmod
 from provision.transport import connect
 from test_core import ctrl_c_as_at_a_terminal
-from test_faults import ROOT, StalledWheel, applied, assert_settled, host_state, lock_free, root_processes
+from test_faults import ROOT, StalledWheel, applied, assert_settled, host_state, gone, lock_free
 from wheelhouse import make_wheel, write_lock
 
 def env() -> dict:
@@ -47,7 +47,7 @@ def settled_without_work(target, gen: str) -> None:
     """The host on `gen`, complete; the host lock free and nothing the stopped run started still running."""
     root = target.vars["provision_root"]
     lock_free(root)
-    assert not root_processes(root)
+    gone(root, "settled")
     assert_settled(target, gen)
 
 

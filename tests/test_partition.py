@@ -22,7 +22,7 @@ from provision.errors import HostError, HostLockedError, StepStalled
 from provision.loopback import LoopbackHost
 from provision.transport import connect, trust_host
 from test_core import cli, host_args
-from test_faults import StalledWheel, applied, assert_settled, lock_free, root_processes
+from test_faults import StalledWheel, applied, assert_settled, gone, lock_free, root_processes
 from wheelhouse import make_wheel, write_lock
 
 
@@ -199,7 +199,7 @@ def test_a_stopped_agent_is_ended_at_the_step_deadline(target, wheels, tmp_path)
         assert (f"fetch made no progress for 4 s (the step deadline): stopped; its host agent (pid {stopped[0]}, "
                 f"stopped) did not end with its session: ended it; current left at {a.generation}") in str(e.value)
         lock_free(root, 10)      # without SIGCONT
-        assert not root_processes(root)
+        gone(root, "stalled")
     finally:
         resume(stopped)
         tr.close()
