@@ -30,7 +30,7 @@ import yaml
 from .bundled import PLAYBOOKS
 from .errors import HostError, HostKeyError, ProvisionError
 from .layout import Layout, root_of
-from .transport import CONTROLLER_HOME, KEEPALIVE_COUNT, TIMEOUT, Target
+from .transport import CONTROLLER_HOME, KEEPALIVE_COUNT, TIMEOUT, Target, host_key_options
 
 RUNS = CONTROLLER_HOME / "runs"
 
@@ -135,7 +135,7 @@ def inventory(targets: list[Target], run_id: str, interpreters: dict[str, str] |
             # Host keys are verified against the known_hosts file provision manages: ssh takes an option's first
             # value, and ssh_args come first on Ansible's ssh command line.
             v["ansible_ssh_args"] = " ".join(filter(None, (
-                f"-o UserKnownHostsFile={t.known_hosts} -o StrictHostKeyChecking=yes -o BatchMode=yes", ssh_args,
+                shlex.join([*host_key_options(t.known_hosts), "-o", "BatchMode=yes"]), ssh_args,
                 t.ssh_args.get("ansible_ssh_args", ""))))
             if t.become:
                 v.update(ansible_become=True, ansible_become_method="sudo", ansible_become_user=t.become)

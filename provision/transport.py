@@ -218,6 +218,19 @@ class _Watchdog:
             raise self.why
 
 
+def known_hosts_path(path) -> Path:
+    """A known_hosts file as every consumer names it (`hosts trust`, paramiko, ssh run from Ansible's run directory
+    or its workers): absolute, a relative path taken from this process's working directory, `~` expanded."""
+    return Path(path).expanduser().absolute()
+
+
+def host_key_options(known_hosts, checking: str = "yes") -> list[str]:
+    """ssh options that check a host's key against the managed known_hosts alone (`checking`: StrictHostKeyChecking,
+    `yes` but for a scan): put first, as ssh takes an option's first value."""
+    return ["-o", f"StrictHostKeyChecking={checking}", "-o", f"UserKnownHostsFile={known_hosts_path(known_hosts)}",
+            "-o", "GlobalKnownHostsFile=/dev/null"]
+
+
 def trust_command(target: Target) -> str:
     """The command that shows and records `target`'s key, naming the host the way the operator did (shell-quoted)."""
     q = shlex.quote
@@ -715,9 +728,7 @@ def ssh_command(target: Target, *, control: str | None, known_hosts: Path | None
     # `_build_command` is the plugin's private builder of exactly this command line (ansible-core's ssh plugin has
     # kept its signature across the range pyproject pins); this is the one place it is called.
     argv = [os.fsdecode(a) for a in conn._build_command(conn.get_option("ssh_executable"), "ssh")]
-    kh = Path(known_hosts or target.known_hosts).expanduser().absolute()
-    ours = ["-o", f"StrictHostKeyChecking={checking}", "-o", f"UserKnownHostsFile={kh}",
-            "-o", "GlobalKnownHostsFile=/dev/null", "-o", "BatchMode=yes",
+    ours = [*host_key_options(known_hosts or target.known_hosts, checking), "-o", "BatchMode=yes",
             "-o", f"ServerAliveInterval={every}", "-o", f"ServerAliveCountMax={KEEPALIVE_COUNT}"]
     if not shares_master(argv):
         ours += (["-o", "ControlMaster=auto", "-o", f"ControlPersist={PERSIST}", "-o", f"ControlPath={control}"]

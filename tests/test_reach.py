@@ -122,7 +122,8 @@ def test_the_playbooks_the_cli_runs_keep_the_hosts_ssh_options_and_become(tmp_pa
                    "ansible_ssh_common_args='-F /etc/ops/ssh_config'\n")
     kh = tmp_path / "kh"
     v = runner.inventory(load_inventory(inv, kh), "run", ssh_args="-o ControlPath=/tmp/x/%C")["all"]["hosts"]["gpu"]
-    assert v["ansible_ssh_args"] == (f"-o UserKnownHostsFile={kh} -o StrictHostKeyChecking=yes -o BatchMode=yes "
+    assert v["ansible_ssh_args"] == (f"-o StrictHostKeyChecking=yes -o UserKnownHostsFile={kh} "
+                                     "-o GlobalKnownHostsFile=/dev/null -o BatchMode=yes "
                                      "-o ControlPath=/tmp/x/%C")      # first on the line: ssh takes the first value
     assert v["ansible_ssh_common_args"] == "-F /etc/ops/ssh_config"     # the operator's, as given
     assert (v["ansible_host"], v["ansible_become"], v["ansible_become_user"]) == ("gpu-behind", True, "root")

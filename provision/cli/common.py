@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover
 from ..errors import InputError, ProvisionError
 from ..fleet import FORKS, values
 from ..layout import DEFAULT_ROOT
-from ..transport import DEADLINE, DEFAULT_KNOWN_HOSTS, NOTICE, TIMEOUT, Target
+from ..transport import DEADLINE, DEFAULT_KNOWN_HOSTS, NOTICE, TIMEOUT, Target, known_hosts_path
 
 # markup and emoji off: `[six==1.17.0]`, `[/x]` and `host:abc:` are printed as they are; a message is
 # one line however long (soft wrap), so a fingerprint or a path is never split. Piped output is never
@@ -176,7 +176,8 @@ HOST_PARAMS = {
                                      "verb: the hosts do the work while the controller waits on each (--serial "
                                      "bounds how many hosts an apply changes before it stops)")),
     "key": (Optional[Path], typer.Option(None, "--key", help="SSH private key file")),
-    "known_hosts": (Path, typer.Option(DEFAULT_KNOWN_HOSTS, "--known-hosts", help="managed known_hosts file")),
+    "known_hosts": (Path, typer.Option(DEFAULT_KNOWN_HOSTS, "--known-hosts",
+                                       help="managed known_hosts file (a relative path: from the working directory)")),
     "timeout": (float, typer.Option(TIMEOUT, "--timeout", min=0.1, metavar="SECONDS",
                                     help="SSH: the most the connection and the SSH banner may take (ssh's "
                                          "ConnectTimeout, whole seconds); also the keepalive period (a host that "
@@ -214,6 +215,9 @@ class Hosts:
     wait_notice: float = NOTICE
     become: bool = False
     root: Optional[str] = None
+
+    def __post_init__(self):     # one file for every consumer, whichever directory it runs in
+        self.known_hosts = known_hosts_path(self.known_hosts)
 
     def targets(self, local_by_default: bool = False) -> list[Target]:
         """The hosts the verb acts on (`local_by_default`: no HOST and no -i is this machine)."""
