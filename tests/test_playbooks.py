@@ -32,13 +32,11 @@ def playbook_dir() -> Path:
 
 def ansible_playbook(inv: Path, name: str, *args: str, known_hosts: Path | None = None) -> subprocess.CompletedProcess:
     """ansible-playbook as an operator runs it (from the tool's environment), host keys checked against
-    `known_hosts` (Ansible's ssh options for its modules, provision_known_hosts for the steps its action plugins
-    run; else the inventory's own ssh options and provision's known_hosts); each result one JSON line (-v)."""
+    `known_hosts` (-e provision_known_hosts, for every task; else provision's known_hosts); each result one JSON
+    line (-v)."""
     bindir = os.path.dirname(sys.executable)
-    ssh = {"ANSIBLE_SSH_COMMON_ARGS": f"-o UserKnownHostsFile={known_hosts} -o StrictHostKeyChecking=yes"} \
-        if known_hosts else {}
     cp = Path(tempfile.mkdtemp(prefix="pv-", dir="/tmp"))       # this run's ssh masters (ControlPersist), stopped after
-    env = {**os.environ, **ssh, "ANSIBLE_SSH_CONTROL_PATH_DIR": str(cp), "ANSIBLE_CALLBACK_RESULT_FORMAT": "json", "ANSIBLE_CALLBACK_FORMAT_PRETTY": "false",
+    env = {**os.environ, "ANSIBLE_SSH_CONTROL_PATH_DIR": str(cp), "ANSIBLE_CALLBACK_RESULT_FORMAT": "json", "ANSIBLE_CALLBACK_FORMAT_PRETTY": "false",
            "ANSIBLE_NOCOLOR": "1", "ANSIBLE_HOME": str(inv.parent / "ansible-home"),
            "ANSIBLE_LOCAL_TEMP": str(inv.parent / "ansible-tmp"), "PATH": bindir + os.pathsep + os.environ["PATH"]}
     try:
@@ -189,7 +187,8 @@ def test_a_sudo_user_rolls_back_with_become(sudo_user, wheels, tmp_path):
 def test_a_host_behind_a_jump_host_named_by_its_ssh_config_alias(tmp_path, wheels, behind_jump):
     """gpu-behind sits in a network namespace that only the jump host's namespace reaches. The operator's ssh config
     names it by an alias with ProxyJump; the inventory names the alias and that config. ansible-playbook reaches it
-    through the jump host and rolls it back; provision's own steps, over the same ssh connection, read it back."""
+    through the jump host (its key checked against the managed known_hosts) and rolls it back; provision's own
+    steps, over the same ssh connection, read it back."""
     behind, kh, cfg = behind_jump.behind, behind_jump.known_hosts, behind_jump.config
     with pytest.raises(OSError):                                   # no route from here: only through the jump
         socket.create_connection((behind.address, behind.port), timeout=2).close()
@@ -202,7 +201,7 @@ def test_a_host_behind_a_jump_host_named_by_its_ssh_config_alias(tmp_path, wheel
                    f"      ansible_python_interpreter: /usr/bin/python3\n"
                    f"      ansible_ssh_common_args: -F {cfg}\n")
 
-    p = ansible_playbook(inv, "rollback.yml")
+    p = ansible_playbook(inv, "rollback.yml", known_hosts=kh)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     done = results(p, "rollback")["gpu-behind"]
     assert (done["from"], done["to"], done["changed"]) == ("0002-stack-b", "0001-stack-a", True)

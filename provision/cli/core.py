@@ -563,11 +563,15 @@ def demo(keep: bool = typer.Option(False, "--keep", help="leave the sandbox for 
 
 def playbooks(path: bool = typer.Option(False, "--path", help="print only the directory")) -> None:
     """The playbooks operators run with their own ansible-playbook, inventory, become and bastion: the same host
-    steps as the CLI's verbs (`ansible-playbook -i INV DIR/rollback.yml`); their modules and module_utils beside."""
+    steps as the CLI's verbs (`ansible-playbook -i INV DIR/rollback.yml`); their modules and module_utils beside.
+    Every task checks host keys against the known_hosts `provision hosts trust` writes."""
     from .. import bundled
+    from ..transport import DEFAULT_KNOWN_HOSTS, known_hosts_path
 
     typer.echo(str(bundled.PLAYBOOKS) if path else "\n".join(
-        [f"{bundled.PLAYBOOKS}:", *(f"  {name:<14} {what}" for name, what in bundled.playbooks())]))
+        [f"{bundled.PLAYBOOKS}:", *(f"  {name:<14} {what}" for name, what in bundled.playbooks()),
+         f"Every task checks host keys against {known_hosts_path(DEFAULT_KNOWN_HOSTS)} (what `provision hosts trust` "
+         "records); -e provision_known_hosts=FILE names another."]))
 
 
 def register(app: typer.Typer) -> None:
