@@ -327,6 +327,19 @@ class Sealed(Reply):
     missing: list[str] = field(default_factory=list)
     extra: list[str] = field(default_factory=list)
     bytecode: dict[str, str] = field(default_factory=dict)
+    generation: list[str] = field(default_factory=list)      # the generation's own files that steer what runs
+    unchecked: list[str] = field(default_factory=list)       # what no record of an older version lets it check
+    how: str | None = None
+
+
+@dataclass(frozen=True)
+class OutsideCode(Reply):
+    """Code a generation runs from outside itself (an editable install, a .pth path, a finder, an .egg-link)."""
+    file: str
+    where: str
+    why: str
+    dist: str | None = None
+    version: str | None = None
 
 
 @dataclass(frozen=True)
@@ -340,6 +353,7 @@ class Checked(Reply):
     extra: list[str] = field(default_factory=list)
     unclaimed_patches: list[str] = field(default_factory=list)
     sealed: Sealed | None = None
+    outside_code: list[OutsideCode] = field(default_factory=list)
     jobs: int | None = None
     bytecode_checked: int = 0
     read_seconds: float | None = None

@@ -42,13 +42,14 @@ def judge(found: Checked, lock: Lock, installer: str | None = None) -> dict:
     """The verdict on an agent's check (`agent/verify.full`, and `drift` against the seal under `sealed`):
     {verdict: clean|drift, rows: [{dist, version, what, files}], counts}. One row per distribution that drifted:
     changed, missing and outside files; missing, extra and other-version distributions against the lock; then
-    files no RECORD lists, patched files no RECORD lists, what else differs from the seal (bin/, pyvenv.cfg,
-    files RECORD lists without a hash) and bytecode that is not its source's compile."""
+    files no RECORD lists, patched files no RECORD lists, what else differs from the seal or the adoption's record
+    (bin/, pyvenv.cfg, files RECORD lists without a hash), bytecode that is not its source's compile, the
+    generation's own files that steer what runs (kernels.env) and code it runs from outside itself."""
     want = {canonicalize_name(p.name): p.version for p in lock.packages}
     have = found.dists
     tolerated = INSTALLER_OWN.get(installer or "", set())
     rows, counts = [], {"changed": 0, "missing": 0, "extra": 0, "dists_missing": 0, "dists_extra": 0,
-                        "dists_other_version": 0}
+                        "dists_other_version": 0, "outside_code": 0}
     for name in sorted(set(want) | set(have)):
         d = have.get(name)
         if d is None:
@@ -83,8 +84,10 @@ def judge(found: Checked, lock: Lock, installer: str | None = None) -> dict:
                      "what": f"{len(un)} patched files no RECORD lists ({named(un)})"})
         counts["missing"] += len(un)
     sealed = found.sealed
-    for key, label in (("changed", "changed since the build sealed it"), ("missing", "gone since the build sealed it"),
-                       ("extra", "not installed by the build")):
+    adopted = bool(sealed and sealed.how == "adopted")
+    since = "it was adopted" if adopted else "the build sealed it"
+    for key, label in (("changed", f"changed since {since}"), ("missing", f"gone since {since}"),
+                       ("extra", "not recorded at adoption" if adopted else "not installed by the build")):
         files = [_short(f) for f in (getattr(sealed, key) if sealed else [])]
         if files:
             rows.append({"dist": "(venv)", "version": None, "files": files,
@@ -97,6 +100,19 @@ def judge(found: Checked, lock: Lock, installer: str | None = None) -> dict:
                      "what": f"{len(files)} not the interpreter's compile of their source "
                              f"({named([f'{_short(f)}: {why}' for f, why in bytecode.items()])})"})
         counts["changed"] += len(files)
+    steer = sealed.generation if sealed else []
+    if steer:
+        rows.append({"dist": "(generation)", "version": None, "files": [w.split(":", 1)[0] for w in steer],
+                     "what": "; ".join(steer)})
+        counts["changed"] += len(steer)
+    by_dist: dict = {}
+    for o in found.outside_code:
+        by_dist.setdefault((o.dist or "(no distribution)", o.version), []).append(o)
+    for (dist, version), found_here in sorted(by_dist.items(), key=lambda kv: kv[0][0]):
+        rows.append({"dist": dist, "version": version, "files": [o.file for o in found_here],
+                     "what": "runs code from outside the generation, which verify does not check: "
+                             + named([o.why for o in found_here])})
+        counts["outside_code"] += len(found_here)
     return {"verdict": "drift" if rows else "clean", "rows": rows, "counts": counts}
 
 
@@ -145,6 +161,11 @@ def verify(t: Transport, generation: str | None = None, baseline: bool = False, 
     out = verdict_of(found, lock, manifest.get("installer"), gen_id, t.target.name)
     rec = out.pop("record")
     warnings, recorded = [], False
+    if found_unchecked := out.pop("unchecked"):
+        why = ("adopted before adoptions were recorded" if manifest.get("status") == "adopted"
+               or manifest.get("adopted_from") else "built before stamps")
+        warnings.append(f"not checked: {', '.join(found_unchecked)}: {gen_id} was {why}, and nothing records "
+                        "what they were")
     try:
         if record:
             generations.mark(t, gen_id, event=event_of(rec), verify=rec)
@@ -181,6 +202,7 @@ def verdict_of(reply, lock: Lock, installer: str | None, gen_id: str, host: str 
     verdict = judge(found, lock, installer)
     out = dict(verdict, generation=gen_id, files=found.files, bytes=found.bytes, seconds=found.seconds,
                jobs=found.jobs, bytecode_checked=found.bytecode_checked,
+               unchecked=found.sealed.unchecked if found.sealed else [],
                lines=[line(r) for r in verdict["rows"]], record=summary(found, verdict, "verify"))
     out["rate_gbs"] = found.bytes / found.seconds / 1e9 if found.seconds > 0 else None
     if found.read_seconds is not None:

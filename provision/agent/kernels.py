@@ -45,6 +45,36 @@ def env_of(entry):
     return {var: os.path.join(entry, kind) for kind, var in KINDS.items()}
 
 
+def env_text(env):
+    """kernels.env's text for `env`: one KEY=VALUE line per variable, sorted."""
+    return "".join("%s=%s\n" % kv for kv in sorted(env.items()))
+
+
+def env_drift(lay, gen_dir):
+    """Why `<gen_dir>/kernels.env` (what a service loads with EnvironmentFile=) is not exactly what the generation's
+    kernel record gives (`env_text` of `env_of` its key's entry under this root), or None: it is, or there is none."""
+    path = os.path.join(gen_dir, ENV_FILE)
+    try:
+        with open(path, "rb") as f:
+            have = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return "%s: unreadable (%s)" % (ENV_FILE, e.strerror or e)
+    rec = read_json(os.path.join(gen_dir, RECORD))
+    k = rec.get("key") if isinstance(rec, dict) else None
+    if not (isinstance(k, str) and KEY_RE.match(k)):
+        return "%s: no kernel record (%s with a key) it could come from" % (ENV_FILE, RECORD)
+    want = env_text(env_of(os.path.join(lay.kernels, k)))
+    if have == want.encode():
+        return None
+    lines, wanted = have.decode("utf-8", "replace").splitlines(), want.splitlines()
+    odd = [ln[:160] for ln in lines if ln not in wanted]
+    lacks = [ln.split("=", 1)[0] for ln in wanted if ln not in lines]
+    what = ", ".join(odd[:3]) if odd else "lacks " + ", ".join(lacks) if lacks else "its bytes differ"
+    return "%s: not what %s gives (%s)" % (ENV_FILE, RECORD, what)
+
+
 def prepare(root, gen_id, cuda_home, archs):
     """The cache entry of generation `gen_id` for compiling for `archs`: its record written in the generation
     (first, so that a concurrent gc sees the use before the entry exists), then the entry's directories.
@@ -59,7 +89,7 @@ def prepare(root, gen_id, cuda_home, archs):
     rec = {"key": k, "dir": entry, "inputs": inp, "env": env}
     gen = lay.gen(gen_id).dir
     write_atomic(os.path.join(gen, RECORD), json.dumps(rec, indent=2, sort_keys=True))
-    write_atomic(os.path.join(gen, ENV_FILE), "".join("%s=%s\n" % kv for kv in sorted(env.items())))
+    write_atomic(os.path.join(gen, ENV_FILE), env_text(env))
     created = not os.path.isdir(entry)
     for d in env.values():
         os.makedirs(d, mode=0o750, exist_ok=True)

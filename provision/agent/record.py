@@ -5,20 +5,25 @@ b64, unpadded>,size`, paths relative to site-packages (scripts and data files cl
 come from the host's own files, so each is contained under the venv before it is read. Hashing runs on a
 thread pool: hashlib releases the GIL on large buffers, so threads use every core.
 """
+import ast
 import base64
 import csv
 import hashlib
 import io
+import json
 import os
 import threading
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
 from .host import event, norm, thread_buffer
 
 CHUNK = 1 << 20
-# What `uv venv` itself writes into site-packages (no distribution's RECORD lists them): not extra.
-UV_WRITES = ("_virtualenv.py", "_virtualenv.pth")
+# What a venv's creator (virtualenv, uv before 0.4) writes into site-packages, no RECORD listing them: a .pth run
+# at every start and the module it imports. Not exempt from any check: the seal's stamp and an adoption's record
+# hold their bytes, and verify compares them (`creator_files`).
+CREATOR_WRITES = ("_virtualenv.py", "_virtualenv.pth")
 
 
 def site_packages(venv):
@@ -178,16 +183,128 @@ def tally(lst, results):
 
 
 def unlisted(site, listed):
-    """Files under site-packages no RECORD lists (paths relative to it): bytecode caches and what uv itself
-    writes there are left out."""
+    """Files under site-packages no RECORD lists (paths relative to it); bytecode caches are left out (the
+    interpreter's: verify judges them). None is left out by its name."""
     extra = []
     for dirpath, dirnames, filenames in os.walk(site):
-        dirnames[:] = [x for x in dirnames if x != "__pycache__"]   # the interpreter's: judged by verify
+        dirnames[:] = [x for x in dirnames if x != "__pycache__"]
         for fn in filenames:
             full = os.path.join(dirpath, fn)
-            if full not in listed and not (dirpath == site and fn in UV_WRITES):
+            if full not in listed:
                 extra.append(os.path.relpath(full, site))
     return sorted(extra)
+
+
+def creator_files(site):
+    """The files of CREATOR_WRITES the venv's creator left in `site` (names relative to it)."""
+    return [n for n in CREATOR_WRITES if os.path.isfile(os.path.join(site, n))]
+
+
+# ------------------------------------------------------------------ code that runs from outside the venv
+
+def _finder_paths(path):
+    """The directories an `__editable___*_finder.py` (setuptools' PEP 660 finder) maps imports to: its MAPPING
+    values and NAMESPACES lists, read as literals (never run)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return []
+    out = []
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
+            else []
+        named = any(isinstance(t, ast.Name) and t.id in ("MAPPING", "NAMESPACES") for t in targets)
+        if not named or node.value is None:
+            continue
+        try:
+            value = ast.literal_eval(node.value)
+        except ValueError:
+            continue
+        for v in value.values() if isinstance(value, dict) else []:
+            out += [v] if isinstance(v, str) else [x for x in v if isinstance(x, str)] if isinstance(v, list) else []
+    return out
+
+
+def _lines(path):
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read().splitlines()
+    except OSError:
+        return []
+
+
+def outside_code(venv):
+    """What the venv runs from outside itself, which no check of its files can vouch for: [{dist, version, file,
+    where, why}] (`dist` and `version` of the distribution whose RECORD lists `file`, or None; an `.egg-link`'s
+    dist is its name; `file` relative to site-packages; `where` the path outside). An editable install (PEP 610's
+    direct_url.json `dir_info.editable`), a `.pth` line that puts a directory outside the venv on the path (the
+    interpreter reads each at start), an `__editable__` finder that maps imports outside it, a development
+    install's `.egg-link`."""
+    site = site_packages(venv)
+    if site is None:
+        return []
+    top = os.path.realpath(venv)
+
+    def outside(p):
+        real = os.path.realpath(p)
+        return real != top and not real.startswith(top + os.sep)
+
+    found = []          # (absolute path, where, why, dist): owners looked up once, only when something is found
+
+    def add(full, where, why, dist=None):
+        found.append((full, where, why, dist))
+
+    infos = dist_infos(site)
+    for name, version, info in infos:
+        du = os.path.join(site, info, "direct_url.json")
+        try:
+            with open(du, encoding="utf-8") as f:
+                url = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(url, dict) and isinstance(url.get("dir_info"), dict) and url["dir_info"].get("editable") \
+                and isinstance(url.get("url"), str):
+            parts = urllib.parse.urlsplit(url["url"])
+            where = urllib.parse.unquote(parts.path) if parts.scheme == "file" else url["url"]
+            add(du, where, "an editable install of %s" % where, (name, version))
+    for fn in sorted(os.listdir(site)):
+        full = os.path.join(site, fn)
+        if not os.path.isfile(full):
+            continue
+        if fn.endswith(".pth"):
+            for line in _lines(full):
+                line = line.rstrip()
+                if not line or line.startswith("#") or line.startswith(("import ", "import\t")):
+                    continue
+                where = os.path.abspath(os.path.join(site, line))
+                if outside(where):
+                    add(full, where, "%s puts %s on the path" % (fn, where))
+        elif fn.startswith("__editable__") and fn.endswith("_finder.py"):
+            for where in _finder_paths(full):
+                if os.path.isabs(where) and outside(where):
+                    add(full, where, "%s imports from %s" % (fn, where))
+        elif fn.endswith(".egg-link"):
+            lines = _lines(full)
+            if lines and lines[0].strip():
+                where = os.path.abspath(os.path.join(site, lines[0].strip()))
+                add(full, where, "a development install (%s) of %s" % (fn, where),
+                    (norm(fn[:-len(".egg-link")]), None))
+    owners = {}
+    for name, version, info in infos if any(d is None for _, _, _, d in found) else ():
+        try:
+            rows = entries(site, info, venv)
+        except OSError:
+            continue
+        for _, full, _, _, _ in rows:
+            if full is not None:
+                owners.setdefault(full, (name, version))
+    out = []
+    for full, where, why, dist in found:
+        name, version = dist or owners.get(full, (None, None))
+        out.append({"dist": name, "version": version, "file": os.path.relpath(full, site), "where": where,
+                    "why": why})
+    return out
 
 
 def check(venv, jobs=None, only=None, expect=None, baseline=False, digests=False, known=None):

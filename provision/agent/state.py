@@ -15,7 +15,7 @@ from ..layout import Layout, cache_entry, venv_python
 from . import kernels, store as filestore
 from .host import (AgentError, current, current_link, current_problem, disk_full, ensure_root, event, fsync_dir,
                    generations as gens, manifest_of, read_json, try_lock, write_atomic)
-from .verify import quick
+from .verify import adopt as record_adoption, quick
 
 
 def now():
@@ -727,7 +727,8 @@ def op_rollback(lay, a):
 
 
 def op_adopt(lay, a):
-    """Record an unmanaged environment as generation 0000 (a symlink to it; nothing is moved)."""
+    """Record an unmanaged environment as generation 0000 (a symlink to it; nothing is moved), with the record of
+    its files no RECORD lists that verify compares (bin/, pyvenv.cfg, the creator's: verify.adopt)."""
     make_dirs(lay)
     gen_id = "0000-%s" % a["lock_name"]
     gen = lay.gen(gen_id)
@@ -738,6 +739,7 @@ def op_adopt(lay, a):
         return {"error": "%s has no bin/python: not a Python environment" % prefix}
     os.makedirs(gen.dir)
     os.symlink(prefix, gen.venv)
+    record_adoption(gen, prefix)
     write_atomic(gen.lock_yaml, a["lock_text"])
     man = dict(a.get("manifest", {}), id=gen_id, number=0, status="adopted", created=now(), adopted_from=prefix)
     write_atomic(gen.manifest, json.dumps(man, indent=2, sort_keys=True))

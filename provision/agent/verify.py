@@ -11,7 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from ..layout import Layout
-from . import record, store
+from . import kernels, record, store
 from .host import CLEAN_ENV, AgentError, inside, read_json
 
 # Run by the generation's own interpreter (-I -S -B: no site, no bytecode written) on a JSON list of paths of
@@ -57,7 +57,8 @@ print(json.dumps({p: why(p) for p in json.load(sys.stdin)}))
 
 def generation(lay, gen_id):
     """The paths of one generation (layout.Generation), contained under the root's generations. Its stamp.json,
-    beside the venv: {venv, files: {path under the venv: [size, mtime_ns, ctime_ns, ino, digest]}}."""
+    beside the venv: the seal's {venv, files: {path under the venv: [size, mtime_ns, ctime_ns, ino, digest,
+    stored]}}, or an adoption's {venv, adopted: {prefix, scope, files}} (`adopt`)."""
     if not isinstance(gen_id, str) or "/" in gen_id or gen_id in ("", ".", ".."):
         raise AgentError("bad generation id %r" % (gen_id,))
     gen = lay.gen(gen_id)
@@ -163,6 +164,9 @@ def op_seal(lay, a):
         known.pop(os.path.normpath(os.path.join(site or venv, rel)), None)
     out = full(venv, patched, a.get("jobs"), digests=True, known=known)
     digests = out.pop("digests")
+    creator = record.creator_files(site) if site else []
+    out["extra"] = [e for e in out["extra"] if e not in creator]     # what `uv venv` wrote: stamped below
+    out["outside_code"] = record.outside_code(venv)
     files, todo = {}, []
     for rel, st in walk(venv):
         full_path = os.path.join(venv, rel)
@@ -264,34 +268,100 @@ def own_bytecode(gen, found, jobs=None):
     return bad
 
 
-def drift(gen, jobs=None, every=False, known=None):
-    """What a generation's venv holds that its seal did not: the one judgement of the files that `verify`,
-    rollback's check and status (through verify's record) share. Against the stamp: bytes that differ from the
-    sealed ones (`changed`), sealed files gone (`missing`), files the seal did not see (`extra`: a .pyc outside
-    __pycache__ among them, where the interpreter never writes one); and `bytecode` {rel: why}: __pycache__
-    files, unsealed or since rewritten, that are not the interpreter's compile of their source. `every`: hash
-    every file (verify), not only those whose stat differs (rollback); `known`: {absolute path: digest} hashed
-    already. Without a stamp (adopted, or built before stamps; how=record) only site-packages' bytecode is judged
-    here and the caller checks RECORD. Returns {how, changed, missing, extra, bytecode, files, hashed, bytes,
-    hash_seconds, bytecode_checked, seconds}."""
+ADOPTED_SCOPE = ("bin", "pyvenv.cfg")    # what an adoption records, with the creator's files in site-packages
+
+
+def adoption_scope(venv):
+    """What an adoption records of `venv` besides what RECORD lists: bin/ (every script and the interpreter
+    links), pyvenv.cfg (present or not: one that appears makes a prefix a venv) and the files the venv's creator
+    wrote into site-packages (record.CREATOR_WRITES), as paths under the venv."""
+    site = record.site_packages(venv)
+    under = os.path.relpath(site, venv) + "/" if site else ""
+    return list(ADOPTED_SCOPE) + [under + n for n in (record.creator_files(site) if site else [])]
+
+
+def scoped(venv, scope):
+    """(path under the venv, lstat) of each file and link of `scope`, a directory walked."""
+    for top in scope:
+        full = os.path.join(venv, top)
+        try:
+            st = os.lstat(full)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            for rel, sub in walk(full):
+                yield top + "/" + rel, sub
+        else:
+            yield top, st
+
+
+def adopt(gen, prefix):
+    """The record of an adopted generation's files that no RECORD lists (`adoption_scope`), as the seal's stamp
+    records a built one's: [size, mtime_ns, ctime_ns, ino, sha256 or "->link target", 0] each, in stamp.json
+    (`adopted`: a seal's reader of an older version finds no stamp there). Returns {recorded, scope}."""
+    venv = gen.venv
+    scope = adoption_scope(venv)
+    files = {rel: _signature(st) + [_safe_digest(os.path.join(venv, rel), st), 0]
+             for rel, st in scoped(venv, scope) if not cache_file(rel)}
+    tmp = "%s.tmp-%d" % (gen.stamp, os.getpid())
+    with open(tmp, "w") as f:
+        f.write(json.dumps({"venv": venv, "adopted": {"prefix": prefix, "scope": scope, "files": files}},
+                           separators=(",", ":")))
+    os.replace(tmp, gen.stamp)
+    return {"recorded": len(files), "scope": scope}
+
+
+def record_of(gen):
+    """(how, files, scope) of what the generation's stamp.json records: ("stamp", files, None) the seal's, every
+    file of the venv; ("adopted", files, scope) an adoption's; ("record", {}, None) none (adopted or built by an
+    older version): only RECORD can be checked."""
+    stamp = read_json(gen.stamp, None)
+    if not isinstance(stamp, dict) or stamp.get("venv") != gen.venv:
+        return "record", {}, None
+    if isinstance(stamp.get("files"), dict):
+        return "stamp", stamp["files"], None
+    rec = stamp.get("adopted")
+    if isinstance(rec, dict) and isinstance(rec.get("files"), dict) and isinstance(rec.get("scope"), list) and \
+            all(isinstance(x, str) and x and not x.startswith("/") and ".." not in x.split("/") for x in rec["scope"]):
+        return "adopted", rec["files"], rec["scope"]
+    return "record", {}, None
+
+
+def drift(lay, gen, jobs=None, every=False, known=None):
+    """What a generation holds that its record did not: the one judgement of the files that `verify`,
+    rollback's check and status (through verify's record) share. Against the stamp (the seal's: every file of
+    the venv; an adoption's: `adoption_scope`): bytes that differ from those recorded (`changed`), recorded
+    files gone (`missing`), files the record did not see (`extra`: a .pyc outside __pycache__ among them, where
+    the interpreter never writes one); and `bytecode` {rel: why}: __pycache__ files, unrecorded or since
+    rewritten, that are not the interpreter's compile of their source. Besides the venv: `generation`, what
+    differs in the generation's own files that steer what runs (kernels.env), and `outside_code`
+    (record.outside_code). `every`: hash every file (verify), not only those whose stat differs (rollback);
+    `known`: {absolute path: digest} hashed already. Without a record (how=record: adopted or built by an older
+    version) only site-packages' bytecode is judged here, `unchecked` names what cannot be, and the caller checks
+    RECORD; `creator`: the creator's files in site-packages (no RECORD lists them) that this judgement covers,
+    recorded or unchecked. Returns {how, changed, missing, extra, bytecode, generation, outside_code, unchecked,
+    creator, files, hashed, bytes, hash_seconds, bytecode_checked, seconds}."""
     t0 = time.monotonic()
     venv = gen.venv
-    stamp = read_json(gen.stamp, None)
-    sealed = isinstance(stamp, dict) and stamp.get("venv") == venv and isinstance(stamp.get("files"), dict)
-    want = stamp["files"] if sealed else {}
-    # unsealed: the bytecode under site-packages (an adopted prefix's own stdlib is not what RECORD checks)
-    top = venv if sealed else record.site_packages(venv)
-    under = "" if sealed or top is None else os.path.relpath(top, venv) + "/"
+    how, want, scope = record_of(gen)
+    site = record.site_packages(venv)
+    under = os.path.relpath(site, venv) + "/" if site else ""
     changed, extra, suspects, cached, seen = [], [], [], {}, set()
-    for rel, st in walk(top) if top else ():
-        rel = under + rel
+    if how == "stamp":
+        found = walk(venv)
+    else:       # site-packages' bytecode (an adopted prefix's own stdlib is not what RECORD checks), the record's
+        for rel, st in walk(site) if site else ():
+            if cache_file(rel):
+                cached[under + rel] = st
+        found = scoped(venv, scope) if how == "adopted" else ()
+    for rel, st in found:
         seen.add(rel)
         w = want.get(rel)
         if w is None and cache_file(rel):
             cached[rel] = st
-        elif w is None and sealed:
+        elif w is None:
             extra.append(rel)
-        elif w is not None and (every or _moved(os.path.join(venv, rel), st, w)):
+        elif every or _moved(os.path.join(venv, rel), st, w):
             suspects.append((rel, st, w[4]))
     missing = sorted(set(want) - seen)
     known = {os.path.normpath(k): v for k, v in (known or {}).items()}
@@ -313,15 +383,23 @@ def drift(gen, jobs=None, every=False, known=None):
         bytecode = {rel: "not checked: %s drifted" % moved[0] for rel in cached}
     else:
         bytecode = own_bytecode(gen, cached, jobs)
-    return {"how": "stamp" if sealed else "record", "changed": sorted(changed), "missing": missing,
-            "extra": sorted(extra), "bytecode": dict(sorted(bytecode.items())), "files": len(want),
-            "hashed": len(todo), "bytes": nbytes, "hash_seconds": hash_seconds, "bytecode_checked": len(cached),
-            "seconds": time.monotonic() - t0}
+    if how == "record":
+        creator = record.creator_files(site) if site else []
+        unchecked = ["bin/", "pyvenv.cfg", "the bin/python link"] + [under + n for n in creator]
+    else:
+        creator, unchecked = [n for n in record.CREATOR_WRITES if under + n in want], []
+    steer = [why for why in [kernels.env_drift(lay, gen.dir)] if why]
+    return {"how": how, "changed": sorted(changed), "missing": missing, "extra": sorted(extra),
+            "bytecode": dict(sorted(bytecode.items())), "generation": steer,
+            "outside_code": record.outside_code(venv) if site else [], "unchecked": unchecked, "creator": creator,
+            "files": len(want), "hashed": len(todo), "bytes": nbytes, "hash_seconds": hash_seconds,
+            "bytecode_checked": len(cached), "seconds": time.monotonic() - t0}
 
 
 def op_verify(lay, a):
     """Every file of the generation against its RECORD (patched files against their recorded hashes) and against
-    its seal (`drift`: what RECORD does not name, `sealed`); with `baseline`, hashed from disk (each file's page
+    its record (`drift`: what RECORD does not name, kernels.env, code outside the venv: `sealed`,
+    `outside_code`); with `baseline`, hashed from disk (each file's page
     cache dropped first) and then a first read of the same files from disk timed (`read_seconds`,
     `read_bytes`, `cache`: how). A progress event every `progress_every` seconds."""
     gen = generation(lay, a["id"])
@@ -336,13 +414,14 @@ def op_verify(lay, a):
         out = full(gen.venv, patched_files(gen), a.get("jobs"), baseline=baseline, digests=True)
         known = out.pop("digests")
         meter.phase("seal")
-        d = drift(gen, a.get("jobs"), every=True, known=known)
+        d = drift(lay, gen, a.get("jobs"), every=True, known=known)
         if baseline:
             meter.phase("read")
             seconds, n, out["cache"] = record.first_read([p for p in stamped if p not in known], a.get("jobs"))
             out["read_seconds"] = out.pop("first_read_seconds") + seconds
             out["read_bytes"] += n
     site = out["site"]
+    out["extra"] = [e for e in out["extra"] if e not in d["creator"]]     # the record's to judge (or unchecked)
     said = {os.path.normpath(os.path.join(site, rel)) for dist in out["dists"].values()
             for k in ("changed", "missing", "outside") for rel in dist[k]}
     said |= {os.path.normpath(os.path.join(site, rel)) for rel in out["extra"]}
@@ -350,7 +429,9 @@ def op_verify(lay, a):
     def unsaid(rels):
         return [r for r in rels if os.path.normpath(os.path.join(gen.venv, r)) not in said]
     out["sealed"] = {"how": d["how"], "changed": unsaid(d["changed"]), "missing": unsaid(d["missing"]),
-                     "extra": unsaid(d["extra"]), "bytecode": d["bytecode"]}
+                     "extra": unsaid(d["extra"]), "bytecode": d["bytecode"], "generation": d["generation"],
+                     "unchecked": d["unchecked"]}
+    out["outside_code"] = d["outside_code"]
     out["files"] += d["hashed"]
     out["bytes"] += d["bytes"]
     out["seconds"] += d["hash_seconds"]
@@ -370,36 +451,47 @@ def sealed_files(gen):
 
 
 def quick(lay, gen_id, jobs=None):
-    """Rollback's check of one generation: `drift` with every file's stat against the stamp its build wrote; a
-    file whose stat differs is hashed and compared with the stamp's digest (a touched but unchanged file is
-    clean). A generation without a stamp (adopted, or built before stamps) gets the full RECORD check instead.
-    The last `verify`'s drift counts too. Returns {verdict: clean|drift, how: stamp|record, changed, missing,
-    extra, bytecode, files, hashed, seconds}."""
+    """Rollback's check of one generation: `drift` with every file's stat against the stamp its build (or its
+    adoption) wrote; a file whose stat differs is hashed and compared with the stamp's digest (a touched but
+    unchanged file is clean). A generation without a seal's stamp (adopted, or built before stamps) gets the full
+    RECORD check too. The last `verify`'s drift counts too. Returns {verdict: clean|drift, how:
+    stamp|adopted|record, changed, missing, extra, bytecode, generation, outside_code, unchecked, files, hashed,
+    seconds}."""
     t0 = time.monotonic()
     gen = generation(lay, gen_id)
     venv = gen.venv
-    changed, missing, extra, bytecode, hashed = [], [], [], {}, 0
+    changed, missing, extra, bytecode, hashed, steer, outside, unchecked = [], [], [], {}, 0, [], [], []
     if not os.path.isdir(venv):
         how, files, missing = "record", 0, ["venv"]
     else:
-        d = drift(gen, jobs)
+        d = drift(lay, gen, jobs)
         how, files, hashed = d["how"], d["files"], d["hashed"]
         changed, missing, extra, bytecode = d["changed"], d["missing"], d["extra"], d["bytecode"]
-    if how == "record" and missing != ["venv"]:
+        steer, unchecked = d["generation"], d["unchecked"]
+        outside = ["%s: %s" % (o["dist"] or o["file"], o["why"]) for o in d["outside_code"]]
+    if how != "stamp" and missing != ["venv"]:
         try:
             res = full(venv, patched_files(gen), jobs)
         except OSError as e:
-            res = {"dists": {}, "extra": [], "unclaimed_patches": [str(e)], "files": 0}
-        for name, d in sorted(res["dists"].items()):
-            changed += d["changed"] + d["outside"]
-            missing += d["missing"]
-        extra, missing, files = res["extra"], missing + res["unclaimed_patches"], res["files"]
-        hashed = res["files"]
+            res = {"site": venv, "dists": {}, "extra": [], "unclaimed_patches": [str(e)], "files": 0}
+        said = set()
+        for name, dist in sorted(res["dists"].items()):
+            said |= {os.path.normpath(os.path.join(res["site"], r)) for r in dist["changed"] + dist["missing"]}
+        here = lambda rels: [r for r in rels if os.path.normpath(os.path.join(venv, r)) not in said]  # noqa: E731
+        changed, missing = here(changed), here(missing)
+        for name, dist in sorted(res["dists"].items()):
+            changed += dist["changed"] + dist["outside"]
+            missing += dist["missing"]
+        extra += [e for e in res["extra"] if e not in d["creator"]]
+        missing += res["unclaimed_patches"]
+        files += res["files"]
+        hashed += res["files"]
     man = read_json(gen.manifest, {}) or {}
     last = man.get("verify") or {}
-    drifted = bool(changed or missing or extra or bytecode)
+    drifted = bool(changed or missing or extra or bytecode or steer or outside)
     out = {"id": gen_id, "how": how, "changed": sorted(changed), "missing": sorted(missing), "extra": sorted(extra),
-           "bytecode": bytecode, "files": files, "hashed": hashed, "seconds": time.monotonic() - t0}
+           "bytecode": bytecode, "generation": steer, "outside_code": outside, "unchecked": unchecked,
+           "files": files, "hashed": hashed, "seconds": time.monotonic() - t0}
     if last.get("verdict") == "drift" and not drifted:      # what hashes found that a stat cannot see (bit rot)
         out["last_verify"] = {"time": last.get("time"), "named": last.get("named") or []}
         drifted = True
@@ -410,8 +502,10 @@ def quick(lay, gen_id, jobs=None):
 
 def named(check, few=3):
     """A quick check's drift in a few words: the first files named, then how many more."""
-    items = [f + " changed" for f in check["changed"]] + [f + " missing" for f in check["missing"]] + \
-        [f + " not installed by the build" for f in check["extra"]] + \
+    new = "not recorded at adoption" if check.get("how") == "adopted" else "not installed by the build"
+    items = list(check.get("generation") or []) + list(check.get("outside_code") or []) + \
+        [f + " changed" for f in check["changed"]] + [f + " missing" for f in check["missing"]] + \
+        ["%s %s" % (f, new) for f in check["extra"]] + \
         ["%s: %s" % (f, why) for f, why in sorted((check.get("bytecode") or {}).items())]
     if not items and check.get("last_verify"):
         items = [f for f in check["last_verify"]["named"]]
