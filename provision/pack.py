@@ -155,6 +155,10 @@ def pack(transport: Transport, out: Path, generation: str | None = None, *, allo
         payload["gen_dir"] = lay.gen(gen_id).dir
     try:
         res = Packed.of(transport.run_agent("pack", payload, on_event=progress, timeout=None), host)
+        if isinstance(res, PackRefused) and res.unpackable:
+            raise HostError(f"generation {gen_id} ({venv}): refusing to pack what no wheel holds truthfully: "
+                            + "; ".join(f"{u.dist}{' ' + u.version if u.version else ''} ({u.path}): {u.why}"
+                                        for u in res.unpackable), where=host)
         if isinstance(res, PackRefused):
             n = sum(len(v) for v in res.drift.values())
             raise DriftError(f"generation {gen_id} ({venv}): {n} installed file(s) no longer match their RECORD: "

@@ -385,11 +385,22 @@ class PackSeconds(Reply):
 
 
 @dataclass(frozen=True)
+class Unpackable(Reply):
+    """A distribution no wheel can hold truthfully: its name, the path that says so, why."""
+    dist: str
+    path: str
+    why: str
+    version: str | None = None
+
+
+@dataclass(frozen=True)
 class PackRefused(Reply):
-    """`pack` refused: installed files that no longer match their RECORD, by distribution."""
+    """`pack` refused: installed files that no longer match their RECORD, by distribution (`drift`), or
+    distributions no wheel can hold (`unpackable`)."""
     STEP = "pack"
     refused: str
-    drift: dict[str, list[str]]
+    drift: dict[str, list[str]] = field(default_factory=dict)
+    unpackable: list[Unpackable] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

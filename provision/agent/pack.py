@@ -655,12 +655,50 @@ def drift_of(lst):
     return drift
 
 
+def unpackable(venv, site, lst):
+    """[{dist, version, path, why}] of what no wheel holds truthfully, each named with the path that says so: a
+    distribution without RECORD (nothing says which files are its), an egg-info one (no RECORD either), an
+    editable or development install and any other code the venv runs from outside itself (a wheel of it would
+    point the rebuild at this host's tree, or lose it: record.outside_code)."""
+    out = []
+    for name, d in sorted(lst["dists"].items()):
+        if d["info"] + "/RECORD" in d["missing"]:
+            out.append({"dist": name, "version": d["version"], "path": os.path.join(site, d["info"]),
+                        "why": "no RECORD: nothing says which files are its"})
+    for fn in sorted(os.listdir(site)):
+        if fn.endswith((".egg-info", ".egg")) and not fn.startswith("."):
+            out.append({"dist": fn.rsplit(".", 1)[0], "version": None, "path": os.path.join(site, fn),
+                        "why": "an egg, not a wheel's install: no RECORD says which files are its"})
+    infos = {name: d["info"] for name, d in lst["dists"].items()}
+    groups = {}
+    for o in record.outside_code(venv):
+        owned = o["dist"] in infos and o["version"] is not None
+        key = (o["dist"], o["version"]) if owned else (o["dist"] or o["file"], None, o["file"])
+        groups.setdefault(key, []).append(o)
+    for key, found in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        where = ", ".join("%s (%s)" % (o["where"], os.path.basename(o["file"])) for o in found)
+        if len(key) == 2:
+            out.append({"dist": key[0], "version": key[1], "path": os.path.join(site, infos[key[0]]),
+                        "why": "an editable install: the code it runs is outside the environment, at %s; a wheel "
+                               "of it would point the rebuild at this host's source tree" % where})
+        elif key[2].endswith(".egg-link"):
+            out.append({"dist": key[0], "version": None, "path": os.path.join(site, key[2]),
+                        "why": "a development install (.egg-link): its code and metadata are outside the "
+                               "environment, at %s; no wheel holds them" % found[0]["where"]})
+        else:
+            out.append({"dist": key[0], "version": None, "path": os.path.join(site, key[2]),
+                        "why": "puts %s on the path: code outside the environment, which no wheel holds"
+                               % ", ".join(o["where"] for o in found)})
+    return out
+
+
 # ------------------------------------------------------------------ the agent
 
 def op_pack(a):
     """Every file read once: hashed against its RECORD, deflated (or stored) into its wheel, on a pool of one
     process per core; the wheels take their names only once the whole generation proved clean (or drift is
-    allowed). Then a first read of the same files from disk, the yardstick (`seconds.read`)."""
+    allowed). What no wheel holds truthfully (`unpackable`) refuses the pack before anything is written. Then a
+    first read of the same files from disk, the yardstick (`seconds.read`)."""
     venv, out = a["venv"], a["out"]
     if not os.path.isabs(out) or "\0" in out:
         raise AgentError("output folder %r is not an absolute path" % out)
@@ -677,6 +715,9 @@ def op_pack(a):
         meter.phase("plan")
         t0 = time.perf_counter()
         lst = record.listing(venv)
+        refuse = unpackable(venv, site, lst)
+        if refuse:                          # before anything is written
+            return {"refused": "unpackable", "unpackable": refuse}
         restored = restore_patched(site, a.get("series") or [])
         if a.get("gen_dir") and a.get("root"):
             lay = Layout(a["root"])
@@ -686,7 +727,7 @@ def op_pack(a):
         wheel_files = {record.norm(n): f for n, f in (a.get("filenames") or {}).items() if isinstance(f, str)}
         todo = [(venv, site, name, d["version"], d["info"], restored, py, wheel_files.get(name), lst["rows"][name])
                 for name, d in sorted(lst["dists"].items())
-                if d["info"] + "/RECORD" not in d["missing"]]     # no RECORD: nothing says what the dist is (drift)
+                if d["info"] + "/RECORD" not in d["missing"]]     # none left: refused above (`unpackable`)
         os.makedirs(out, exist_ok=True)
         parts = os.path.join(out, ".pack-parts-%d" % os.getpid())
         os.makedirs(parts, exist_ok=True)
