@@ -345,10 +345,12 @@ def _halt_at(gate: Callable[[], None] | None, transport: Transport, report: Appl
         kept = ""
         if built is not None:      # the play's stage (its switch is the next task) or a stop before the switch
             try:
-                generations.mark(transport, built, status="ready", stopped=e.message,
-                                 event={"event": "staged" if e.message == STAGED else "apply-stopped",
-                                        "generation": built, "lock": report.lock_name, "reason": e.message})
+                out = generations.mark(transport, built, status="ready", stopped=e.message,
+                                       event={"event": "staged" if e.message == STAGED else "apply-stopped",
+                                              "generation": built, "lock": report.lock_name, "reason": e.message})
                 kept = f"; {built} kept (probed, a later apply reuses it)"
+                report.warnings += [f"kept {built}; recording it failed ({what}); the next run repairs it"
+                                    for what in out.get("bookkeeping_failed") or []]
             except ProvisionError as me:
                 report.warnings.append(f"could not record {built} as kept ({me}); the next apply settles it")
         raise Halted(f"{e.message}; current left at {report.previous or '(none)'}{kept}",
@@ -452,8 +454,13 @@ def _switch_now(transport: Transport, report: ApplyReport, steps: _Steps, gen_id
         report.warnings.append(f"switched to {gen_id}, but the switch reported: {e.message}")
         return
     report.current = sw["to"]
-    for what in sw.get("bookkeeping_failed") or []:
-        report.warnings.append(f"switched to {gen_id}; recording it failed ({what}); the next run repairs it")
+    report.warnings += [unrecorded(gen_id, what) for what in sw.get("bookkeeping_failed") or []]
+
+
+def unrecorded(gen_id: str, what: str) -> str:
+    """The warning for a record that failed after the switch committed: the switch stands, and what to run."""
+    return (f"switched to {gen_id}, but recording it failed ({what}): history lacks the switch until the next apply "
+            "or rollback on this host records it (the same apply again is a no-op that does)")
 
 
 # A host's state in a fleet rollout's summary, by its report's status.
@@ -738,6 +745,7 @@ def _fleet_report(groups: list, plan: list, results: dict, lock: Lock, max_fail:
                 rep.status = "reused" if (rep.plan or {}).get("reuse") == rep.generation else "applied"
                 rep.current, rep.error = sw.get("to"), None
                 rep.steps.append(Step("switch", "done", float(sw.get("switch_seconds") or 0.0)))
+                rep.warnings += [unrecorded(str(sw.get("to")), what) for what in sw.get("bookkeeping_failed") or []]
             elif sw is not None:
                 rep.status, rep.failed_step, rep.error = "failed", "switch", f"{t.name}: {said(sw)}"
                 rep.steps.append(Step("switch", "failed", 0.0, said(sw)))

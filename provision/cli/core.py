@@ -349,7 +349,7 @@ def _apply_one(t, lk, json_out: bool, verbose: bool, full: bool, kw: dict) -> No
         if not json_out:
             _print_probes(rep.probes)
             for w in rep.warnings:
-                err_console.print(f"warning: {w}")
+                err_console.print(f"warning: {t.name}: {w}", markup=False)
         raise e
     if json_out:
         print_json(rep.to_json())
@@ -358,7 +358,7 @@ def _apply_one(t, lk, json_out: bool, verbose: bool, full: bool, kw: dict) -> No
     else:
         _print_probes(rep.probes)
         for w in rep.warnings:
-            err_console.print(f"warning: {w}")
+            err_console.print(f"warning: {t.name}: {w}", markup=False)
         verb = "Switched to the existing" if rep.status == "reused" else "Applied"
         console.print(f"{verb} {lk.name} on {t.name}: current {rep.previous or '(none)'} → {rep.generation} "
                       f"in {rep.seconds:.1f}s{_reprobed(rep)}.")
