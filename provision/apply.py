@@ -495,14 +495,17 @@ class FleetReport:
 
     @property
     def resume(self) -> list[str]:
-        """The hosts a resumed rollout acts on: those not attempted."""
-        return [r.host for r in self.reports if r.status == "not-attempted"]
+        """The hosts a resumed rollout acts on: those not attempted; after Ctrl-C also those it stopped before their
+        switch (interrupted, or staged and stopped at the barrier)."""
+        left = ("not-attempted", "interrupted", "stopped") if self.interrupted else ("not-attempted",)
+        return [r.host for r in self.reports if r.status in left]
 
     @property
     def still_switched(self) -> list[str]:
-        """When the rollout stopped: the hosts that switched and stay so (the earlier batches', and the failed
-        batch's when it was not rolled back), which the summary's rollback command acts on."""
-        if self.failed_batch is None:
+        """When the rollout stopped (a failed batch, or Ctrl-C): the hosts that switched and stay so (the earlier
+        batches', and the failed batch's when it was not rolled back), which the summary's rollback command acts
+        on."""
+        if self.failed_batch is None and not self.interrupted:
             return []
         return [r.host for r in self.reports if r.status in ("applied", "reused")]
 

@@ -2,8 +2,14 @@
 whose history line was lost, a rollout stopped by Ctrl-C or by its play killed, and what --json leaves on stderr."""
 from __future__ import annotations
 
+import copy
 import json
+import os
+import shlex
+import signal
 import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,9 +17,10 @@ import pytest
 from provision import generations
 from provision import lock as lockmod
 from provision.transport import connect
-from test_core import cli, host_args
+from loophosts import write_inventory
+from test_core import ROOT, cli, ctrl_c_as_at_a_terminal, host_args
 from test_faults import applied, assert_settled, host_state
-from wheelhouse import write_lock
+from wheelhouse import make_wheel, write_lock
 
 
 @pytest.fixture
@@ -49,3 +56,99 @@ def test_a_switch_whose_history_line_is_lost_is_said_with_what_to_run(target, st
         tr.close()
     assert [e.get("repaired") for e in switches] == [True], switches
     assert_settled(target, gb)
+
+
+class SecondStalls:
+    """A loopback HTTP server for one wheel: the first download gets the whole file; every later one half of it and
+    then nothing until `release` is set (a host mid-fetch, while the host before it in the rollout has its wheel)."""
+
+    def __init__(self, wheel: Path):
+        import http.server
+
+        data, self.stalled, self.release, self.served = wheel.read_bytes(), threading.Event(), threading.Event(), 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                outer.served += 1
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                try:
+                    if outer.served > 1 and not outer.release.is_set():
+                        self.wfile.write(data[:len(data) // 2])
+                        self.wfile.flush()
+                        outer.stalled.set()
+                        outer.release.wait(300)
+                        self.wfile.write(data[len(data) // 2:])
+                    else:
+                        self.wfile.write(data)
+                except OSError:
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_port}/{wheel.name}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def rollout(target, wheels, tmp_path):
+    """Hosts h1, h2 (roots on the session sshd) of an inventory, both on lock A, and lock B whose second wheel h1
+    downloads whole and h2 waits on mid-download: (inventory, {host: root}, the CLI's host options, lock B, server)."""
+    roots = {h: tmp_path / f"root-{h}" for h in ("h1", "h2")}
+    inv = write_inventory(tmp_path / "inv.yml", target, roots)
+    a = lockmod.load(write_lock(tmp_path / "a.yaml", "stack-a", [wheels["alpha-1.0"]]))
+    for h, root in roots.items():
+        t = copy.deepcopy(target)
+        t.vars["provision_root"] = str(root)
+        applied(t, a)
+    wheel = make_wheel(tmp_path / "slow", "slowpkg", "1.0", body="x = %r\n" % ("y" * 50000))
+    slow = SecondStalls(wheel)
+    b = write_lock(tmp_path / "b.yaml", "stack-b", [wheels["alpha-1.0"], wheel])
+    b.write_text(b.read_text().replace(wheel.resolve().as_uri(), slow.url))
+    yield inv, roots, ["-i", str(inv), "--known-hosts", str(target.known_hosts)], b, slow
+    slow.close()
+
+
+def current_of(root: Path) -> str | None:
+    link = root / "current"
+    return os.readlink(link).rsplit("/", 1)[-1] if link.is_symlink() else None
+
+
+def test_ctrl_c_between_batches_prints_the_rollback_and_the_resume_command(rollout):
+    """--serial 1: h1 has switched to B, h2 waits mid-download when Ctrl-C comes. The summary names h1 switched and
+    prints the rollback command for it, and the command that resumes the rollout on h2; both do what they say."""
+    inv, roots, common, b, slow = rollout
+    opts = ["--lock", str(b), "--serial", "1", "--max-fail", "0"]
+    p = subprocess.Popen([sys.executable, "-m", "provision.cli", "apply", *common, *opts], cwd=ROOT,
+                         env={**os.environ, "COLUMNS": "200"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, preexec_fn=ctrl_c_as_at_a_terminal)
+    try:
+        assert slow.stalled.wait(180), "h2 never asked for the slow wheel"
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 130 and "Traceback" not in err, (out, err)
+    assert (current_of(roots["h1"]), current_of(roots["h2"])) == ("0002-stack-b", "0001-stack-a")
+    lines = out.splitlines()
+    assert "  switched: h1" in lines and "  interrupted (Ctrl-C), not switched: h2" in lines, out
+    back = shlex.split(lines[lines.index("Roll back the hosts that switched:") + 1])
+    assert back == ["provision", "rollback", *common, "--limit", "h1"], out
+    resume = shlex.split(lines[lines.index("Resume with the hosts not switched:") + 1])
+    assert resume == ["provision", "apply", *common, *opts, "--limit", "h2"], out
+    slow.release.set()
+    cli(*resume[1:], check=0)                     # h2's interrupted build was abandoned: B is built anew
+    gb2 = current_of(roots["h2"])
+    assert current_of(roots["h1"]) == "0002-stack-b" and gb2.endswith("-stack-b") and gb2 != "0001-stack-a"
+    cli(*back[1:], check=0)
+    assert (current_of(roots["h1"]), current_of(roots["h2"])) == ("0001-stack-a", gb2)
