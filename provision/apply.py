@@ -15,6 +15,7 @@ A plan alone is `plan.plan_host`; rollback, history, gc and logs are the generat
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -466,7 +467,7 @@ def unrecorded(gen_id: str, what: str) -> str:
 # A host's state in a fleet rollout's summary, by its report's status.
 STATES = {"applied": "switched", "reused": "switched", "noop": "unchanged", "rolled-back": "rolled back",
           "failed": "failed", "unknown": "unknown", "stopped": "stopped before its switch",
-          "interrupted": "interrupted (Ctrl-C), not switched",
+          "interrupted": "interrupted, not switched",
           "not-attempted": "not attempted", "unreachable": "unreachable"}
 
 
@@ -479,6 +480,7 @@ class FleetReport:
     failed_batch: int | None = None    # the batch that failed beyond --max-fail (the rollout stopped there)
     failed_hosts: list[str] = field(default_factory=list)
     interrupted: bool = False          # Ctrl-C (or the cancel flag) stopped it: each host stopped before its switch
+    ended: str | None = None           # why the play ended before its end (ansible-playbook killed), None if it did not
 
     @property
     def ok(self) -> bool:
@@ -497,7 +499,7 @@ class FleetReport:
     def resume(self) -> list[str]:
         """The hosts a resumed rollout acts on: those not attempted; after Ctrl-C also those it stopped before their
         switch (interrupted, or staged and stopped at the barrier)."""
-        left = ("not-attempted", "interrupted", "stopped") if self.interrupted else ("not-attempted",)
+        left = ("not-attempted", "interrupted", "stopped") if self.interrupted or self.ended else ("not-attempted",)
         return [r.host for r in self.reports if r.status in left]
 
     @property
@@ -505,7 +507,7 @@ class FleetReport:
         """When the rollout stopped (a failed batch, or Ctrl-C): the hosts that switched and stay so (the earlier
         batches', and the failed batch's when it was not rolled back), which the summary's rollback command acts
         on."""
-        if self.failed_batch is None and not self.interrupted:
+        if self.failed_batch is None and not self.interrupted and not self.ended:
             return []
         return [r.host for r in self.reports if r.status in ("applied", "reused")]
 
@@ -513,6 +515,7 @@ class FleetReport:
         return {"reports": [r.to_json() for r in self.reports],
                 "batches": [{"number": b.number, "hosts": b.hosts, "serial": b.entry} for b in self.batches],
                 "max_fail": self.max_fail, "failed_batch": self.failed_batch, "failed_hosts": self.failed_hosts,
+                "ended": self.ended,
                 "states": self.by_state(), "resume": self.resume, "roll_back": self.still_switched}
 
 
@@ -542,30 +545,36 @@ def apply_fleet(targets: list, lock: Lock, *, serial: str | list[str] = "0", max
     plan = [Batch(i + 1, len(groups), [t.name for t in g], spec[min(i, len(spec) - 1)]) for i, g in enumerate(groups)]
     cancel, hard = cancel or threading.Event(), threading.Event()
     with tempfile.TemporaryDirectory(prefix="provision-apply-") as tmp:
-        feed = _Feed(Path(tmp), plan, progress_for, on_batch, cancel)
+        feed = _Feed(Path(tmp), plan, progress_for, on_batch, cancel, lock.name)
         given = _play_vars(lock, saved_plans, Path(tmp), targets, kw)
         given.update(max_fail=max_fail, progress_file=str(feed.file), cancel_file=str(feed.cancel_file))
         results: dict[str, dict[str, dict]] = {}
+        ended: str | None = None
         feed.start()
         try:
             with _ctrl_c_sets(cancel, hard):
                 start = 0
                 while start < len(groups):    # again after a batch that failed within the tolerance: Ansible
                     rest = groups[start:]      # ends a play at a batch whose every host failed
-                    feed.first, feed.stages = start, 0
+                    feed.first, feed.stages, feed.finished = start, 0, False
                     res = run_playbook("apply", [t for g in rest for t in g],
                                      dict(given, serial=[str(len(g)) for g in rest]), label="fleet", forks=forks,
                                      on_raw=lambda ev: feed.event(ev, on_row), cancel=hard.is_set)
                     for task, by_host in res.results.items():
                         results.setdefault(task, {}).update(by_host)
-                    fleet = _fleet_report(groups, plan, results, lock, max_fail, cancel.is_set(), feed.seen)
+                    if not feed.finished:   # killed (or never started): what it did not run is not run again
+                        how = "was killed" if res.rc is None else f"ended (rc {res.rc})"
+                        ended = f"ansible-playbook {how} before the play's end (its run: {res.run_dir})"
+                    fleet = _fleet_report(groups, plan, results, lock, max_fail, cancel.is_set(), feed.heard, ended)
                     tried = [i for i in range(start, len(groups))
                              if any(t.name in results.get("stage", {}) for t in groups[i])]
-                    if cancel.is_set() or fleet.failed_batch is not None or not tried:
+                    if cancel.is_set() or ended or fleet.failed_batch is not None or not tried:
                         break
                     start = tried[-1] + 1
         finally:
             feed.stop()
+        # what the hosts said up to the end (the feed's last read), for those whose apply never returned
+        fleet = _fleet_report(groups, plan, results, lock, max_fail, cancel.is_set(), feed.heard, ended)
     if feed.error is not None:
         raise feed.error
     if rollback_on_fail and fleet.failed_batch is not None:
@@ -630,12 +639,13 @@ class _Feed:
     (before its hosts' steps), how far it has read written to FILE.read (a host passes its gate once its lines are
     read), and the cancel flag turned into the cancel file the hosts watch. The switch, as the play's events say it."""
 
-    def __init__(self, tmp, plan: list, progress_for, on_batch, cancel: threading.Event):
+    def __init__(self, tmp, plan: list, progress_for, on_batch, cancel: threading.Event, lock_name: str):
         self.file, self.cancel_file = tmp / "progress.jsonl", tmp / "cancel"
         self.plan, self.progress_for, self.on_batch, self.cancel = plan, progress_for, on_batch, cancel
         self.batch_of = {h: b.number for b in plan for h in b.hosts}
         self.announced, self.first, self.stages, self.offset = 0, 0, 0, 0
-        self.seen: set[str] = set()
+        self.lock_name, self.finished = lock_name, False
+        self.heard: dict[str, ApplyReport] = {}     # each host's apply as its steps said it (its plan, its steps)
         self.said = threading.Condition()
         self.error: BaseException | None = None
         self.tail = tail(self.file, self._line, every=0.05, after=self._read_to)
@@ -656,10 +666,30 @@ class _Feed:
                     self._call(self.on_batch, self.plan[self.announced - 1])
             self.said.notify_all()
 
-    def tell(self, host: str, step: str, state: str, detail: str) -> None:
+    def tell(self, host: str, step: str, state: str, detail: str, seconds: float = 0.0) -> None:
+        self._heard(host, step, state, detail, seconds)
         say = self.progress_for(host) if self.progress_for else None
         if say:
             self._call(say, step, state, detail)
+
+    def _heard(self, host: str, step: str, state: str, detail: str, seconds) -> None:
+        """The host's report as its events tell it: where it is when its apply never returns (the play killed)."""
+        rep = self.heard.setdefault(host, ApplyReport(host=host, lock_name=self.lock_name))
+        if state == "plan":
+            try:
+                rep.plan = json.loads(detail)
+                rep.previous = rep.current = rep.plan.get("base")
+            except (ValueError, AttributeError):
+                pass
+        elif state == "start":
+            rep.steps.append(Step(step, "running"))
+        elif state in ("done", "fail"):
+            running = next((s for s in reversed(rep.steps) if s.name == step and s.status == "running"), None)
+            if running is None:
+                running = Step(step)
+                rep.steps.append(running)
+            running.status, running.detail = "done" if state == "done" else "failed", detail
+            running.seconds = float(seconds) if isinstance(seconds, (int, float)) else 0.0
 
     def _call(self, fn, *args) -> None:
         try:
@@ -672,7 +702,9 @@ class _Feed:
         reached, a host switches."""
         d = ev.get("event_data") or {}
         kind, task, host = ev.get("event"), d.get("task"), d.get("host")
-        if kind == "playbook_on_task_start" and task == "stage":
+        if kind == "playbook_on_stats":
+            self.finished = True
+        elif kind == "playbook_on_task_start" and task == "stage":
             self.stages += 1
             self.announce(self.first + self.stages)
         elif kind == "runner_on_unreachable" and task == "stage" and host and on_row:
@@ -699,12 +731,11 @@ class _Feed:
             host, step, state, detail = ev["host"], ev["step"], ev["state"], ev["detail"]
         except KeyError:
             return
-        self.seen.add(host)
         number = self.batch_of.get(host, 0)
         with self.said:     # a batch's steps come after its start (the play says it first)
             self.said.wait_for(lambda: self.announced >= number, timeout=5)
         self.announce(number)
-        self.tell(host, step, state, detail)
+        self.tell(host, step, state, detail, ev.get("seconds"))
 
     def _read_to(self, offset: int) -> None:
         """After each read: the cancel file made once cancelled, how far the file is read written to FILE.read."""
@@ -719,20 +750,23 @@ class _Feed:
 
 
 def _fleet_report(groups: list, plan: list, results: dict, lock: Lock, max_fail: str, cancelled: bool,
-                  seen: set[str]) -> FleetReport:
+                  heard: dict[str, ApplyReport], ended: str | None = None) -> FleetReport:
     """Each host's report from the play's results (its stage's apply report, its switch), in inventory order, and
-    the first batch whose failures went beyond the tolerance."""
+    the first batch whose failures went beyond the tolerance. A host whose apply never returned (Ctrl-C, or the play
+    `ended` before its end: killed) is told as its steps said it (`heard`): interrupted at the step it was in."""
     from .fleet import allowed_failures
     from .runner import said, unreachable
 
     stage, switch = results.get("stage", {}), results.get("switch", {})
+    cut = "interrupted (Ctrl-C)" if cancelled else f"interrupted: {ended}" if ended else None
     reports, failed_batch, failed_hosts = [], None, []
     for b, group in zip(plan, groups):
         for t in group:
             r, sw = stage.get(t.name), switch.get(t.name)
-            if r is None:
-                rep = ApplyReport(host=t.name, lock_name=lock.name,
-                                  status="interrupted" if cancelled and t.name in seen else "not-attempted")
+            if r is None and cut and t.name in heard:
+                rep = _cut_short(heard[t.name], None if cancelled else ended)
+            elif r is None:
+                rep = ApplyReport(host=t.name, lock_name=lock.name, status="not-attempted")
             elif r.get("unreachable"):
                 rep = ApplyReport(host=t.name, lock_name=lock.name, status="unreachable",
                                   error=str(unreachable(t, said(r).removeprefix(f"{t.name}: "))))
@@ -752,23 +786,46 @@ def _fleet_report(groups: list, plan: list, results: dict, lock: Lock, max_fail:
             elif sw is not None:
                 rep.status, rep.failed_step, rep.error = "failed", "switch", f"{t.name}: {said(sw)}"
                 rep.steps.append(Step("switch", "failed", 0.0, said(sw)))
+            elif ended and rep.generation and any(s.name == "switch" and s.status == "running"
+                                                  for s in heard.get(t.name, ApplyReport(t.name, "")).steps):
+                rep.status, rep.failed_step = "unknown", "switch"
+                rep.error = (f"{t.name}: the play ended during its switch to {rep.generation} ({ended}): `current` is "
+                             f"either {rep.previous or '(none)'} or {rep.generation}: the next apply settles it")
             reports.append(rep)
         fails = [r.host for r in reports[-len(group):] if r.status in ("failed", "unknown", "unreachable")]
         if failed_batch is None and len(fails) > allowed_failures(max_fail, len(group)):
             failed_batch, failed_hosts = b.number, fails
     for rep in reports:
-        why = ("interrupted (Ctrl-C)" if cancelled else
-               f"batch {failed_batch}/{len(plan)} had failed ({', '.join(failed_hosts)})" if failed_batch else None)
+        why = cut or (f"batch {failed_batch}/{len(plan)} had failed ({', '.join(failed_hosts)})" if failed_batch
+                      else None)
         if rep.status == "stopped" and rep.error and STAGED in rep.error and why:
             rep.error = rep.error.replace(STAGED, f"{why}: stopped before its switch")
         elif rep.status == "not-attempted" and rep.error is None and why:
-            rep.error = f"{rep.host}: not attempted: " + ("interrupted (Ctrl-C)" if cancelled else
-                                                          f"batch {failed_batch}/{len(plan)} failed")
-    return FleetReport(reports, plan, max_fail, failed_batch, failed_hosts, cancelled)
+            rep.error = f"{rep.host}: not attempted: {cut or f'batch {failed_batch}/{len(plan)} failed'}"
+    return FleetReport(reports, plan, max_fail, failed_batch, failed_hosts, cancelled, ended)
+
+
+def _cut_short(heard: ApplyReport, ended: str | None) -> ApplyReport:
+    """The report of a host whose apply never returned (Ctrl-C, or the play `ended` early), from what its steps
+    said: interrupted at the step it was in, `current` where its plan found it (it never switched: the switch is the
+    play's later task)."""
+    rep = _report_of(heard.to_json())
+    running = next((s for s in reversed(rep.steps) if s.status == "running"), None)
+    if running is not None:
+        running.status, running.detail = "failed", ended or "interrupted (Ctrl-C)"
+    rep.status, rep.failed_step = "interrupted", running.name if running is not None else None
+    during = f" during {rep.failed_step}" if rep.failed_step else ""
+    where = f"current left at {rep.current or '(none)'}" if rep.plan is not None else "current not changed"
+    rep.error = (f"{rep.host}: interrupted{during}: {ended}; {where}" if ended else
+                 f"{rep.host}: interrupted (Ctrl-C){during}: {where}")
+    return rep
 
 
 def _report_of(data: dict) -> ApplyReport:
-    """An ApplyReport from its JSON (the stage task's `report`)."""
+    """An ApplyReport from its JSON (the stage task's `report`), its own copy."""
+    import copy
+
+    data = copy.deepcopy(data)
     known = {f for f in ApplyReport.__dataclass_fields__}
     rep = ApplyReport(**{k: v for k, v in data.items() if k in known and k != "steps"})
     rep.steps = [Step(**{k: v for k, v in s.items() if k in Step.__dataclass_fields__}) for s in data.get("steps") or []]

@@ -141,7 +141,7 @@ def test_ctrl_c_between_batches_prints_the_rollback_and_the_resume_command(rollo
     assert p.returncode == 130 and "Traceback" not in err, (out, err)
     assert (current_of(roots["h1"]), current_of(roots["h2"])) == ("0002-stack-b", "0001-stack-a")
     lines = out.splitlines()
-    assert "  switched: h1" in lines and "  interrupted (Ctrl-C), not switched: h2" in lines, out
+    assert "  switched: h1" in lines and "  interrupted, not switched: h2" in lines, out
     back = shlex.split(lines[lines.index("Roll back the hosts that switched:") + 1])
     assert back == ["provision", "rollback", *common, "--limit", "h1"], out
     resume = shlex.split(lines[lines.index("Resume with the hosts not switched:") + 1])
@@ -152,3 +152,48 @@ def test_ctrl_c_between_batches_prints_the_rollback_and_the_resume_command(rollo
     assert current_of(roots["h1"]) == "0002-stack-b" and gb2.endswith("-stack-b") and gb2 != "0001-stack-a"
     cli(*back[1:], check=0)
     assert (current_of(roots["h1"]), current_of(roots["h2"])) == ("0001-stack-a", gb2)
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    out = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(p))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def test_the_play_killed_mid_fetch_says_where_each_host_is(rollout):
+    """ansible-playbook killed while h2 waits mid-download (h1 switched in batch 1): h2 is interrupted during its
+    build with `current` where it was, never "not-attempted"; the rollout is not started again; the summary says
+    where each host is, with the rollback and resume commands."""
+    inv, roots, common, b, slow = rollout
+    opts = ["--lock", str(b), "--serial", "1", "--max-fail", "0"]
+    p = subprocess.Popen([sys.executable, "-m", "provision.cli", "apply", *common, *opts], cwd=ROOT,
+                         env={**os.environ, "COLUMNS": "200"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        assert slow.stalled.wait(180), "h2 never asked for the slow wheel"
+        plays = [c for c in children(p.pid) if b"ansible-playbook" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        assert len(plays) == 1, plays
+        os.kill(plays[0], signal.SIGKILL)
+        out, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 1 and "Traceback" not in err, (out, err)
+    assert slow.served == 2, slow.served            # h2's build was not started again
+    assert (current_of(roots["h1"]), current_of(roots["h2"])) == ("0002-stack-b", "0001-stack-a")
+    lines = out.splitlines()
+    rows = {line.split()[0]: line for line in lines if line.startswith("  h")}
+    assert rows["h1"].split()[1:3] == ["applied", "0002-stack-b"], out
+    assert rows["h2"].split()[1] == "interrupted", out
+    assert "interrupted during build: ansible-playbook was killed before the play's end" in rows["h2"], out
+    assert rows["h2"].endswith("; current left at 0001-stack-a"), out
+    assert "  switched: h1" in lines and "  interrupted, not switched: h2" in lines, out
+    assert shlex.split(lines[lines.index("Roll back the hosts that switched:") + 1]) == \
+        ["provision", "rollback", *common, "--limit", "h1"], out
+    assert shlex.split(lines[lines.index("Resume with the hosts not switched:") + 1]) == \
+        ["provision", "apply", *common, *opts, "--limit", "h2"], out

@@ -190,7 +190,7 @@ def _print_fleet(fleet, apply_cmd: list[str], rollback_cmd: list[str]) -> None:
     counts.update({s: n for s in ("reused", "rolled-back", "stopped", "interrupted", "unreachable", "unknown")
                    if (n := sum(r.status == s for r in reports))})
     console.print("Fleet: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + ".")
-    if not fleet.interrupted and fleet.failed_batch is None:
+    if not fleet.interrupted and not fleet.ended and fleet.failed_batch is None:
         return
     if fleet.failed_batch is not None:
         b = fleet.batches[fleet.failed_batch - 1]
@@ -198,10 +198,12 @@ def _print_fleet(fleet, apply_cmd: list[str], rollback_cmd: list[str]) -> None:
                       f"({' '.join(fleet.failed_hosts)}), more than --max-fail {fleet.max_fail} allows.")
     if fleet.interrupted:
         console.print("Interrupted (Ctrl-C): no host switched after it. Where each host is:")
+    elif fleet.ended:
+        console.print(f"The rollout ended early: {fleet.ended}; no host switched after it. Where each host is:")
     for state, hosts in fleet.by_state().items():
         console.print(f"  {state}: {' '.join(hosts)}")
     if fleet.resume:
-        console.print("Resume with the hosts not switched:" if fleet.interrupted else
+        console.print("Resume with the hosts not switched:" if fleet.interrupted or fleet.ended else
                       "Resume with the hosts not attempted:")
         console.print("  " + shlex.join([*apply_cmd, "--limit", ",".join(fleet.resume)]))
     if fleet.still_switched:
