@@ -26,7 +26,7 @@ from typing import Callable
 
 
 from . import build as buildmod, generations, layout, lock as lockmod, toolkit, verify as verifymod
-from .errors import HostError, Interrupted, PlanError, ProbesFailed, ProvisionError, SwitchUnknown
+from .errors import ConnectionLost, HostError, Interrupted, PlanError, ProbesFailed, ProvisionError, SwitchUnknown
 from .facts import Facts, capture_lock, env_paths, gather
 from .fleet import FORKS
 from .lock import Lock
@@ -207,8 +207,9 @@ def apply(transport: Transport, lock: Lock, *, saved_plan: Plan | None = None, a
             report.status = "interrupted"
         elif report.status not in ("unknown", "stopped", "applied", "reused"):
             report.status = "failed"
-        if isinstance(e, (StepStalled, Cancelled)) and report.status != "unknown":
-            e.message += f"; current left at {report.current or '(none)'}"
+        if isinstance(e, (StepStalled, Cancelled, ConnectionLost)) and report.status != "unknown":
+            facts = any(s.name == "facts" and s.status == "done" for s in report.steps)
+            e.message += f"; current left at {report.current or '(none)'}" if facts else "; current not changed"
             report.error = str(e)
         report.error = report.error or str(e)
         report.failed_step = report.failed_step or next((s.name for s in report.steps if s.status == "failed"), None)
@@ -321,6 +322,9 @@ def _build(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps,
         report.error = reason
         # Ctrl-C (or the cancel flag) cut the build or its probes short: the generation is unproven, not failed
         status = "abandoned" if isinstance(e, (Cancelled, Interrupted, KeyboardInterrupt)) else "failed"
+        if isinstance(e, ConnectionLost):     # another session would wait its connect timeout on a host gone
+            report.warnings.append(f"{gen['id']} not marked failed: the connection is lost; the next apply settles it")
+            raise
         try:   # space first (the venv goes), then the record; the logs stay in the generation dir
             _marked_failed(report, gen["id"], generations.mark(
                 transport, gen["id"], status=status, reason=reason, remove_venv=True,

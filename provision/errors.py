@@ -78,6 +78,11 @@ class StepStalled(HostError):
     """A host command showed no progress for the target's deadline and was stopped (its host work ended)."""
 
 
+class ConnectionLost(HostError):
+    """The connection to the host went while a host command ran (its keepalives unanswered): the step's outcome
+    on the host is not known here; what was before the switch left `current` as it was."""
+
+
 class Cancelled(HostError):
     """The run was cancelled (Ctrl-C) while a host command ran; the command was stopped (its host work ended)."""
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from . import layout
-from .errors import Cancelled, HostError, HostKeyError, HostLockedError, InputError, StepStalled
+from .errors import Cancelled, ConnectionLost, HostError, HostKeyError, HostLockedError, InputError, StepStalled
 
 CONTROLLER_HOME = Path(os.environ.get("PROVISION_HOME", Path.home() / ".provision"))   # the controller's own state
 DEFAULT_KNOWN_HOSTS = CONTROLLER_HOME / "known_hosts"
@@ -38,7 +38,7 @@ USER_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}\Z")
 TIMEOUT = 10.0      # seconds for the TCP connection, the SSH banner, the handshake and authentication; keepalive period
 KEEPALIVE_COUNT = 3  # keepalives a host may leave unanswered in a row before it is disconnected (ServerAliveCountMax)
 # Progress is a line from the host command (an agent's events: fetch bytes, installer lines, the install's disk
-# activity). Silence this long is said once, then at twice and four times that; a step silent for DEADLINE is stopped.
+# activity). Silence this long is said, and again each time as long again; a step silent for DEADLINE is stopped.
 # A stalled download or a host that stopped working is found within DEADLINE whatever its size; a 5 GB install
 # shows progress every few seconds, so only a step that does nothing meets it.
 NOTICE = 30.0
@@ -176,7 +176,7 @@ class Watch:
 
 class _Watchdog:
     """Guards one host command: each line of output and each chunk of input sent is progress (`touch`). Silence
-    tells `watch.on_wait` at `notice`, 2x and 4x that; silence for the deadline (or for the command's own
+    tells `watch.on_wait` at `notice` and again every `notice` seconds; silence for the deadline (or for the command's own
     `timeout`, when its caller gave a longer one: the lock's probe timeout), or the watch's cancel flag, calls
     `stop` (the transport closes the command: the host agent's guard then ends everything it started) and
     `check` raises why."""
@@ -202,10 +202,10 @@ class _Watchdog:
             elif idle >= self.deadline:
                 self.why = StepStalled(f"{what} made no progress for {self.deadline:g} s (the step deadline): "
                                        "stopped", where=t.name)
-            elif idle >= tell and tell < 8 * t.notice:
+            elif idle >= tell:
                 if w and w.on_wait:
                     w.on_wait(what, tell)
-                tell *= 2
+                tell += t.notice
                 continue
             else:
                 continue
@@ -782,19 +782,23 @@ class SSH(Local):
         threading.Thread(target=self._watch, name=f"keepalive {target.name}", daemon=True).start()
 
     def _watch(self) -> None:
-        """While a host command runs: a session through the master every keepalive period, and one the host leaves
-        unanswered for a period says that the step waits on the host (ssh's own keepalives say nothing until they
-        give the connection up, after KEEPALIVE_COUNT periods)."""
-        period = keepalive_interval(self.target)
+        """While a host command runs: a session through the master every keepalive period, and each the host leaves
+        unanswered says that the step waits on the host, for as long as it has answered none (ssh's own keepalives
+        say nothing until they give the connection up, after KEEPALIVE_COUNT periods). Said only where the step's
+        own notice (`target.notice`) is longer than a period: a shorter one already says the silence as often."""
+        period, missed = keepalive_interval(self.target), 0
         while not self._closed.wait(period):
             if not self._runs:
+                missed = 0
                 continue
             try:
                 subprocess.run([*self.ssh, "true"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, timeout=period, start_new_session=True)
+                missed = 0
             except subprocess.TimeoutExpired:
-                if self._runs and not self._closed.is_set():
-                    self._say_wait(period)
+                missed += 1
+                if self._runs and not self._closed.is_set() and self.target.notice > period:
+                    self._say_wait(period * missed)
 
     def _say_wait(self, seconds: float) -> None:
         w = self.watch
@@ -823,7 +827,8 @@ class SSH(Local):
         last = lines[-1] if lines else "the connection's master ended"
         if self._unanswered():
             last = f"the host answered no keepalive for {keepalive_interval(self.target) * KEEPALIVE_COUNT:g}s"
-        return HostError(f"connection lost: {last}", where=self.target.name)
+        during = f" during {self.watch.name}" if self.watch else ""
+        return ConnectionLost(f"connection lost{during}: {last}", where=self.target.name)
 
     def run(self, argv, *, stdin=None, timeout=None, on_line=None, beat=None) -> Result:
         with self._count:

@@ -292,3 +292,35 @@ def test_unlock_ends_the_stopped_work_of_a_gone_controller(target, wheels, tmp_p
         resume(stopped)
         slow.close()
 
+
+
+def test_a_partition_under_the_cli_is_said_at_every_notice_then_names_its_step_and_current(cut_host):
+    """`apply --wait-notice 1 --timeout 2` (its play, as the operator runs it) while the link to the host goes down
+    mid-fetch: a line every second, each saying one second more, until the keepalives give the host up (3 x 2 s
+    unanswered); then one error line that names the step and where `current` is."""
+    h, t, a, lk, slow = cut_host
+    from test_deadlines import host_args as deadline_host_args
+
+    p = subprocess.Popen([sys.executable, "-m", "provision.cli", "apply", *deadline_host_args(t), "--lock",
+                          str(lk.path), "--wait-notice", "1", "--timeout", "2"], cwd=Path(__file__).parent.parent,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert slow.requested(120), "the host never asked for the slow wheel"
+        link(h, "down")
+        try:
+            out, err = p.communicate(timeout=120)
+        finally:
+            link(h, "up")
+    finally:
+        p.kill()
+    lines = err.strip().splitlines()
+    assert p.returncode == 1 and "Traceback" not in err, err
+    prefix = f"waiting for {t.name}: fetch (no progress for "
+    said = [float(line[len(prefix):].split()[0]) for line in lines if line.startswith(prefix)]
+    assert len(said) >= 3 and said == [float(n) for n in range(1, len(said) + 1)], err
+    assert lines[-1] == (f"error: {t.name}: connection lost during fetch: the host answered no keepalive for 6s; "
+                         f"current left at {a.generation}"), err
+    slow.release()
+    report = applied(t, lk)               # the next apply settles the build that was cut off
+    assert report.status == "applied", report
+    assert_settled(t, report.generation)

@@ -188,8 +188,8 @@ HOST_PARAMS = {
                                                "current generation; progress is bytes fetched, installer output, "
                                                "files written, not the step's length")),
     "wait_notice": (float, typer.Option(NOTICE, "--wait-notice", min=0.1, metavar="SECONDS",
-                                        help="after this long without progress, say what the run waits for (again at "
-                                             "2x, 4x)")),
+                                        help="after this long without progress, say what the run waits for, and "
+                                             "again every SECONDS while it waits")),
     "become": (bool, typer.Option(False, "--become",
                                   help="run host commands as root through sudo (non-interactive: the login user needs "
                                        "passwordless sudo); the inventory's ansible_become and ansible_become_user do "
