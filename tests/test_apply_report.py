@@ -197,3 +197,20 @@ def test_the_play_killed_mid_fetch_says_where_each_host_is(rollout):
         ["provision", "rollback", *common, "--limit", "h1"], out
     assert shlex.split(lines[lines.index("Resume with the hosts not switched:") + 1]) == \
         ["provision", "apply", *common, *opts, "--limit", "h2"], out
+
+
+def test_json_leaves_the_progress_on_stderr(target, stacks_ab, tmp_path):
+    """`apply --json`, of an inventory and of one host: stdout is the one JSON object; each host's steps are said on
+    stderr as they finish, as without --json."""
+    a, b = stacks_ab
+    roots = {h: tmp_path / f"root-{h}" for h in ("h1", "h2")}
+    inv = write_inventory(tmp_path / "inv.yml", target, roots)
+    p = cli("apply", "-i", inv, "--known-hosts", target.known_hosts, "--lock", a, "--json", check=0)
+    out = json.loads(p.stdout)
+    assert [r["status"] for r in out["reports"]] == ["applied", "applied"], out
+    for h in roots:
+        assert any(line.split()[:3] == [h, "✓", "switch"] for line in p.stderr.splitlines()), p.stderr
+    p = cli("apply", *host_args(target), "--lock", b, "--json", check=0)
+    assert json.loads(p.stdout)["status"] == "applied"
+    steps = [line.split()[1] for line in p.stderr.splitlines() if line.startswith("  ✓ ")]
+    assert steps == ["recover", "facts", "plan", "build", "patch", "seal", "probe", "switch"], p.stderr

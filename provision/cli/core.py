@@ -303,9 +303,8 @@ def apply(lock: Optional[Path] = LockOpt,
     if hosts.inventory is None:         # HOST or --local: its steps as they finish, its report
         _apply_one(ts[0], lk, json_out, verbose, full, kw)
         return
-    printer = FleetPrinter(json_out, [t.name for t in ts])
-    if not json_out:
-        err_console.print(f"apply {lk.name} → {len(ts)} hosts", markup=False)
+    printer = FleetPrinter(False, [t.name for t in ts])    # progress goes to stderr, --json or not
+    err_console.print(f"apply {lk.name} → {len(ts)} hosts", markup=False)
     try:
         fleet = applymod.apply_fleet(ts, lk, serial=batches, max_fail=tolerance, rollback_on_fail=rollback_on_fail,
                                      forks=hosts.forks, progress_for=printer.for_host, on_row=printer.row,
@@ -335,14 +334,13 @@ def _apply_one(t, lk, json_out: bool, verbose: bool, full: bool, kw: dict) -> No
     from .. import apply as applymod
     from ..plan import Plan, render_plan
 
-    if not json_out:
-        err_console.print(f"apply {lk.name} → {t.name}", markup=False)
-    printer = StepPrinter(json_out, verbose)
+    err_console.print(f"apply {lk.name} → {t.name}", markup=False)    # progress goes to stderr, --json or not
+    printer = StepPrinter(False, verbose)
 
     def said(step: str, state: str, detail: str) -> None:
         if state != "plan":
             printer(step, state, detail)
-        elif not json_out:
+        else:
             err_console.print(render_plan(Plan.from_json(json.loads(detail)), full=full), markup=False)
     fleet = applymod.apply_fleet([t], lk, forks=1, progress_for=lambda host: said, **kw)
     rep = fleet.reports[0]
