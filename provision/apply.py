@@ -566,7 +566,9 @@ def apply_fleet(targets: list, lock: Lock, *, serial: str | list[str] = "0", max
                                      on_raw=lambda ev: feed.event(ev, on_row), cancel=hard.is_set)
                     for task, by_host in res.results.items():
                         results.setdefault(task, {}).update(by_host)
-                    if not feed.finished:   # killed (or never started): what it did not run is not run again
+                    if res.stopped:         # the controller stopped it (its disk full)
+                        ended = res.stopped
+                    elif not feed.finished:   # killed (or never started): what it did not run is not run again
                         how = "was killed" if res.rc is None else f"ended (rc {res.rc})"
                         ended = f"ansible-playbook {how} before the play's end (its run: {res.run_dir})"
                     fleet = _fleet_report(groups, plan, results, lock, max_fail, cancel.is_set(), feed.heard, ended)
@@ -578,6 +580,7 @@ def apply_fleet(targets: list, lock: Lock, *, serial: str | list[str] = "0", max
         finally:
             feed.stop()
         # what the hosts said up to the end (the feed's last read), for those whose apply never returned
+        ended = ended or (str(feed.unwritten) if feed.unwritten else None)
         fleet = _fleet_report(groups, plan, results, lock, max_fail, cancel.is_set(), feed.heard, ended)
     if feed.error is not None:
         raise feed.error
@@ -648,7 +651,7 @@ class _Feed:
         self.plan, self.progress_for, self.on_batch, self.cancel = plan, progress_for, on_batch, cancel
         self.batch_of = {h: b.number for b in plan for h in b.hosts}
         self.announced, self.first, self.stages, self.offset = 0, 0, 0, 0
-        self.lock_name, self.finished = lock_name, False
+        self.lock_name, self.finished, self.unwritten = lock_name, False, None
         self.heard: dict[str, ApplyReport] = {}     # each host's apply as its steps said it (its plan, its steps)
         self.said = threading.Condition()
         self.error: BaseException | None = None
@@ -742,15 +745,21 @@ class _Feed:
         self.tell(host, step, state, detail, ev.get("seconds"))
 
     def _read_to(self, offset: int) -> None:
-        """After each read: the cancel file made once cancelled, how far the file is read written to FILE.read."""
-        if self.cancel.is_set() and not self.cancel_file.exists():
-            self.cancel_file.touch()
-        if offset != self.offset:
-            self.offset = offset
-            read = self.file.with_name(self.file.name + ".read")
-            part = read.with_name(read.name + ".part")
-            part.write_text(str(self.offset))
-            os.replace(part, read)
+        """After each read: the cancel file made once cancelled, how far the file is read written to FILE.read. One
+        that cannot be written (the disk full) is the run's `unwritten`: the hosts then stop at their gates."""
+        read = self.file.with_name(self.file.name + ".read")
+        part = read.with_name(read.name + ".part")
+        try:
+            if self.cancel.is_set() and not self.cancel_file.exists():
+                self.cancel_file.touch()
+            if offset != self.offset and self.unwritten is None:
+                part.write_text(str(offset))
+                os.replace(part, read)
+                self.offset = offset
+        except OSError as e:
+            from .errors import controller_failure
+
+            self.unwritten = self.unwritten or controller_failure(e, part)
 
 
 def _fleet_report(groups: list, plan: list, results: dict, lock: Lock, max_fail: str, cancelled: bool,

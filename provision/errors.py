@@ -5,6 +5,8 @@ only: the engine's EngineError (engine/errors.py, an InputError) travels to host
 """
 from __future__ import annotations
 
+import errno
+
 
 class ProvisionError(Exception):
     """Base of every user-facing error: `str()` is the one line shown to the user."""
@@ -93,6 +95,17 @@ class Halted(ProvisionError):
 
 class DriftError(HostError):
     """Installed files no longer match their RECORD: packing them would not reproduce what was installed."""
+
+
+class ControllerError(ProvisionError):
+    """The controller cannot write what its run needs (its disk full, a file unwritable): where = the path."""
+
+
+def controller_failure(e: OSError, path) -> ControllerError:
+    """A write on the controller that failed, as one line naming the file (the OSError's, else `path`) and why: a
+    full disk says so, with ENOSPC."""
+    why = "the controller's disk is full (ENOSPC)" if e.errno == errno.ENOSPC else e.strerror or str(e)
+    return ControllerError(why, where=str(e.filename or path))
 
 
 class Interrupted(ProvisionError):

@@ -28,7 +28,7 @@ from typing import Callable
 import yaml
 
 from .bundled import PLAYBOOKS
-from .errors import HostError, HostKeyError, ProvisionError
+from .errors import HostError, HostKeyError, ProvisionError, controller_failure
 from .layout import Layout, root_of
 from .transport import CONTROLLER_HOME, KEEPALIVE_COUNT, TIMEOUT, Target, host_key_options
 
@@ -48,6 +48,7 @@ class RunResult:
     #                                                                      unreachable), as the module returned it
     durations: dict[str, dict[str, float]] = field(default_factory=dict)   # task → host → its seconds, as Ansible
     #                                                                        timed it (task start to result)
+    stopped: str | None = None     # why the controller stopped the play before its end (its disk full), in one line
 
 
 class Unsafe(str):
@@ -205,17 +206,20 @@ def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: st
     the play and is then raised here as the process would have had it (`_signals_stop`)."""
     import ansible_runner
 
-    RUNS.mkdir(parents=True, exist_ok=True)
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{time.monotonic_ns() % 10**6}"
     run_dir = RUNS / f"{run_id}-{name}-{label or 'run'}"
-    (run_dir / "tmp").mkdir(parents=True)
-    sock_dir = tempfile.mkdtemp(prefix="pv-", dir="/tmp")   # ControlPath must stay under 108 bytes
-    env = _env(run_dir, max((t.timeout for t in targets), default=TIMEOUT))
-    hosts = write_vars(run_dir / "inventory" / "hosts.yml",
-                       inventory(targets, run_id, interpreters, ssh_args=run_ssh_args(sock_dir, env)))
-    stop_file = run_dir / "stop"        # a Ctrl-C here: each step's host command stops (action.ControllerGone)
-    extra = write_vars(run_dir / "vars.yml", dict(extravars, provision_controller=controller_id(),
-                                                  provision_stop=str(stop_file)))
+    try:        # the run's files: a full disk is one line naming the file, before anything starts
+        RUNS.mkdir(parents=True, exist_ok=True)
+        (run_dir / "tmp").mkdir(parents=True)
+        env = _env(run_dir, max((t.timeout for t in targets), default=TIMEOUT))
+        sock_dir = tempfile.mkdtemp(prefix="pv-", dir="/tmp")   # ControlPath must stay under 108 bytes
+        hosts = write_vars(run_dir / "inventory" / "hosts.yml",
+                           inventory(targets, run_id, interpreters, ssh_args=run_ssh_args(sock_dir, env)))
+        stop_file = run_dir / "stop"        # a Ctrl-C here: each step's host command stops (action.ControllerGone)
+        extra = write_vars(run_dir / "vars.yml", dict(extravars, provision_controller=controller_id(),
+                                                      provision_stop=str(stop_file)))
+    except OSError as e:
+        raise controller_failure(e, run_dir) from None
     failures: list[str] = []
     tasks: list[str] = []
     unreachable: list[str] = []
@@ -252,22 +256,55 @@ def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: st
         return True
 
     t0 = time.perf_counter()
+    stopped = None
     with _signals_stop(cancel, stop_file) as stop:
-        r = ansible_runner.run(private_data_dir=str(run_dir), playbook=str(PLAYBOOKS / f"{name}.yml"),
-                               binary=ansible_playbook(),
-                               inventory=str(hosts), envvars=env,
-                               suppress_env_files=True, quiet=True, event_handler=handler,
-                               **({"forks": forks} if forks else {}), cancel_callback=stop,
-                               cmdline=shlex.join(["-e", f"@{extra}"] + (["--check", "--diff"] if check else [])
-                                                  + [str(PLAYBOOKS / f"{name}.yml")]),   # `binary` takes it here
-                               settings={"suppress_ansible_output": True})
+        try:
+            r = ansible_runner.run(private_data_dir=str(run_dir), playbook=str(PLAYBOOKS / f"{name}.yml"),
+                                   binary=ansible_playbook(),
+                                   inventory=str(hosts), envvars=env,
+                                   suppress_env_files=True, quiet=True, event_handler=handler,
+                                   **({"forks": forks} if forks else {}), cancel_callback=stop,
+                                   cmdline=shlex.join(["-e", f"@{extra}"] + (["--check", "--diff"] if check else [])
+                                                      + [str(PLAYBOOKS / f"{name}.yml")]),   # `binary` takes it here
+                                   settings={"suppress_ansible_output": True})
+            status, rc = r.status, r.rc
+        except OSError as e:    # ansible-runner could not write the play's output (a full disk): the play goes
+            _kill_play(str(extra))
+            stopped = f"{controller_failure(e, run_dir / 'artifacts')}: the play was stopped"
+            status, rc = "failed", None
         stop_masters(Path(sock_dir))
     seconds = time.perf_counter() - t0
     error = None
-    if r.rc != 0 or r.status != "successful":
-        error = failures[0] if failures else f"ansible run {r.status} (rc {r.rc}); see {run_dir}"
-    return RunResult(status=r.status, rc=r.rc, run_dir=str(run_dir), seconds=seconds, error=error, tasks=tasks,
-                     unreachable=unreachable, results=results, durations=durations)
+    if stopped or rc != 0 or status != "successful":
+        error = stopped or (failures[0] if failures else f"ansible run {status} (rc {rc}); see {run_dir}")
+    return RunResult(status=status, rc=rc, run_dir=str(run_dir), seconds=seconds, error=error, tasks=tasks,
+                     unreachable=unreachable, results=results, durations=durations, stopped=stopped)
+
+
+def _kill_play(marker: str) -> None:
+    """End the play this process started whose command line names `marker` (its vars file), with its workers (the
+    process group pexpect gave it), and wait until it is gone: nothing of it goes on once its run has failed."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent != os.getpid() or f"@{marker}".encode() not in argv:
+            continue
+        try:
+            if os.getpgid(int(pid)) == int(pid):
+                os.killpg(int(pid), signal.SIGKILL)
+            else:
+                os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+        try:
+            os.waitpid(int(pid), 0)
+        except ChildProcessError:
+            pass
 
 
 def controller_id(pid: int | None = None) -> str:

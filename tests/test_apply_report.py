@@ -19,7 +19,7 @@ from provision import lock as lockmod
 from provision.transport import connect
 from loophosts import write_inventory
 from test_core import ROOT, cli, ctrl_c_as_at_a_terminal, host_args
-from test_faults import applied, assert_settled, host_state
+from test_faults import StalledWheel, applied, assert_settled, host_state, lock_free
 from wheelhouse import make_wheel, write_lock
 
 
@@ -214,3 +214,70 @@ def test_json_leaves_the_progress_on_stderr(target, stacks_ab, tmp_path):
     assert json.loads(p.stdout)["status"] == "applied"
     steps = [line.split()[1] for line in p.stderr.splitlines() if line.startswith("  ✓ ")]
     assert steps == ["recover", "facts", "plan", "build", "patch", "seal", "probe", "switch"], p.stderr
+
+
+@pytest.fixture
+def small_home(tmp_path):
+    """The controller's state (PROVISION_HOME: its run directories) and its temporary files on a 4 MiB tmpfs:
+    (the mount, the environment a command runs with, fill(): the rest of the tmpfs taken by one file)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(home)], check=True)
+
+    def fill() -> None:
+        with open(home / "filler", "ab") as f:
+            try:
+                while True:
+                    f.write(b"x" * 65536)
+                    f.flush()
+            except OSError:
+                pass
+    try:
+        yield home, {**os.environ, "PROVISION_HOME": str(home), "TMPDIR": str(home), "COLUMNS": "200"}, fill
+    finally:
+        subprocess.run(["umount", "-l", str(home)], check=True)
+
+
+def test_a_full_controller_disk_is_one_line_naming_the_path(target, stacks_ab, small_home):
+    home, env, fill = small_home
+    a, b = stacks_ab
+    fill()
+    p = subprocess.run([sys.executable, "-m", "provision.cli", "apply", *host_args(target), "--lock", str(a)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {home / 'runs'}/") and last.endswith(": the controller's disk is full (ENOSPC)"), \
+        p.stderr
+    assert host_state(target)["current"] is None
+
+
+def test_the_controller_disk_filling_mid_run_stops_the_play_before_the_switch(target, stacks_ab, small_home,
+                                                                             tmp_path, wheels):
+    """The controller's disk fills while the host waits mid-download: the play goes no further (the host stays on
+    its generation, its lock is let go), and the command ends in one line that names the file it could not write,
+    the full disk, the step and where `current` is."""
+    home, env, fill = small_home
+    a, _ = stacks_ab
+    ga = applied(target, lockmod.load(a)).generation
+    wheel = make_wheel(tmp_path / "slow", "slowpkg", "1.0", body="x = %r\n" % ("y" * 50000))
+    slow = StalledWheel(wheel)
+    try:
+        lk = write_lock(tmp_path / "slow.yaml", "stack-slow", [wheels["alpha-1.0"], wheel])
+        lk.write_text(lk.read_text().replace(wheel.resolve().as_uri(), slow.url))
+        p = subprocess.Popen([sys.executable, "-m", "provision.cli", "apply", *host_args(target), "--lock", str(lk)],
+                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert slow.requested.wait(120), "the host never asked for the slow wheel"
+            fill()
+            slow.release.set()
+            out, err = p.communicate(timeout=120)
+        finally:
+            p.kill()
+    finally:
+        slow.close()
+    assert p.returncode == 1 and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: {target.name}: ") and f"{home}/" in last, err
+    assert "the controller's disk is full (ENOSPC)" in last and last.endswith(f"current left at {ga}"), err
+    lock_free(target.vars["provision_root"])
+    assert host_state(target)["current"] == ga

@@ -5,6 +5,7 @@ Output is text, never markup: values (hosts, packages, errors) print literally; 
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import inspect
 import json
@@ -23,7 +24,7 @@ try:                 # newer typer carries its own copy of click
     from typer._click import exceptions as click_errors
 except ImportError:  # pragma: no cover
     from click import exceptions as click_errors
-from ..errors import InputError, ProvisionError
+from ..errors import InputError, ProvisionError, controller_failure
 from ..fleet import FORKS, values
 from ..layout import DEFAULT_ROOT
 from ..transport import DEADLINE, DEFAULT_KNOWN_HOSTS, NOTICE, TIMEOUT, Target, known_hosts_path
@@ -84,9 +85,10 @@ def edge(fn):
             where = f"{e.filename}: " if e.filename else ""
             code = 2 if isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError,
                                        PermissionError)) else 1
+            why = controller_failure(e, "").message if e.errno == errno.ENOSPC else e.strerror or str(e)
             if kw.get("json_out"):
-                print_json({"error": e.strerror or str(e), "where": e.filename, "exit_code": code})
-            err_console.print(styled(("error:", "red"), f" {where}{e.strerror or e}"), soft_wrap=True)
+                print_json({"error": why, "where": e.filename, "exit_code": code})
+            err_console.print(styled(("error:", "red"), f" {where}{why}"), soft_wrap=True)
             raise typer.Exit(code)
         except KeyboardInterrupt:
             err_console.print("interrupted")

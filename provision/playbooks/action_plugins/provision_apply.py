@@ -58,6 +58,9 @@ class ActionModule(ActionBase):
             return dict(result, failed=True, msg=str(e).replace("--python: ", "python: "))
 
         def staged() -> None:           # the gate, under the host lock just before `current` would move
+            if ctl.lost is not None:
+                raise Halted(f"{ctl.lost}: the controller does not hear this host: stopped before its switch",
+                             where=host)
             if not ctl.caught_up(CAUGHT_UP):
                 raise Halted("the controller stopped reading this run's progress: stopped before its switch",
                              where=host)
@@ -134,6 +137,7 @@ class _Controller:
 
     def __init__(self, progress_file: str | None, cancel_file: str | None, task_vars: dict):
         self.file, self.cancel_file, self.said_up_to = progress_file, cancel_file, 0
+        self.lost = None        # the progress file could not be written (the controller's disk full): why
         self.flag, self.done = threading.Event(), threading.Event()
         self.gone = ControllerGone(task_vars, self.flag)
 
@@ -151,15 +155,27 @@ class _Controller:
                 elif state in ("done", "fail"):
                     display.vv(f"{step} {state}{': ' + detail if detail else ''}", host=host)
                 return
-            self.said_up_to = append_event(self.file, host, step, state, detail, time.monotonic() - t0)
+            self._append(host, step, state, detail, time.monotonic() - t0)
         return said
+
+    def _append(self, *line) -> None:
+        """One progress line; one that cannot be written (the controller's disk full) is the run's `lost`, and the
+        host stops at its gate: the controller would not hear a Ctrl-C said after it."""
+        if self.lost is not None:
+            return
+        try:
+            self.said_up_to = append_event(self.file, *line)
+        except OSError as e:
+            from provision.errors import controller_failure
+
+            self.lost = controller_failure(e, self.file)
 
     def plan(self, host: str):
         """The apply's on_plan for this host: the plan, before anything changes, as one progress line (state "plan",
         its JSON the detail) for the CLI to render; nothing without a progress file."""
         def said(plan) -> None:
             if self.file:
-                self.said_up_to = append_event(self.file, host, "plan", "plan", json.dumps(plan.to_json()), 0.0)
+                self._append(host, "plan", "plan", json.dumps(plan.to_json()), 0.0)
         return said
 
     def caught_up(self, within: float) -> bool:
