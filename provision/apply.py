@@ -27,7 +27,7 @@ from typing import Callable
 
 from . import build as buildmod, generations, layout, lock as lockmod, toolkit, verify as verifymod
 from .errors import ConnectionLost, HostError, Interrupted, PlanError, ProbesFailed, ProvisionError, SwitchUnknown
-from .facts import Facts, capture_lock, env_paths, gather
+from .facts import Facts, capture_lock, env_paths, gather, gather_for
 from .fleet import FORKS
 from .lock import Lock
 from .plan import Plan, facts_digest, make_plan, stack_of_lock
@@ -227,11 +227,11 @@ def _apply(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps,
     with steps.step("recover") as step:
         report.recovered = step.said(_recover(transport))
     with steps.step("facts"):
-        facts = gather(transport, python=lock.platform.python, interpreter=interpreter)
+        facts = gather_for(transport, lock, interpreter)
     if adopt_path and not facts.generations:
         with steps.step("adopt") as step:
             step.said(adopt(transport, adopt_path, facts))
-        facts = gather(transport, python=lock.platform.python, interpreter=interpreter)
+        facts = gather_for(transport, lock, interpreter)
     if saved_plan is not None:
         if saved_plan.host != facts.host or saved_plan.facts_digest != facts_digest(facts):
             raise PlanError("the host changed since this plan was made; plan again", where=facts.host)

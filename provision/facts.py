@@ -123,14 +123,21 @@ class Facts:
 
 
 def gather(transport: Transport, *, python: str | None = None, adopt: str | None = None,
-           interpreter: str | None = None) -> Facts:
+           interpreter: str | None = None, wheels: list[str] | None = None) -> Facts:
     """The host's facts; `python` ("3.12", a lock's) narrows the interpreters looked for to that version, and
-    `interpreter` (the operator's --python PATH) is then the only one tried."""
+    `interpreter` (the operator's --python PATH) is then the only one tried; `wheels` (a lock's sha256s): their
+    cache entries count as cached only if their bytes still match (`cached_wheels`)."""
     payload = {"op": "gather", "root": root_of(transport.target), "python": python, "adopt": adopt,
-               "nvidia_smi": transport.target.vars.get("provision_nvidia_smi")}
+               "nvidia_smi": transport.target.vars.get("provision_nvidia_smi"), "wheels": list(wheels or [])}
     if interpreter is not None:
         payload["interpreter"] = interpreter_arg(interpreter)
     return Facts.from_reply(transport.run_agent("facts", payload), transport.target.name)
+
+
+def gather_for(transport: Transport, lock, interpreter: str | None = None) -> Facts:
+    """The host's facts as a plan for `lock` reads them: its Python looked for, its wheels' cache entries checked."""
+    return gather(transport, python=lock.platform.python, interpreter=interpreter,
+                  wheels=[p.sha256 for p in lock.packages if p.sha256])
 
 
 def interpreter_arg(path: str | None) -> str | None:

@@ -15,7 +15,7 @@ from packaging.version import InvalidVersion, Version
 
 from . import yamlio
 from .errors import InputError
-from .facts import Facts, Generation, gather
+from .facts import Facts, Generation, gather_for
 from .layout import root_of
 from .lock import Lock, from_data
 from .transport import Transport
@@ -628,7 +628,7 @@ def make_plan(facts: Facts, lock: Lock) -> Plan:
 
 def plan_host(transport: Transport, lock: Lock, interpreter: str | None = None) -> Plan:
     """`provision plan`: the host's facts (one round trip), then `make_plan`."""
-    return make_plan(gather(transport, python=lock.platform.python, interpreter=interpreter), lock)
+    return make_plan(gather_for(transport, lock, interpreter), lock)
 
 
 def _driver_tuple(v: str) -> tuple:

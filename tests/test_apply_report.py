@@ -281,3 +281,22 @@ def test_the_controller_disk_filling_mid_run_stops_the_play_before_the_switch(ta
     assert "the controller's disk is full (ENOSPC)" in last and last.endswith(f"current left at {ga}"), err
     lock_free(target.vars["provision_root"])
     assert host_state(target)["current"] == ga
+
+
+def test_plan_counts_a_corrupt_cache_entry_as_a_download(target, stacks_ab):
+    """A cached wheel whose bytes no longer match its sha256 (written through) is a download in the plan, as the
+    build's recheck finds it: the plan and the apply that follows say the same wheels come in."""
+    a, b = stacks_ab
+    applied(target, lockmod.load(a))
+    lk = lockmod.load(b)
+    alpha = next(p for p in lk.packages if p.name == "alpha")
+    entry = Path(target.vars["provision_root"]) / "cache" / "wheels" / alpha.sha256 / alpha.filename
+    subprocess.run(["chattr", "-i", str(entry)], capture_output=True)
+    with open(entry, "r+b") as f:
+        f.write(b"corrupt!")
+    plan = json.loads(cli("plan", *host_args(target), "--lock", b, "--json", check=0).stdout)
+    assert plan["download"]["wheels"] == 2, plan["download"]          # alpha (corrupt) and beta (never cached)
+    rep = json.loads(cli("apply", *host_args(target), "--lock", b, "--json", check=0).stdout)
+    build = rep["build"]
+    assert build["recheck"]["healed"] == [alpha.filename], build["recheck"]
+    assert build.get("pushed", 0) + build.get("fetched", 0) == 2, build

@@ -13,6 +13,7 @@ import sys
 
 from ..layout import DEFAULT_ROOT, Layout
 from . import store
+from .cache import sha256_file, still_verified
 from .host import CLEAN_ENV, current, generations as host_generations, query_gpus, run_agent, sh
 
 
@@ -175,16 +176,31 @@ def dists_of(python):
     return run_agent(python, "host", {"op": "dists"}, timeout=60)
 
 
-def cached_wheels(lay):
-    """sha256 of every complete entry of the content-addressed wheel cache."""
-    cache = lay.wheel_cache
+def cached_wheels(lay, check=()):
+    """sha256 of every complete entry of the content-addressed wheel cache. An entry of `check` (the wheels a lock
+    installs) counts only if a build would use it as it is: untouched since its bytes were verified, or hashed
+    again here and matching its name, as the build's `recheck` finds it (nothing is written: a plan is
+    read-only); one that does not is a download."""
+    cache, check = lay.wheel_cache, set(check or ())
     out = []
     for sha in sorted(os.listdir(cache)) if os.path.isdir(cache) else []:
         d = os.path.join(cache, sha)
-        if re.match(r"^[0-9a-f]{64}$", sha) and any(not f.startswith(".") and f.endswith(".whl")
-                                                      for f in os.listdir(d)):
+        if not re.match(r"^[0-9a-f]{64}$", sha) or not os.path.isdir(d):
+            continue
+        wheels = [os.path.join(d, f) for f in sorted(os.listdir(d)) if not f.startswith(".") and f.endswith(".whl")]
+        if wheels and (sha not in check or any(_intact(w, sha) for w in wheels)):
             out.append(sha)
     return out
+
+
+def _intact(path, sha):
+    """A cache entry's bytes are what its name says (trusted while untouched since verified)."""
+    if still_verified(path):
+        return True
+    try:
+        return os.path.isfile(path) and sha256_file(path) == sha
+    except OSError:
+        return False
 
 
 def op_gather(a):
@@ -201,7 +217,8 @@ def op_gather(a):
     found, exact, broken, looked = pythons(want, given)
     facts = {"root": root, "os": os_release(), "pythons": found, "python_versions": exact,
              "broken_pythons": broken, "pythons_looked_for": want or "all", "pythons_looked_in": looked,
-             "python_given": given, "uv": shutil.which("uv"), "cached_wheels": cached_wheels(lay),
+             "python_given": given, "uv": shutil.which("uv"),
+             "cached_wheels": cached_wheels(lay, [w for w in a.get("wheels") or [] if isinstance(w, str)]),
              "python_executable": sys.executable,
              "user": os.environ.get("USER") or str(os.getuid())}
     probe = root
