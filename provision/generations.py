@@ -153,21 +153,24 @@ def diff(t: Transport, a: str, b: str | None = None) -> dict:
 # ---------------------------------------------------------------- the verbs' playbooks, through Ansible
 
 def rollback_play(targets: list, to: str | None = None, *, dry_run: bool = False, force: bool = False,
-                  serial: str | list[str] = "0", forks: int | None = None) -> list:
+                  serial: str | list[str] = "0", forks: int | None = None, on_row=None) -> list:
     """`rollback` on the hosts as playbooks/rollback.yml (`dry_run`: its --check), one Ansible run per batch of
     `serial` (Ansible would end a play at a batch whose every host failed; here each host goes back on its own, a
-    dead one named in its row). One fleet.Row per host, values as `rollback` returns them."""
+    dead one named in its row). One fleet.Row per host, values as `rollback` returns them; `on_row` hears each
+    host's row as it comes."""
     from .fleet import batches
     from .runner import answer, play_rows
 
     given = {"to": to, "force": force}
     rows = []
     for number, group in enumerate(batches(targets, serial), 1):
-        for row in play_rows("rollback", group, {k: v for k, v in given.items() if v is not None}, check=dry_run,
-                             forks=forks, read=lambda t, r, seconds: rolled_back(
-                                 replies.Rollback.of(answer(t, r), t.name), seconds)):
+        def told(row, number=number) -> None:
             row.batch = number
-            rows.append(row)
+            if on_row:
+                on_row(row)
+        rows += play_rows("rollback", group, {k: v for k, v in given.items() if v is not None}, check=dry_run,
+                          forks=forks, read=lambda t, r, seconds: rolled_back(
+                              replies.Rollback.of(answer(t, r), t.name), seconds), on_row=told)
     return rows
 
 

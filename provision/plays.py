@@ -104,25 +104,26 @@ class Play:
     on_progress: Callable[[str, dict], None] | None = None
     check: bool = False             # the play's --check (a dry run)
 
-    def rows(self, targets: list, forks: int | None = None) -> list:
+    def rows(self, targets: list, forks: int | None = None, on_row: Callable | None = None) -> list:
         """One fleet.Row per target, in order, from one Ansible run; the hosts' keys checked against the known_hosts
-        the targets name. A Ctrl-C stops the run and is KeyboardInterrupt here (runner.run_playbook)."""
+        the targets name; `on_row` hears each host's row as it comes. A Ctrl-C stops the run and is
+        KeyboardInterrupt here (runner.run_playbook)."""
         from .runner import RUNS
 
         given = {k: v for k, v in self.extravars.items() if v is not None}
         given.setdefault("provision_known_hosts", str(targets[0].known_hosts))
         if self.on_progress is None:
-            return self._run(targets, given, forks)
+            return self._run(targets, given, forks, on_row)
         RUNS.mkdir(parents=True, exist_ok=True)
         fd, path = tempfile.mkstemp(prefix=f"progress-{self.name}-", suffix=".jsonl", dir=RUNS)
         os.close(fd)
         with tail(Path(path), self.on_progress):          # the file goes when the tail ends
-            return self._run(targets, dict(given, progress=path), forks)
+            return self._run(targets, dict(given, progress=path), forks, on_row)
 
-    def _run(self, targets: list, given: dict, forks: int | None) -> list:
+    def _run(self, targets: list, given: dict, forks: int | None, on_row: Callable | None = None) -> list:
         from .runner import play_rows
 
-        return play_rows(self.name, targets, given, forks=forks, read=self.read, check=self.check)
+        return play_rows(self.name, targets, given, forks=forks, read=self.read, check=self.check, on_row=on_row)
 
 
 class tail:

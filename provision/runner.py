@@ -199,9 +199,11 @@ def _failure(ev: dict) -> str:
 def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: str = "",
                  interpreters: dict[str, str] | None = None, on_event: Callable[[str, str, str], None] | None = None,
                  check: bool = False, forks: int | None = None, on_raw: Callable[[dict], None] | None = None,
-                 cancel: Callable[[], bool] | None = None) -> RunResult:
+                 cancel: Callable[[], bool] | None = None,
+                 on_result: Callable[[str, str, dict, float | None], None] | None = None) -> RunResult:
     """playbooks/NAME.yml through ansible-runner on the targets. `on_event` hears each task start and loop item;
-    `on_raw` every runner event as it comes (in this thread); `cancel` is polled while the play runs, and once it
+    `on_raw` every runner event as it comes (in this thread); `on_result(task, host, result, seconds)` each host's
+    result of a task as it comes, as `results` and `durations` keep it; `cancel` is polled while the play runs, and once it
     returns True the play is killed (Ctrl-C is then the caller's). Without `cancel`, a Ctrl-C (or SIGTERM) kills
     the play and is then raised here as the process would have had it (`_signals_stop`)."""
     import ansible_runner
@@ -239,6 +241,9 @@ def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: st
                 **({"failed": True} if kind == "runner_on_failed" else {}))   # the event says so; `res` may not
             if isinstance(d.get("duration"), (int, float)):
                 durations.setdefault(d.get("task", ""), {})[d["host"]] = float(d["duration"])
+            if on_result:
+                on_result(d.get("task", ""), d["host"], results[d.get("task", "")][d["host"]],
+                          durations.get(d.get("task", ""), {}).get(d["host"]))
         if kind == "playbook_on_task_start":
             tasks.append(d.get("task", ""))
             if on_event:
@@ -384,33 +389,44 @@ def answer(t: Target, result: dict, seconds: float | None = None) -> dict:
 
 
 def play_rows(name: str, targets: list[Target], extravars: dict, *, task: str | None = None, check: bool = False,
-              forks: int | None = None, read: Callable[[Target, dict, float | None], object] = answer) -> list:
+              forks: int | None = None, read: Callable[[Target, dict, float | None], object] = answer,
+              on_row: Callable | None = None) -> list:
     """A fleet verb as a playbook: playbooks/NAME.yml through Ansible on every target (`check`: its --check), one
     fleet.Row per target, in the targets' order. Each host goes on its own, as Ansible runs a play: a host it could
     not reach is that host's row (stage "connect", see `unreachable`), never a reason to stop the others. A reached
     host's row is `read(target, result, seconds)` of its result of task `task` (default: NAME) and Ansible's time for
     it; a ProvisionError `read` raises is that host's error (stage "run"). The default `read`: a failed task is a
-    `answer`."""
+    `answer`. `on_row(row)` hears each host's row as its result comes (the hosts with none, once the play is done)."""
     from .fleet import Row
 
-    res = run_playbook(name, targets, extravars, label=name, check=check, forks=forks)
-    results, durations = res.results.get(task or name, {}), res.durations.get(task or name, {})
-    rows = []
+    by_name, rows = {t.name: t for t in targets}, {}
+
+    def row_of(t, r, seconds) -> Row:
+        if r.get("unreachable"):
+            return Row(t.name, error=unreachable(t, said(r)), stage="connect")
+        if r.get("failed") and become_refused(t, said(r)):       # reached, but not as the user it must run as
+            return Row(t.name, error=become_refused(t, said(r)), stage="connect")
+        try:
+            return Row(t.name, value=read(t, r, seconds))
+        except ProvisionError as e:
+            return Row(t.name, error=e, stage="run")
+
+    def came(task_name: str, host: str, r: dict, seconds: float | None) -> None:
+        if task_name == (task or name) and host in by_name:
+            rows[host] = row_of(by_name[host], r, seconds)
+            if on_row:
+                on_row(rows[host])
+
+    res = run_playbook(name, targets, extravars, label=name, check=check, forks=forks, on_result=came)
+    out = []
     for t in targets:
-        r = results.get(t.name)
-        if r is None:
-            rows.append(Row(t.name, error=HostError(res.error or f"no result (see {res.run_dir})", where=t.name),
-                            stage="run"))
-        elif r.get("unreachable"):
-            rows.append(Row(t.name, error=unreachable(t, said(r)), stage="connect"))
-        elif r.get("failed") and become_refused(t, said(r)):       # reached, but not as the user it must run as
-            rows.append(Row(t.name, error=become_refused(t, said(r)), stage="connect"))
-        else:
-            try:
-                rows.append(Row(t.name, value=read(t, r, durations.get(t.name))))
-            except ProvisionError as e:
-                rows.append(Row(t.name, error=e, stage="run"))
-    return rows
+        if t.name not in rows:
+            rows[t.name] = Row(t.name, error=HostError(res.error or f"no result (see {res.run_dir})", where=t.name),
+                               stage="run")
+            if on_row:
+                on_row(rows[t.name])
+        out.append(rows[t.name])
+    return out
 
 
 def unreachable(t: Target, msg: str) -> HostError:

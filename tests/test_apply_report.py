@@ -300,3 +300,51 @@ def test_plan_counts_a_corrupt_cache_entry_as_a_download(target, stacks_ab):
     build = rep["build"]
     assert build["recheck"]["healed"] == [alpha.filename], build["recheck"]
     assert build.get("pushed", 0) + build.get("fetched", 0) == 2, build
+
+
+def read_lines(stream, into: list, seen: threading.Event, marker: str) -> None:
+    """Each line of `stream` into `into`; `seen` set once one starts with `marker`."""
+    for line in stream:
+        into.append(line.rstrip("\n"))
+        if line.startswith(marker):
+            seen.set()
+
+
+@pytest.mark.parametrize("verb", ["rollback", "status"])
+def test_a_host_that_never_speaks_ssh_holds_back_no_other_row(target, stacks_ab, listener, tmp_path, verb):
+    """An inventory of gpu0 and a host that accepts TCP and never says a word (its --timeout 30 s): gpu0's row is
+    printed as it finishes, while the play still waits on the silent host; the silent host's row comes once it
+    gives up (here: its connections closed)."""
+    port, accepted = listener
+    a, b = stacks_ab
+    t = copy.deepcopy(target)
+    applied(t, lockmod.load(a))
+    applied(t, lockmod.load(b))
+    inv = tmp_path / "inv.yml"
+    inv.write_text(f"all:\n  vars: {{ansible_host: {t.host}, ansible_user: {t.user}, "
+                   f"ansible_ssh_private_key_file: {t.key_file}}}\n  hosts:\n"
+                   f"    gpu0: {{ansible_port: {t.port}, provision_root: {t.vars['provision_root']}}}\n"
+                   f"    hung: {{ansible_port: {port}, provision_root: {tmp_path / 'root-hung'}}}\n")
+    p = subprocess.Popen([sys.executable, "-m", "provision.cli", verb, "-i", str(inv), "--known-hosts",
+                          str(t.known_hosts), "--timeout", "30"], cwd=ROOT, env={**os.environ, "COLUMNS": "200"},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines, seen = [], threading.Event()
+    stream, marker = (p.stdout, "Rolled back gpu0: ") if verb == "rollback" else (p.stderr, "gpu0: current 0002-")
+    reader = threading.Thread(target=read_lines, args=(stream, lines, seen, marker), daemon=True)
+    reader.start()
+    try:
+        assert seen.wait(120), lines
+        assert p.poll() is None and accepted, "gpu0's row came only with the silent host's"
+        for c in accepted:               # the silent host gives up now: its row is the last
+            c.close()
+        other = (p.stderr if verb == "rollback" else p.stdout).read()
+        p.wait(60)
+        reader.join(10)
+    finally:
+        p.kill()
+    err = other if verb == "rollback" else "\n".join(lines)
+    if verb == "status":
+        assert "hung: unreachable (2/2 hosts)" in lines, lines
+    assert p.returncode == 1 and "Traceback" not in err, (lines, other)
+    hung = [line for line in err.splitlines() if line.startswith("hung: unreachable: ")]
+    assert len(hung) == 1 and "no SSH banner" not in hung[0], (lines, other)     # it was still waiting

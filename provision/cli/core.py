@@ -415,8 +415,8 @@ def rollback(to: Optional[str] = typer.Option(None, "--to", help="generation num
     from ..fleet import parse_serial
 
     batches = parse_serial(serial)
-    rows = alone(generations.rollback_play(hosts.targets(), to, dry_run=dry_run, force=force, serial=batches,
-                                           forks=hosts.forks))
+    ts = hosts.targets()
+    live = not json_out and len(ts) > 1      # each host's row as it finishes, a slow host's last
 
     def show(r):
         out = r.value
@@ -432,7 +432,13 @@ def rollback(to: Optional[str] = typer.Option(None, "--to", help="generation num
                           f"in {out['seconds']:.2f}s{_checked(out.get('check'))}.", markup=False)
         for w in out.get("warnings") or []:
             err_console.print(f"warning: {r.host}: {w}", markup=False)
-    print_rows(rows, show, json_out)
+
+    def told(r) -> None:
+        print_rows([r], show, False)
+    rows = alone(generations.rollback_play(ts, to, dry_run=dry_run, force=force, serial=batches, forks=hosts.forks,
+                                           on_row=told if live else None))
+    if not live:
+        print_rows(rows, show, json_out)
     exit_for(rows)
 
 
@@ -466,8 +472,17 @@ def status(json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
     from .. import replies
     from ..plays import Play, typed
 
+    ts = hosts.targets()
+    live = not json_out and len(ts) > 1
+    answered: list[str] = []
+
+    def told(r) -> None:      # each host as it finishes, on stderr: a slow host holds back only the table
+        answered.append(r.host)
+        what = f"current {r.value.get('current') or '(none)'}" if r.ok else \
+            "unreachable" if r.unreachable else "error (under the table)"
+        err_console.print(f"{r.host}: {what} ({len(answered)}/{len(ts)} hosts)", markup=False, soft_wrap=True)
     # one host's error is a row too: the table shows it
-    rows = Play("status", read=typed(replies.Status)).rows(hosts.targets(), hosts.forks)
+    rows = Play("status", read=typed(replies.Status)).rows(ts, hosts.forks, on_row=told if live else None)
     if json_out:
         print_json([r.to_json() for r in rows])
     else:
