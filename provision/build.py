@@ -264,9 +264,18 @@ def healed_line(names: list[str], how: str = "fetched") -> str:
             f"sha256 ({shown}): removed and {how} again")
 
 
+def lost_line(lost: dict) -> str:
+    """What the build found of an inode that left the host's store without its attribute (removed by hand, or
+    written with the attribute left off and set aside): the generations that still share it."""
+    return (f"a former store entry, no longer immutable, is still shared by {', '.join(lost['generations'])} "
+            f"({lost['links']} links, {human_size(lost['bytes'])}): a write through one reaches the others; the "
+            "store holds its bytes anew")
+
+
 def summary(figs: dict, count: int) -> str:
     """The build step's line: what was fetched, what came from the cache, how long each phase took, how the
-    generation's files are its own (isolation), and cache entries healed."""
+    generation's files are its own (isolation), store entries hashed again, set aside or still shared outside
+    the store, and cache entries healed."""
     parts = [f"{count} packages with {figs['installer']}"]
     if figs.get("fetched"):
         again = f", {figs['retries']} retr{'y' if figs['retries'] == 1 else 'ies'}" if figs.get("retries") else ""
@@ -286,6 +295,15 @@ def summary(figs: dict, count: int) -> str:
                                f"{st.get('entered', 0)} contents new there, {human_size(st.get('entered_bytes', 0))})",
                       "copy": "own files by copy (%s)" % (figs.get("isolation_why") or "no reflinks here")
                       }.get(figs["isolation"], figs["isolation"]) + ", read-only")
+    st = figs.get("store") or {}
+    if st.get("hashed"):
+        parts.append(f"{st['hashed']} store entr{'y' if st['hashed'] == 1 else 'ies'} hashed again (stat moved since "
+                     "a build last hashed it)")
+    if st.get("evicted"):
+        parts.append(f"{st['evicted']} store entr{'y' if st['evicted'] == 1 else 'ies'} set aside (not the bytes "
+                     "their name says, or not a file) and entered anew")
+    for lost in st.get("lost") or []:
+        parts.append(lost_line(lost))
     rc = figs.get("recheck") or {}
     if rc.get("healed"):
         parts.append(f"healed {len(rc['healed'])} changed cache entr{'y' if len(rc['healed']) == 1 else 'ies'}")

@@ -449,10 +449,21 @@ class Have(Reply):
 
 
 @dataclass(frozen=True)
+class LostEntry(Reply):
+    """An inode that left the host's store without its attribute, and the generations that still share it."""
+    generations: list[str] = field(metadata=GEN_ID)
+    links: int = 0
+    bytes: int = 0
+
+
+@dataclass(frozen=True)
 class StoreFigures(Reply):
     linked: int = 0
     entered: int = 0
     entered_bytes: int = 0
+    hashed: int = 0
+    evicted: int = 0
+    lost: list[LostEntry] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -171,9 +171,14 @@ def _build(a, lay, gen, python, installer, log):
         st = filestore.link_venv(lay.file_store, venv, int(a.get("jobs") or 8),
                                  progress=lambda **k: event(step="store", **k))
         inodes = st.pop("inodes")
+        st["lost"] = filestore.still_shared(lay.generations, gen_dir, st.pop("left"))
         figs["store"] = st
         log("store: %(linked)d files linked (%(linked_bytes)d bytes), %(entered)d entered (%(entered_bytes)d "
-            "bytes), %(own)d own copies (%(own_bytes)d bytes), %(evicted)d entries evicted; %(seconds).1fs" % st)
+            "bytes), %(own)d own copies (%(own_bytes)d bytes), %(hashed)d entries hashed again (%(hashed_bytes)d "
+            "bytes), %(evicted)d evicted; %(seconds).1fs" % st)
+        for lost in st["lost"]:
+            log("store: a former entry (%d bytes), no longer immutable, is still shared by %s (%d links)"
+                % (lost["bytes"], ", ".join(lost["generations"]), lost["links"]))
         figs["store_seconds"] = round(time.monotonic() - t1, 2)
     t1 = time.monotonic()
     ro = read_only(venv, inodes)

@@ -8,16 +8,20 @@ import errno
 import fcntl
 import hashlib
 import os
+import re
 import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from . import record
+from .host import AgentError
 
 GETFLAGS, SETFLAGS, IMMUTABLE = 0x80086601, 0x40086602, 0x10     # linux/fs.h: FS_IOC_[GS]ETFLAGS, FS_IMMUTABLE_FL
 MTIME_NS = 1000000000      # every entry's mtime (1 s, as the Nix store's): a write through a cleared flag moves it
 TMP = ".part-"             # an entry or a link being made: <name>.part-<pid>-<thread>
+PROOFS = "proven"          # <root>/store/proven: each entry's stat as the build that last proved its bytes left it
+ENTRY_NAME = re.compile(r"^[0-9a-f]{64}(\.x)?\Z")
 _LOCKS = [threading.Lock() for _ in range(64)]      # one inode's flag is toggled by one thread at a time
 
 
@@ -166,6 +170,75 @@ def rmtree(path):
         pass
 
 
+# ------------------------------------------------------------------ proofs: which entries still hold their bytes
+
+# An entry's bytes are proven when they are hashed: on their way in, or again. What the store keeps of a proof is
+# the entry's stat once the build that proved it linked it, its attribute set: (inode, size, ctime). Every write,
+# chattr, utime, link and unlink moves an inode's ctime, and no call sets it back, so an entry whose stat is still
+# its proof's is unchanged since; any other is hashed again before it is linked, and the seal reads its links.
+# (Before Linux 6.13 a ctime moves in clock ticks: a change within the tick of the proof itself, while the build
+# holds the entry, would not show.)
+
+_PROOFS = {}               # the store's files -> {entry name: proof}: read once per process (a proof read earlier stays
+                           # true for as long as its entry's stat is its own, so one read is never wrong, only late)
+
+
+def proofs_path(files):
+    return os.path.join(os.path.dirname(files), PROOFS)
+
+
+def proof(st):
+    """What a proof keeps of an entry's stat."""
+    return (st.st_ino, st.st_size, st.st_ctime_ns)
+
+
+def proven(st, recorded):
+    """Whether an entry's stat `st` is its proof `recorded` (a regular file, untouched since)."""
+    return recorded is not None and stat.S_ISREG(st.st_mode) and proof(st) == tuple(recorded)
+
+
+def proofs(files):
+    """{entry name: proof} as the last build left them ({} where there are none). A line cut off (no newline)
+    or of another shape proves nothing; a name that is no entry's is never looked up."""
+    if files in _PROOFS:
+        return _PROOFS[files]
+    try:
+        with open(os.open(proofs_path(files), os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+            data = f.read()
+    except OSError:
+        return {}
+    out = {}
+    for line in data.decode("ascii", "replace").split("\n")[:-1]:
+        parts = line.split(" ")
+        if len(parts) == 4 and parts[1].isdigit() and parts[2].isdigit() and parts[3].isdigit():
+            out[parts[0]] = (int(parts[1]), int(parts[2]), int(parts[3]))
+    _PROOFS[files] = out
+    return out
+
+
+def keep_proofs(files, table, made):
+    """Write the proofs again (a temp file renamed over): `made`, the entries a build just linked, and those of
+    `table` (the proofs it read) still true of their entry; a proof of an entry gone or changed is dropped."""
+    out = dict(made)
+    for name, p in table.items():
+        if name not in out and ENTRY_NAME.match(name):
+            try:
+                if proven(os.lstat(os.path.join(files, name[:2], name)), p):
+                    out[name] = p
+            except OSError:
+                pass
+    path = proofs_path(files)
+    tmp = _tmp(path)
+    try:
+        with open(tmp, "xb") as f:
+            f.write(b"".join(b"%s %d %d %d\n" % (name.encode(), *p) for name, p in sorted(out.items())))
+        os.replace(tmp, path)
+        _PROOFS[files] = out
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
 # ------------------------------------------------------------------ a build's files into the store
 
 def _copy_hashing(src, dst):
@@ -195,94 +268,151 @@ def _own_copy(path):
             os.unlink(tmp)
 
 
-def _open(path):
+def _open(entry):
+    """The entry open (never through a symlink), or None when it is gone."""
     try:
-        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        return os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
+    except OSError as e:
+        raise AgentError("store entry %s cannot be opened: %s" % (entry, e.strerror or e))
 
 
-def _sound(fd, entry, key, size):
-    """Whether an existing entry (open as `fd`) still is what it was entered as: immutable, its mtime the store's,
-    its size; one that is not (a crash between a flag's clearing and setting, or root's deliberate write) is
-    hashed again. Returns its flags, or None when its bytes are not `key`'s."""
-    st, fl = os.fstat(fd), flags(fd)
+def _hash_fd(fd):
+    """The sha256 hex of the open file `fd`, read through it (not through a name that could change since)."""
+    h, off = hashlib.sha256(), 0
+    buf = record.buffer()
+    view = memoryview(buf)
+    while True:
+        k = os.preadv(fd, [buf], off)
+        if not k:
+            return h.hexdigest()
+        h.update(view[:k])
+        off += k
+
+
+def _holds(fd, key, size, recorded):
+    """Whether the open entry `fd` holds `key`'s bytes: its size, and its stat still the one its proof recorded
+    (nothing written, its attribute not cleared since), or else its bytes hashed again."""
+    st = os.fstat(fd)
     if st.st_size != size:
-        return None
-    if st.st_mtime_ns == MTIME_NS and fl & IMMUTABLE:
-        return fl
-    return fl if record.hash_file(entry)[0] == record.b64digest(bytes.fromhex(key)) else None
+        return False
+    return proven(st, recorded) or _hash_fd(fd) == key
+
+
+def _evict(entry, st):
+    """Remove what holds an entry's name and is not its content: an entry whose bytes changed (through its
+    attribute; the generations that link it keep it, and verify names them), or a symlink, directory or other
+    file planted there (the name itself removed, never followed)."""
+    try:
+        if stat.S_ISDIR(st.st_mode):
+            rmtree(entry)
+        elif stat.S_ISREG(st.st_mode):
+            unlink(entry)
+        else:
+            os.unlink(entry)
+    except OSError as e:
+        raise AgentError("store entry %s is not its content and cannot be removed: %s" % (entry, e.strerror or e))
+
+
+def _real_dir(d):
+    """`d` (a directory of the store's entries) as a directory of its own: whatever else holds its name (a
+    symlink, a file) is removed first, never followed. Returns how many names were removed (0 or 1)."""
+    try:
+        st = os.lstat(d)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISDIR(st.st_mode):
+        _evict(d, st)
+    os.makedirs(d, exist_ok=True)
+    return int(st is not None and not stat.S_ISDIR(st.st_mode))
 
 
 def _enter(entry, src, key, mode):
-    """A new entry from `src` (copied while hashed). Returns False when the bytes are not `key` (the copy in uv's
-    cache changed): nothing is entered."""
-    os.makedirs(os.path.dirname(entry), exist_ok=True)
+    """A new entry from `src` (copied while hashed): returns it open, or None when the bytes are not `key` (the
+    copy in uv's cache changed): nothing is entered."""
     tmp = _tmp(entry)
     try:
         if _copy_hashing(src, tmp) != key:
-            return False
+            return None
         os.chmod(tmp, mode)
         os.utime(tmp, ns=(MTIME_NS, MTIME_NS))
+        fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         try:
             os.link(tmp, entry)
-        except FileExistsError:
-            pass
-        return True
+        except OSError as e:
+            os.close(fd)
+            raise AgentError("store entry %s cannot be entered: %s" % (
+                entry, "it appeared while this build entered it" if e.errno == errno.EEXIST else e.strerror or e))
+        return fd
     finally:
         if os.path.lexists(tmp):
             os.unlink(tmp)
 
 
-def _link_group(entry, key, paths):
-    """Every path of one content (same key and mode) becomes a link to its entry, entered first when needed:
-    the entry's attribute off, the links made (each a link to a temp name renamed over the path), then on again.
-    Returns (entered: its bytes, or None when the entry was there, linked [(path, size)], own [(path, size)],
-    evicted)."""
+def _link_group(entry, key, paths, recorded, st):
+    """Every path of one content (same key and mode) becomes a link to its entry: the entry is linked as it is
+    while it holds `key`'s bytes (`_holds`), else evicted and entered anew; the entry's attribute off, the links
+    made (each a link to a temp name renamed over the path), then on again. `recorded`: the entry's proof, or
+    None; `st`: the entry's lstat, or None where it is missing. Returns (entered: its bytes, or None when the
+    entry was there, linked [(path, size)], own [(path,
+    size)], evicted, the entry's fstat once linked (what its new proof records) or None, the (inode, size) of an
+    inode that was this entry and left the store as something else made it, or None)."""
     size = paths[0][1].st_size
     mode = stat.S_IMODE(paths[0][1].st_mode) & 0o555
-    entered, evicted = None, 0
-    fd = _open(entry)
-    fl = None if fd is None else _sound(fd, entry, key, size)
-    if fd is not None and fl is None:
-        os.close(fd)
-        fd = None
-        unlink(entry)               # root wrote into it: the generations that link it are drifted, verify names
-        evicted = 1                 # them; from here on the store holds the content its key says
+    entered, evicted, fd, left = None, 0, None, None
+    if recorded is not None and (st is None or st.st_ino != recorded[0]):
+        left = recorded[:2]         # removed (or replaced) by hand: generations may still share it
+    if st is not None and stat.S_ISREG(st.st_mode):
+        fd = _open(entry)
+        if fd is not None and not _holds(fd, key, size, recorded):
+            gone, was = os.fstat(fd), flags(fd) & IMMUTABLE
+            os.close(fd)
+            fd = None
+            _evict(entry, st)       # root wrote into it: the generations that link it are drifted, verify names
+            evicted = 1             # them; from here on the store holds the content its key says
+            if not was:             # written with its attribute left off: the names left share a writable inode
+                left = (gone.st_ino, gone.st_size)
+    elif st is not None:
+        _evict(entry, st)
+        evicted = 1
     if fd is None:
-        if not _enter(entry, paths[0][0], key, mode):
-            for p, st in paths:     # its bytes are not its RECORD's: the seal names it
+        fd = _enter(entry, paths[0][0], key, mode)
+        if fd is None:              # its bytes are not its RECORD's: the seal names it
+            for p, pst in paths:
                 _own_copy(p)
-            return None, [], [(p, st.st_size) for p, st in paths], evicted
+            return None, [], [(p, pst.st_size) for p, pst in paths], evicted, None, left
         entered = size
-        fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        fl = flags(fd)
     linked = []
     try:
         with _lock(os.fstat(fd)):
+            fl = flags(fd)
             if fl & IMMUTABLE:
                 fcntl.ioctl(fd, SETFLAGS, array.array("l", [fl & ~IMMUTABLE]))
             try:
-                if os.fstat(fd).st_mtime_ns != MTIME_NS:      # sound, hashed again: its mtime back too
+                if os.fstat(fd).st_mtime_ns != MTIME_NS:      # hashed again: its mtime back too
                     os.utime(fd, ns=(MTIME_NS, MTIME_NS))
-                for p, st in paths:
+                for p, pst in paths:
                     tmp = _tmp(p)
                     os.link(entry, tmp)
                     os.replace(tmp, p)
-                    linked.append((p, st.st_size))
+                    linked.append((p, pst.st_size))
             finally:
                 fcntl.ioctl(fd, SETFLAGS, array.array("l", [fl | IMMUTABLE]))
+            done = os.fstat(fd)
     finally:
         os.close(fd)
-    return entered, linked, [], evicted
+    return entered, linked, [], evicted, done, left
 
 
 def link_venv(files, venv, jobs=8, every=2.0, progress=None):
     """After uv hardlinked a venv from its cache: every installed file that has a RECORD sha256 and still shares
-    its inode with uv's cache becomes a link to its store entry (entered, copied while hashed, when new); every
-    other file that shares an inode (no hash, listed twice with two hashes) gets one of its own. What uv wrote
-    itself (RECORD, INSTALLER, direct_url.json, scripts, pyvenv.cfg) is the generation's own already.
-    Returns {linked, linked_bytes, entered, entered_bytes, own, own_bytes, evicted, seconds, inodes}."""
+    its inode with uv's cache becomes a link to its store entry (entered, copied while hashed, when new; hashed
+    again when its stat is not the one its proof recorded); every other file that shares an inode (no hash,
+    listed twice with two hashes) gets one of its own. What uv wrote itself (RECORD, INSTALLER, direct_url.json,
+    scripts, pyvenv.cfg) is the generation's own already. The proofs are written again: every entry linked, as
+    it is now. Returns {linked, linked_bytes, entered, entered_bytes, own, own_bytes, evicted, hashed,
+    hashed_bytes, seconds, inodes, left: {(inode, size)} of former entries generations may still share}."""
     t0 = time.monotonic()
     site = record.site_packages(venv)
     rows = {}
@@ -304,15 +434,17 @@ def link_venv(files, venv, jobs=8, every=2.0, progress=None):
         if key and stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
             groups.setdefault(path_of(files, key, bool(st.st_mode & 0o111)), (key, []))[1].append((full, st))
     out = {"linked": 0, "linked_bytes": 0, "entered": 0, "entered_bytes": 0, "own": 0, "own_bytes": 0,
-           "evicted": 0}
+           "evicted": 0, "hashed": 0, "hashed_bytes": 0}
     last = [time.monotonic()]
-    done = []
+    done, made, left, inodes = [], {}, set(), set()
+    table = proofs(files)
 
     def chunk(items):
-        return [_link_group(entry, key, paths) for entry, (key, paths) in items]
+        return [(entry, _link_group(entry, key, paths, table.get(os.path.basename(entry)), st))
+                for entry, key, paths, st in items]
 
     def count(results):
-        for entered, linked, own, evicted in results:
+        for entry, (entered, linked, own, evicted, st, gone) in results:
             if entered is not None:
                 out["entered"] += 1
                 out["entered_bytes"] += entered
@@ -321,30 +453,42 @@ def link_venv(files, venv, jobs=8, every=2.0, progress=None):
             out["own"] += len(own)
             out["own_bytes"] += sum(n for _, n in own)
             out["evicted"] += evicted
+            if st is not None:
+                made[os.path.basename(entry)] = proof(st)
+                inodes.add((st.st_dev, st.st_ino))
+            if gone is not None:
+                left.add(gone)
             done.append(1)
             if progress and time.monotonic() - last[0] >= every:
                 last[0] = time.monotonic()
                 progress(done=len(done), total=len(groups), seconds=last[0] - t0)
 
-    # Contents new to the store are copied while hashed on the pool's threads (long reads and hashes that let each
-    # other run); those it holds already take only short syscalls each (the attribute off, a link, a rename, the
-    # attribute on), which run three times faster in one thread than in several contending for the interpreter.
+    # Contents new to the store, and entries whose stat moved since their proof, are read (copied while hashed,
+    # or hashed again) on the pool's threads (long reads and hashes that let each other run); those proven take
+    # only short syscalls each (the attribute off, a link, a rename, the attribute on), which run three times
+    # faster in one thread than in several contending for the interpreter.
+    for d in sorted({os.path.dirname(e) for e in groups}):
+        out["evicted"] += _real_dir(d)
     new, held = [], []
-    for item in sorted(groups.items()):
-        (held if os.path.lexists(item[0]) else new).append(item)
+    for entry, (key, paths) in sorted(groups.items()):
+        try:
+            st = os.lstat(entry)
+        except FileNotFoundError:
+            st = None
+        if st is not None and proven(st, table.get(os.path.basename(entry))):
+            held.append((entry, key, paths, st))
+            continue
+        new.append((entry, key, paths, st))
+        if st is not None and stat.S_ISREG(st.st_mode) and st.st_size == paths[0][1].st_size:
+            out["hashed"] += 1          # there, its stat moved since its proof: read again before it is linked
+            out["hashed_bytes"] += st.st_size
     chunks = [new[i:i + 256] for i in range(0, len(new), 256)]      # a pool task per 256 contents, not per file
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         entering = pool.map(chunk, chunks)
         for i in range(0, len(held), 256):
             count(chunk(held[i:i + 256]))
         count(r for rs in entering for r in rs)
-    inodes = set()
-    for entry in groups:
-        try:
-            st = os.lstat(entry)
-            inodes.add((st.st_dev, st.st_ino))
-        except OSError:
-            pass
+    keep_proofs(files, table, made)
     for rel, st in _files(venv):            # whatever still shares uv's inode: the generation's own copy
         if stat.S_ISREG(st.st_mode) and st.st_nlink > 1 and (st.st_dev, st.st_ino) not in inodes:
             _own_copy(os.path.join(venv, rel))
@@ -352,7 +496,28 @@ def link_venv(files, venv, jobs=8, every=2.0, progress=None):
             out["own_bytes"] += st.st_size
     out["seconds"] = round(time.monotonic() - t0, 3)
     out["inodes"] = inodes
+    out["left"] = left
     return out
+
+
+def still_shared(generations, skip, left):
+    """Which generations under `generations` (but the one at `skip`) still link an inode that left the store
+    without its attribute (`left`: {(inode, size)}, from link_venv): [{generations: [ids], links, bytes}], one
+    per such inode that more than one name shares and that is not immutable (a write through one name reaches
+    the others). One walk of the generations' files; only when something left."""
+    if not left:
+        return []
+    found, dev, skip = {}, os.stat(generations).st_dev, os.path.realpath(skip)
+    for gid in sorted(os.listdir(generations)):
+        top = os.path.join(generations, gid)
+        if os.path.islink(top) or not os.path.isdir(top) or os.path.realpath(top) == skip:
+            continue
+        for rel, st in _files(top):
+            k = (st.st_ino, st.st_size)
+            if k in left and st.st_dev == dev and stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                found.setdefault(k, [set(), st.st_nlink, os.path.join(top, rel)])[0].add(gid)
+    return [{"generations": sorted(gens), "links": nlink, "bytes": k[1]}
+            for k, (gens, nlink, path) in sorted(found.items()) if not immutable(path)]
 
 
 def _files(top):
@@ -367,16 +532,17 @@ def _files(top):
 
 
 def linked(files, path, st, b64digest):
-    """Whether the file at `path` (lstat `st`) is the store's entry for its RECORD digest: then its bytes were
-    hashed on their way in and cannot have changed since, short of root clearing the attribute."""
+    """Whether the file at `path` (lstat `st`) is the store's entry for its RECORD digest, as the build that last
+    proved that entry's bytes left it (`proven`): then they are the digest's."""
     key = key_of(b64digest or "")
     if not key or st.st_nlink < 2:
         return False
+    entry = path_of(files, key, bool(st.st_mode & 0o111))
     try:
-        e = os.lstat(path_of(files, key, bool(st.st_mode & 0o111)))
+        e = os.lstat(entry)
     except OSError:
         return False
-    return (e.st_dev, e.st_ino) == (st.st_dev, st.st_ino)
+    return (e.st_dev, e.st_ino) == (st.st_dev, st.st_ino) and proven(e, proofs(files).get(os.path.basename(entry)))
 
 
 # ------------------------------------------------------------------ gc
