@@ -46,7 +46,7 @@ def recover(t: Transport) -> dict:
 def logs(t: Transport, generation: str | None = None, tail: int = 65536) -> dict:
     """A generation's logs (tail of each), probe results with reasons, failure reason and run dir; `generation`
     is its id or number (default: the newest)."""
-    return ask(t, replies.Logs, "logs", id=resolve(t, generation, default="newest"), tail=tail).to_json()
+    return ask(t, replies.Logs, "logs", generation=generation, tail=tail).to_json()
 
 
 def gc(t: Transport, keep: int = 3, dry_run: bool = False, on_event=None) -> dict:

@@ -1,15 +1,15 @@
-"""The declared interface of the host steps: one dataclass per agent reply the controller reads, and the one checked
-reader that builds it. A reply of the wrong shape is one ReplyError line naming the host, the step and the field;
+"""The declared interface of the host steps: one dataclass per agent reply the controller reads (those of the steps
+declared in provision/steps with them, the rest here), and the one checked reader that builds it. A reply of the wrong shape is one ReplyError line naming the host, the step and the field;
 `to_json` gives the reply back as the host sent it, each field the reader checked in its checked form."""
 from __future__ import annotations
 
 import re
-import sys
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 
 from .errors import HostError
-
-GENERATION_RE = re.compile(r"^\d{4}-[A-Za-z0-9][A-Za-z0-9._+-]{0,99}\Z")   # NNNN-<lock name>, as the store makes it
+from .steps import GENERATION_RE, Reply, as_json, check, host_path  # noqa: F401  (host_path: facts.py)
+from .steps.state import (Collected, Gc, History, HistoryGeneration, Logs, LogTail, ProbeLine,  # noqa: F401
+                          ProbeMark, QuickCheck, Rollback, Status, Switched, VerifyMark)
 WHEEL_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+!-]{0,250}\.whl\Z")
 
 PATH = {"path": True}                                              # a field that names a path on the host
@@ -23,21 +23,14 @@ class ReplyError(HostError):
     """A host's reply that is not of its step's declared shape (where = host)."""
 
 
-def host_path(path) -> bool:
-    """An absolute path on the host that no shell or path join could read otherwise: no NUL, newline or `..`."""
-    return (isinstance(path, str) and path.startswith("/") and not {"\0", "\n"} & set(path)
-            and ".." not in path.split("/"))
-
-
 def read(cls, data, host: str, step: str, *, title: str | None = None, given: dict | None = None):
-    """An instance of reply dataclass `cls` from `data`, each field checked against its annotation (str, int,
-    float, bool, list[X], dict[str, X], X | None, a dataclass of `cls`'s module; metadata: `path`, `pattern`,
-    `key` when the reply's name is not a Python name); a field without a default must be there. `given` fields
-    are set, not read. ReplyError: "the host's STEP reply is malformed: FIELD: why" (`title` in its place)."""
+    """An instance of reply dataclass `cls` from `data`, each field checked against its declaration (steps.check);
+    a field without a default must be there. `given` fields are set, not read. ReplyError: "the host's STEP reply
+    is malformed: FIELD: why" (`title` in its place)."""
     def bad(name: str, why: str):
         refuse(host, step, name, why, title)
 
-    return _read(cls, data, "", bad, vars(sys.modules[cls.__module__]), step, given or {})
+    return check(cls, data, bad, given=given, raw=True, top=step)
 
 
 def refuse(host: str, step: str, name: str, why: str, title: str | None = None):
@@ -46,80 +39,11 @@ def refuse(host: str, step: str, name: str, why: str, title: str | None = None):
     raise ReplyError(f"{what} malformed: {name}: {why}", where=host)
 
 
-def to_json(value):
-    """A reply read by `read` as the host sent it (keys no dataclass declares kept), checked fields as checked."""
-    if is_dataclass(value) and hasattr(value, "_raw"):
-        out = dict(value._raw)
-        for f in fields(value):
-            key = f.metadata.get("key", f.name)
-            if out.get(key) is not None:
-                out[key] = to_json(getattr(value, f.name))
-        return out
-    if isinstance(value, list):
-        return [to_json(v) for v in value]
-    if isinstance(value, dict):
-        return {k: to_json(v) for k, v in value.items()}
-    return value
-
-
-class Reply:
-    """A reply dataclass: `of(data, host)` reads it (its step named by STEP), `to_json` gives it back."""
-
-    STEP = "agent"
-
-    @classmethod
-    def of(cls, data, host: str):
-        return read(cls, data, host, cls.STEP)
-
-    def to_json(self) -> dict:
-        return to_json(self)
-
-
-def _read(cls, data, name: str, bad, scope: dict, top: str, given: dict):
-    if not isinstance(data, dict):
-        bad(name or top, f"expected an object, not {type(data).__name__}")
-    out = dict(given)
-    for f in fields(cls):
-        key = f.metadata.get("key", f.name)
-        if f.name in given or data.get(key) is None:
-            if f.name not in given and f.default is MISSING and f.default_factory is MISSING:
-                bad(f"{name}.{key}" if name else key, "missing")
-            continue
-        out[f.name] = _value(f.type, data[key], f"{name}.{key}" if name else key, bad, f.metadata, scope)
-    made = cls(**out)
-    object.__setattr__(made, "_raw", data)
-    return made
-
-
-KINDS = {"str": (str,), "int": (int,), "bool": (bool,), "float": (int, float)}
-SAYS = {"str": "a string", "int": "a whole number", "bool": "true or false", "float": "a number"}
-
-
-def _value(kind: str, v, name: str, bad, meta, scope: dict):
-    if v is None and kind.endswith(" | None"):
-        return None
-    kind = kind.removesuffix(" | None")
-    if kind in scope and is_dataclass(scope[kind]):
-        return _read(scope[kind], v, name, bad, scope, name, {})
-    if kind.startswith(("list", "dict")):
-        typ, (_, _, item) = (list, dict)[kind.startswith("dict")], kind[5:-1].rpartition(", ")   # list[X], dict[str, X]
-        if not isinstance(v, typ):
-            bad(name, f"expected {'a list' if typ is list else 'an object'}, not {type(v).__name__}")
-        if not item:
-            return v
-        if typ is list:
-            return [_value(item, x, f"{name}[{i}]", bad, meta, scope) for i, x in enumerate(v)]
-        return {k: _value(item, x, f"{name}[{k!r}]", bad, meta, scope) for k, x in v.items()}
-    if type(v) not in KINDS[kind]:
-        bad(name, f"expected {SAYS[kind]}, not {type(v).__name__}")
-    if meta.get("path") and not host_path(v):
-        bad(name, f"{v[:120]!r} is not an absolute path")
-    if meta.get("pattern") and not meta["pattern"].match(v):
-        bad(name, f"{v[:120]!r} is not {meta['what']}")
-    return v
+to_json = as_json       # a reply read by `read` as the host sent it (keys no dataclass declares kept), checked fields as checked
 
 
 # ---------------------------------------------------------------- the state agent (generations.py)
+# status, history, logs, rollback, switch and gc are declared with their steps (steps/state.py)
 
 @dataclass(frozen=True)
 class Prepared(Reply):
@@ -146,47 +70,6 @@ class Marked(Reply):
 
 
 @dataclass(frozen=True)
-class Switched(Reply):
-    """`switch`: the rename of `current` committed (`to`); what failed after it (`bookkeeping_failed`)."""
-    STEP = "switch"
-    to: str = field(metadata=GEN_ID)
-    from_: str | None = field(default=None, metadata={"key": "from", **GEN_ID})
-    switched: bool = False
-    switch_seconds: float | None = None
-    event: dict | None = None
-    bookkeeping_failed: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class QuickCheck(Reply):
-    """A generation's files against its build's stamp (`verify` agent's `quick`, and inside a rollback)."""
-    STEP = "check"
-    verdict: str = field(metadata=VERDICT)
-    files: int = 0
-    hashed: int = 0
-    seconds: float = 0.0
-    how: str | None = None
-    named: str | None = None
-
-
-@dataclass(frozen=True)
-class Rollback(Reply):
-    STEP = "rollback"
-    to: str = field(metadata=GEN_ID)
-    from_: str | None = field(default=None, metadata={"key": "from", **GEN_ID})
-    noop: bool = False
-    forward: bool = False
-    dry_run: bool = False
-    switched: bool = False
-    switch_seconds: float | None = None
-    check: QuickCheck | None = None
-    event: dict | None = None
-    recovered: dict | None = None
-    bookkeeping_failed: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
 class Recovered(Reply):
     """`recover`: what an interrupted run left, settled (each list names what it touched)."""
     STEP = "recover"
@@ -198,108 +81,6 @@ class Recovered(Reply):
     removed_partial: list[str] = field(default_factory=list)
     unreadable: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class Collected(Reply):
-    """One generation gc removed (or would remove) and what removing it frees."""
-    id: str = field(metadata=GEN_ID)
-    status: str | None = None
-    bytes: int = 0
-    shared_bytes: int = 0
-    removed: bool | None = None
-    run_dir: str | None = None
-
-
-@dataclass(frozen=True)
-class Gc(Reply):
-    STEP = "gc"
-    dry_run: bool = False
-    generations: list[Collected] = field(default_factory=list)
-    cache: list = field(default_factory=list)
-    uv_cache: list = field(default_factory=list)
-    bytes: int = 0
-    shared_bytes: int = 0
-    current: str | None = field(default=None, metadata=GEN_ID)
-    rollback_target: str | None = field(default=None, metadata=GEN_ID)
-    seconds: float | None = None
-    errors: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class HistoryGeneration(Reply):
-    id: str = field(metadata=GEN_ID)
-    number: int
-    status: str | None = None
-    lock_name: str | None = None
-    created: str | None = None
-    skipped_probes: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class History(Reply):
-    STEP = "history"
-    current: str | None = field(default=None, metadata=GEN_ID)
-    generations: list[HistoryGeneration] = field(default_factory=list)
-    events: list[dict] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class ProbeMark(Reply):
-    """A probe verdict as status shows it (the last attempt names its generation)."""
-    status: str | None = None
-    time: str | None = None
-    generation: str | None = None
-
-
-@dataclass(frozen=True)
-class VerifyMark(Reply):
-    verdict: str = field(metadata=VERDICT)
-    time: str | None = None
-    how: str | None = None
-
-
-@dataclass(frozen=True)
-class Status(Reply):
-    STEP = "status"
-    generations: int
-    ready: int
-    disk_bytes: int
-    root: str | None = field(default=None, metadata=PATH)
-    current: str | None = field(default=None, metadata=GEN_ID)
-    lock: str | None = None
-    since: str | None = None
-    broken: str | None = None
-    probe: ProbeMark | None = None
-    last_attempt: ProbeMark | None = None
-    verify: VerifyMark | None = None
-
-
-@dataclass(frozen=True)
-class LogTail(Reply):
-    bytes: int
-    text: str
-
-
-@dataclass(frozen=True)
-class ProbeLine(Reply):
-    name: str
-    status: str
-    reason: str | None = None
-
-
-@dataclass(frozen=True)
-class Logs(Reply):
-    STEP = "logs"
-    id: str = field(metadata=GEN_ID)
-    dir: str = field(metadata=PATH)
-    logs: dict[str, LogTail]
-    probes: list[ProbeLine]
-    status: str | None = None
-    reason: str | None = None
-    run_dir: str | None = None
 
 
 @dataclass(frozen=True)

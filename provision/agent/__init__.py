@@ -22,8 +22,11 @@ SHARED = ("__init__.py", "layout.py")               # what agents import from ou
 @lru_cache(maxsize=None)
 def bundle() -> str:
     """provision/__init__.py, the host layout (provision/layout.py, which agents import as Ansible modules import
-    their module_utils) and provision/agent/*.py (this file excepted), by path, as zlib-compressed base64 JSON."""
+    their module_utils), the steps' declarations (provision/steps/*.py) and provision/agent/*.py (this file
+    excepted), by path, as zlib-compressed base64 JSON."""
     files = {f"provision/{name}": (PKG / name).read_text() for name in SHARED}
+    for p in sorted((PKG / "steps").glob("*.py")):
+        files[f"provision/steps/{p.name}"] = p.read_text()
     for p in sorted((PKG / "agent").glob("*.py")):
         files[f"provision/agent/{p.name}"] = p.read_text()
     files["provision/agent/__init__.py"] = '"""Host-side agents (this file\'s controller part stays behind)."""\n'

@@ -1,6 +1,7 @@
 """Host agent (stdlib only): the generations store — create, mark, switch `current`, roll back, history.
 
-Payload: {op, root, ...}; returns one JSON object. `current` is only ever changed by
+Payload: {op, root, ...}; returns one JSON object (status, history, logs, rollback, switch and gc: their declared
+Reply, steps/state.py; a refusal: {"error": one line}). `current` is only ever changed by
 rename(2) of a freshly made symlink, so it always points at a complete generation.
 """
 import errno
@@ -11,7 +12,10 @@ import shutil
 import stat
 import time
 
-from ..layout import Layout, cache_entry, venv_python
+from ..layout import Layout, cache_entry, pick_generation, venv_python
+from ..steps import Shape
+from ..steps.state import (Collected, Gc, GcArgs, History, HistoryArgs, HistoryGeneration, Logs, LogsArgs, LogTail,
+                           ProbeLine, ProbeMark, QuickCheck, Rollback, RollbackArgs, Status, Switched, VerifyMark)
 from . import kernels, store as filestore
 from .host import (AgentError, current, current_link, current_problem, disk_full, ensure_root, event, fsync_dir,
                    generations as gens, manifest_of, read_json, try_lock, write_atomic)
@@ -210,8 +214,7 @@ def op_switch(lay, a):
         return {"error": "generation %s has no venv/bin/python: not runnable" % gen_id}
     event = dict(a.get("event", {}), event=a.get("kind", "switch"), **{"from": before, "to": gen_id})
     ev, failed, seconds = commit(lay, gen_id, man, event)
-    return {"from": before, "to": gen_id, "switched": True, "switch_seconds": seconds, "event": ev,
-            "bookkeeping_failed": failed}
+    return Switched(from_=before, to=gen_id, switched=True, switch_seconds=seconds, event=ev, bookkeeping_failed=failed)
 
 
 def commit(lay, gen_id, man, event):
@@ -390,13 +393,14 @@ def op_gc(lay, a):
     generations/), then its files are deleted in parallel, then the store entries no kept generation links
     (`store`). `bytes` is what the removal frees: each inode once, and only when every link it has is among the
     files removed. Progress events: each phase, and at least every 2 s within one. Takes the host lock."""
-    recovered = op_recover(lay, a) if not a.get("dry_run") else None
+    args = GcArgs.given(a)
+    recovered = op_recover(lay, a) if not args.dry_run else None
     cur = current(lay)
     all_gens = gens(lay)
     back, _ = rollback_target(lay, all_gens, cur)
     protected = {cur, back[1] if back else None}
     spare = [g for g in all_gens if g[2].get("status") in RUNNABLE and g[1] not in protected]
-    keep = max(0, int(a.get("keep", 3)) - len([p for p in protected if p]))
+    keep = max(0, args.keep - len([p for p in protected if p]))
     kept_runnable = {g[1] for g in spare[-keep:]} if keep else set()   # keep > len(spare): every one
     doomed = [g for g in all_gens if g[1] not in protected and g[1] not in kept_runnable
               and g[2].get("status") != "unreadable"]
@@ -409,7 +413,7 @@ def op_gc(lay, a):
             continue
         needed |= set(re.findall(r"--hash=sha256:([0-9a-f]{64})", text))
         dists |= {wheel_dist(f) for f in re.findall(r"/([^/\s]+\.whl) --hash=", text)}
-    out = {"dry_run": bool(a.get("dry_run")), "current": cur, "rollback_target": back[1] if back else None,
+    out = {"dry_run": args.dry_run, "current": cur, "rollback_target": back[1] if back else None,
            "generations": [], "cache": [], "uv_cache": [], "bytes": 0, "shared_bytes": 0, "errors": [],
            "recovered": recovered, "warnings": read_history(lay)[1] + unreadable(all_gens) +
            [p for p in [current_problem(lay)] if p]}
@@ -426,15 +430,15 @@ def op_gc(lay, a):
                       "uv-" + name))
     for kind, entry, _, _ in items:
         out[kind].append(entry)
-    out["kernels"] = kernels.collect(lay, [g[1] for g in kept], dry_run=bool(a.get("dry_run")))
+    out["kernels"] = kernels.collect(lay, [g[1] for g in kept], dry_run=args.dry_run)
     tick = Ticker()
     tick("survey", force=True, items=len(items))
-    if a.get("dry_run"):
+    if args.dry_run:
         paths = [path for _, _, path, _ in items]
         unlinked = store_unlinked(lay, survey(paths))
         account(out, items + unlinked, survey(paths + [p for _, _, p, _ in unlinked]))
         store_figures(out, unlinked)
-        return out
+        return collected(out)
     t0 = time.monotonic()
     free0 = fs_free(lay.root)
     trash, paths = set_aside(lay, items, out["errors"])
@@ -442,9 +446,9 @@ def op_gc(lay, a):
     sv = survey(paths + [p for _, _, p, _ in unlinked])
     tick("remove", force=True, items=len(items), store_entries=len(unlinked))
     n = len(items)         # the generations' and caches' links first, then the store entries they leave unlinked
-    removed = remove_surveyed({"files": sv["files"][:n], "dirs": sv["dirs"][:n]}, int(a.get("jobs") or 16),
+    removed = remove_surveyed({"files": sv["files"][:n], "dirs": sv["dirs"][:n]}, args.jobs or 16,
                               out["errors"], tick)
-    for k, c in remove_surveyed({"files": sv["files"][n:], "dirs": sv["dirs"][n:]}, int(a.get("jobs") or 16),
+    for k, c in remove_surveyed({"files": sv["files"][n:], "dirs": sv["dirs"][n:]}, args.jobs or 16,
                                 out["errors"], tick).items():
         removed[k] = removed.get(k, 0) + c
     account(out, items + unlinked, sv, removed)
@@ -463,7 +467,13 @@ def op_gc(lay, a):
                       "bytes": out["bytes"], "shared_bytes": out["shared_bytes"]})
     except OSError as e:
         out["errors"].append("history: " + oserr(e))
-    return out
+    return collected(out)
+
+
+def collected(out):
+    """gc's reply from the figures it gathered in `out` (its items' entries as `account` filled them in)."""
+    gens_out = [Collected(**g) for g in out.pop("generations")]
+    return Gc(generations=gens_out, **out)
 
 
 class Ticker:
@@ -658,12 +668,15 @@ def account(out, items, sv, removed=None):
 
 
 def op_logs(lay, a):
-    """A generation's logs (the tail of each `*.log` in its dir), its probe results and failure reason."""
-    gen = lay.gen(a["id"])
+    """A generation's logs (the tail of each `*.log` in its dir), its probe results and failure reason; the
+    generation named by number or id (`generation`), the newest by default."""
+    args = LogsArgs.given(a)
+    gen_id = pick(lay, args.generation, default="newest")
+    gen = lay.gen(gen_id)
     gdir = gen.dir
     if not os.path.isdir(gdir):
-        return {"error": "no generation %s under %s" % (a["id"], lay.root)}
-    tail = int(a.get("tail", 65536))
+        return {"error": "no generation %s under %s" % (gen_id, lay.root)}
+    tail = args.tail
     logs = {}
     for f in sorted(os.listdir(gdir)):
         if f.endswith(".log"):
@@ -671,23 +684,35 @@ def op_logs(lay, a):
                 fh.seek(0, 2)
                 size = fh.tell()
                 fh.seek(max(0, size - tail))
-                logs[f] = {"bytes": size, "text": fh.read().decode("utf-8", "replace")}
+                logs[f] = LogTail(bytes=size, text=fh.read().decode("utf-8", "replace"))
     probes = read_json(gen.probes_json, None)
     man = read_json(gen.manifest, {})
-    return {"id": a["id"], "dir": gdir, "status": man.get("status"), "reason": man.get("reason"),
-            "run_dir": man.get("run_dir"), "logs": logs,
-            "probes": [{k: r.get(k) for k in ("name", "status", "reason")} for r in (probes or {}).get("results", [])]}
+    return Logs(id=gen_id, dir=gdir, status=man.get("status"), reason=man.get("reason"), run_dir=man.get("run_dir"),
+                logs=logs, probes=[ProbeLine(name=r.get("name"), status=r.get("status"), reason=r.get("reason"))
+                                   for r in (probes or {}).get("results", [])])
+
+
+def pick(lay, name=None, default="current"):
+    """A generation's id under the root from its id or number (None: `current`, or with default "newest" the
+    newest), the CLI's rule; AgentError naming what the root holds when none matches."""
+    try:
+        return pick_generation([(n, i) for n, i, _ in gens(lay)], current(lay), name, default)
+    except LookupError as e:
+        raise AgentError({"none": "no generations under %s: adopt or apply first" % lay.root,
+                          "no current": "no current generation under %s; name one (generation=N)" % lay.root}
+                         .get(str(e), str(e))) from None
 
 
 def op_rollback(lay, a):
     """Switch back to generation `to` (a number or id), or to the newest ready one below current. Settles
     what an interrupted run left first (the caller holds the host lock, except for a dry run)."""
-    recovered = None if a.get("dry_run") else op_recover(lay, a)
+    args = RollbackArgs.given(a)
+    recovered = None if args.dry_run else op_recover(lay, a)
     before, broken = current_link(lay)
     all_gens = gens(lay)
     if not all_gens:
         return {"error": "no managed generations on this host: nothing to roll back to"}
-    to = a.get("to")
+    to = args.to
     if before is None and to is None:   # no history to follow from here: the operator names the generation
         return {"error": "%s; name the generation to switch to: rollback --to GEN (have: %s)" % (
             broken or "no current generation under %s" % lay.root, ", ".join(g[1] for g in all_gens))}
@@ -708,22 +733,22 @@ def op_rollback(lay, a):
             return {"error": "no earlier runnable generation to roll back to from %s%s" % (before, why)}
     warnings = read_history(lay)[1] + unreadable(all_gens) + ([broken] if broken else [])
     if target[1] == before:
-        return {"from": before, "to": before, "noop": True, "warnings": warnings}
+        return Rollback(from_=before, to=before, noop=True, warnings=warnings)
     forward = before is not None and target[0] > id_number(before)
-    check = None if a.get("force") else quick(lay, target[1])
+    check = None if args.force else quick(lay, target[1])
     if check and check["verdict"] == "drift":
         return {"error": "generation %s fails verification (%s); not switched to it (--force switches anyway)"
                 % (target[1], check["named"]), "check": check}
-    if a.get("dry_run"):
-        return {"from": before, "to": target[1], "forward": forward, "dry_run": True, "check": check,
-                "warnings": warnings}
+    check = QuickCheck.given(check) if check else None
+    if args.dry_run:
+        return Rollback(from_=before, to=target[1], forward=forward, dry_run=True, check=check, warnings=warnings)
     ev, failed, seconds = commit(lay, target[1], target[2], {
         "event": "rollback", "from": before, "to": target[1], "lock": target[2].get("lock_name"),
-        "forward": forward, "forced": bool(a.get("force")), "current_was": broken})
+        "forward": forward, "forced": args.force, "current_was": broken})
     if ev and ev.get("current_set_aside"):
         warnings.append("what was at %s is kept at %s" % (lay.current, ev["current_set_aside"]))
-    return {"from": before, "to": target[1], "forward": forward, "switch_seconds": seconds, "switched": True,
-            "event": ev, "check": check, "bookkeeping_failed": failed, "recovered": recovered, "warnings": warnings}
+    return Rollback(from_=before, to=target[1], forward=forward, switch_seconds=seconds, switched=True, event=ev,
+                    check=check, bookkeeping_failed=failed, recovered=recovered, warnings=warnings)
 
 
 def op_adopt(lay, a):
@@ -750,11 +775,12 @@ def op_adopt(lay, a):
 
 
 def op_history(lay, a):
+    args = HistoryArgs.given(a)
     evs, warnings = read_history(lay)
     all_gens = gens(lay)
-    return {"current": current(lay), "events": evs[-int(a.get("limit", 200)):],
-            "warnings": warnings + unreadable(all_gens) + [p for p in [current_problem(lay)] if p],
-            "generations": [dict(m, id=name, number=n) for n, name, m in all_gens]}
+    return History(current=current(lay), events=evs[-args.limit:] if args.limit > 0 else [],
+                   warnings=warnings + unreadable(all_gens) + [p for p in [current_problem(lay)] if p],
+                   generations=[HistoryGeneration.given(dict(m, id=name, number=n)) for n, name, m in all_gens])
 
 
 def files(path):
@@ -832,11 +858,12 @@ def op_status(lay, a):
     verify = man.get("verify")
     if broken:   # the verdicts of what was there no longer hold
         probe = verify = None
-    return {"root": lay.root, "current": cur, "lock": man.get("lock_name"), "since": since or man.get("created"),
-            "broken": broken, "probe": probe, "verify": verify, "generations": len(all_gens),
-            "last_attempt": attempt if attempt and attempt["generation"] != cur else None,
-            "ready": sum(1 for _, _, m in all_gens if m.get("status") in ("ready", "adopted")),
-            "disk_bytes": disk_used(lay.root) if os.path.isdir(lay.root) else 0}
+    return Status(root=lay.root, current=cur, lock=man.get("lock_name"), since=since or man.get("created"),
+                  broken=broken, probe=ProbeMark.given(probe) if probe else None,
+                  verify=VerifyMark.given(verify) if verify else None, generations=len(all_gens),
+                  last_attempt=ProbeMark.given(attempt) if attempt and attempt["generation"] != cur else None,
+                  ready=sum(1 for _, _, m in all_gens if m.get("status") in ("ready", "adopted")),
+                  disk_bytes=disk_used(lay.root) if os.path.isdir(lay.root) else 0)
 
 
 def op_read(lay, a):
@@ -861,7 +888,10 @@ def on_root(op):
                 held, holder = try_lock(lay.root)
                 if held is None:
                     return {"error": "another run holds the host lock %s (%s)" % (lay.lock_file, holder)}
-            return op(lay, a)
+            out = op(lay, a)
+            return out.as_json() if isinstance(out, Shape) else out
+        except ValueError as e:         # an argument not of its declared shape (steps/state.py)
+            return {"error": "%s: argument %s" % (a.get("op"), e)}
         except OSError as e:
             if e.errno == errno.EROFS or read_only(lay.root):
                 return {"error": "host root %s is read-only (%s: %s); nothing was written" % (

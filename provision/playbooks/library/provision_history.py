@@ -1,34 +1,35 @@
 #!/usr/bin/python
-"""Ansible module: a host's generations and history events (read-only), as `provision history` shows them."""
+"""Ansible module provision_history: the generations of a provision host root and its latest history events. Its work runs on the host, in the module.
+Written from the step's declaration (provision/steps/state.py) by `python -m provision.module_files`:
+edit the declaration, not this file."""
 
 DOCUMENTATION = r"""
 module: provision_history
-short_description: The generations of a provision host root and its latest history events
-description: Reads the host root only; never changes it.
+short_description: "The generations of a provision host root and its latest history events"
+description:
+  - "Reads the host root only; never changes it."
 extends_documentation_fragment: provision
 options:
   limit:
-    description: How many of the latest history events to return.
+    description: "How many of the latest history events to return."
     type: int
     default: 200
 """
 
 RETURN = r"""
-current: {description: the generation `current` names, or null, type: str}
-generations: {description: each generation's manifest with its id and number, oldest first, type: list}
-events: {description: the latest history events, oldest first, type: list}
-agent_warnings: {description: history lines and manifests that could not be read (the task's warnings too), type: list}
+current: {description: "the generation `current` names, or null", type: str, returned: always}
+generations: {description: "each generation's manifest with its id and number, oldest first", type: list, elements: dict, returned: always, contains: {id: {description: "the generation", type: str, returned: always}, number: {description: "its number", type: int, returned: always}, status: {description: "ready, adopted, failed, ...", type: str, returned: always}, lock_name: {description: "its lock's name", type: str, returned: always}, created: {description: "when it was made (UTC)", type: str, returned: always}, skipped_probes: {description: "probes its apply skipped", type: list, elements: str, returned: always}}}
+events: {description: "the latest history events, oldest first", type: list, elements: dict, returned: always}
+agent_warnings: {description: "history lines and manifests that could not be read (the task's warnings too)", type: list, elements: str, returned: always}
 """
 
-from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.provision import spec, step
+ARGUMENT_SPEC = {'limit': {'type': 'int', 'default': 200}}   # its own; the shared ones in module_utils/provision/spec.py
 
 
 def main():
-    module = AnsibleModule(argument_spec=dict(spec.ROOT, **{"limit": {"type": "int", "default": 200}}),
-                           supports_check_mode=True)
-    step.finish(module, step.run("state", "history", {"root": module.params["root"],
-                                                      "limit": module.params["limit"]}))
+    from ansible.module_utils.provision.step import main as run_step
+
+    run_step("history", ARGUMENT_SPEC)
 
 
 if __name__ == "__main__":

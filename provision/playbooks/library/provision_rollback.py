@@ -1,51 +1,48 @@
 #!/usr/bin/python
-"""Ansible module: switch a host's `current` back, as `provision rollback` does (the same agent, the same checks)."""
+"""Ansible module provision_rollback: switch `current` back to the generation current before the last switch, or to a given one. Its work runs on the host, in the module.
+Written from the step's declaration (provision/steps/state.py) by `python -m provision.module_files`:
+edit the declaration, not this file."""
 
 DOCUMENTATION = r"""
 module: provision_rollback
-short_description: Switch `current` back to the generation current before the last switch, or to a given one
+short_description: "Switch `current` back to the generation current before the last switch, or to a given one"
 description:
-  - Under the host lock, settles what an interrupted run left, checks the target generation against its build's
-    stamp and refuses one that drifted (unless force), then renames `current` (the commit point) and records it.
-  - Check mode names the target without switching.
+  - "Under the host lock, settles what an interrupted run left, checks the target generation against its build's stamp and refuses one that drifted (unless force), then renames `current` (the commit point) and records it."
+  - "Check mode names the target without switching."
 extends_documentation_fragment: provision
 options:
   to:
-    description: The generation to switch to (its number or id); default the one current before the last switch.
+    description: "The generation to switch to (its number or id); default the one current before the last switch."
     type: str
   force:
-    description: Switch to a generation that fails its check.
+    description: "Switch to a generation that fails its check."
     type: bool
     default: false
 """
 
 RETURN = r"""
-from: {description: the generation current before, type: str}
-to: {description: the generation current now (check mode - the one it would be), type: str}
-noop: {description: true when `to` already is current (nothing switched), type: bool}
-dry_run: {description: true in check mode, type: bool}
-switched: {description: true once `current` was renamed to `to`, type: bool}
-forward: {description: whether `to` is newer than `from`, type: bool}
-check: {description: the target's check against its stamp (verdict, files, figures), type: dict}
-switch_seconds: {description: seconds of the switch itself, type: float}
-event: {description: the history event recorded, type: dict}
-bookkeeping_failed: {description: records that failed after the switch (it stands; the next run repairs), type: list}
-recovered: {description: what settling an interrupted run found, type: dict}
-agent_warnings: {description: what the host root says is amiss (also the task's warnings), type: list}
+to: {description: "the generation current now (check mode - the one it would be)", type: str, returned: always}
+from: {description: "the generation current before", type: str, returned: always}
+noop: {description: "true when `to` already is current (nothing switched)", type: bool, returned: always}
+forward: {description: "whether `to` is newer than `from`", type: bool, returned: always}
+dry_run: {description: "true in check mode", type: bool, returned: always}
+switched: {description: "true once `current` was renamed to `to`", type: bool, returned: always}
+switch_seconds: {description: "seconds of the switch itself", type: float, returned: always}
+check: {description: "the target's check against its stamp (verdict, files, figures)", type: dict, returned: always, contains: {verdict: {description: "clean or drift", type: str, returned: always}, files: {description: "files checked", type: int, returned: always}, hashed: {description: "files hashed (their stat had changed)", type: int, returned: always}, seconds: {description: "seconds the check took", type: float, returned: always}, how: {description: "what it compared", type: str, returned: always}, named: {description: "the files that drifted, named", type: str, returned: always}}}
+event: {description: "the history event recorded", type: dict, returned: always}
+recovered: {description: "what settling an interrupted run found", type: dict, returned: always}
+bookkeeping_failed: {description: "records that failed after the switch (it stands; the next run repairs)", type: list, elements: str, returned: always}
+agent_warnings: {description: "what the host root says is amiss", type: list, elements: str, returned: always}
 """
 
-from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.provision import spec, step
+ARGUMENT_SPEC = {'to': {'type': 'str'},
+                 'force': {'type': 'bool', 'default': False}}   # its own; the shared ones in module_utils/provision/spec.py
 
 
 def main():
-    module = AnsibleModule(argument_spec=dict(spec.ROOT, **{"to": {"type": "str"},
-                                                            "force": {"type": "bool", "default": False}}),
-                           supports_check_mode=True)
-    p = module.params
-    reply = step.run("state", "rollback", {"root": p["root"], "to": p["to"], "force": p["force"],
-                                           "dry_run": module.check_mode, "take_lock": not module.check_mode})
-    step.finish(module, reply, changed=not module.check_mode and reply.get("from") != reply.get("to"))
+    from ansible.module_utils.provision.step import main as run_step
+
+    run_step("rollback", ARGUMENT_SPEC)
 
 
 if __name__ == "__main__":

@@ -1,35 +1,37 @@
 #!/usr/bin/python
-"""Ansible module: a host's provision status (read-only), as `provision status` shows it."""
+"""Ansible module provision_status: the current generation of a provision host root, its lock, last probe and disk use. Its work runs on the host, in the module.
+Written from the step's declaration (provision/steps/state.py) by `python -m provision.module_files`:
+edit the declaration, not this file."""
 
 DOCUMENTATION = r"""
 module: provision_status
-short_description: The current generation of a provision host root, its lock, last probe and disk use
-description: Reads the host root only; never changes it. The same reply as `provision status --json`.
+short_description: "The current generation of a provision host root, its lock, last probe and disk use"
+description:
+  - "Reads the host root only; never changes it. The same reply as `provision status --json`."
 extends_documentation_fragment: provision
 """
 
 RETURN = r"""
-root: {description: the host root read, type: str}
-current: {description: the generation `current` names, or null, type: str}
-broken: {description: what is wrong with `current` (its link, directory or interpreter), or null, type: str}
-lock: {description: its lock's name, type: str}
-since: {description: when it became current (UTC), type: str}
-probe: {description: its last probe (status, time, summary), type: dict}
-verify: {description: its last verification, type: dict}
-last_attempt: {description: the last probe of a generation that did not stay current, type: dict}
-generations: {description: how many generations the root keeps, type: int}
-ready: {description: how many of them are runnable, type: int}
-disk_bytes: {description: bytes under the root, each hard-linked file once, type: int}
+generations: {description: "how many generations the root keeps", type: int, returned: always}
+ready: {description: "how many of them are runnable", type: int, returned: always}
+disk_bytes: {description: "bytes under the root, each hard-linked file once", type: int, returned: always}
+root: {description: "the host root read", type: str, returned: always}
+current: {description: "the generation `current` names, or null", type: str, returned: always}
+lock: {description: "its lock's name", type: str, returned: always}
+since: {description: "when it became current (UTC)", type: str, returned: always}
+broken: {description: "what is wrong with `current` (its link, directory or interpreter), or null", type: str, returned: always}
+probe: {description: "its last probe (status, time, summary)", type: dict, returned: always, contains: {status: {description: "pass, fail or stopped", type: str, returned: always}, time: {description: "when it ran (UTC)", type: str, returned: always}, summary: {description: "how many probes ended each way (pass, fail, skip, warn)", type: dict, returned: always}, generation: {description: "the generation it probed (the last attempt only)", type: str, returned: always}}}
+verify: {description: "its last verification", type: dict, returned: always, contains: {verdict: {description: "clean or drift", type: str, returned: always}, time: {description: "when it ran (UTC)", type: str, returned: always}, how: {description: "what it compared", type: str, returned: always}}}
+last_attempt: {description: "the last probe of a generation that did not stay current", type: dict, returned: always, contains: {status: {description: "pass, fail or stopped", type: str, returned: always}, time: {description: "when it ran (UTC)", type: str, returned: always}, summary: {description: "how many probes ended each way (pass, fail, skip, warn)", type: dict, returned: always}, generation: {description: "the generation it probed (the last attempt only)", type: str, returned: always}}}
 """
 
-from ansible.module_utils.basic import AnsibleModule
-from ansible.module_utils.provision import spec, step
+ARGUMENT_SPEC = {}   # its own; the shared ones in module_utils/provision/spec.py
 
 
 def main():
-    module = AnsibleModule(argument_spec=spec.ROOT,
-                           supports_check_mode=True)
-    step.finish(module, step.run("state", "status", {"root": module.params["root"]}))
+    from ansible.module_utils.provision.step import main as run_step
+
+    run_step("status", ARGUMENT_SPEC)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ import os
 import sys
 import tempfile
 
-from .layout import Layout, pick_generation
 from .agent import facts, host, state
 from .agent.host import AgentError
 
@@ -25,19 +24,22 @@ def run(agent, op, payload):
             return {"error": str(e)}
 
 
-def generation(root, name=None, default="current"):
-    """A generation's id under `root` from its id or number (None: `current`, or with default "newest" the newest),
-    the CLI's rule; AgentError naming what the root holds when none matches."""
-    denied = state.root_unreadable(root)
-    if denied:
-        raise AgentError(denied)
-    lay = Layout(root)
-    try:
-        return pick_generation([(n, i) for n, i, _ in host.generations(lay)], host.current(lay), name, default)
-    except LookupError as e:
-        raise AgentError({"none": "no generations under %s: adopt or apply first" % root,
-                          "no current": "no current generation under %s; name one (generation=N)" % root}
-                         .get(str(e), str(e))) from None
+def main(name, own):
+    """main() of the module of declared step `name` that runs on the host (steps/state.py; `own`: its options,
+    as its module file declares them): the options and the root to the step, the task's check mode as the step's
+    dry run where it has one; the reply as the task's result, changed when the step switched `current`."""
+    from ansible.module_utils.basic import AnsibleModule
+    from . import spec
+    from .steps.state import STEPS
+
+    declared = {s.name: s for s in STEPS}[name]
+    module = AnsibleModule(argument_spec=dict(spec.ROOT, **own), supports_check_mode=True)
+    payload = {k: module.params[k] for k in own}
+    payload["root"] = module.params["root"]
+    if declared.check_mode == "dry_run":
+        payload.update(dry_run=module.check_mode, take_lock=not module.check_mode)
+    reply = run(declared.agent, declared.op, payload)
+    finish(module, reply, changed=bool(reply.get("switched")))
 
 
 def _bundle():
