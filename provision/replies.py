@@ -4,12 +4,13 @@ declared in provision/steps with them, the rest here), and the one checked reade
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .errors import HostError
 from .steps import GENERATION_RE, Reply, as_json, check, host_path  # noqa: F401  (host_path: facts.py)
-from .steps.state import (Collected, Gc, History, HistoryGeneration, Logs, LogTail, ProbeLine,  # noqa: F401
-                          ProbeMark, QuickCheck, Rollback, Status, Switched, VerifyMark)
+from .steps.state import (Collected, Gc, GenerationVerify, History, HistoryGeneration, KernelEntry,  # noqa: F401
+                          KernelsCollected, Logs, LogTail, ProbeLine, ProbeMark, QuickCheck, Recovered, Rollback,
+                          Status, StoreCollected, Switched, VerifyMark)
 WHEEL_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+!-]{0,250}\.whl\Z")
 
 PATH = {"path": True}                                              # a field that names a path on the host
@@ -37,6 +38,15 @@ def refuse(host: str, step: str, name: str, why: str, title: str | None = None):
     """The one line for a reply of the wrong shape: ReplyError naming the host, the step and the field."""
     what = title or "the host's %s reply is" % step
     raise ReplyError(f"{what} malformed: {name}: {why}", where=host)
+
+
+def given(reply, **values):
+    """`reply` with fields the controller sets (metadata `given`; dataclasses.replace), the host's reply kept for
+    `to_json`."""
+    made = replace(reply, **values)
+    if hasattr(reply, "_raw"):
+        object.__setattr__(made, "_raw", reply._raw)
+    return made
 
 
 to_json = as_json       # a reply read by `read` as the host sent it (keys no dataclass declares kept), checked fields as checked
@@ -67,20 +77,6 @@ class Marked(Reply):
     id: str = field(metadata=GEN_ID)
     status: str | None = None
     bookkeeping_failed: list[str] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class Recovered(Reply):
-    """`recover`: what an interrupted run left, settled (each list names what it touched)."""
-    STEP = "recover"
-    abandoned: list[str] = field(default_factory=list)
-    repaired: list[str] = field(default_factory=list)
-    settled: list = field(default_factory=list)
-    freed: list = field(default_factory=list)
-    removed_tmp: list[str] = field(default_factory=list)
-    removed_partial: list[str] = field(default_factory=list)
-    unreadable: list[str] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

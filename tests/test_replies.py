@@ -139,7 +139,7 @@ CASES = [   # (agent, op, what the host does to its reply, the call, the field a
      "rollback reply is malformed: check.verdict: 'fine' is not clean or drift"),
     ("state", "history", "r['generations'][0]['number'] = '1'", lambda t: generations.history(t),
      "history reply is malformed: generations[0].number: expected a whole number, not str"),
-    ("state", "history", "r['current'] = '../../etc'", lambda t: generations.logs(t, "1"),
+    ("state", "history", "r['current'] = '../../etc'", lambda t: generations.resolve(t, "1"),
      "history reply is malformed: current: '../../etc' is not a generation id"),
     ("state", "gc", "r['generations'] = [{'id': '0001-a', 'run_dir': 7}]", lambda t: generations.gc(t, 1, True),
      "gc reply is malformed: generations[0].run_dir: expected a string, not int"),

@@ -14,8 +14,9 @@ import time
 
 from ..layout import Layout, cache_entry, pick_generation, venv_python
 from ..steps import Shape
-from ..steps.state import (Collected, Gc, GcArgs, History, HistoryArgs, HistoryGeneration, Logs, LogsArgs, LogTail,
-                           ProbeLine, ProbeMark, QuickCheck, Rollback, RollbackArgs, Status, Switched, VerifyMark)
+from ..steps.state import (Collected, Gc, GcArgs, History, HistoryArgs, HistoryGeneration, KernelsCollected, Logs,
+                           LogsArgs, LogTail, ProbeLine, ProbeMark, QuickCheck, Recovered, Rollback, RollbackArgs,
+                           Status, StoreCollected, Switched, VerifyMark)
 from . import kernels, store as filestore
 from .host import (AgentError, current, current_link, current_problem, disk_full, ensure_root, event, fsync_dir,
                    generations as gens, manifest_of, read_json, try_lock, write_atomic)
@@ -472,8 +473,11 @@ def op_gc(lay, a):
 
 def collected(out):
     """gc's reply from the figures it gathered in `out` (its items' entries as `account` filled them in)."""
-    gens_out = [Collected(**g) for g in out.pop("generations")]
-    return Gc(generations=gens_out, **out)
+    made = {"generations": [Collected(**g) for g in out.pop("generations")],
+            "recovered": Recovered.given(out.pop("recovered")) if out.get("recovered") else None,
+            "kernels": KernelsCollected.given(out.pop("kernels")) if out.get("kernels") else None,
+            "store": StoreCollected.given(out.pop("store")) if out.get("store") else None}
+    return Gc(**made, **{k: v for k, v in out.items() if k not in made})
 
 
 class Ticker:
@@ -748,7 +752,7 @@ def op_rollback(lay, a):
     if ev and ev.get("current_set_aside"):
         warnings.append("what was at %s is kept at %s" % (lay.current, ev["current_set_aside"]))
     return Rollback(from_=before, to=target[1], forward=forward, switch_seconds=seconds, switched=True, event=ev,
-                    check=check, bookkeeping_failed=failed, recovered=recovered, warnings=warnings)
+                    check=check, bookkeeping_failed=failed, recovered=Recovered.given(recovered), warnings=warnings)
 
 
 def op_adopt(lay, a):

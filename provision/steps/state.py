@@ -6,6 +6,24 @@ from __future__ import annotations
 from . import Args, Reply, Step, dataclass, doc, field, gen_id, clean_or_drift
 
 
+# ---------------------------------------------------------------- what settling an interrupted run found
+
+@dataclass(frozen=True)
+class Recovered(Reply):
+    """`recover`: what an interrupted run left, settled (each list names what it touched)."""
+    STEP = "recover"
+    abandoned: list[str] = field(default_factory=list, metadata=doc("generations left unfinished, abandoned"))
+    repaired: list[str] = field(default_factory=list, metadata=doc("switches whose records were repaired"))
+    settled: list = field(default_factory=list, metadata=doc("switches not current, settled back"))
+    freed: list = field(default_factory=list, metadata=doc("failed generations whose venv was removed"))
+    removed_tmp: list[str] = field(default_factory=list, metadata=doc("temporary files removed"))
+    removed_partial: list[str] = field(default_factory=list, metadata=doc("partial downloads removed"))
+    unreadable: list[str] = field(default_factory=list, metadata=doc("manifests that cannot be read (kept)"))
+    errors: list[str] = field(default_factory=list, metadata=doc("what could not be settled"))
+    trash_bytes: int = field(default=0, metadata=doc("bytes an interrupted gc had set aside, removed"))
+    rest: dict = field(default_factory=dict, metadata=doc("the rest of what it found", rest=True))
+
+
 # ---------------------------------------------------------------- status
 
 @dataclass(frozen=True)
@@ -62,6 +80,15 @@ class HistoryArgs(Args):
 
 
 @dataclass(frozen=True)
+class GenerationVerify(Reply):
+    """A generation's last verify verdict as its manifest records it."""
+    verdict: str | None = field(default=None, metadata=doc("clean or drift"))
+    time: str | None = field(default=None, metadata=doc("when it ran (UTC)"))
+    how: str | None = field(default=None, metadata=doc("what it compared"))
+    rest: dict = field(default_factory=dict, metadata=doc("the rest of its record", rest=True))
+
+
+@dataclass(frozen=True)
 class HistoryGeneration(Reply):
     """One generation as history lists it: its manifest, with its id and number."""
     id: str = field(metadata=gen_id("the generation"))
@@ -70,6 +97,11 @@ class HistoryGeneration(Reply):
     lock_name: str | None = field(default=None, metadata=doc("its lock's name"))
     created: str | None = field(default=None, metadata=doc("when it was made (UTC)"))
     skipped_probes: list[str] = field(default_factory=list, metadata=doc("probes its apply skipped"))
+    probes_summary: dict[str, int] | None = field(default=None, metadata=doc(
+        "how many of its probes ended each way"))
+    verify: GenerationVerify | None = field(default=None, metadata=doc("its last verification"))
+    reason: str | None = field(default=None, metadata=doc("why it failed"))
+    run_dir: str | None = field(default=None, metadata=doc("the controller's run directory of its build"))
     rest: dict = field(default_factory=dict, metadata=doc("the rest of its manifest, as written", rest=True))
 
 
@@ -166,10 +198,11 @@ class Rollback(Reply):
     check: QuickCheck | None = field(default=None, metadata=doc(
         "the target's check against its stamp (verdict, files, figures)"))
     event: dict | None = field(default=None, metadata=doc("the history event recorded"))
-    recovered: dict | None = field(default=None, metadata=doc("what settling an interrupted run found"))
+    recovered: Recovered | None = field(default=None, metadata=doc("what settling an interrupted run found"))
     bookkeeping_failed: list[str] = field(default_factory=list, metadata=doc(
         "records that failed after the switch (it stands; the next run repairs)"))
     warnings: list[str] = field(default_factory=list, metadata=doc("what the host root says is amiss"))
+    seconds: float | None = field(default=None, metadata=doc("the step as the controller timed it", given=True))
 
 
 ROLLBACK = Step("rollback", "state", "rollback", RollbackArgs, Rollback,
@@ -240,6 +273,29 @@ class Collected(Reply):
 
 
 @dataclass(frozen=True)
+class KernelEntry(Reply):
+    key: str = field(metadata=doc("the kernel cache entry"))
+    bytes: int = field(default=0, metadata=doc("its bytes"))
+    rest: dict = field(default_factory=dict, metadata=doc("the rest of its record", rest=True))
+
+
+@dataclass(frozen=True)
+class KernelsCollected(Reply):
+    """gc's part of the host's kernel cache: the entries no kept generation records, removed (or that would be)."""
+    removed: list[KernelEntry] = field(default_factory=list, metadata=doc("the entries removed"))
+    kept: list[str] = field(default_factory=list, metadata=doc("the entries a kept generation uses"))
+    bytes: int = field(default=0, metadata=doc("bytes freed"))
+    errors: list[str] = field(default_factory=list, metadata=doc("removals that failed"))
+
+
+@dataclass(frozen=True)
+class StoreCollected(Reply):
+    """gc's part of the host's file store: the entries no kept generation links, and the bytes they alone held."""
+    entries: int = field(default=0, metadata=doc("store entries removed"))
+    bytes: int = field(default=0, metadata=doc("the bytes they alone held"))
+
+
+@dataclass(frozen=True)
 class Gc(Reply):
     STEP = "gc"
     dry_run: bool = field(default=False, metadata=doc("true in check mode (nothing removed)"))
@@ -247,10 +303,10 @@ class Gc(Reply):
         "each generation removed (or that would be), with its status and the bytes it frees"))
     cache: list = field(default_factory=list, metadata=doc("the cached wheels removed"))
     uv_cache: list = field(default_factory=list, metadata=doc("uv's unpacked wheels removed"))
-    kernels: dict | None = field(default=None, metadata=doc("compiled kernel caches no kept generation uses, "
-                                                            "removed"))
-    store: dict | None = field(default=None, metadata=doc("store entries no kept generation links, removed, and "
-                                                          "the bytes they alone held"))
+    kernels: KernelsCollected | None = field(default=None, metadata=doc(
+        "compiled kernel caches no kept generation uses, removed"))
+    store: StoreCollected | None = field(default=None, metadata=doc(
+        "store entries no kept generation links, removed, and the bytes they alone held"))
     bytes: int = field(default=0, metadata=doc("bytes freed (each inode once, only when no link to it is left)"))
     shared_bytes: int = field(default=0, metadata=doc("bytes that stay, linked from what is kept"))
     errors: list[str] = field(default_factory=list, metadata=doc("removals that failed (what was done is "
@@ -261,9 +317,11 @@ class Gc(Reply):
     seconds: float | None = field(default=None, metadata=doc("seconds the removal took (not in check mode)"))
     fs_freed: int | None = field(default=None, metadata=doc(
         "the filesystem's own figure of space freed (not in check mode)"))
-    recovered: dict | None = field(default=None, metadata=doc(
+    recovered: Recovered | None = field(default=None, metadata=doc(
         "what settling an interrupted run found (not in check mode)"))
     warnings: list[str] = field(default_factory=list, metadata=doc("what the host root says is amiss"))
+    run_dirs: list[str] = field(default_factory=list, metadata=doc(
+        "the controller's run directories of the generations removed (or that would be)", given=True))
 
 
 GC = Step("gc", "state", "gc", GcArgs, Gc,
