@@ -274,7 +274,7 @@ def canary_figures(host, n: int) -> dict:
     rolled = [r for r in run.reports if r.status == "rolled-back"]
     return {"canary_first_switch_to_rollback_s": end - marks["first_switch"], "canary_batch2_s": end - marks["batch2"],
             "canary_failure_to_rollback_s": end - marks["failed"],
-            "canary_rollback_s": max((r.rollback["seconds"] for r in rolled), default=0.0),
+            "canary_rollback_s": max((r.rollback.seconds for r in rolled), default=0.0),
             "canary_rolled_back": [r.host for r in rolled],
             "canary_stopped": [r.host for r in run.reports if r.status == "stopped"],
             "canary_untouched": sum(r.status == "not-attempted" for r in run.reports),

@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from provision import apply as applymod  # noqa: E402
-from provision import generations  # noqa: E402
+from provision import generations, replies  # noqa: E402
 from provision import lock as lockmod  # noqa: E402
 from provision.loopback import LoopbackHost  # noqa: E402
 from provision.plan import plan_host, render_plan  # noqa: E402
@@ -368,19 +368,19 @@ def upgrade(tr, work: Path, locks: dict, fig: dict, rows: list, quiet: bool) -> 
     cold_and_cached(tr, work, locks, rows, quiet, "baseline", "baseline")
     fig["plan_baseline_to_sglang"] = render_plan(plan_host(tr, locks["sglang"]))
     cold_and_cached(tr, work, locks, rows, quiet, "cuda13", "CUDA 13")
-    before = generations.history(tr)["current"]
+    before = generations.history(tr).current
     apply(tr, base, "reuse: baseline", rows, quiet)
     t0 = time.perf_counter()
     rb = generations.rollback(tr, to=before)      # back to the CUDA 13 generation it left
-    fig["rollback"] = {"wall_s": round(time.perf_counter() - t0, 3), "from": rb.get("from"),
-                       "to": rb.get("to"), "host_switch_s": rb.get("switch_seconds")}
+    fig["rollback"] = {"wall_s": round(time.perf_counter() - t0, 3), "from": rb.from_,
+                       "to": rb.to, "host_switch_s": rb.switch_seconds}
     root = Path(tr.target.vars["provision_root"])
     fig["disk_before_gc"] = du(root)
     fig["cache_bytes"] = du(root / "cache")
     t0 = time.perf_counter()
     g = generations.gc(tr, keep=1)
     fig["gc"] = {"wall_s": round(time.perf_counter() - t0, 2),
-                 **{k: v for k, v in g.items() if isinstance(v, (int, float, str))}}
+                 **{k: v for k, v in replies.to_json(g).items() if isinstance(v, (int, float, str))}}
     fig["disk_after_gc"] = du(root)
 
 

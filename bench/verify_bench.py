@@ -110,9 +110,9 @@ def main() -> None:
             t0 = time.perf_counter()
             out = generations.rollback(tr)
             checked.append(time.perf_counter() - t0)
-            if out.get("check"):
-                check_s.append(out["check"]["seconds"])
-                fig["rollback_check_files"] = out["check"]["files"]
+            if out.check is not None:
+                check_s.append(out.check.seconds)
+                fig["rollback_check_files"] = out.check.files
             generations.rollback(tr, to=gen)
             if verifymod is not None:
                 t0 = time.perf_counter()

@@ -15,6 +15,7 @@ from ansible.plugins.action import ActionBase
 from .bundled import PLAYBOOKS
 from .errors import HostKeyError, InputError, ProvisionError
 from .plays import DONE, carried
+from .replies import to_json
 
 HEARTBEAT = 2.0             # seconds between "still running" lines of a step that says nothing itself
 
@@ -178,11 +179,12 @@ class Progress:
 class HostStep(ActionBase):
     """An action plugin whose work is `step(transport, args, progress)` on the task's host, reached as the inventory
     names it: MODULE (playbooks/library/MODULE.py) declares its arguments, among them `known_hosts`, `root` and
-    `progress` (a controller file for `Progress`). The step's value is the task's result (`value_of` reads it back);
-    a ProvisionError it raises fails the task with its one line, its type and where; a host provision's connection
-    cannot reach is unreachable, as Ansible counts it. `verdict(value)`: a line that fails the task with the value
-    kept (a failed probe), or None. STOPPABLE false: the controller gone or stopping never cuts the step's host
-    command (a switch is one commit)."""
+    `progress` (a controller file for `Progress`). The step's value (a dict, or a reply dataclass: its JSON,
+    `replies.to_json`) is the task's result (`value_of` reads it back); `changed` and `verdict` see it as the step
+    returned it. A ProvisionError it raises fails the task with its one line, its type and where; a host provision's
+    connection cannot reach is unreachable, as Ansible counts it. `verdict(value)`: a line that fails the task with
+    the value kept (a failed probe), or None. STOPPABLE false: the controller gone or stopping never cuts the step's
+    host command (a switch is one commit)."""
 
     MODULE = ""
     STEP = ""
@@ -230,7 +232,7 @@ class HostStep(ActionBase):
         finally:
             gone.stop()
             tr.close()
-        out = dict(result, **carried(value), changed=self.changed(value))
+        out = dict(result, **carried(to_json(value)), changed=self.changed(value))
         out[DONE] = True
         why = self.verdict(value)
         if why:

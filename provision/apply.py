@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 
-from . import build as buildmod, generations, layout, lock as lockmod, toolkit, verify as verifymod
+from . import build as buildmod, generations, layout, lock as lockmod, replies, toolkit, verify as verifymod
 from .errors import ConnectionLost, HostError, Interrupted, PlanError, ProbesFailed, ProvisionError, SwitchUnknown
 from .facts import Facts, capture_lock, env_paths, gather, gather_for
 from .fleet import FORKS
@@ -80,10 +80,10 @@ class ApplyReport:
     error_type: str | None = None      # the error's kind (errors.py) where the host's step raised one
     seconds: float = 0.0
     batch: int = 0                     # a fleet rollout's batch (1-based; 0 outside one)
-    rollback: dict | None = None       # a fleet rollout's rollback of this host (its batch failed)
+    rollback: replies.Rollback | None = None    # a fleet rollout's rollback of this host (its batch failed)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return dict(asdict(self), rollback=replies.to_json(self.rollback))
 
 
 def patch(transport: Transport, lock: Lock, gen: dict) -> dict:
@@ -435,11 +435,11 @@ def _switch(transport: Transport, report: ApplyReport, steps: _Steps, gen_id: st
 
 def _switch_now(transport: Transport, report: ApplyReport, steps: _Steps, gen_id: str, event: dict) -> None:
     try:
-        with steps.step("switch") as step:
-            sw = step.said(generations.switch(transport, gen_id, "apply", event))
+        with steps.step("switch"):
+            sw = generations.switch(transport, gen_id, "apply", event)
     except HostError as e:
         try:
-            now = generations.history(transport, limit=1)["current"]
+            now = generations.history(transport, limit=1).current
         except ProvisionError:
             report.status, report.failed_step = "unknown", "switch"
             raise SwitchUnknown(f"connection lost while switching to {gen_id} ({e.message}); `current` is either "
@@ -458,8 +458,8 @@ def _switch_now(transport: Transport, report: ApplyReport, steps: _Steps, gen_id
             raise
         report.warnings.append(f"switched to {gen_id}, but the switch reported: {e.message}")
         return
-    report.current = sw["to"]
-    report.warnings += [unrecorded(gen_id, what) for what in sw.get("bookkeeping_failed") or []]
+    report.current = sw.to
+    report.warnings += [unrecorded(gen_id, what) for what in sw.bookkeeping_failed]
 
 
 def unrecorded(gen_id: str, what: str) -> str:
@@ -868,6 +868,6 @@ def _roll_back(fleet: FleetReport, group: list, progress_for, forks: int) -> Non
                 rep.warnings.append(f"rolling back failed: {why}")
                 continue
             out = row.value
-            say("rollback", "done", f"{out['from']} → {out['to']} in {out['seconds']:.2f}s")
-            rep.status, rep.current, rep.rollback = "rolled-back", out["to"], out
-            rep.warnings += out.get("warnings") or []
+            say("rollback", "done", f"{out.from_} → {out.to} in {out.seconds:.2f}s")
+            rep.status, rep.current, rep.rollback = "rolled-back", out.to, out
+            rep.warnings += out.warnings

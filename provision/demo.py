@@ -82,7 +82,7 @@ def wheelhouse_lock(path: Path, house: Path, given: Path | None = None,
     return out
 
 
-def run_demo(say: Callable[[str], None], progress, show_history: Callable[[dict, str], None],
+def run_demo(say: Callable[[str], None], progress, show_history: Callable[[History, str], None],
              show_probes: Callable[[dict | None], None], keep: bool = False,
              torch_wheel: Path | None = None) -> dict:
     host = LoopbackHost()
@@ -118,8 +118,8 @@ def run_demo(say: Callable[[str], None], progress, show_history: Callable[[dict,
                                       "spec_tok_s")}
         say(f"\n## provision rollback {host.spec}")
         rb = values(generations.rollback_play([t]))[0]
-        figures["rollback_s"] = rb["seconds"]
-        say(f"Rolled back: current {rb['from']} → {rb['to']} in {rb['seconds']:.2f}s (nothing reinstalled)")
+        figures["rollback_s"] = rb.seconds
+        say(f"Rolled back: current {rb.from_} → {rb.to} in {rb.seconds:.2f}s (nothing reinstalled)")
         say(f"\n## provision history {host.spec}")
         show_history(values(Play("history", read=typed(History)).rows([t]))[0], host.spec)
     finally:

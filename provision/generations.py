@@ -31,11 +31,12 @@ def mark(t: Transport, gen_id: str, event: dict | None = None, remove_venv: bool
     return ask(t, replies.Marked, "mark", id=gen_id, fields=fields, event=event, remove_venv=remove_venv).to_json()
 
 
-def switch(t: Transport, gen_id: str, kind: str = "switch", event: dict | None = None, take_lock: bool = False) -> dict:
+def switch(t: Transport, gen_id: str, kind: str = "switch", event: dict | None = None,
+           take_lock: bool = False) -> replies.Switched:
     """Commit `gen_id` as current (rename of `current`); `bookkeeping_failed` names what failed after it.
     `take_lock`: under the host lock (a caller that does not hold it already)."""
     return ask(t, replies.Switched, "switch", id=gen_id, kind=kind, event=event or {},
-               **({"take_lock": True} if take_lock else {})).to_json()
+               **({"take_lock": True} if take_lock else {}))
 
 
 def recover(t: Transport) -> dict:
@@ -43,13 +44,13 @@ def recover(t: Transport) -> dict:
     return ask(t, replies.Recovered, "recover").to_json()
 
 
-def logs(t: Transport, generation: str | None = None, tail: int = 65536) -> dict:
+def logs(t: Transport, generation: str | None = None, tail: int = 65536) -> replies.Logs:
     """A generation's logs (tail of each), probe results with reasons, failure reason and run dir; `generation`
     is its id or number (default: the newest)."""
-    return ask(t, replies.Logs, "logs", generation=generation, tail=tail).to_json()
+    return ask(t, replies.Logs, "logs", generation=generation, tail=tail)
 
 
-def gc(t: Transport, keep: int = 3, dry_run: bool = False, on_event=None) -> dict:
+def gc(t: Transport, keep: int = 3, dry_run: bool = False, on_event=None) -> replies.Gc:
     """Collect old and failed generations and unreferenced cache entries on the host (under its lock),
     then the controller's run directories of the generations removed. `bytes` is what the host freed (each
     inode once, and only when no link to it is left); `shared_bytes` what stays linked from elsewhere;
@@ -59,7 +60,7 @@ def gc(t: Transport, keep: int = 3, dry_run: bool = False, on_event=None) -> dic
     return collected(replies.Gc.of(out, t.target.name), dry_run)
 
 
-def collected(reply: replies.Gc, dry_run: bool) -> dict:
+def collected(reply: replies.Gc, dry_run: bool) -> replies.Gc:
     """The host's gc reply, then the controller's part: the run directories of the generations it removed (or would
     remove), under `run_dirs`, removed here unless `dry_run`."""
     import shutil
@@ -67,17 +68,17 @@ def collected(reply: replies.Gc, dry_run: bool) -> dict:
 
     from .runner import RUNS
 
-    out = dict(reply.to_json(), run_dirs=[])
+    run_dirs = []
     for g in reply.generations:
         rd = g.run_dir
         if rd and (dry_run or g.removed) and Path(rd).resolve().parent == RUNS.resolve() and Path(rd).is_dir():
-            out["run_dirs"].append(rd)
+            run_dirs.append(rd)
             if not dry_run:
                 shutil.rmtree(rd, ignore_errors=True)
-    return out
+    return replies.given(reply, run_dirs=run_dirs)
 
 
-def rollback(t: Transport, to: str | None = None, dry_run: bool = False, force: bool = False) -> dict:
+def rollback(t: Transport, to: str | None = None, dry_run: bool = False, force: bool = False) -> replies.Rollback:
     """Switch back (or, with `to`, possibly forward: `forward` says so); `dry_run` only names the target. The
     target is checked first (every file's stat against its build's stamp, hashing what changed; `check` holds
     the figures): one that drifted is refused, naming its files, unless `force`. The rename of `current` is the
@@ -87,17 +88,17 @@ def rollback(t: Transport, to: str | None = None, dry_run: bool = False, force: 
     return rolled_back(out, time.perf_counter() - t0)
 
 
-def rolled_back(reply: replies.Rollback, seconds: float | None) -> dict:
+def rolled_back(reply: replies.Rollback, seconds: float | None) -> replies.Rollback:
     """The host's rollback reply as `rollback` returns it: `seconds` the step took as the controller saw it, and a
     warning for each record that failed after the switch."""
-    return dict(reply.to_json(), seconds=seconds or 0.0, warnings=reply.warnings + [
+    return replies.given(reply, seconds=seconds or 0.0, warnings=reply.warnings + [
         f"switched to {reply.to}; recording it failed ({what}); the next run repairs it"
         for what in reply.bookkeeping_failed])
 
 
-def status(t: Transport) -> dict:
+def status(t: Transport) -> replies.Status:
     """Current generation, its lock, since when, last probe verdict, generations kept, disk used."""
-    return ask(t, replies.Status, "status").to_json()
+    return ask(t, replies.Status, "status")
 
 
 def adopt(t: Transport, prefix: str, lock_name: str, lock_text: str, manifest: dict) -> dict:
@@ -105,8 +106,8 @@ def adopt(t: Transport, prefix: str, lock_name: str, lock_text: str, manifest: d
                manifest=manifest).to_json()
 
 
-def history(t: Transport, limit: int = 200) -> dict:
-    return ask(t, replies.History, "history", limit=limit).to_json()
+def history(t: Transport, limit: int = 200) -> replies.History:
+    return ask(t, replies.History, "history", limit=limit)
 
 
 def resolve(t: Transport, generation: str | None, default: str = "current") -> str:
@@ -156,8 +157,8 @@ def rollback_play(targets: list, to: str | None = None, *, dry_run: bool = False
                   serial: str | list[str] = "0", forks: int | None = None, on_row=None) -> list:
     """`rollback` on the hosts as playbooks/rollback.yml (`dry_run`: its --check), one Ansible run per batch of
     `serial` (Ansible would end a play at a batch whose every host failed; here each host goes back on its own, a
-    dead one named in its row). One fleet.Row per host, values as `rollback` returns them; `on_row` hears each
-    host's row as it comes."""
+    dead one named in its row). One fleet.Row per host, values as `rollback` returns them (replies.Rollback);
+    `on_row` hears each host's row as it comes."""
     from .fleet import batches
     from .runner import answer, play_rows
 
@@ -177,10 +178,18 @@ def rollback_play(targets: list, to: str | None = None, *, dry_run: bool = False
 def gc_play(targets: list, keep: int = 3, dry_run: bool = False, forks: int | None = None,
             on_progress=None) -> list:
     """`gc` as playbooks/gc.yml (`dry_run`: its --check) over the hosts, each host's run directories of what it
-    removed too; one fleet.Row per host. `on_progress(host, event)` hears each host's phases as it collects."""
+    removed too; one fleet.Row per host, values as `gc` returns them (replies.Gc). `on_progress(host, event)` hears
+    each host's phases as it collects."""
     from .plays import Play
 
-    return Play("gc", {"keep": keep}, check=dry_run, on_progress=on_progress).rows(targets, forks)
+    return Play("gc", {"keep": keep}, read=gc_of, check=dry_run, on_progress=on_progress).rows(targets, forks)
+
+
+def gc_of(t, result: dict, seconds: float | None = None) -> replies.Gc:
+    """gc.yml's result read back as `gc` returns it: the plugin's value (its run_dirs as it set them), a Gc again."""
+    from .plays import value_of
+
+    return replies.Gc.of(value_of(t, result, seconds), t.name)
 
 
 def gc_progress(ev: dict) -> str:

@@ -47,13 +47,14 @@ def value_of(t, result: dict, seconds: float | None = None) -> dict:
     return out
 
 
-def typed(cls) -> Callable[..., dict]:
+def typed(cls) -> Callable[..., Any]:
     """A play_rows `read` for a module's result: the reply as reply dataclass `cls` (replies.py) reads it, checked
-    field by field (a reply of the wrong shape is the host's ReplyError, one line), given back as JSON."""
+    field by field (a reply of the wrong shape is the host's ReplyError, one line); `replies.to_json` gives it back
+    as JSON."""
     from .runner import answer
 
-    def read(t, result: dict, seconds: float | None = None) -> dict:
-        return cls.of(answer(t, result), t.name).to_json()
+    def read(t, result: dict, seconds: float | None = None):
+        return cls.of(answer(t, result), t.name)
     return read
 
 

@@ -59,8 +59,8 @@ def test_unpatched_kimi_k25_refused_by_contract_probe(target, tmp_path, wheels):
         h = generations.history(tr)
     finally:
         tr.close()
-    assert h["current"] == "0001-stack-a"
-    assert h["generations"][-1]["status"] == "failed"
+    assert h.current == "0001-stack-a"
+    assert h.generations[-1].status == "failed"
 
 
 def test_series_that_does_not_apply_refused_current_untouched(target, tmp_path, wheels):
@@ -84,6 +84,6 @@ def test_series_that_does_not_apply_refused_current_untouched(target, tmp_path, 
         h = generations.history(tr)
     finally:
         tr.close()
-    assert h["current"] == "0001-stack-a"
+    assert h.current == "0001-stack-a"
     assert os.readlink(Path(target.vars["provision_root"]) / "current") == "generations/0001-stack-a"
-    assert h["generations"][-1]["status"] == "failed"
+    assert h.generations[-1].status == "failed"

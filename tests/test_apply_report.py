@@ -51,7 +51,7 @@ def test_a_switch_whose_history_line_is_lost_is_said_with_what_to_run(target, st
     assert again["status"] == "noop" and gb in again["recovered"]["repaired"], again
     tr = connect(target)
     try:
-        switches = [e for e in generations.history(tr)["events"] if e["event"] == "apply" and e["to"] == gb]
+        switches = [e for e in generations.history(tr).events if e["event"] == "apply" and e["to"] == gb]
     finally:
         tr.close()
     assert [e.get("repaired") for e in switches] == [True], switches

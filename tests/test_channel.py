@@ -285,6 +285,6 @@ def test_agents_run_with_the_inventorys_python_interpreter(target, tmp_path):
     try:
         assert tr.run_agent("host", {"op": "dists"})["executable"] == "/usr/bin/python3"
         with tr.hold():      # the host lock's agent too
-            assert generations.history(tr)["generations"] == []
+            assert generations.history(tr).generations == []
     finally:
         tr.close()

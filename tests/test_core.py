@@ -14,6 +14,7 @@ import pytest
 
 from provision import apply as applymod
 from provision import generations, lock as lockmod
+from provision.replies import to_json
 from provision.errors import HostError, HostKeyError, HostLockedError, LockError, ProvisionError
 from provision.facts import Facts, gather
 from provision.loopback import LoopbackHost
@@ -152,8 +153,8 @@ def test_hash_mismatch_on_host_fetch_refused(target, wheels, tmp_path):
         with pytest.raises(HostError, match=r"fetch failed: alpha==1.0: sha256 mismatch"):
             applymod.apply(tr, lk)
         h = generations.history(tr)
-        assert h["current"] is None and h["generations"][0]["status"] == "failed"
-        assert h["events"][-1]["event"] == "apply-failed"
+        assert h.current is None and h.generations[0].status == "failed"
+        assert h.events[-1]["event"] == "apply-failed"
     finally:
         tr.close()
         srv.shutdown()
@@ -169,11 +170,11 @@ def test_pip_installer_and_adoption(target, locks, tmp_path):
         rep = applymod.apply(tr, lockmod.load(a), adopt_path=str(env), installer="pip")
         assert rep.status == "applied" and rep.generation == "0001-stack-a"
         h = generations.history(tr)
-        assert [g["id"] for g in h["generations"]] == ["0000-adopted", "0001-stack-a"]
-        assert h["generations"][0]["status"] == "adopted" and h["generations"][0]["adopted_from"] == str(env)
+        assert [g.id for g in h.generations] == ["0000-adopted", "0001-stack-a"]
+        assert h.generations[0].status == "adopted" and to_json(h.generations[0])["adopted_from"] == str(env)
         assert generations.read(tr, "0001-stack-a")["manifest"]["installer"] == "pip"
         rb = generations.rollback(tr)
-        assert rb["to"] == "0000-adopted"
+        assert rb.to == "0000-adopted"
         assert os.path.realpath(Path(target.vars["provision_root"]) / "current" / "venv") == str(env)
         assert env.exists()   # adopted, never moved
         adopted_lock = lockmod.loads(generations.read(tr, "0000-adopted")["lock_text"])

@@ -61,8 +61,8 @@ def assert_settled(target, expect_current: str | None, report=None) -> dict:
         h = generations.history(tr)
     finally:
         tr.close()
-    assert h["current"] == st["current"]
-    assert {g["id"]: g["status"] for g in h["generations"]} == {k: v["status"] for k, v in st["generations"].items()}
+    assert h.current == st["current"]
+    assert {g.id: g.status for g in h.generations} == {k: v["status"] for k, v in st["generations"].items()}
     if report is not None:
         assert report.current in (st["current"], None) or report.status == "unknown", (report.current, st)
     leftovers = [p for p in root.rglob("*") if ".tmp-" in p.name or p.name.endswith(".tmp")]
@@ -86,7 +86,7 @@ def converge(target, lk, expect_new: bool = True) -> applymod.ApplyReport:
         assert g["status"] in ("ready", "adopted", "failed", "abandoned"), (gid, g)
         if g["status"] in ("failed", "abandoned"):
             assert not g["venv"], (gid, g)
-    assert h["current"] == rep.generation
+    assert h.current == rep.generation
     return rep
 
 
@@ -186,7 +186,7 @@ def test_controller_killed_at_seven_moments(target, stacks, tmp_path):
             assert host_state(target)["generations"][new[0]]["status"] == "abandoned", (step, state)
         cur = rep.generation
     assert not ssh_masters(target)
-    events = generations.history(connect(target))["events"]
+    events = generations.history(connect(target)).events
     assert sum(e["event"] == "abandoned" for e in events) == len(MOMENTS) - 1
 
 
@@ -305,7 +305,7 @@ def test_history_unwritable_after_the_commit(target, stacks):
         assert rep.status == "applied" and rep.current == rep.generation
         assert any("recording it failed (history:" in w and "Operation not permitted" in w for w in rep.warnings)
         assert host_state(target)["generations"][rep.generation]["status"] == "switching"
-        applied_events = lambda: [e for e in generations.history(tr)["events"] if e["event"] == "apply"]  # noqa: E731
+        applied_events = lambda: [e for e in generations.history(tr).events if e["event"] == "apply"]  # noqa: E731
         assert [e["to"] for e in applied_events()] == [a.generation]
         again = applymod.apply(tr, stacks[1])
         assert again.status == "noop" and again.recovered["repaired"] == [rep.generation]
@@ -366,7 +366,7 @@ def test_two_concurrent_applies_and_rollback_during_apply(target, stacks):
     assert refusals and "another run holds the host lock" in refusals[0]
     assert_settled(target, rep.generation, rep)
     rb = generations.rollback(connect(target))
-    assert rb["to"] == won[0].generation
+    assert rb.to == won[0].generation
     assert_settled(target, won[0].generation)
 
 
@@ -407,14 +407,14 @@ def test_spoofed_engine_port_and_failing_probe(target, stacks, tmp_path):
         assert host_state(target)["generations"][rep["generation"]] == {"status": "failed", "venv": False}
         assert_settled(target, a.generation)
         logs = generations.logs(connect(target), rep["generation"])
-        assert logs["status"] == "failed" and any(r["name"] == probe for r in logs["probes"])
+        assert logs.status == "failed" and any(r.name == probe for r in logs.probes)
 
     tr = connect(target)   # the recorded nvidia-smi is a host variable: through the library
     try:
         with pytest.raises(applymod.ProbesFailed) as e:
             applymod.apply(tr, lockmod.load(spoof), skip_probes=gpu_only)
         check(e.value.report.to_json(), "engine", f"port {port} is already in use by pid {os.getpid()}")
-        assert "engine.log" in generations.logs(tr, e.value.report.generation)["logs"]
+        assert "engine.log" in generations.logs(tr, e.value.report.generation).logs
     finally:
         tr.close()
         srv.shutdown()

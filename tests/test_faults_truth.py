@@ -60,7 +60,7 @@ def immutable(path: Path):
 
 
 def events(tr, kind: str) -> list[dict]:
-    return [e for e in generations.history(tr)["events"] if e["event"] == kind]
+    return [e for e in generations.history(tr).events if e["event"] == kind]
 
 
 def test_rollback_and_failed_marking_with_history_unwritable(target, locks):
@@ -88,7 +88,7 @@ def test_rollback_and_failed_marking_with_history_unwritable(target, locks):
         assert [(e["from"], e["to"], e["repaired"]) for e in rb] == [(gb, ga, True)]
         assert [(e["generation"], e["repaired"]) for e in failed] == [(gbad, True)]
         assert applymod.apply(tr, a).recovered["repaired"] == []      # recorded once
-        assert generations.rollback(tr, gb)["to"] == gb                  # a later rollback works
+        assert generations.rollback(tr, gb).to == gb                  # a later rollback works
     assert_settled(target, gb)
 
 
@@ -102,7 +102,7 @@ def test_deleted_current_generation(target, locks):
         gb = applymod.apply(tr, b).generation
         store.rmtree(str(root / "generations" / gb))        # by hand, through the store's immutable links
         st = generations.status(tr)
-        assert st["current"] == gb and "missing" in st["broken"] and st["probe"] is None
+        assert st.current == gb and "missing" in st.broken and st.probe is None
         assert plan_host(tr, b).current_error
         table = cli("status", *host_args(target), check=0).stdout
         assert "broken" in table and "pass" not in table
@@ -140,10 +140,10 @@ def test_switch_interrupted_after_its_commit(target, locks):
         assert host_state(target)["current"] == gb
         assert plan_host(tr, b).action == "noop"                  # what apply then does
         rb = generations.rollback(tr)                                    # settles b first, then switches
-        assert (rb["from"], rb["to"]) == (gb, ga) and rb["recovered"]["repaired"] == [gb]
+        assert (rb.from_, rb.to) == (gb, ga) and rb.recovered.repaired == [gb]
         assert [e["to"] for e in events(tr, "apply")] == [ga, gb]
         assert host_state(target)["generations"][gb] == {"status": "ready", "venv": True}
-        assert generations.rollback(tr, gb)["to"] == gb                  # runnable: `rollback --to` it
+        assert generations.rollback(tr, gb).to == gb                  # runnable: `rollback --to` it
         generations.rollback(tr, ga)
 
         # left `switching` while `current` names another generation: runnable again, its venv kept
@@ -156,7 +156,7 @@ def test_switch_interrupted_after_its_commit(target, locks):
         rep = applymod.apply(tr, b)
         assert rep.status == "reused" and rep.generation == gb and rep.recovered["settled"] == [gb]
         assert not events(tr, "abandoned")
-        assert not [e for e in generations.history(tr)["events"] if e.get("switch_id") == "never-committed"]
+        assert not [e for e in generations.history(tr).events if e.get("switch_id") == "never-committed"]
     assert_settled(target, gb)
 
 
@@ -168,13 +168,13 @@ def test_generation_numbers_only_grow(target, locks):
         with pytest.raises(ProvisionError) as e:
             applymod.apply(tr, bad)
         gbad = e.value.report.generation
-        assert gbad in [g["id"] for g in generations.gc(tr)["generations"]]
+        assert gbad in [g.id for g in generations.gc(tr).generations]
         gb = applymod.apply(tr, b).generation
         assert number(gb) == number(gbad) + 1
         with pytest.raises(ProvisionError) as e:
             applymod.apply(tr, bad)
         gbad = e.value.report.generation
-        assert gbad in [g["id"] for g in generations.gc(tr)["generations"]]
+        assert gbad in [g.id for g in generations.gc(tr).generations]
         (Path(target.vars["provision_root"]) / "last-number").unlink()   # history alone still knows
         with pytest.raises(ProvisionError) as e:
             applymod.apply(tr, bad)

@@ -291,7 +291,7 @@ def test_a_failed_switch_fails_its_batch_and_the_partner_that_switched_goes_back
     rep = {r.host: r for r in run.reports}
     assert (rep["h8"].status, rep["h8"].failed_step) == ("failed", "switch"), rep["h8"].error
     assert run.failed_batch == 1 and run.failed_hosts == ["h8"]
-    assert rep["h7"].status == "rolled-back" and rep["h7"].rollback["to"] == before["h7"], rep["h7"]
+    assert rep["h7"].status == "rolled-back" and rep["h7"].rollback.to == before["h7"], rep["h7"]
     assert {h: current(roots, h) for h in ("h7", "h8")} == before
     assert ("h7", "switch", "done") in said and ("h7", "rollback", "done") in said, said
     assert run.still_switched == []

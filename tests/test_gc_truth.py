@@ -65,7 +65,7 @@ def test_gc_counts_shared_inodes_once_and_only_what_is_freed(tmp_path, wheels):
     assert out["shared_bytes"] == dry["shared_bytes"] and out["generations"][0]["removed"] is True
     assert (gc_ / "shared-with-a.bin").stat().st_nlink == 1 and not ga.exists()
     assert not (root / ".trash").exists()                             # nothing left set aside
-    ev = [e for e in generations.history(tr)["events"] if e["event"] == "gc"][-1]
+    ev = [e for e in generations.history(tr).events if e["event"] == "gc"][-1]
     assert (ev["removed"], ev["bytes"], ev["shared_bytes"]) == ([a], out["bytes"], out["shared_bytes"])
     text = subprocess.run([sys.executable, "-m", "provision.cli", "gc", "--local", "--root", str(root), "--dry-run"],
                           capture_output=True, text=True, cwd=ROOT).stdout
@@ -85,7 +85,7 @@ def test_gc_sets_a_generation_aside_whole_and_the_next_run_finishes_it(tmp_path,
     trash, paths = state.set_aside(Layout(str(root)), [item], [])           # the rename, then the run is cut off
     before = du(root)
     assert Path(paths[0]).parent == Path(trash) and not (root / "generations" / a).exists()
-    assert a not in [g["id"] for g in generations.history(tr)["generations"]]
+    assert a not in [g.id for g in generations.history(tr).generations]
     out = gc_cli(root, "--keep", "3")
     assert out["generations"] == [] and out["recovered"]["trash_bytes"] > 0
     assert out["cache"]                                               # a's wheels: no kept generation names them

@@ -8,6 +8,7 @@ from rich.console import Console
 from provision.cli import common
 from provision.cli.core import StepPrinter, history_table
 from provision.cli.probe import probe_table
+from provision.replies import History
 
 VALUES = ["[six==1.17.0]", "[/x]", "host:abc:", "[bold red]loud[/]", ":thumbs_up:"]
 
@@ -20,8 +21,9 @@ def rendered(renderable) -> str:
 
 
 def test_tables_show_values_literally():
-    h = {"current": "0001-x", "generations": [{"id": "0001-x", "lock_name": v, "created": v, "status": v,
-                                               "probes_summary": {"pass": 1}} for v in VALUES]}
+    h = History.of({"current": "0001-x", "generations": [{"id": "0001-x", "number": 1, "lock_name": v, "created": v,
+                                                          "status": v, "probes_summary": {"pass": 1}} for v in VALUES]},
+                   "host:abc:")
     text = rendered(history_table(h, "host:abc:"))
     assert "generations on host:abc:" in text
     for v in VALUES:

@@ -88,7 +88,7 @@ def test_failing_probe_refuses_switch_and_skip_probe_is_recorded(target, wheels,
         rep = applymod.apply(tr, lockmod.load(b), skip_probes=["nvcc"])
         assert rep.status == "applied" and rep.generation == "0003-stack-b"
         assert by_name(rep.probes)["nvcc"]["status"] == "skip"
-        events = generations.history(tr)["events"]
+        events = generations.history(tr).events
         probe_ev = [e for e in events if e["event"] == "probe" and e["generation"] == "0003-stack-b"]
         assert probe_ev and probe_ev[0]["skipped_probes"] == ["nvcc"] and probe_ev[0]["status"] == "pass"
         assert [e for e in events if e["event"] == "apply"][-1]["skipped_probes"] == ["nvcc"]

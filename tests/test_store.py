@@ -166,8 +166,8 @@ def test_gc_removes_what_no_kept_generation_links_counts_it_truly_and_is_never_s
         tr.close()
     freed = before - du(root)
     assert [g["id"] for g in out["generations"]] == [a] and out["generations"][0]["removed"]
-    assert out["bytes"] == freed == dry["bytes"], (out["bytes"], freed, dry["bytes"])
-    assert out["store"]["entries"] >= 1 and dry["store"]["entries"] == out["store"]["entries"]
+    assert out["bytes"] == freed == dry.bytes, (out["bytes"], freed, dry.bytes)
+    assert out["store"]["entries"] >= 1 and dry.store.entries == out["store"]["entries"]
     assert not only_entry.exists() and shared.exists() and store.immutable(shared)
     assert shared.stat().st_nlink == 3            # the store, b, c
     gc_events = [e for e in events if e.get("step") == "gc"]

@@ -218,7 +218,7 @@ def test_gc_keeps_current_and_rollback_target_and_failed_drop_their_venv_at_once
     assert out["run_dirs"] == ([reps[0].run_dir] if reps[0].run_dir else [])     # an Ansible run's dir, if any
     assert not reps[0].run_dir or not Path(reps[0].run_dir).exists()
     assert sorted(unpacked().values()) == ["alpha-2.0.dist-info", "beta-1.0.dist-info"]  # what kept venvs link
-    assert generations.rollback(tr)["to"] == reps[1].generation              # what rollback needs is kept
-    assert generations.history(tr)["events"][-2]["event"] == "gc"
+    assert generations.rollback(tr).to == reps[1].generation              # what rollback needs is kept
+    assert generations.history(tr).events[-2]["event"] == "gc"
     again = applymod.apply(tr, locks[0])                                   # uv unpacks a pruned wheel again
     assert again.status == "applied" and "onlya-1.0.dist-info" in sorted(unpacked().values())

@@ -142,7 +142,7 @@ def test_plan_predicts_apply_on_a_real_host(base, tmp_path, wheels):
         assert (planned, did) == (want, want), (lk.path, planned, did, rep.error)
         assert rep.status in ("applied", "noop", "reused"), rep.error
     h = generations.history(tr)
-    assert [g["id"] for g in h["generations"]] == ["0001-a", "0002-a", "0003-a"] and h["current"] == "0003-a"
+    assert [g.id for g in h.generations] == ["0001-a", "0002-a", "0003-a"] and h.current == "0003-a"
 
     # the current interpreter breaks: plan says so and apply rebuilds (never "No changes")
     (tmp_path / "root" / "generations" / "0003-a" / "venv" / "bin" / "python").unlink()
@@ -155,7 +155,7 @@ def test_plan_predicts_apply_on_a_real_host(base, tmp_path, wheels):
     planned, did, rep = predict_and_apply(tr, py)
     assert planned == "build" and did == "none" and rep.failed_step == "plan"
     assert "no working Python 3.99" in rep.error
-    assert [g["id"] for g in generations.history(tr)["generations"]][-1] == "0004-a"
+    assert [g.id for g in generations.history(tr).generations][-1] == "0004-a"
 
 
 def test_a_package_without_url_builds_from_the_hosts_cache_and_plan_says_so(tmp_path, wheels):

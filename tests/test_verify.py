@@ -169,8 +169,8 @@ def test_touched_file_is_not_drift_an_added_distribution_is(target, tmp_path, wh
         sp_a, sp_b = site(root, ra.generation), site(root, rb.generation)
         os.utime(sp_a / "alpha-1.0.dist-info" / "INSTALLER", (1, 1))          # stat changed, bytes did not
         out = generations.rollback(tr)
-        assert out["to"] == ra.generation and out["check"]["verdict"] == "clean"
-        assert out["check"]["hashed"] == 1 and out["check"]["how"] == "stamp"
+        assert out.to == ra.generation and out.check.verdict == "clean"
+        assert out.check.hashed == 1 and out.check.how == "stamp"
         with zipfile.ZipFile(wheels["gamma-1.0"]) as z:                       # a distribution slipped in
             z.extractall(sp_b)
     finally:
@@ -227,7 +227,7 @@ def test_changed_cache_entry_is_fetched_again_and_partials_are_removed(target, t
         gc_partial.write_bytes(b"half")
         uv_bin = sorted((root / "cache" / "uv-bin").glob("*/uv"))
         out = generations.gc(tr, keep=1)
-        assert str(gc_partial) in out["recovered"]["removed_partial"] and not gc_partial.exists()
+        assert str(gc_partial) in out.recovered.removed_partial and not gc_partial.exists()
         assert sorted((root / "cache" / "uv-bin").glob("*/uv")) == uv_bin       # the tool's own uv stays
     finally:
         tr.close()
@@ -341,5 +341,5 @@ def test_changed_copy_in_uvs_cache_fails_the_seal_not_a_generation(target, tmp_p
         tr.close()
     assert "does not match its lock after the build: beta 1.0: 1 changed (beta/__init__.py)" in msg
     assert "uv's unpacked cache" in msg
-    assert h["current"] == rb.generation and h["generations"][-1]["status"] == "failed"
+    assert h.current == rb.generation and h.generations[-1].status == "failed"
     assert grep_tree(root / "store", b"TAMPERED") == []

@@ -177,7 +177,7 @@ def test_an_adoption_without_a_record_verifies_and_says_what_it_cannot_check(rea
         assert "not checked" in said and "adopted before" in said, said
         for what in ("bin/", "pyvenv.cfg", "bin/python", "_virtualenv.pth", "_virtualenv.py"):
             assert what in said, said
-        assert generations.rollback(tr, to="0", dry_run=True)["check"]["verdict"] == "clean"
+        assert generations.rollback(tr, to="0", dry_run=True).check.verdict == "clean"
     finally:
         shutil.move(kept, stamp)
     p = cli(root, "verify", "0")

@@ -111,7 +111,7 @@ def test_forged_cache_bytecode_runs_and_is_drift_the_interpreters_own_is_not(hos
     assert own.exists()
     p = cli(root, "verify", gen, "--json")
     assert p.returncode == 0 and json.loads(p.stdout)["verdict"] == "clean", p.stdout
-    assert generations.rollback(tr, to=gen, dry_run=True)["check"]["verdict"] == "clean"
+    assert generations.rollback(tr, to=gen, dry_run=True).check.verdict == "clean"
     st = src.stat()
     code = compile("WHO = 'forged'\n", str(src), "exec")
     header = importlib.util.MAGIC_NUMBER + bytes(4) + int(st.st_mtime).to_bytes(4, "little") + \

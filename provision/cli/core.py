@@ -181,7 +181,7 @@ def _print_fleet(fleet, apply_cmd: list[str], rollback_cmd: list[str]) -> None:
     reports = fleet.reports
     width = max(len(r.host) for r in reports)
     for r in reports:
-        said = [r.generation, f"back on {r.rollback['to']} in {r.rollback['seconds']:.2f}s" if r.rollback else None,
+        said = [r.generation, f"back on {r.rollback.to} in {r.rollback.seconds:.2f}s" if r.rollback else None,
                 (r.error or "").removeprefix(f"{r.host}: ")]
         console.print(f"  {r.host:<{width}}  {r.status:<14} {' '.join(x for x in said if x)}{_reprobed(r)}")
         for w in r.warnings:
@@ -211,17 +211,18 @@ def _print_fleet(fleet, apply_cmd: list[str], rollback_cmd: list[str]) -> None:
         console.print("  " + shlex.join([*rollback_cmd, "--limit", ",".join(fleet.still_switched)]))
 
 
-def _switched(out: dict, to: str | None) -> str:
-    """A plain rollback rolls back, even to a newer generation (the one left by an apply that reused an older
-    one); `--to` a newer generation switches forward."""
-    return "Switched forward" if out.get("forward") and to is not None else "Rolled back"
+def _switched(out, to: str | None) -> str:
+    """A plain rollback (a replies.Rollback) rolls back, even to a newer generation (the one left by an apply that
+    reused an older one); `--to` a newer generation switches forward."""
+    return "Switched forward" if out.forward and to is not None else "Rolled back"
 
 
-def _checked(check: dict | None) -> str:
-    if not check:
+def _checked(check) -> str:
+    """A rollback's check of its target (a replies.QuickCheck; None: not checked)."""
+    if check is None:
         return " (not checked: --force)"
-    how = "files' stat against the build's stamp" if check["how"] == "stamp" else "files against RECORD"
-    return f" ({check['files']} {how}, {check['hashed']} hashed, {check['seconds']:.2f}s)"
+    how = "files' stat against the build's stamp" if check.how == "stamp" else "files against RECORD"
+    return f" ({check.files} {how}, {check.hashed} hashed, {check.seconds:.2f}s)"
 
 
 @edge
@@ -411,7 +412,7 @@ def rollback(to: Optional[str] = typer.Option(None, "--to", help="generation num
     """Switch `current` back to the generation current before the last switch, as history records it (atomic,
     offline, nothing reinstalled); fleets in batches. playbooks/rollback.yml through Ansible (--dry-run: its
     --check): each host goes back on its own, an unreachable one named."""
-    from .. import generations
+    from .. import generations, replies
     from ..fleet import parse_serial
 
     batches = parse_serial(serial)
@@ -420,17 +421,17 @@ def rollback(to: Optional[str] = typer.Option(None, "--to", help="generation num
 
     def show(r):
         out = r.value
-        if out.get("noop"):
-            console.print(f"{r.host} is already on {out['to']}.", markup=False)
-        elif out.get("dry_run"):
-            verb = "switch forward" if out.get("forward") and to is not None else "roll back"
-            console.print(f"Would {verb} {r.host}: current {out['from'] or '(none)'} → {out['to']} "
+        if out.noop:
+            console.print(f"{r.host} is already on {out.to}.", markup=False)
+        elif out.dry_run:
+            verb = "switch forward" if out.forward and to is not None else "roll back"
+            console.print(f"Would {verb} {r.host}: current {out.from_ or '(none)'} → {out.to} "
                           "(dry run: nothing changed).",
                           markup=False)
         else:
-            console.print(f"{_switched(out, to)} {r.host}: current {out['from'] or '(none)'} → {out['to']} "
-                          f"in {out['seconds']:.2f}s{_checked(out.get('check'))}.", markup=False)
-        for w in out.get("warnings") or []:
+            console.print(f"{_switched(out, to)} {r.host}: current {out.from_ or '(none)'} → {out.to} "
+                          f"in {out.seconds:.2f}s{_checked(out.check)}.", markup=False)
+        for w in out.warnings:
             err_console.print(f"warning: {r.host}: {w}", markup=False)
 
     def told(r) -> None:
@@ -438,7 +439,7 @@ def rollback(to: Optional[str] = typer.Option(None, "--to", help="generation num
     rows = alone(generations.rollback_play(ts, to, dry_run=dry_run, force=force, serial=batches, forks=hosts.forks,
                                            on_row=told if live else None))
     if not live:
-        print_rows(rows, show, json_out)
+        print_rows(rows, show, json_out, to_json=replies.to_json)
     exit_for(rows)
 
 
@@ -447,19 +448,19 @@ def rollback(to: Optional[str] = typer.Option(None, "--to", help="generation num
 def history(json_out: bool = JsonOpt, hosts: Hosts = HOSTS,
             events: bool = typer.Option(False, "--events", help="also list history.jsonl events")):
     """Generations with lock, time, status and probe summary (playbooks/history.yml through Ansible)."""
+    from .. import replies
     from ..plays import Play, typed
-    from ..replies import History
 
-    rows = over_hosts(hosts.targets(), Play("history", read=typed(History)), hosts.forks)
+    rows = over_hosts(hosts.targets(), Play("history", read=typed(replies.History)), hosts.forks)
 
     def show(r):
         console.print(history_table(r.value, r.host))
-        for w in r.value.get("warnings") or []:
+        for w in r.value.warnings:
             err_console.print(f"warning: {r.host}: {w}", markup=False)
         if events:
-            for e in r.value["events"]:
+            for e in r.value.events:
                 console.print(json.dumps(e, sort_keys=True), markup=False)
-    print_rows(rows, show, json_out)
+    print_rows(rows, show, json_out, to_json=replies.to_json)
     exit_for(rows)
 
 
@@ -478,13 +479,13 @@ def status(json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
 
     def told(r) -> None:      # each host as it finishes, on stderr: a slow host holds back only the table
         answered.append(r.host)
-        what = f"current {r.value.get('current') or '(none)'}" if r.ok else \
+        what = f"current {r.value.current or '(none)'}" if r.ok else \
             "unreachable" if r.unreachable else "error (under the table)"
         err_console.print(f"{r.host}: {what} ({len(answered)}/{len(ts)} hosts)", markup=False, soft_wrap=True)
     # one host's error is a row too: the table shows it
     rows = Play("status", read=typed(replies.Status)).rows(ts, hosts.forks, on_row=told if live else None)
     if json_out:
-        print_json([r.to_json() for r in rows])
+        print_json([r.to_json(replies.to_json) for r in rows])
     else:
         console.print(status_table(rows))
         for r in rows:
@@ -524,14 +525,15 @@ def gc(keep: int = typer.Option(3, "--keep", min=1, help="runnable generations t
     """Remove old/failed generations, unused cache entries, their run dirs (never current or rollback's); report
     the bytes freed (playbooks/gc.yml through Ansible; --dry-run: its --check). Each host's progress goes to stderr
     as it collects, never silent for more than a few seconds."""
-    from .. import generations
+    from .. import generations, replies
 
     def said(host: str, ev: dict) -> None:
         err_console.print(f"{host}: {ev.get('step', 'gc')} {ev.get('detail', '')}", markup=False, soft_wrap=True)
     rows = alone(generations.gc_play(hosts.targets(), keep=keep, dry_run=dry_run, forks=hosts.forks,
                                      on_progress=None if json_out else said))
-    print_rows(rows, lambda r: console.print(gc_text(r.host, r.value), markup=False), json_out)
-    exit_for(rows, bad=lambda v: v.get("errors"))    # a removal that failed (what was done is reported)
+    print_rows(rows, lambda r: console.print(gc_text(r.host, r.value), markup=False), json_out,
+               to_json=replies.to_json)
+    exit_for(rows, bad=lambda v: v.errors)    # a removal that failed (what was done is reported)
 
 
 @edge
@@ -545,16 +547,16 @@ def logs(hosts: Hosts, generation: Optional[str] = typer.Argument(None, help="nu
     t, generation = hosts.one(generation)
     out = over_hosts([t], Play("logs", {"generation": generation}, read=typed(replies.Logs)))[0].value
     if json_out:
-        print_json(out)
+        print_json(replies.to_json(out))
         return
-    console.print(f"{out['id']}: {out.get('status')}" + (f" ({out['reason']})" if out.get("reason") else ""))
-    for r in out["probes"]:
-        console.print(f"  probe {r['name']:<12} {r['status']:<5} {r.get('reason') or ''}")
-    for name, log in out["logs"].items():
-        console.print(f"--- {out['dir']}/{name} ({log['bytes']} bytes)")
-        console.print(log["text"], end="")
-    if out.get("run_dir"):
-        console.print(f"--- controller run dir: {out['run_dir']}")
+    console.print(f"{out.id}: {out.status}" + (f" ({out.reason})" if out.reason else ""))
+    for r in out.probes:
+        console.print(f"  probe {r.name:<12} {r.status:<5} {r.reason or ''}")
+    for name, log in out.logs.items():
+        console.print(f"--- {out.dir}/{name} ({log.bytes} bytes)")
+        console.print(log.text, end="")
+    if out.run_dir:
+        console.print(f"--- controller run dir: {out.run_dir}")
 
 
 @edge
@@ -594,46 +596,46 @@ def register(app: typer.Typer) -> None:
         app.command()(verb)
 
 
-def gc_text(host: str, out: dict) -> str:
-    """gc's report under its host's line of totals and what was kept: each generation with what removing it frees
-    (and what stays, linked from elsewhere)."""
+def gc_text(host: str, out) -> str:
+    """gc's report (a replies.Gc) under its host's line of totals and what was kept: each generation with what
+    removing it frees (and what stays, linked from elsewhere)."""
     from ..units import human_size
 
-    verb, freed = ("would remove", "would free") if out["dry_run"] else ("removed", "freed")
+    verb, freed = ("would remove", "would free") if out.dry_run else ("removed", "freed")
     lines = []
-    for g in out["generations"]:
-        shared = f" (+{human_size(g['shared_bytes'])} still linked elsewhere)" if g.get("shared_bytes") else ""
-        left = "" if out["dry_run"] or g.get("removed", True) else "  NOT REMOVED"
-        lines.append(f"  - {g['id']:<32} {g['status'] or '?':<10} {human_size(g['bytes']):>10}{shared}{left}")
-    took = f" in {out['seconds']:.1f}s" if out.get("seconds") is not None else ""
-    lines.insert(0, f"{host}: {verb} {len(out['generations'])} generations, {len(out['cache'])} cached wheels, "
-                 f"{len(out.get('uv_cache', []))} unpacked wheels of uv's cache, {len(out['run_dirs'])} run dirs; "
-                 f"{freed} {human_size(out['bytes'])}{took}"
-                 + (f" ({human_size(out['shared_bytes'])} stays: linked from what is kept)"
-                    if out.get("shared_bytes") else "")
-                 + f"; kept current {out['current'] or '(none)'} and rollback target "
-                   f"{out['rollback_target'] or '(none)'}.")
-    lines += [f"error: {host}: {e}" for e in out.get("errors") or []]
-    lines += [f"warning: {host}: {w}" for w in out.get("warnings") or []]
+    for g in out.generations:
+        shared = f" (+{human_size(g.shared_bytes)} still linked elsewhere)" if g.shared_bytes else ""
+        left = "" if out.dry_run or g.removed is not False else "  NOT REMOVED"
+        lines.append(f"  - {g.id:<32} {g.status or '?':<10} {human_size(g.bytes):>10}{shared}{left}")
+    took = f" in {out.seconds:.1f}s" if out.seconds is not None else ""
+    lines.insert(0, f"{host}: {verb} {len(out.generations)} generations, {len(out.cache)} cached wheels, "
+                 f"{len(out.uv_cache)} unpacked wheels of uv's cache, {len(out.run_dirs)} run dirs; "
+                 f"{freed} {human_size(out.bytes)}{took}"
+                 + (f" ({human_size(out.shared_bytes)} stays: linked from what is kept)"
+                    if out.shared_bytes else "")
+                 + f"; kept current {out.current or '(none)'} and rollback target "
+                   f"{out.rollback_target or '(none)'}.")
+    lines += [f"error: {host}: {e}" for e in out.errors]
+    lines += [f"warning: {host}: {w}" for w in out.warnings]
     return "\n".join(lines)
 
 
-def history_table(h: dict, host: str):
+def history_table(h, host: str):
+    """A host's generations (a replies.History), the current one marked."""
     from rich.table import Table
 
     table = Table(title=plain(f"generations on {host}"), title_justify="left")
     for col in ("", "generation", "lock", "created", "status", "probes", "verified"):
         table.add_column(col, no_wrap=True)
-    for g in h["generations"]:
-        v = g.get("verify") if isinstance(g.get("verify"), dict) else None
-        probes = g.get("probes_summary") or {}
-        ptxt = " ".join(f"{k}={v}" for k, v in probes.items() if v) if isinstance(probes, dict) else str(probes)
-        status = g.get("status", "?")
-        if g.get("skipped_probes"):
-            status += f" (skipped: {','.join(g['skipped_probes'])})"
-        table.add_row(*(plain(c) for c in ("→" if g["id"] == h["current"] else "", g["id"], g.get("lock_name", ""),
-                                           g.get("created", ""), status, ptxt or "-",
-                                           f"{v.get('verdict')} ({v.get('time')})" if v else "-")))
+    for g in h.generations:
+        v = g.verify
+        ptxt = " ".join(f"{k}={n}" for k, n in (g.probes_summary or {}).items() if n)
+        status = "?" if g.status is None else g.status
+        if g.skipped_probes:
+            status += f" (skipped: {','.join(g.skipped_probes)})"
+        table.add_row(*(plain(c) for c in ("→" if g.id == h.current else "", g.id, g.lock_name or "",
+                                           g.created or "", status, ptxt or "-",
+                                           f"{v.verdict} ({v.time})" if v else "-")))
     return table
 
 
@@ -650,17 +652,17 @@ def status_table(rows):
             table.add_row(*(plain(c) for c in (r.host, "unreachable" if r.unreachable else "error",
                                                "-", "-", "-", "-", "-", "-", "-")))
             continue
-        s = r.value
-        p, a = s.get("probe"), s.get("last_attempt")
-        probe = f"{p['status']} ({p['time']})" if p else "broken" if s.get("broken") else "-"
-        attempt = f"{a['generation']}: probe {a['status']} ({a['time']})" if a else "-"
-        v = s.get("verify")
-        verified = f"{v['verdict']} ({ago(v['time'])}{', at build' if v.get('how') == 'build' else ''})" if v else \
-            "broken" if s.get("broken") else "-"
-        cur = (s.get("current") or "(none)") + (f" (broken: {s['broken']})" if s.get("broken") else "")
-        table.add_row(*(plain(c) for c in (r.host, cur, s.get("lock") or "-",
-                                           s.get("since") or "-", probe, attempt, verified,
-                                           f"{s['generations']} ({s['ready']} runnable)", human_size(s["disk_bytes"]))))
+        s = r.value           # a replies.Status
+        p, a = s.probe, s.last_attempt
+        probe = f"{p.status} ({p.time})" if p else "broken" if s.broken else "-"
+        attempt = f"{a.generation}: probe {a.status} ({a.time})" if a else "-"
+        v = s.verify
+        verified = f"{v.verdict} ({ago(v.time)}{', at build' if v.how == 'build' else ''})" if v else \
+            "broken" if s.broken else "-"
+        cur = (s.current or "(none)") + (f" (broken: {s.broken})" if s.broken else "")
+        table.add_row(*(plain(c) for c in (r.host, cur, s.lock or "-",
+                                           s.since or "-", probe, attempt, verified,
+                                           f"{s.generations} ({s.ready} runnable)", human_size(s.disk_bytes))))
     return table
 
 

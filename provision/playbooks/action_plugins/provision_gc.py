@@ -24,4 +24,4 @@ class ActionModule(HostStep):
                   on_event=lambda ev: progress(gc_progress(ev)))
 
     def changed(self, value):
-        return not value["dry_run"] and bool(value["generations"] or value["cache"])
+        return not value.dry_run and bool(value.generations or value.cache)

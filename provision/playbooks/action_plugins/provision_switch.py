@@ -25,4 +25,4 @@ class ActionModule(HostStep):
         return switch(transport, args["to"], "apply", event, take_lock=True)
 
     def changed(self, value):
-        return value.get("from") != value.get("to")
+        return value.from_ != value.to
