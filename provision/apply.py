@@ -726,7 +726,8 @@ class _Feed:
             if kind == "runner_on_start":
                 self.tell(host, "switch", "start", "")
             elif kind == "runner_on_ok":
-                self.tell(host, "switch", "done", f"{res.get('from') or '(none)'} → {res.get('to')}")
+                sw = switched_of(host, res)
+                self.tell(host, "switch", "done", f"{sw.from_ or '(none)'} → {sw.to}")
             elif kind in ("runner_on_failed", "runner_on_unreachable"):
                 from .runner import said
 
@@ -792,10 +793,11 @@ def _fleet_report(groups: list, plan: list, results: dict, lock: Lock, max_fail:
                                   status="not-attempted" if r.get("status") == "not-attempted" else "failed")
             rep.batch = b.number
             if sw is not None and not sw.get("failed") and not sw.get("unreachable"):
+                done = switched_of(t.name, sw)
                 rep.status = "reused" if (rep.plan or {}).get("reuse") == rep.generation else "applied"
-                rep.current, rep.error = sw.get("to"), None
-                rep.steps.append(Step("switch", "done", float(sw.get("switch_seconds") or 0.0)))
-                rep.warnings += [unrecorded(str(sw.get("to")), what) for what in sw.get("bookkeeping_failed") or []]
+                rep.current, rep.error = done.to, None
+                rep.steps.append(Step("switch", "done", float(done.switch_seconds or 0.0)))
+                rep.warnings += [unrecorded(done.to, what) for what in done.bookkeeping_failed]
             elif sw is not None:
                 rep.status, rep.failed_step, rep.error = "failed", "switch", f"{t.name}: {said(sw)}"
                 rep.steps.append(Step("switch", "failed", 0.0, said(sw)))
@@ -816,6 +818,14 @@ def _fleet_report(groups: list, plan: list, results: dict, lock: Lock, max_fail:
         elif rep.status == "not-attempted" and rep.error is None and why:
             rep.error = f"{rep.host}: not attempted: {cut or f'batch {failed_batch}/{len(plan)} failed'}"
     return FleetReport(reports, plan, max_fail, failed_batch, failed_hosts, cancelled, ended)
+
+
+def switched_of(host: str, result: dict) -> replies.Switched:
+    """The switch task's result (provision_switch's: `generations.switch` as its JSON) read back as the Switched it
+    was."""
+    from .runner import reply_of
+
+    return replies.Switched.of(reply_of(result), host)
 
 
 def _cut_short(heard: ApplyReport, ended: str | None) -> ApplyReport:
