@@ -1,6 +1,7 @@
 """Control-side handle on a host's generations store (the `state` agent): prepare, mark, switch,
 roll back, adopt, history, recover, gc, logs. Every call is one round trip; the agent does the atomic work, and
-its reply is read through its declared shape (replies.py)."""
+its reply is read through its declared shape (replies.py): status, history, logs, switch, rollback and gc give that
+dataclass itself."""
 from __future__ import annotations
 
 import time
