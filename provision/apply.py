@@ -548,7 +548,8 @@ def apply_fleet(targets: list, lock: Lock, *, serial: str | list[str] = "0", max
     groups = batches_of(targets, spec)
     plan = [Batch(i + 1, len(groups), [t.name for t in g], spec[min(i, len(spec) - 1)]) for i, g in enumerate(groups)]
     cancel, hard = cancel or threading.Event(), threading.Event()
-    with tempfile.TemporaryDirectory(prefix="provision-apply-") as tmp:
+    # a killed play's workers may still write here as it is removed: what they leave is not the run's error
+    with tempfile.TemporaryDirectory(prefix="provision-apply-", ignore_cleanup_errors=True) as tmp:
         feed = _Feed(Path(tmp), plan, progress_for, on_batch, cancel, lock.name)
         given = _play_vars(lock, saved_plans, Path(tmp), targets, kw)
         given.update(max_fail=max_fail, progress_file=str(feed.file), cancel_file=str(feed.cancel_file))
@@ -836,6 +837,8 @@ def _cut_short(heard: ApplyReport, ended: str | None) -> ApplyReport:
     running = next((s for s in reversed(rep.steps) if s.status == "running"), None)
     if running is not None:
         running.status, running.detail = "failed", ended or "interrupted (Ctrl-C)"
+    elif rep.steps and rep.steps[-1].status == "failed":   # its step saw the run end first (its controller gone)
+        running = rep.steps[-1]
     rep.status, rep.failed_step = "interrupted", running.name if running is not None else None
     during = f" during {rep.failed_step}" if rep.failed_step else ""
     where = f"current left at {rep.current or '(none)'}" if rep.plan is not None else "current not changed"

@@ -188,6 +188,7 @@ def test_the_play_killed_mid_fetch_says_where_each_host_is(rollout):
     assert (current_of(roots["h1"]), current_of(roots["h2"])) == ("0002-stack-b", "0001-stack-a")
     lines = out.splitlines()
     rows = {line.split()[0]: line for line in lines if line.startswith("  h")}
+    assert set(rows) == {"h1", "h2"}, (out, err)
     assert rows["h1"].split()[1:3] == ["applied", "0002-stack-b"], out
     assert rows["h2"].split()[1] == "interrupted", out
     assert "interrupted during build: ansible-playbook was killed before the play's end" in rows["h2"], out

@@ -35,13 +35,14 @@ class Recording(SSH):
 
 
 def test_agents_are_stdlib_only_and_import_only_each_other():
-    """Every module the bundle ships (the agents, host.py, the layout) is stdlib-only and imports only the others."""
+    """Every module the bundle ships (the agents, host.py, the steps' declarations, the layout) is stdlib-only and
+    imports only the others."""
     bundled = json.loads(zlib.decompress(base64.b64decode(agent.bundle())))
-    shipped = {Path(rel).stem for rel in bundled}
-    assert "provision/layout.py" in bundled
+    shipped = {Path(rel).stem for rel in bundled} | {Path(rel).parts[1] for rel in bundled if len(Path(rel).parts) > 2}
+    assert "provision/layout.py" in bundled and "provision/steps/state.py" in bundled
     stdlib = set(sys.stdlib_module_names) | {"__future__"}
-    for path in [*AGENTS.glob("*.py"), AGENTS.parent / "layout.py"]:
-        if path.name == "__init__.py":   # the controller's part; not shipped
+    for path in [*AGENTS.glob("*.py"), *(AGENTS.parent / "steps").glob("*.py"), AGENTS.parent / "layout.py"]:
+        if path == AGENTS / "__init__.py":   # the controller's part; not shipped
             continue
         tree = ast.parse(path.read_text())
         # torch and the libraries under test are imported lazily by the GPU probes, inside the generation
