@@ -232,7 +232,7 @@ def pack(transport: Transport, out: Path, generation: str | None = None, *, allo
             "seconds": secs, "cache": res.cache, "level": res.level, "level_auto": res.level_auto,
             "members": members,
             "ratio": (secs["plan"] + secs["pack"]) / secs["read"] if secs["read"] > 0 else None,
-            "drift": res.drift, "unpacked": res.unpacked, "not_owned": res.extra,
+            "drift": res.drift, "not_owned": res.extra,
             "missing_series": missing_series, "check": check}
 
 

@@ -196,7 +196,6 @@ class Packed(Reply):
     cache: str | None = None
     level: int | None = None
     level_auto: bool = False
-    unpacked: list[str] = field(default_factory=list)
     extra: int = 0
 
     @classmethod

@@ -196,6 +196,11 @@ def _failure(ev: dict) -> str:
     return f"{d.get('task', 'task')}{' [' + label + ']' if label else ''}: {msg or ev.get('event')}"
 
 
+# The tasks a play runs only for an operator's own ansible-playbook: the host-key options (the inventory written
+# here already gives them, first) and the report lines (the CLI prints its own from the results).
+SKIP_TAGS = "provision_host_keys,provision_report"
+
+
 def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: str = "",
                  interpreters: dict[str, str] | None = None, on_event: Callable[[str, str, str], None] | None = None,
                  check: bool = False, forks: int | None = None, on_raw: Callable[[dict], None] | None = None,
@@ -269,7 +274,7 @@ def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: st
                                    inventory=str(hosts), envvars=env,
                                    suppress_env_files=True, quiet=True, event_handler=handler,
                                    **({"forks": forks} if forks else {}), cancel_callback=stop,
-                                   cmdline=shlex.join(["-e", f"@{extra}"] + (["--check", "--diff"] if check else [])
+                                   cmdline=shlex.join(["-e", f"@{extra}", "--skip-tags", SKIP_TAGS] + (["--check", "--diff"] if check else [])
                                                       + [str(PLAYBOOKS / f"{name}.yml")]),   # `binary` takes it here
                                    settings={"suppress_ansible_output": True})
             status, rc = r.status, r.rc

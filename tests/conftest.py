@@ -160,19 +160,11 @@ def silent(listener):
 @pytest.fixture(scope="session")
 def sudo_user():
     """A user who logs in with a loopback host's client key and may run anything as root through sudo, without a
-    password (as on a cloud GPU image); removed at the end."""
-    import subprocess
+    password (as on a cloud GPU image); new for this session, removed at the end."""
+    from loophosts import sudo_account
 
-    name = "pv-sudo"
-    if subprocess.run(["id", name], capture_output=True).returncode != 0:
-        subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", name], check=True)
-    subprocess.run(["usermod", "-p", "*", name], check=True)     # not locked: sshd without PAM refuses a locked one
-    sudoers = Path("/etc/sudoers.d/pv-sudo")
-    sudoers.write_text(f"{name} ALL=(ALL) NOPASSWD: ALL\n")
-    sudoers.chmod(0o440)
-    yield name
-    sudoers.unlink(missing_ok=True)
-    subprocess.run(["userdel", name], capture_output=True)
+    with sudo_account("ALL=(ALL) NOPASSWD: ALL") as name:
+        yield name
 
 
 class BehindJump:

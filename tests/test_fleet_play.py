@@ -118,8 +118,10 @@ def test_gc_dry_run_of_an_inventory_is_the_plays_check_says_each_hosts_progress_
     assert p.stdout.count("- 0001-stack-a") == 3, p.stdout + p.stderr
     assert all(f"{h}: gc survey" in p.stderr for h in HOSTS), p.stderr       # each host's progress as it collects
     before = plays("gc", roots["f1"])
-    rows = json.loads(cli("gc", "-i", inv, *kh, "--keep", "1", "--dry-run", "--json", check=0).stdout)
+    p = cli("gc", "-i", inv, *kh, "--keep", "1", "--dry-run", "--json", check=0)
+    rows = json.loads(p.stdout)
     assert len(plays("gc", roots["f1"]) - before) == 1
+    assert all(f"{h}: gc survey" in p.stderr for h in HOSTS), p.stderr       # --json: the progress on stderr too
     for r in rows:
         one = json.loads(cli("gc", *alone(t, roots[r["host"]]), "--keep", "1", "--dry-run", "--json",
                              check=0).stdout)

@@ -209,3 +209,15 @@ def test_a_host_behind_a_jump_host_named_by_its_ssh_config_alias(tmp_path, wheel
 
     rows = json.loads(cli("status", "-i", inv, "--known-hosts", kh, "--json", check=0).stdout)
     assert rows[0]["result"]["current"] == "0001-stack-a", rows   # provision's own steps go the same way
+
+
+def test_provisions_own_runs_leave_out_the_tasks_only_an_operators_run_needs(tmp_path):
+    """The CLI's run of status.yml (and of every playbook) skips the host-keys task (the inventory it writes puts
+    those options first already) and the report line (the CLI prints its own): one task, the step itself."""
+    from provision.runner import run_playbook
+    from provision.transport import Target
+
+    res = run_playbook("status", [Target(host="local", vars={"provision_root": str(tmp_path / "root")})], {})
+    assert res.status == "successful" and res.tasks == ["status"], (res.tasks, res.error)
+    text = (playbook_dir() / "status.yml").read_text() + (playbook_dir() / "tasks" / "host_keys.yml").read_text()
+    assert "tags: provision_report" in text and "tags: [always, provision_host_keys]" in text

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from loophosts import readable_host, write_inventory
+from loophosts import readable_host, sudo_account, write_inventory
 from provision.transport import trust_host
 from test_core import cli
 from wheelhouse import write_lock
@@ -89,17 +89,9 @@ def test_apply_with_become_as_a_sudo_user_makes_a_root_owned_generation(sudo_hos
 
 @pytest.fixture
 def password_sudo_user():
-    """A user whose sudo asks for a password (removed at the end)."""
-    name = "pv-sudopw"
-    if subprocess.run(["id", name], capture_output=True).returncode != 0:
-        subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", name], check=True)
-    subprocess.run(["usermod", "-p", "*", name], check=True)
-    sudoers = Path("/etc/sudoers.d/pv-sudopw")
-    sudoers.write_text(f"{name} ALL=(ALL) ALL\n")
-    sudoers.chmod(0o440)
-    yield name
-    sudoers.unlink(missing_ok=True)
-    subprocess.run(["userdel", name], capture_output=True)
+    """A user whose sudo asks for a password (new for this test, removed at the end)."""
+    with sudo_account("ALL=(ALL) ALL") as name:
+        yield name
 
 
 def test_become_without_passwordless_sudo_is_one_line(sudo_host, password_sudo_user, tmp_path):

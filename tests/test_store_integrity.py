@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from provision import apply as applymod, lock as lockmod
-from provision.agent import store
+from provision import generations
+from provision.agent import store, verify as agentverify
+from provision.layout import Layout
 from provision.errors import HostError
 from provision.transport import Local, Target
 from provision.verify import seal
@@ -172,3 +174,41 @@ def test_a_deleted_entry_is_entered_anew_and_the_generations_sharing_its_old_ino
     line = next(s.detail for s in rc.steps if s.name == "build")
     assert (f"a former store entry, no longer immutable, is still shared by {ra.generation}, {rb.generation} "
             "(3 links, 20 B): a write through one reaches the others") in line, line
+
+
+def test_rollback_refuses_a_generation_whose_store_entry_was_rewritten_with_its_stat_put_back(tmp_path, locks):
+    """Rollback's quick check trusts a store link only while its entry is as its last proof left it: an entry a and
+    b share, rewritten by root at its size with mtime and attribute put back, is hashed at rollback and named;
+    the rollback to a is refused and `current` stays b."""
+    root = tmp_path / "root"
+    tr = local(root)
+    try:
+        ra, rb = applymod.apply(tr, locks[0]), applymod.apply(tr, locks[1])
+        rewrite_in_place(entry_of(root, site(root, ra.generation) / "beta" / "__init__.py"), TAMPERED)
+        with pytest.raises(HostError) as e:
+            generations.rollback(tr)
+        assert generations.status(tr).current == rb.generation
+    finally:
+        tr.close()
+    assert "beta/__init__.py" in str(e.value), str(e.value)
+
+
+def test_gc_and_a_failed_build_leave_the_store_links_of_the_generations_kept_proven(tmp_path, locks):
+    """Removing a generation unlinks the entries it shares with others (their ctime moves, their bytes do not):
+    the proofs move with them, so rollback's quick check of a generation left hashes none of its store links,
+    after a gc and after the removal of a failed build's venv (the mark a failed apply makes)."""
+    root = tmp_path / "root"
+    tr = local(root)
+    try:
+        applymod.apply(tr, locks[0])
+        rb, rc = applymod.apply(tr, locks[1]), applymod.apply(tr, locks[2])
+        gone = generations.gc(tr, keep=0)
+        assert [g.id for g in gone.generations] == ["0001-a"], gone
+        back = generations.rollback(tr)
+        assert (back.to, back.check.verdict, back.check.hashed) == (rb.generation, "clean", 0), back.check
+        generations.mark(tr, rc.generation, remove_venv=True, status="failed")
+        assert not (root / "generations" / rc.generation / "venv").exists()
+        again = agentverify.quick(Layout(str(root)), rb.generation)
+    finally:
+        tr.close()
+    assert (again["verdict"], again["hashed"]) == ("clean", 0), again

@@ -760,7 +760,7 @@ def op_pack(a):
         meter.phase("extra")
         extra = [e for e in record.unlisted(site, lst["listed"]) if not skipped(e)]
     return {"site": site, "python": py, "wheels": [results[n] for n in sorted(results)],
-            "unpacked": sorted(n for n in lst["dists"] if n not in plans), "drift": drift, "extra": len(extra),
+            "drift": drift, "extra": len(extra),
             "files": len(reads), "bytes": sum(found[p][1] for p in reads if p in found), "read_bytes": read_bytes,
             "cache": how, "level": level, "level_auto": auto,
             "seconds": {"plan": t_plan, "pack": t_pack, "read": t_read},

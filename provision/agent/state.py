@@ -103,10 +103,11 @@ def remove_venv(lay, gen_id):
     if os.path.islink(venv):
         os.unlink(venv)
     elif os.path.isdir(venv):
-        try:
-            filestore.rmtree(venv)      # its links to the host's store included (immutable: see store.unlink)
-        except OSError:
-            shutil.rmtree(venv, ignore_errors=True)
+        with filestore.proofs_kept(lay.file_store):
+            try:
+                filestore.rmtree(venv)      # its links to the host's store included (immutable: see store.unlink)
+            except OSError:
+                shutil.rmtree(venv, ignore_errors=True)
 
 
 def oserr(e):
@@ -317,7 +318,8 @@ def op_recover(lay, a):
                 out["abandoned"].append(gen_id)
                 out["errors"] += ["%s: %s" % (gen_id, f) for f in failed]
             elif status == "removing" and gen_id != cur:   # a gc that could not set it aside, interrupted
-                filestore.rmtree(lay.gen(gen_id).dir)
+                with filestore.proofs_kept(lay.file_store):
+                    filestore.rmtree(lay.gen(gen_id).dir)
                 out["freed"].append(gen_id)
             elif status in ("failed", "abandoned") and os.path.lexists(venv) and gen_id != cur:
                 remove_venv(lay, gen_id)
@@ -447,11 +449,12 @@ def op_gc(lay, a):
     sv = survey(paths + [p for _, _, p, _ in unlinked])
     tick("remove", force=True, items=len(items), store_entries=len(unlinked))
     n = len(items)         # the generations' and caches' links first, then the store entries they leave unlinked
-    removed = remove_surveyed({"files": sv["files"][:n], "dirs": sv["dirs"][:n]}, args.jobs or 16,
-                              out["errors"], tick)
-    for k, c in remove_surveyed({"files": sv["files"][n:], "dirs": sv["dirs"][n:]}, args.jobs or 16,
-                                out["errors"], tick).items():
-        removed[k] = removed.get(k, 0) + c
+    with filestore.proofs_kept(lay.file_store):
+        removed = remove_surveyed({"files": sv["files"][:n], "dirs": sv["dirs"][:n]}, args.jobs or 16,
+                                  out["errors"], tick)
+        for k, c in remove_surveyed({"files": sv["files"][n:], "dirs": sv["dirs"][n:]}, args.jobs or 16,
+                                    out["errors"], tick).items():
+            removed[k] = removed.get(k, 0) + c
     account(out, items + unlinked, sv, removed)
     store_figures(out, unlinked)
     tick("done", force=True, bytes=out["bytes"])
@@ -643,7 +646,8 @@ def empty_trash(lay, jobs=16):
         return 0, []
     errors = []
     sv = survey([base])
-    removed = remove_surveyed(sv, jobs, errors)
+    with filestore.proofs_kept(lay.file_store):
+        removed = remove_surveyed(sv, jobs, errors)
     return sum(size for k, (n, size, _) in sv["inodes"].items() if removed.get(k, 0) >= n), errors
 
 

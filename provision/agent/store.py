@@ -4,6 +4,7 @@ privileges allow (FS_IMMUTABLE_FL), so that no write through any of its names re
 """
 import array
 import base64
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -237,6 +238,36 @@ def keep_proofs(files, table, made):
     finally:
         if os.path.lexists(tmp):
             os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def proofs_kept(files):
+    """Around a removal of generations' files (gc, an interrupted build settled): every entry proven before it
+    is proven again after it at its new stat (the removal's unlinks moved its ctime, not its bytes), so the quick
+    check of the generations left does not hash their store links again. An entry unproven before stays so."""
+    table = proofs(files)
+    before = {}
+    for name, p in table.items():
+        if ENTRY_NAME.match(name):
+            try:
+                if proven(os.lstat(os.path.join(files, name[:2], name)), p):
+                    before[name] = p
+            except OSError:
+                pass
+    try:
+        yield
+    finally:
+        made = {}
+        for name in before:
+            try:
+                st = os.lstat(os.path.join(files, name[:2], name))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and (st.st_ino, st.st_size) == before[name][:2]:
+                made[name] = proof(st)
+        if before and os.path.isdir(files):
+            _PROOFS.pop(files, None)
+            keep_proofs(files, {}, made)
 
 
 # ------------------------------------------------------------------ a build's files into the store

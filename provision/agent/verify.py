@@ -187,12 +187,13 @@ def op_seal(lay, a):
     return out
 
 
-def _moved(path, st, w):
+def _moved(files, path, st, w):
     """Whether a file's stat differs from its stamp [size, mtime, ctime, inode, digest, stored]. A link to the
-    host's store is judged by size, mtime, inode and its immutable attribute: its ctime moves whenever another
-    generation links or unlinks the same entry."""
+    host's store (`files`) is trusted only while it is the entry of its digest and that entry's stat is the one
+    its last proof left (`store.linked`): its own ctime moves whenever another generation links or unlinks the
+    entry, the proof's moves with it only where provision did the linking."""
     if len(w) > 5 and w[5]:
-        return [st.st_size, st.st_mtime_ns, st.st_ino] != [w[0], w[1], w[3]] or not store.immutable(path)
+        return st.st_size != w[0] or not store.linked(files, path, st, w[4])
     return _signature(st) != w[:4]
 
 
@@ -361,7 +362,7 @@ def drift(lay, gen, jobs=None, every=False, known=None):
             cached[rel] = st
         elif w is None:
             extra.append(rel)
-        elif every or _moved(os.path.join(venv, rel), st, w):
+        elif every or _moved(lay.file_store, os.path.join(venv, rel), st, w):
             suspects.append((rel, st, w[4]))
     missing = sorted(set(want) - seen)
     known = {os.path.normpath(k): v for k, v in (known or {}).items()}

@@ -530,7 +530,7 @@ def gc(keep: int = typer.Option(3, "--keep", min=1, help="runnable generations t
     def said(host: str, ev: dict) -> None:
         err_console.print(f"{host}: {ev.get('step', 'gc')} {ev.get('detail', '')}", markup=False, soft_wrap=True)
     rows = alone(generations.gc_play(hosts.targets(), keep=keep, dry_run=dry_run, forks=hosts.forks,
-                                     on_progress=None if json_out else said))
+                                     on_progress=said))   # stderr: --json's stdout stays the JSON
     print_rows(rows, lambda r: console.print(gc_text(r.host, r.value), markup=False), json_out,
                to_json=replies.to_json)
     exit_for(rows, bad=lambda v: v.errors)    # a removal that failed (what was done is reported)

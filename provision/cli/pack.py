@@ -92,8 +92,6 @@ def render(rep: dict) -> None:
         console.print(f"  drift {n}: {', '.join(paths[:5])}" + (f" and {len(paths) - 5} more" if len(paths) > 5
                                                                 else "") + " (packed as found; recorded in the lock)",
                       markup=False, soft_wrap=True)
-    for n in rep["unpacked"]:
-        err_console.print(f"warning: {n} has no readable RECORD: not packed", markup=False)
     if rep["not_owned"]:
         err_console.print(f"warning: {rep['not_owned']} files under site-packages belong to no RECORD: not packed",
                           markup=False)
