@@ -15,7 +15,11 @@ from ansible.plugins.action import ActionBase
 from .bundled import PLAYBOOKS
 from .errors import HostKeyError, InputError, ProvisionError
 from .plays import DONE, carried
+from .agent import bundle
 from .replies import to_json
+
+bundle()    # the agents' bundle, built once here in ansible-playbook's process (which loads the action plugins),
+#             not once per host: each host's worker is forked from it
 
 HEARTBEAT = 2.0             # seconds between "still running" lines of a step that says nothing itself
 

@@ -213,6 +213,7 @@ def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: st
     the play and is then raised here as the process would have had it (`_signals_stop`)."""
     import ansible_runner
 
+    _close_promptly()
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{time.monotonic_ns() % 10**6}"
     run_dir = RUNS / f"{run_id}-{name}-{label or 'run'}"
     try:        # the run's files: a full disk is one line naming the file, before anything starts
@@ -289,6 +290,29 @@ def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: st
         error = stopped or (failures[0] if failures else f"ansible run {status} (rc {rc}); see {run_dir}")
     return RunResult(status=status, rc=rc, run_dir=str(run_dir), seconds=seconds, error=error, tasks=tasks,
                      unreachable=unreachable, results=results, durations=durations, stopped=stopped)
+
+
+def _close_promptly() -> None:
+    """ansible-runner closes the play's pty once it has read its end; ptyprocess then sleeps a fixed 0.1 s before it
+    looks whether the play has exited. Here close() waits for the exit itself (a few ms), then closes as before: a play
+    still running after 5 s is terminated as ptyprocess would. One subclass of pexpect.spawn, installed once."""
+    import pexpect
+
+    if getattr(pexpect.spawn, "closes_promptly", False):
+        return
+
+    class Spawn(pexpect.spawn):
+        closes_promptly = True
+
+        def close(self, force=True):
+            if not self.closed:
+                until = time.monotonic() + 5.0
+                while self.ptyproc.isalive() and time.monotonic() < until:
+                    time.sleep(0.002)
+                self.ptyproc.delayafterclose = 0.0
+            super().close(force=force)
+
+    pexpect.spawn = Spawn
 
 
 def _kill_play(marker: str) -> None:

@@ -220,14 +220,7 @@ def proofs(files):
 def keep_proofs(files, table, made):
     """Write the proofs again (a temp file renamed over): `made`, the entries a build just linked, and those of
     `table` (the proofs it read) still true of their entry; a proof of an entry gone or changed is dropped."""
-    out = dict(made)
-    for name, p in table.items():
-        if name not in out and ENTRY_NAME.match(name):
-            try:
-                if proven(os.lstat(os.path.join(files, name[:2], name)), p):
-                    out[name] = p
-            except OSError:
-                pass
+    out = dict(still_proven(files, {n: p for n, p in table.items() if n not in made}), **made)
     path = proofs_path(files)
     tmp = _tmp(path)
     try:
@@ -240,20 +233,25 @@ def keep_proofs(files, table, made):
             os.unlink(tmp)
 
 
+def still_proven(files, table):
+    """The proofs of `table` (entry name → proof) still true of their entry in `files` now."""
+    out = {}
+    for name, p in table.items():
+        if ENTRY_NAME.match(name):
+            try:
+                if proven(os.lstat(os.path.join(files, name[:2], name)), p):
+                    out[name] = p
+            except OSError:
+                pass
+    return out
+
+
 @contextlib.contextmanager
 def proofs_kept(files):
     """Around a removal of generations' files (gc, an interrupted build settled): every entry proven before it
     is proven again after it at its new stat (the removal's unlinks moved its ctime, not its bytes), so the quick
     check of the generations left does not hash their store links again. An entry unproven before stays so."""
-    table = proofs(files)
-    before = {}
-    for name, p in table.items():
-        if ENTRY_NAME.match(name):
-            try:
-                if proven(os.lstat(os.path.join(files, name[:2], name)), p):
-                    before[name] = p
-            except OSError:
-                pass
+    before = still_proven(files, proofs(files))
     try:
         yield
     finally:

@@ -5,23 +5,34 @@ import os
 import sys
 import tempfile
 
-from .agent import facts, host, state
+from .agent import host
 from .agent.host import AgentError
 
-AGENTS = {"state": state.OPS, "facts": facts.OPS, "host": {"unlock": host.op_unlock}}
 STARTS_AGENTS = {("facts", "gather")}     # operations that start an agent in another interpreter (a generation's)
 
 
 def run(agent, op, payload):
     """The agent's reply to `payload` (a dict), `op` given; its progress events are dropped (a module answers once).
     A refusal is the reply's one-line `error`, as the agent's own loader reports it."""
+    ops = _ops(agent)
     if (agent, op) in STARTS_AGENTS and "bundle" not in host.MESSAGE:
-        host.MESSAGE["bundle"] = _bundle()
+        host.MESSAGE["bundle"] = _bundle()      # of the modules loaded now, the agent's among them
     with tempfile.TemporaryFile() as sink, _stdout_to(sink):
         try:
-            return AGENTS[agent][op](dict(payload, op=op))
+            return ops[op](dict(payload, op=op))
         except AgentError as e:
             return {"error": str(e)}
+
+
+def _ops(agent):
+    """The operations of `agent`, its module imported only now: a step's module loads the one agent it runs."""
+    if agent == "state":
+        from .agent import state
+        return state.OPS
+    if agent == "facts":
+        from .agent import facts
+        return facts.OPS
+    return {"unlock": host.op_unlock}
 
 
 def main(name, own):
