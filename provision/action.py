@@ -12,10 +12,10 @@ from pathlib import Path
 
 from ansible.plugins.action import ActionBase
 
+from .agent import bundle
 from .bundled import PLAYBOOKS
 from .errors import HostKeyError, InputError, ProvisionError
 from .plays import DONE, carried
-from .agent import bundle
 from .replies import to_json
 
 bundle()    # the agents' bundle, built once here in ansible-playbook's process (which loads the action plugins),

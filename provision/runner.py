@@ -275,7 +275,8 @@ def run_playbook(name: str, targets: list[Target], extravars: dict, *, label: st
                                    inventory=str(hosts), envvars=env,
                                    suppress_env_files=True, quiet=True, event_handler=handler,
                                    **({"forks": forks} if forks else {}), cancel_callback=stop,
-                                   cmdline=shlex.join(["-e", f"@{extra}", "--skip-tags", SKIP_TAGS] + (["--check", "--diff"] if check else [])
+                                   cmdline=shlex.join(["-e", f"@{extra}", "--skip-tags", SKIP_TAGS]
+                                                      + (["--check", "--diff"] if check else [])
                                                       + [str(PLAYBOOKS / f"{name}.yml")]),   # `binary` takes it here
                                    settings={"suppress_ansible_output": True})
             status, rc = r.status, r.rc

@@ -28,7 +28,6 @@ def write_inventory(path: Path, t, roots: dict) -> Path:
     return path
 
 
-
 @contextlib.contextmanager
 def sudo_account(sudoers_rule: str):
     """A login account of this machine, new and named for this process (never one that was there before), that

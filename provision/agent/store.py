@@ -264,7 +264,6 @@ def proofs_kept(files):
             if stat.S_ISREG(st.st_mode) and (st.st_ino, st.st_size) == before[name][:2]:
                 made[name] = proof(st)
         if before and os.path.isdir(files):
-            _PROOFS.pop(files, None)
             keep_proofs(files, {}, made)
 
 
