@@ -18,6 +18,7 @@ import pytest
 from provision import agent
 from provision import apply as applymod
 from provision import lock as lockmod
+from provision.agent.host import open_by
 from provision.errors import HostError, HostLockedError, StepStalled
 from provision.loopback import LoopbackHost
 from provision.transport import connect, trust_host
@@ -82,15 +83,7 @@ class Stalling:
 
 def working_agents(root: str) -> list[int]:
     """Pids of the agents working under `root` (each holds <root>/.work open)."""
-    work = str(Path(root) / ".work")
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == work for fd in os.listdir(f"/proc/{pid}/fd")):
-                out.append(int(pid))
-        except OSError:
-            continue
-    return out
+    return open_by(os.path.realpath(Path(root) / ".work"))
 
 
 def resume(pids) -> None:
@@ -324,3 +317,18 @@ def test_a_partition_under_the_cli_is_said_at_every_notice_then_names_its_step_a
     report = applied(t, lk)               # the next apply settles the build that was cut off
     assert report.status == "applied", report
     assert_settled(t, report.generation)
+
+
+def test_ending_a_tree_survives_a_process_reaped_while_it_is_read(monkeypatch):
+    """kill_tree waits for the processes it killed; one reaped between two reads of /proc is ended, not an error."""
+    from provision.agent import host
+    child = subprocess.Popen(["sleep", "60"])
+    reads = iter([("S", 1), None])
+    real = host.proc_stat
+    monkeypatch.setattr(host, "proc_stat", lambda pid: next(reads, None) if pid == child.pid else real(pid))
+    monkeypatch.setattr(host, "descendants", lambda pid: [])
+    try:
+        assert host.kill_tree(child.pid) == [child.pid]
+    finally:
+        child.kill()
+        child.wait()

@@ -639,7 +639,7 @@ def kill_tree(pid):
         except OSError:
             pass
     deadline = time.monotonic() + 10
-    while any(proc_stat(p) and proc_stat(p)[0] != "Z" for p in seen) and time.monotonic() < deadline:
+    while any((proc_stat(p) or ("Z",))[0] != "Z" for p in seen) and time.monotonic() < deadline:
         time.sleep(0.02)
     return seen
 
@@ -659,16 +659,21 @@ def op_end(a):
 
 
 def open_by(path):
-    """Pids of the processes that have `path` open."""
+    """Pids of the processes that have `path` open (a process's other descriptors may close while it is read)."""
     out = []
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
                 fds = os.listdir("/proc/%s/fd" % name)
-                if any(os.readlink("/proc/%s/fd/%s" % (name, fd)) == path for fd in fds):
-                    out.append(int(name))
             except OSError:
                 continue
+            for fd in fds:
+                try:
+                    if os.readlink("/proc/%s/fd/%s" % (name, fd)) == path:
+                        out.append(int(name))
+                        break
+                except OSError:
+                    continue
     return out
 
 
