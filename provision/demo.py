@@ -4,9 +4,11 @@ generation B); output goes through the CLI's callbacks. Also lock B's wheelhouse
 name and sha256, found, checked, named."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -21,6 +23,9 @@ from .plan import render_plan
 from .plays import Play, typed
 from .replies import History
 from .transport import trust_host
+from .units import human_size
+
+ROOM = 2 << 30      # the throwaway host's disk: generation B's CPU torch (its plan asks about 1.6 GiB), wheelhouse
 
 
 def _pip_download(pin: str, house: Path) -> None:
@@ -82,10 +87,32 @@ def wheelhouse_lock(path: Path, house: Path, given: Path | None = None,
     return out
 
 
+def scratch(need: int = ROOM, places: list[Path] | None = None) -> Path:
+    """Where the throwaway host goes: the first of the temporary directory (TMPDIR), /var/tmp and
+    ~/.cache/provision with `need` bytes free; a machine's /tmp is often a small tmpfs. None with room is one
+    line naming the most free found."""
+    places = places or [Path(tempfile.gettempdir()), Path("/var/tmp"), Path.home() / ".cache" / "provision"]
+    free = {}
+    for d in places:
+        near = next((p for p in (d, *d.parents) if p.exists()), d)     # the directory it would be made in
+        try:
+            st = os.statvfs(near)
+            free[d] = st.f_bavail * st.f_frsize if os.access(near, os.W_OK) else 0
+        except OSError:
+            free[d] = 0
+        if free[d] >= need:
+            d.mkdir(parents=True, exist_ok=True)
+            return d
+    most = max(free, key=free.get)
+    raise InputError(f"the throwaway host needs about {human_size(need)} free; the most found is "
+                     f"{human_size(free[most])} under {most} (of {', '.join(map(str, places))}): free some, "
+                     "or set TMPDIR to a directory with room", where="demo")
+
+
 def run_demo(say: Callable[[str], None], progress, show_history: Callable[[History, str], None],
              show_probes: Callable[[dict | None], None], keep: bool = False,
              torch_wheel: Path | None = None) -> dict:
-    host = LoopbackHost()
+    host = LoopbackHost(base=scratch())
     figures = {}
     try:
         a = lockmod.load(DEMO_LOCKS / "a.yaml")

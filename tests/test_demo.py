@@ -13,7 +13,7 @@ from provision import lock as lockmod
 from provision import lockcheck
 from provision.bundled import DEMO_LOCKS
 from provision.cli import app
-from provision.demo import wheelhouse_lock
+from provision.demo import scratch, wheelhouse_lock
 from provision.errors import InputError
 
 SHIPPED = lockmod.load(DEMO_LOCKS / "b.yaml")
@@ -75,3 +75,13 @@ def test_a_wrong_torch_wheel_is_refused_before_any_host_starts(tmp_path, monkeyp
     assert r.exit_code == 2 and len(errors) == 1 and "Traceback" not in r.output, r.output
     assert where in errors[0] and expect in errors[0], errors[0]
     assert list(sandbox.iterdir()) == []                        # nothing left behind
+
+
+def test_the_throwaway_host_goes_where_there_is_room_or_one_line_says_where_none_is(tmp_path):
+    full, roomy = tmp_path / "full", tmp_path / "new" / "roomy"
+    assert scratch(need=1, places=[roomy]) == roomy and roomy.is_dir()     # made where it did not exist
+    with pytest.raises(InputError) as e:
+        scratch(need=1 << 60, places=[full, roomy])
+    said = str(e.value)
+    assert said.startswith("demo: the throwaway host needs about 1073741824.0 GiB free") and str(full) in said
+    assert "\n" not in said and "TMPDIR" in said
