@@ -35,8 +35,6 @@ from .plays import tail
 from .transport import Cancelled, StepStalled, Transport, Watch
 
 Progress = Callable[[str, str, str], None]   # (step, state: start|done|fail|info, detail)
-# What a fleet's host says at its gate: staged, the play switches it (apply.yml's next task)
-STAGED = "staged: the play switches it once every host of its batch has passed its probes"
 CANCELLED = "interrupted (Ctrl-C): stopped before its switch"
 
 
@@ -81,6 +79,8 @@ class ApplyReport:
     seconds: float = 0.0
     batch: int = 0                     # a fleet rollout's batch (1-based; 0 outside one)
     rollback: replies.Rollback | None = None    # a fleet rollout's rollback of this host (its batch failed)
+    staged: bool = False               # stopped at its gate as the play asks (errors.Staged): its switch is next
+    generation_kept: str | None = None  # the probed generation a stop before the switch kept ready
 
     def to_json(self) -> dict:
         return dict(asdict(self), rollback=replies.to_json(self.rollback))
@@ -339,27 +339,31 @@ def _build(transport: Transport, lock: Lock, report: ApplyReport, steps: _Steps,
 def _halt_at(gate: Callable[[], None] | None, transport: Transport, report: ApplyReport, built: str | None) -> None:
     """The fleet's gate before the commit point. A halted apply leaves `current` as it was; the generation it
     built is complete and probed, so it is kept runnable (never current yet) for a later apply to reuse."""
-    from .errors import Halted
+    from .errors import Halted, Staged
 
     if gate is None:
         return
     try:
         gate()
     except Halted as e:
-        report.status, report.current = "stopped", report.previous
-        kept = ""
+        report.status, report.current, report.staged = "stopped", report.previous, isinstance(e, Staged)
         if built is not None:      # the play's stage (its switch is the next task) or a stop before the switch
             try:
                 out = generations.mark(transport, built, status="ready", stopped=e.message,
-                                       event={"event": "staged" if e.message == STAGED else "apply-stopped",
+                                       event={"event": "staged" if report.staged else "apply-stopped",
                                               "generation": built, "lock": report.lock_name, "reason": e.message})
-                kept = f"; {built} kept (probed, a later apply reuses it)"
+                report.generation_kept = built
                 report.warnings += [f"kept {built}; recording it failed ({what}); the next run repairs it"
                                     for what in out.get("bookkeeping_failed") or []]
             except ProvisionError as me:
                 report.warnings.append(f"could not record {built} as kept ({me}); the next apply settles it")
-        raise Halted(f"{e.message}; current left at {report.previous or '(none)'}{kept}",
-                     where=transport.target.name) from None
+        raise type(e)(halted_line(e.message, report), where=transport.target.name) from None
+
+
+def halted_line(why: str, report: ApplyReport) -> str:
+    """What a host stopped before its switch says: why, where `current` stayed, the generation kept."""
+    kept = f"; {report.generation_kept} kept (probed, a later apply reuses it)" if report.generation_kept else ""
+    return f"{why}; current left at {report.previous or '(none)'}{kept}"
 
 
 def interrupted(report: ApplyReport) -> Interrupted:
@@ -814,8 +818,8 @@ def _fleet_report(groups: list, plan: list, results: dict, lock: Lock, max_fail:
     for rep in reports:
         why = cut or (f"batch {failed_batch}/{len(plan)} had failed ({', '.join(failed_hosts)})" if failed_batch
                       else None)
-        if rep.status == "stopped" and rep.error and STAGED in rep.error and why:
-            rep.error = rep.error.replace(STAGED, f"{why}: stopped before its switch")
+        if rep.status == "stopped" and rep.staged and why:
+            rep.error = f"{rep.host}: {halted_line(f'{why}: stopped before its switch', rep)}"
         elif rep.status == "not-attempted" and rep.error is None and why:
             rep.error = f"{rep.host}: not attempted: {cut or f'batch {failed_batch}/{len(plan)} failed'}"
     return FleetReport(reports, plan, max_fail, failed_batch, failed_hosts, cancelled, ended)

@@ -93,6 +93,16 @@ class Halted(ProvisionError):
     """A host stopped before its commit point because its batch had already failed beyond the tolerance."""
 
 
+class Staged(Halted):
+    """A host stopped at its commit point as the play asks: built, sealed and probed, its switch the play's next
+    task once every host of its batch has passed its probes. A type, so no caller matches its message."""
+
+    SAID = "staged: the play switches it once every host of its batch has passed its probes"
+
+    def __init__(self, message: str = SAID, where: str | None = None):
+        super().__init__(message, where=where)
+
+
 class DriftError(HostError):
     """Installed files no longer match their RECORD: packing them would not reproduce what was installed."""
 

@@ -22,8 +22,8 @@ if importlib.util.find_spec("provision") is None:   # an ansible-playbook from a
 from provision import apply as applymod, lock as lockmod  # noqa: E402
 from provision.action import (ControllerGone, append_event, connect_task, host_name, spec_of,  # noqa: E402
                               target_of)
-from provision.apply import CANCELLED, STAGED  # noqa: E402
-from provision.errors import Halted, InputError, ProvisionError  # noqa: E402
+from provision.apply import CANCELLED  # noqa: E402
+from provision.errors import Halted, InputError, ProvisionError, Staged  # noqa: E402
 from provision.facts import interpreter_arg  # noqa: E402
 from provision.plan import load_plans, lock_of_plan as plan_lock, plan_host  # noqa: E402
 
@@ -64,7 +64,9 @@ class ActionModule(ActionBase):
             if not ctl.caught_up(CAUGHT_UP):
                 raise Halted("the controller stopped reading this run's progress: stopped before its switch",
                              where=host)
-            raise Halted(CANCELLED if ctl.cancelled() else STAGED, where=host)
+            if ctl.cancelled():
+                raise Halted(CANCELLED, where=host)
+            raise Staged(where=host)
         try:
             tr = connect_task(self, t)
         except ProvisionError as e:     # not reached (as provision's fleets count it): Ansible's unreachable
@@ -89,7 +91,7 @@ class ActionModule(ActionBase):
             rep, failed, kind = getattr(e, "report", None), str(e), {"error_type": type(e).__name__}
             if rep is None:
                 return dict(result, failed=True, msg=failed, **kind)
-            if rep.status == "stopped" and STAGED in failed:
+            if rep.status == "stopped" and rep.staged:
                 failed = None
         finally:
             ctl.stop()
