@@ -77,10 +77,10 @@ def main() -> None:
         tr.close()
         # Re-applying the prior lock from scratch: a fresh root on the same host, empty cache.
         fresh = copy.deepcopy(host.target)
-        fresh.vars["provision_root"] = host.root + "-fresh"
+        fresh.root = host.root + "-fresh"
         tr2 = connect(fresh)
         fig["reapply_prior_from_scratch_s"], _ = timed(applymod.apply, tr2, a)
-        fig["push_mib_s"], fig["push_controller_cpu_s_per_gib"] = push_figures(tr2, fresh.vars["provision_root"],
+        fig["push_mib_s"], fig["push_controller_cpu_s_per_gib"] = push_figures(tr2, fresh.root,
                                                                               Path(host.dir), args.push_mib)
         tr2.close()
         if args.fleet:
@@ -188,7 +188,7 @@ def timed_cli(*args, env: dict | None = None) -> tuple[float, float]:
 
 def host_args(t) -> list:
     return [f"{t.user}@{t.host}:{t.port}", "--key", t.key_file, "--known-hosts", t.known_hosts,
-            "--root", t.vars["provision_root"]]
+            "--root", t.root]
 
 
 def fleet_figures(host, a, b, n: int) -> dict:

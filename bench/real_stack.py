@@ -276,7 +276,7 @@ def side_by_side(tr, row: dict, python: str, work: Path) -> None:
     install of the same requirements from the host's uv cache into a fresh venv; each removed after."""
     from provision.layout import Layout
 
-    lay = Layout(tr.target.vars["provision_root"])
+    lay = Layout(tr.target.root)
     gen = lay.gen(row["generation"])
     cp = work / "cp-a"
     row["cp_a_s"] = round(timed(["cp", "-a", gen.venv, str(cp)]), 2)
@@ -327,7 +327,7 @@ def cold_and_cached(tr, work: Path, locks: dict, rows: list, quiet: bool, key: s
     lk = locks[key]
     apply(tr, lk, f"cold: {label}", rows, quiet, line=locks["line"])
     row = apply(tr, renamed(lk, f"{lk.name}-again", work), f"cached: {label}", rows, quiet)
-    side_by_side(tr, row, tr.target.vars["python"], work)
+    side_by_side(tr, row, tr.target.python, work)
     row["target_s"] = TARGETS[key]
     through_play(tr.target, renamed(lk, f"{lk.name}-play", work), row, quiet)
 
@@ -374,7 +374,7 @@ def upgrade(tr, work: Path, locks: dict, fig: dict, rows: list, quiet: bool) -> 
     rb = generations.rollback(tr, to=before)      # back to the CUDA 13 generation it left
     fig["rollback"] = {"wall_s": round(time.perf_counter() - t0, 3), "from": rb.from_,
                        "to": rb.to, "host_switch_s": rb.switch_seconds}
-    root = Path(tr.target.vars["provision_root"])
+    root = Path(tr.target.root)
     fig["disk_before_gc"] = du(root)
     fig["cache_bytes"] = du(root / "cache")
     t0 = time.perf_counter()
@@ -398,7 +398,7 @@ def streams() -> int:
 
 def fetch(tr, work: Path, locks: dict, fig: dict, rows: list, quiet: bool) -> None:
     """The host agent's fetch alone (the baseline's wheels into an empty cache) against the line rate."""
-    fig["fetch_alone"] = fetch_alone(locks["baseline"], locks["line"], Path(tr.target.vars["provision_root"]),
+    fig["fetch_alone"] = fetch_alone(locks["baseline"], locks["line"], Path(tr.target.root),
                                      streams())
     fig["fetch_links"] = fetch_links(locks["line"], work / "links", streams())
 
@@ -447,7 +447,7 @@ def main() -> None:
             t = host.target
             for part in parts:
                 root = work / f"root-{part}"
-                t.vars.update(provision_root=str(root), python=python)
+                t.root, t.python = str(root), python
                 tr = connect(t)
                 try:
                     PARTS[part](tr, work, locks, fig, rows, args.json)

@@ -77,9 +77,8 @@ def target_of(action: ActionBase, task_vars: dict, known_hosts: str | None, root
     t = _target(host, TaskVars(action._templar, task_vars, action._play_context),
                 Path(known_hosts or DEFAULT_KNOWN_HOSTS), where)
     if root:
-        t.vars["provision_root"] = root
-    if "provision_root" in t.vars:
-        check_root(t.vars["provision_root"], f"{where}: host {host}: " + ("root" if root else "provision_root"))
+        check_root(root, f"{where}: host {host}: root")
+        t.root = root
     if action._play_context.timeout:
         t.timeout = float(action._play_context.timeout)
     return t

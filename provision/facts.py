@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from .errors import HostError
-from .layout import root_of, venv_python
+from .layout import venv_python
 from .replies import GEN_ID, PATH, host_path, read
 from .transport import Transport
 
@@ -127,8 +127,8 @@ def gather(transport: Transport, *, python: str | None = None, adopt: str | None
     """The host's facts; `python` ("3.12", a lock's) narrows the interpreters looked for to that version, and
     `interpreter` (the operator's --python PATH) is then the only one tried; `wheels` (a lock's sha256s): their
     cache entries count as cached only if their bytes still match (`cached_wheels`)."""
-    payload = {"op": "gather", "root": root_of(transport.target), "python": python, "adopt": adopt,
-               "nvidia_smi": transport.target.vars.get("provision_nvidia_smi"), "wheels": list(wheels or [])}
+    payload = {"op": "gather", "root": transport.target.root, "python": python, "adopt": adopt,
+               "nvidia_smi": transport.target.nvidia_smi, "wheels": list(wheels or [])}
     if interpreter is not None:
         payload["interpreter"] = interpreter_arg(interpreter)
     return Facts.from_reply(transport.run_agent("facts", payload), transport.target.name)

@@ -7,13 +7,13 @@ from __future__ import annotations
 import time
 
 from . import replies
-from .layout import pick_generation, root_of
+from .layout import pick_generation
 from .errors import HostError
 from .transport import Transport
 
 
 def call(transport: Transport, op: str, **args) -> dict:
-    return transport.run_agent("state", dict(args, op=op, root=root_of(transport.target)))
+    return transport.run_agent("state", dict(args, op=op, root=transport.target.root))
 
 
 def ask(transport: Transport, reply: type, op: str, **args):
@@ -56,7 +56,7 @@ def gc(t: Transport, keep: int = 3, dry_run: bool = False, on_event=None) -> rep
     then the controller's run directories of the generations removed. `bytes` is what the host freed (each
     inode once, and only when no link to it is left); `shared_bytes` what stays linked from elsewhere;
     `on_event` hears gc's progress (a phase begins, and at least every 2 s within one)."""
-    out = t.run_agent("state", {"op": "gc", "root": root_of(t.target), "keep": keep, "dry_run": dry_run,
+    out = t.run_agent("state", {"op": "gc", "root": t.target.root, "keep": keep, "dry_run": dry_run,
                                 "take_lock": True}, on_event=on_event)
     return collected(replies.Gc.of(out, t.target.name), dry_run)
 
@@ -119,7 +119,7 @@ def resolve(t: Transport, generation: str | None, default: str = "current") -> s
     try:
         return pick_generation([(g.number, g.id) for g in h.generations], h.current, generation, default)
     except LookupError as e:
-        why = {"none": f"no generations under {root_of(t.target)}: adopt or apply first",
+        why = {"none": f"no generations under {t.target.root}: adopt or apply first",
                "no current": "no current generation; name one with --generation"}.get(str(e), str(e))
         raise ProvisionError(why, where=t.target.name) from None
 

@@ -12,9 +12,8 @@ from pathlib import Path
 from .errors import InputError, InventoryError
 from .transport import DEADLINE, NOTICE, TIMEOUT, Target, check_address, check_root, parse_port
 
-# Host variables provision reads; everything else stays Ansible's business.
-_KEPT = {"provision_root": "provision_root", "provision_nvidia_smi": "provision_nvidia_smi",
-         "ansible_python_interpreter": "python"}
+# Host variables provision reads, and the Target field each sets; everything else stays Ansible's business.
+_KEPT = {"provision_root": "root", "provision_nvidia_smi": "nvidia_smi", "ansible_python_interpreter": "python"}
 
 
 class Inventory:
@@ -118,6 +117,8 @@ def select(host: str | None, args: tuple = (), *, local: bool = False, inventory
         raise InventoryError("--limit narrows an inventory: give -i INVENTORY", where="--limit")
     if local and inventory:
         raise InputError("give --local (this machine) or -i (an inventory's hosts), not both", where="--local")
+    if root:
+        check_root(root, "--root")
     local = local or (local_by_default and not (host or inventory))
     inv = Inventory(inventory) if inventory else None
     if host is not None and args and args[-1] is None and (
@@ -140,9 +141,7 @@ def select(host: str | None, args: tuple = (), *, local: bool = False, inventory
         if key:
             t.key_file = str(key)
         if root:
-            t.vars["provision_root"] = root
-        if "provision_root" in t.vars:
-            check_root(t.vars["provision_root"], "--root" if root else f"{inventory}: host {t.name}: provision_root")
+            t.root = root
     return ts, args
 
 
@@ -190,7 +189,11 @@ def _target(name: str, v: dict, known_hosts: Path, where: str) -> Target:
         t = Target(host=host, user=user, port=port, key_file=str(key) if key else None, known_hosts=known_hosts,
                    alias=name, inventory=where, ssh_args={k: str(value(k)) for k in SSH_ARGS if value(k)})
     t.become = become
-    t.vars = {ours: str(value(theirs)) for theirs, ours in _KEPT.items() if value(theirs) is not None}
+    for theirs, ours in _KEPT.items():
+        if value(theirs) is not None:
+            setattr(t, ours, str(value(theirs)))
+    if value("provision_root") is not None:
+        check_root(t.root, f"{where}: host {name}: provision_root")
     return t
 
 
@@ -222,10 +225,10 @@ def _become(value, at: str) -> str | None:
 def _refuse_duplicates(targets: list[Target], where: str) -> None:
     seen: dict[tuple, str] = {}
     for t in targets:
-        k = (t.host, t.port, t.vars.get("provision_root"))
+        k = (t.host, t.port, t.root)
         if k in seen:
             raise InventoryError(f"hosts {seen[k]} and {t.name} are the same host ({t.address}, root "
-                            f"{t.vars.get('provision_root') or 'default'}); name it once", where=where)
+                            f"{t.root}); name it once", where=where)
         seen[k] = t.name
 
 

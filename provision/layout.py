@@ -11,14 +11,9 @@ CUDA_HOME = "cuda-home"     # in a venv: see cuda_home_in
 join = posixpath.join
 
 
-def root_of(target):
-    """The host root named by a target's inventory vars (default /opt/provision)."""
-    return target.vars.get("provision_root", DEFAULT_ROOT)
-
-
 def of(transport):
     """The layout of the host a transport reaches."""
-    return Layout(root_of(transport.target))
+    return Layout(transport.target.root)
 
 
 def cache_entry(store, sha256, filename):

@@ -113,7 +113,7 @@ class LoopbackHost:
     def target(self) -> Target:
         return Target(host=self.address, user=getpass.getuser(), port=self.port,
                       key_file=str(self.dir / "client_ed25519"), known_hosts=self.dir / "known_hosts",
-                      vars={"provision_root": self.root})
+                      root=self.root)
 
     @property
     def spec(self) -> str:

@@ -16,7 +16,6 @@ from packaging.version import InvalidVersion, Version
 from . import yamlio
 from .errors import InputError
 from .facts import Facts, Generation, gather_for
-from .layout import root_of
 from .lock import Lock, from_data
 from .transport import Transport
 from .toolkit import nvcc_missing
@@ -249,7 +248,7 @@ def plans_for(saved: list[Plan], targets: list, where: str) -> dict[str, Plan]:
     by_host = {p.host: p for p in saved}
     for t in targets:
         p = by_host.get(t.name)
-        root = root_of(t)
+        root = t.root
         if p is None and len(saved) == 1:
             p = saved[0]
         if p is None:

@@ -68,11 +68,11 @@ def facts_of(t, result: dict, seconds: float | None = None):
 
 def unlock_of(t, result: dict, seconds: float | None = None) -> dict:
     """unlock.yml's result read back as `transport.unlock` returns it."""
-    from .layout import Layout, root_of
+    from .layout import Layout
     from .runner import answer
     from .transport import unlocked
 
-    return unlocked(answer(t, result), Layout(root_of(t)).lock_file, t.name)
+    return unlocked(answer(t, result), Layout(t.root).lock_file, t.name)
 
 
 def diff_of(t, result: dict, seconds: float | None = None) -> dict:

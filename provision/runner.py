@@ -29,7 +29,7 @@ import yaml
 
 from .bundled import PLAYBOOKS
 from .errors import HostError, HostKeyError, ProvisionError, controller_failure
-from .layout import Layout, root_of
+from .layout import Layout
 from .transport import CONTROLLER_HOME, KEEPALIVE_COUNT, TIMEOUT, Target, host_key_options
 
 RUNS = CONTROLLER_HOME / "runs"
@@ -90,7 +90,7 @@ def write_vars(path: Path, data: dict) -> Path:
 
 def remote_tmp(t: Target, run_id: str) -> str:
     """This run's own temp dir on the host, under its provision root."""
-    return Layout(root_of(t)).scratch(f"ansible-{run_id}")
+    return Layout(t.root).scratch(f"ansible-{run_id}")
 
 
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,254}\Z")   # a host name Ansible keeps as it is written
@@ -120,10 +120,10 @@ def inventory(targets: list[Target], run_id: str, interpreters: dict[str, str] |
     ssh_common_args and ssh_extra_args (the inventory's, else Ansible's settings) stay as they are."""
     hosts, names = {}, ansible_names(targets)
     for t in targets:
-        py = (interpreters or {}).get(t.name) or t.vars.get("python") or "python3"    # as the agents find it
-        v = {"ansible_python_interpreter": py, "provision_root": root_of(t),
+        py = (interpreters or {}).get(t.name) or t.python    # as the agents find it
+        v = {"ansible_python_interpreter": py, "provision_root": t.root,
              "ansible_remote_tmp": remote_tmp(t, run_id),
-             **{k: t.vars[k] for k in ("provision_nvidia_smi",) if t.vars.get(k)}}     # what a step reads of them
+             **({"provision_nvidia_smi": t.nvidia_smi} if t.nvidia_smi else {})}     # what a step reads of them
         if t.local:
             v["ansible_connection"] = "local"
         else:

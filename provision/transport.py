@@ -97,7 +97,10 @@ class Target:
     port: int = 22
     key_file: str | None = None
     known_hosts: Path = DEFAULT_KNOWN_HOSTS
-    vars: dict = field(default_factory=dict)   # inventory host vars (root, python, ...)
+    root: str = layout.DEFAULT_ROOT            # the host root (provision_root; checked where it is given)
+    python: str = "python3"                    # the host's interpreter for provision's agents (ansible_python_interpreter)
+    nvidia_smi: str | None = None              # the nvidia-smi the probes and facts run (provision_nvidia_smi)
+    probe_env: dict = field(default_factory=dict)   # more environment for the probes' processes
     alias: str | None = None                   # the host's inventory name, when it comes from one
     inventory: str | None = None               # the inventory it comes from
     timeout: float = TIMEOUT                   # connect, banner, handshake and authentication; keepalive period
@@ -264,7 +267,7 @@ class Transport:
     @property
     def python(self) -> str:
         """The host's interpreter for agents: the inventory's ansible_python_interpreter, else python3."""
-        return self.target.vars.get("python", "python3")
+        return self.target.python
 
     def run_agent(self, name: str, payload: dict, *, python: str | None = None, env: dict | None = None,
                   timeout: float | None = None, on_event: Callable[[dict], None] | None = None,

@@ -11,7 +11,6 @@ from packaging.version import InvalidVersion, Version
 
 from . import generations
 from .errors import HostError, InputError, ProvisionError
-from .layout import root_of
 from .lock import Lock
 from .replies import Checked, QuickCheck, read
 from .transport import Transport
@@ -156,7 +155,7 @@ def verify(t: Transport, generation: str | None = None, baseline: bool = False, 
     lock, manifest = generations.lock_of(t, gen_id)
     from .pack import progress_every
 
-    found = t.run_agent("verify", {"op": "verify", "root": root_of(t.target), "id": gen_id, "baseline": baseline,
+    found = t.run_agent("verify", {"op": "verify", "root": t.target.root, "id": gen_id, "baseline": baseline,
                                    "jobs": jobs, "progress_every": progress_every()}, on_event=progress)
     out = verdict_of(found, lock, manifest.get("installer"), gen_id, t.target.name)
     rec = out.pop("record")
@@ -215,7 +214,7 @@ def verdict_of(reply, lock: Lock, installer: str | None, gen_id: str, host: str 
 def seal(t: Transport, lock: Lock, gen_id: str, installer: str | None) -> dict:
     """The build's last step (after patches, before probes): files read-only, a stamp of every file for rollback's
     quick check, and a full check judged against the lock. Drift fails the build (HostError naming it)."""
-    found = read(Checked, t.run_agent("verify", {"op": "seal", "root": root_of(t.target), "id": gen_id}),
+    found = read(Checked, t.run_agent("verify", {"op": "seal", "root": t.target.root, "id": gen_id}),
                  t.target.name, "seal")
     verdict = judge(found, lock, installer)
     rec = summary(found, verdict, "build")
@@ -239,7 +238,7 @@ def seal(t: Transport, lock: Lock, gen_id: str, installer: str | None) -> dict:
 def check(t: Transport, gen_id: str) -> dict:
     """Rollback's quick check of one generation (every file's stat against its build's stamp, hashing what
     changed), for a switch that did not go through `rollback`: apply's reuse of an existing generation."""
-    q = QuickCheck.of(t.run_agent("verify", {"op": "quick", "root": root_of(t.target), "id": gen_id}), t.target.name)
+    q = QuickCheck.of(t.run_agent("verify", {"op": "quick", "root": t.target.root, "id": gen_id}), t.target.name)
     verdict = "clean" if q.verdict == "clean" else f"drift: {q.named or ''}"
     return dict(q.to_json(), named=q.named or "",
                 detail=f"{gen_id}: {q.files} files against its stamp, {q.hashed} hashed: {verdict}")

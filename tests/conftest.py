@@ -74,7 +74,7 @@ def agent_bundle(monkeypatch):
 def target(sshd, tmp_path):
     """A trusted SSH target on the session sshd, with its own empty provision root."""
     t = copy.deepcopy(sshd.target)
-    t.vars["provision_root"] = str(tmp_path / "root")
+    t.root = str(tmp_path / "root")
     return t
 
 
@@ -97,7 +97,7 @@ def toolkit_generation(sshd, tmp_path_factory):
     from provision.transport import connect
 
     t = copy.deepcopy(sshd.target)
-    t.vars["provision_root"] = str(tmp_path_factory.mktemp("toolkit") / "root")
+    t.root = str(tmp_path_factory.mktemp("toolkit") / "root")
     lk = lockmod.load(DEMO_LOCKS / "cuda13-toolkit.yaml")
     tr = connect(t)
     try:

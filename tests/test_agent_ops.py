@@ -17,7 +17,7 @@ from provision.transport import Local, Target
 
 def test_each_build_step_is_an_agent_answering_its_own_operations(tmp_path, wheels):
     root = tmp_path / "root"
-    tr = Local(Target(host="h", vars={"provision_root": str(root)}))
+    tr = Local(Target(host="h", root=str(root)))
     w = wheels["alpha-1.0"]
     sha = hashlib.sha256(w.read_bytes()).hexdigest()
     f = {"sha256": sha, "filename": w.name, "label": "alpha==1.0"}

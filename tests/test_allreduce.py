@@ -170,12 +170,12 @@ def test_harness_on_cpu_one_process_per_rank(agent_bundle):
 
 def test_one_gpu_skips_and_the_ranks_travel_in_the_agent_bundle(adopted, tmp_path):  # noqa: F811
     assert collective.p_allreduce({"gpus": [{"compute_cap": "9.0"}]})["status"] == "skip"
-    adopted.target.vars["provision_nvidia_smi"] = fake_smi(tmp_path, gpus=1)
+    adopted.target.nvidia_smi = fake_smi(tmp_path, gpus=1)
     r = by_name(run_probes(adopted, lock_text(), only=["allreduce"]))["allreduce"]
     assert r["status"] == "skip" and r["reason"].startswith("one GPU on this host")
 
     # two GPUs listed (recorded nvidia-smi) but a CPU torch: the probe fails saying so
-    adopted.target.vars["provision_nvidia_smi"] = fake_smi(tmp_path, gpus=2)
+    adopted.target.nvidia_smi = fake_smi(tmp_path, gpus=2)
     r = by_name(run_probes(adopted, lock_text(), only=["allreduce"]))["allreduce"]
     assert r["status"] == "fail" and "torch.cuda.is_available() is False" in r["reason"]
     # the ranks are agents of the bundle every agent call carries: nothing is shipped for them

@@ -35,7 +35,7 @@ def test_patches_applied_in_new_generation_and_recorded(target, tmp_path):
     assert rep.status == "applied"
     statuses = [p["status"] for s in rep.patches["series"] for p in s["patches"]]
     assert statuses == ["applied", "applied", "applied"]
-    site = next((Path(target.vars["provision_root"]) / "generations" / rep.generation / "venv" / "lib").glob(
+    site = next((Path(target.root) / "generations" / rep.generation / "venv" / "lib").glob(
         "python3*/site-packages"))
     kimi = site / "sglang" / "srt" / "models" / "kimi_k25.py"
     assert "def get_embed_and_head" in kimi.read_text()
@@ -85,5 +85,5 @@ def test_series_that_does_not_apply_refused_current_untouched(target, tmp_path, 
     finally:
         tr.close()
     assert h.current == "0001-stack-a"
-    assert os.readlink(Path(target.vars["provision_root"]) / "current") == "generations/0001-stack-a"
+    assert os.readlink(Path(target.root) / "current") == "generations/0001-stack-a"
     assert h.generations[-1].status == "failed"

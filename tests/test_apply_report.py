@@ -36,7 +36,7 @@ def test_a_switch_whose_history_line_is_lost_is_said_with_what_to_run(target, st
     again is a no-op that records the switch once."""
     a, b = stacks_ab
     ga = applied(target, lockmod.load(a)).generation
-    hist = Path(target.vars["provision_root"]) / "history.jsonl"
+    hist = Path(target.root) / "history.jsonl"
     subprocess.run(["chattr", "+i", str(hist)], check=True)
     try:
         p = cli("apply", *host_args(target), "--lock", b, check=0)
@@ -109,7 +109,7 @@ def rollout(target, wheels, tmp_path):
     a = lockmod.load(write_lock(tmp_path / "a.yaml", "stack-a", [wheels["alpha-1.0"]]))
     for h, root in roots.items():
         t = copy.deepcopy(target)
-        t.vars["provision_root"] = str(root)
+        t.root = str(root)
         applied(t, a)
     wheel = make_wheel(tmp_path / "slow", "slowpkg", "1.0", body="x = %r\n" % ("y" * 50000))
     slow = SecondStalls(wheel)
@@ -280,7 +280,7 @@ def test_the_controller_disk_filling_mid_run_stops_the_play_before_the_switch(ta
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"error: {target.name}: ") and f"{home}/" in last, err
     assert "the controller's disk is full (ENOSPC)" in last and last.endswith(f"current left at {ga}"), err
-    lock_free(target.vars["provision_root"])
+    lock_free(target.root)
     assert host_state(target)["current"] == ga
 
 
@@ -291,7 +291,7 @@ def test_plan_counts_a_corrupt_cache_entry_as_a_download(target, stacks_ab):
     applied(target, lockmod.load(a))
     lk = lockmod.load(b)
     alpha = next(p for p in lk.packages if p.name == "alpha")
-    entry = Path(target.vars["provision_root"]) / "cache" / "wheels" / alpha.sha256 / alpha.filename
+    entry = Path(target.root) / "cache" / "wheels" / alpha.sha256 / alpha.filename
     subprocess.run(["chattr", "-i", str(entry)], capture_output=True)
     with open(entry, "r+b") as f:
         f.write(b"corrupt!")
@@ -324,7 +324,7 @@ def test_a_host_that_never_speaks_ssh_holds_back_no_other_row(target, stacks_ab,
     inv = tmp_path / "inv.yml"
     inv.write_text(f"all:\n  vars: {{ansible_host: {t.host}, ansible_user: {t.user}, "
                    f"ansible_ssh_private_key_file: {t.key_file}}}\n  hosts:\n"
-                   f"    gpu0: {{ansible_port: {t.port}, provision_root: {t.vars['provision_root']}}}\n"
+                   f"    gpu0: {{ansible_port: {t.port}, provision_root: {t.root}}}\n"
                    f"    hung: {{ansible_port: {port}, provision_root: {tmp_path / 'root-hung'}}}\n")
     p = subprocess.Popen([sys.executable, "-m", "provision.cli", verb, "-i", str(inv), "--known-hosts",
                           str(t.known_hosts), "--timeout", "30"], cwd=ROOT, env={**os.environ, "COLUMNS": "200"},

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import base64
+import dataclasses
 import json
 import os
 import stat
@@ -97,7 +98,7 @@ def test_lock_of_300_packages_and_2mb_yaml_over_ssh(target, tmp_path):
         assert rep2.build["pushed"] == 1          # 299 wheels came from the host's cache
     finally:
         tr.close()
-    root = Path(target.vars["provision_root"])
+    root = Path(target.root)
     venv_py = root / "current" / "venv" / "bin" / "python"
     assert os.path.exists(venv_py) and (root / "current").resolve().name == "0002-huge"
     longest = max(len(" ".join(a)) for a in Recording.argvs)
@@ -126,8 +127,8 @@ def test_ansible_never_renders_data(target, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     res = runner.run_playbook("build", [target], {"cuda_source": "apt", "cuda_apt_package": TEMPLATE}, label="t")
     assert res.error and "No package matching '{{ lookup('pipe'" in res.error   # apt got the literal text
-    assert not _pwned(tmp_path, res.run_dir, Path(target.vars["provision_root"]))
-    assert not any(Path(target.vars["provision_root"], "tmp").glob("ansible-*"))   # its temp dir went with it
+    assert not _pwned(tmp_path, res.run_dir, Path(target.root))
+    assert not any(Path(target.root, "tmp").glob("ansible-*"))   # its temp dir went with it
 
 
 def test_templates_in_a_lock_and_in_host_replies_run_nothing(target, tmp_path, wheels, monkeypatch):
@@ -154,7 +155,7 @@ def test_templates_in_a_lock_and_in_host_replies_run_nothing(target, tmp_path, w
     weird = tmp_path / TEMPLATE.replace("/", "_")
     weird.mkdir()
     os.symlink(sys.executable, weird / "python3")
-    t = type(target)(**{**target.__dict__, "vars": dict(target.vars, python=str(weird / "python3"))})
+    t = dataclasses.replace(target, python=str(weird / "python3"))
     lk_path = write_lock(tmp_path / "d.yaml", "desc", [wheels["alpha-1.0"]], description=TEMPLATE,
                          platform={"python": "%d.%d" % sys.version_info[:2],
                                    "cuda": {"source": "apt", "version": "12.8", "package": "openssh-server"}})
@@ -167,7 +168,7 @@ def test_templates_in_a_lock_and_in_host_replies_run_nothing(target, tmp_path, w
         tr.close()
     assert rep.status == "applied", rep.error
     assert rep.build["run_dir"]                                      # Ansible ran (the apt step)
-    assert not _pwned(tmp_path, rep.build["run_dir"], Path(target.vars["provision_root"]))
+    assert not _pwned(tmp_path, rep.build["run_dir"], Path(target.root))
 
 
 def _string_fields(data, path=()):
@@ -280,7 +281,7 @@ def test_agents_run_with_the_inventorys_python_interpreter(target, tmp_path):
     inv = tmp_path / "hosts.ini"
     inv.write_text(f"[gpu]\ngpu0 ansible_host={target.host} ansible_port={target.port} ansible_user={target.user} "
                    f"ansible_ssh_private_key_file={target.key_file} ansible_python_interpreter=/usr/bin/python3 "
-                   f"provision_root={target.vars['provision_root']}\n")
+                   f"provision_root={target.root}\n")
     (t,) = load_inventory(inv, known_hosts=target.known_hosts)
     tr = connect(t)
     try:

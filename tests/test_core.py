@@ -42,7 +42,7 @@ def ctrl_c_as_at_a_terminal() -> None:
 
 def host_args(t):
     return [f"{t.user}@{t.host}:{t.port}", "--key", t.key_file, "--known-hosts", t.known_hosts,
-            "--root", t.vars["provision_root"]]
+            "--root", t.root]
 
 
 @pytest.fixture
@@ -53,7 +53,7 @@ def locks(tmp_path, wheels):
 
 
 def current_link(t):
-    link = Path(t.vars["provision_root"]) / "current"
+    link = Path(t.root) / "current"
     return os.readlink(link) if link.is_symlink() else None
 
 
@@ -64,7 +64,7 @@ def test_plan_apply_noop_rollback_history(target, locks):
 
     cli("apply", *host_args(target), "--lock", a, check=0)
     assert current_link(target) == "generations/0001-stack-a"
-    venv_py = Path(target.vars["provision_root"]) / "current" / "venv" / "bin" / "python"
+    venv_py = Path(target.root) / "current" / "venv" / "bin" / "python"
     out = subprocess.run([venv_py, "-c", "import alpha, beta; print(alpha.__version__)"], capture_output=True, text=True)
     assert out.stdout.strip() == "1.0"
 
@@ -175,7 +175,7 @@ def test_pip_installer_and_adoption(target, locks, tmp_path):
         assert generations.read(tr, "0001-stack-a")["manifest"]["installer"] == "pip"
         rb = generations.rollback(tr)
         assert rb.to == "0000-adopted"
-        assert os.path.realpath(Path(target.vars["provision_root"]) / "current" / "venv") == str(env)
+        assert os.path.realpath(Path(target.root) / "current" / "venv") == str(env)
         assert env.exists()   # adopted, never moved
         adopted_lock = lockmod.loads(generations.read(tr, "0000-adopted")["lock_text"])
         assert adopted_lock.platform.python == "%d.%d" % sys.version_info[:2]
@@ -254,7 +254,7 @@ def test_facts_with_recorded_nvidia_smi(target, tmp_path):
     fake = tmp_path / "nvidia-smi"
     fake.write_text(f"#!/bin/sh\ncat {data}\n")
     fake.chmod(0o755)
-    target.vars["provision_nvidia_smi"] = str(fake)
+    target.nvidia_smi = str(fake)
     tr = connect(target)
     try:
         f = gather(tr)
@@ -276,7 +276,7 @@ def test_facts_glibc_and_a_lock_for_a_newer_one(tmp_path):
     from provision.transport import Local
 
     tr = Local()
-    tr.target.vars.update(python=sys.executable, provision_root=str(tmp_path / "root"))
+    tr.target.python, tr.target.root = sys.executable, str(tmp_path / "root")
     f = gather(tr)
     have = f.os.glibc
     assert have == platform.libc_ver()[1]
@@ -330,7 +330,7 @@ def test_facts_look_only_for_the_locks_python(tmp_path, monkeypatch):
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     tr = Local()
-    tr.target.vars.update(python=sys.executable, provision_root=str(tmp_path / "root"))
+    tr.target.python, tr.target.root = sys.executable, str(tmp_path / "root")
     f = gather(tr, python=own)
     assert f.pythons == {own: sys.executable} and f.broken_pythons == {}
     assert f.python_versions[own] == "%d.%d.%d" % sys.version_info[:3] and f.pythons_looked_for == own
@@ -357,7 +357,7 @@ def test_cuda_toolkit_from_nvidia_wheels_into_generation(toolkit_generation):
     finally:
         tr.close()
     home = Path(man["cuda_home"])
-    assert home.name == "cuda-home" and str(home).startswith(target.vars["provision_root"])
+    assert home.name == "cuda-home" and str(home).startswith(target.root)
     out = subprocess.run([home / "bin" / "nvcc", "--version"], capture_output=True, text=True)
     assert "V13.0.88" in out.stdout
     src = home.parent.parent / "k.cu"

@@ -40,12 +40,12 @@ def stalled(target, wheels, tmp_path):
 
 def host_args(t) -> list[str]:
     return [f"{t.user}@{t.host}:{t.port}", "--key", t.key_file, "--known-hosts", str(t.known_hosts),
-            "--root", t.vars["provision_root"]]
+            "--root", t.root]
 
 
 def settled_without_work(target, gen: str) -> None:
     """The host on `gen`, complete; the host lock free and nothing the stopped run started still running."""
-    root = target.vars["provision_root"]
+    root = target.root
     lock_free(root)
     gone(root, "settled")
     assert_settled(target, gen)
@@ -126,7 +126,7 @@ def two_hosts(target, tmp_path):
     out = []
     for i in range(2):
         t = copy.deepcopy(target)
-        t.vars["provision_root"] = str(tmp_path / f"root{i}")
+        t.root = str(tmp_path / f"root{i}")
         t.alias = f"gpu{i}"
         out.append(t)
     return out
@@ -165,7 +165,7 @@ def test_ctrl_c_in_a_fleet_apply_stops_the_hosts_and_prints_the_summary(two_host
     inv = tmp_path / "inv.yml"
     inv.write_text("all:\n  vars: {ansible_host: %s, ansible_user: %s, ansible_port: %d, "
                    "ansible_ssh_private_key_file: %s}\n  hosts:\n" % (t0.host, t0.user, t0.port, t0.key_file)
-                   + "".join(f"    {t.alias}: {{provision_root: {t.vars['provision_root']}}}\n" for t in two_hosts))
+                   + "".join(f"    {t.alias}: {{provision_root: {t.root}}}\n" for t in two_hosts))
     gens = [applied(t, lockmod.load(lk.with_name("a.yaml"))).generation for t in two_hosts]
     p = subprocess.Popen([sys.executable, "-m", "provision.cli", "apply", "-i", str(inv), "--lock", str(lk),
                           "--known-hosts", str(t0.known_hosts)], cwd=ROOT, env=env(),
@@ -199,7 +199,7 @@ def test_ctrl_c_during_probes_is_an_interruption_not_a_failure(two_hosts, stacks
                        f"touch \"$d/queried\"\ncat {Path(__file__).parent / 'data' / 'h200' / 'nvidia-smi-query.csv'}\n")
         smi.chmod(0o755)
         t = copy.deepcopy(t)
-        t.vars["provision_nvidia_smi"] = str(smi)
+        t.nvidia_smi = str(smi)
         hosts.append(t)
     cancel = threading.Event()
 
@@ -215,5 +215,5 @@ def test_ctrl_c_during_probes_is_an_interruption_not_a_failure(two_hosts, stacks
         assert (r.status, r.current) == ("interrupted", gen), (r.status, r.error)
         assert "fail" not in (r.probes or {}).get("status", ""), r.probes
         assert_settled(t, gen)
-        man = json.loads((Path(t.vars["provision_root"]) / "generations" / r.generation / "manifest.json").read_text())
+        man = json.loads((Path(t.root) / "generations" / r.generation / "manifest.json").read_text())
         assert man["status"] == "abandoned" and "cancelled" in man["reason"], man

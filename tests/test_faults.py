@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def host_state(target) -> dict:
     """The host's truth read from its files: `current`, each generation's status and venv."""
-    root = Path(target.vars["provision_root"])
+    root = Path(target.root)
     link = root / "current"
     cur = os.readlink(link).split("/")[-1] if link.is_symlink() else None
     gens = {}
@@ -49,7 +49,7 @@ def host_state(target) -> dict:
 
 def assert_settled(target, expect_current: str | None, report=None) -> dict:
     """Exactly one complete, runnable current generation; history and the report agree with the files."""
-    root = Path(target.vars["provision_root"])
+    root = Path(target.root)
     st = host_state(target)
     assert st["current"] == expect_current, st
     if expect_current:
@@ -159,9 +159,10 @@ MOMENTS = [("build", "start", 0.4), ("build", "done", 0), ("patch", "done", 0), 
 def test_controller_killed_at_seven_moments(target, stacks, tmp_path):
     """SIGKILL of the controller (its process group: the tool and what it started) from mid-build to just
     after the switch; each time the host is on one complete generation and the re-run converges."""
-    root = target.vars["provision_root"]
+    root = target.root
     tspec = json.dumps({"host": target.host, "user": target.user, "port": target.port, "key_file": target.key_file,
-                        "known_hosts": str(target.known_hosts), "vars": target.vars})
+                        "known_hosts": str(target.known_hosts), "root": target.root,
+                        "python": target.python})
     base = applied(target, stacks[0])
     cur = base.generation
     for i, (step, state, delay) in enumerate(MOMENTS):
@@ -255,7 +256,7 @@ def fill(root: str) -> Path:
 @pytest.mark.parametrize("moment", ["build", "probe", "switch"])
 def test_disk_full(small_root, stacks, moment):
     t = small_root
-    root = t.vars["provision_root"]
+    root = t.root
     a = applied(t, stacks[0])
     filler: list[Path] = []
 
@@ -290,7 +291,7 @@ def test_history_unwritable_after_the_commit(target, stacks):
     """The switch commits; writing history then fails: apply says it switched and names what failed;
     the next run (history writable again) records the missing event once."""
     a = applied(target, stacks[0])
-    hist = Path(target.vars["provision_root"]) / "history.jsonl"
+    hist = Path(target.root) / "history.jsonl"
     tr = connect(target)
     try:
 
@@ -382,7 +383,7 @@ def test_spoofed_engine_port_and_failing_probe(target, stacks, tmp_path):
     smi = tmp_path / "nvidia-smi"
     smi.write_text(f"#!/bin/sh\ncat {ROOT / 'tests' / 'data' / 'h200' / 'nvidia-smi-query.csv'}\n")
     smi.chmod(0o755)
-    target.vars["provision_nvidia_smi"] = str(smi)
+    target.nvidia_smi = str(smi)
     a = applied(target, stacks[0])
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
@@ -398,7 +399,7 @@ def test_spoofed_engine_port_and_failing_probe(target, stacks, tmp_path):
     broken.write_text(yaml.safe_dump(nocuda))
     gpu_only = ["driver", "arch", "matmul", "flashinfer", "sgl-kernel", "torch-cuda"]
     host = [f"{target.user}@{target.host}:{target.port}", "--key", target.key_file, "--known-hosts",
-            target.known_hosts, "--root", target.vars["provision_root"]]
+            target.known_hosts, "--root", target.root]
     def check(rep: dict, probe: str, why: str) -> None:
         assert rep["status"] == "failed" and rep["failed_step"] == "probe" and rep["plan"]["action"] == "build"
         failed = {r["name"]: r["reason"] for r in rep["probes"]["results"] if r["status"] == "fail"}
@@ -419,7 +420,7 @@ def test_spoofed_engine_port_and_failing_probe(target, stacks, tmp_path):
         tr.close()
         srv.shutdown()
         srv.server_close()
-    del target.vars["provision_nvidia_smi"]
+    target.nvidia_smi = None
     p = subprocess.run([sys.executable, "-m", "provision.cli", "apply", *map(str, host), "--lock", str(broken),
                         "--json"], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
@@ -522,7 +523,7 @@ def test_controller_killed_mid_fetch_ends_the_host_work(target, wheels, tmp_path
     try:
         lk = write_lock(tmp_path / "slow.yaml", "stack-slow", [wheels["alpha-1.0"], wheel])
         lk.write_text(lk.read_text().replace(wheel.resolve().as_uri(), slow.url))
-        root = target.vars["provision_root"]
+        root = target.root
         host = [f"{target.user}@{target.host}:{target.port}", "--key", target.key_file, "--known-hosts",
                 str(target.known_hosts), "--root", root]
         env = {**os.environ, "PYTHONPATH": "", "COLUMNS": "200"}

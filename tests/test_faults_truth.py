@@ -67,7 +67,7 @@ def test_rollback_and_failed_marking_with_history_unwritable(target, locks):
     """The rename of `current` is the commit: a rollback whose history line cannot be written reports the
     switch (exit 0, a warning), a failed build's marking reports the marking; the next run records both."""
     a, b, bad = locks
-    root = Path(target.vars["provision_root"])
+    root = Path(target.root)
     with session(target) as tr:
         ga, gb = applymod.apply(tr, a).generation, applymod.apply(tr, b).generation
         with immutable(root / "history.jsonl"):
@@ -96,7 +96,7 @@ def test_deleted_current_generation(target, locks):
     """`current` naming a generation whose directory is gone: status says broken; apply takes a fresh
     number (never the missing one's), and a failed build leaves `current` where it was."""
     a, b, bad = locks
-    root = Path(target.vars["provision_root"])
+    root = Path(target.root)
     with session(target) as tr:
         applymod.apply(tr, a)
         gb = applymod.apply(tr, b).generation
@@ -124,7 +124,7 @@ def test_switch_interrupted_after_its_commit(target, locks):
     current → committed (the switch recorded once); not current → runnable again (never abandoned).
     plan predicts what apply does."""
     a, b, _ = locks
-    root = Path(target.vars["provision_root"])
+    root = Path(target.root)
     with session(target) as tr:
         ga = applymod.apply(tr, a).generation
 
@@ -175,7 +175,7 @@ def test_generation_numbers_only_grow(target, locks):
             applymod.apply(tr, bad)
         gbad = e.value.report.generation
         assert gbad in [g.id for g in generations.gc(tr).generations]
-        (Path(target.vars["provision_root"]) / "last-number").unlink()   # history alone still knows
+        (Path(target.root) / "last-number").unlink()   # history alone still knows
         with pytest.raises(ProvisionError) as e:
             applymod.apply(tr, bad)
         assert number(e.value.report.generation) == number(gbad) + 1

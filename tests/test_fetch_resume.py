@@ -401,7 +401,7 @@ def test_apply_over_ssh_survives_503_and_a_cut_and_resumes_with_range(target, tm
     size = mirror.wheels["alpha"].stat().st_size
     assert [s for _, s, _ in reqs] == [503, 200, 206] and reqs[2][0] == f"bytes={reqs[1][2]}-{size - 1}"
     assert rep.build["retries"] == 2 and rep.build["fetched"] == 2
-    log = (Path(target.vars["provision_root"]) / "generations" / rep.generation / "build.log").read_text()
+    log = (Path(target.root) / "generations" / rep.generation / "build.log").read_text()
     assert "fetch: alpha==1.0: HTTP 503 Service Unavailable; again in" in log      # the retries are in the build log
     assert "fetch: alpha==1.0: the connection closed after" in log
 

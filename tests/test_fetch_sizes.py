@@ -133,7 +133,7 @@ def test_plan_counts_what_the_host_lacks_with_sizes_and_unknowns(target, wheels,
 
 
 def test_plan_disk_check_uses_the_sizes_and_its_error_exits_1(target, wheels, tmp_path):
-    root = Path(target.vars["provision_root"])
+    root = Path(target.root)
     root.mkdir(parents=True, exist_ok=True)
     st = os.statvfs(root)
     free = st.f_bavail * st.f_frsize

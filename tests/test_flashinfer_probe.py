@@ -52,8 +52,7 @@ def test_the_probe_with_nothing_to_compile_runs_the_check_alone_and_accounts_for
     """Through the controller, on the flashinfer venv adopted as a generation with the recorded H200's nvidia-smi
     and a lock that names no capability: the check runs in its own process, and the probe's figures hold its
     span, its imports and its run, and the probe's wall."""
-    tr = Local(Target(host="local", vars={"provision_root": str(tmp_path / "root"),
-                                          "provision_nvidia_smi": fake_smi(tmp_path)}))
+    tr = Local(Target(host="local", root=str(tmp_path / "root"), nvidia_smi=fake_smi(tmp_path)))
     applymod.adopt(tr, str(Path(flashinfer_python).parent.parent))
     r = by_name(run_probes(tr, lock_text(), only=["flashinfer"]))["flashinfer"]
     assert r["status"] == "fail" and r["reason"].startswith(NO_CUDA), r

@@ -156,7 +156,7 @@ def test_in_flight_partner_of_a_failed_host(fleet, tmp_path, partner, first, bac
     ts = load_inventory(inv, Path(common[-1]), limit=f"{partner}:{BAD}")
     if first == "failure":                  # the partner's GPU answers its probes once BAD's failure is seen
         held = held_smi(tmp_path / "gpu")
-        next(t for t in ts if t.name == partner).vars["provision_nvidia_smi"] = str(held)
+        next(t for t in ts if t.name == partner).nvidia_smi = str(held)
     go = (held if first == "failure" else smi).parent / "go"
 
     def progress_for(host):

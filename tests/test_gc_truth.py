@@ -37,7 +37,7 @@ def blob(path: Path, n: int) -> Path:
 
 def three_generations(tmp_path, wheels):
     root = tmp_path / "root"
-    tr = Local(Target(host="local", vars={"provision_root": str(root)}))
+    tr = Local(Target(host="local", root=str(root)))
     only_a = make_wheel(tmp_path / "wh", "onlya", "1.0")
     locks = [lockmod.load(write_lock(tmp_path / f"{n}.yaml", n, ws)) for n, ws in
              (("a", [wheels["alpha-1.0"], only_a]), ("b", [wheels["alpha-2.0"]]), ("c", [wheels["beta-1.0"]]))]
@@ -98,7 +98,7 @@ def test_gc_keep_beyond_the_ready_count_removes_no_ready_generation(tmp_path, wh
     Seven ready generations, `--keep 8` and `--keep 10` remove nothing; `--keep 7` nothing either; `--keep 3`
     removes the four oldest beyond current, its rollback target and the newest other one."""
     root = tmp_path / "root"
-    tr = Local(Target(host="local", vars={"provision_root": str(root)}))
+    tr = Local(Target(host="local", root=str(root)))
     ids = [applymod.apply(tr, lockmod.load(write_lock(tmp_path / f"l{i}.yaml", f"l{i}",
                                                       [make_wheel(tmp_path / "wh", f"pkg{i}", "1.0")]))).generation
            for i in range(7)]

@@ -30,7 +30,7 @@ def cli(*args, check=0):
 
 def host_args(t):
     return [f"{t.user}@{t.host}:{t.port}", "--key", t.key_file, "--known-hosts", t.known_hosts,
-            "--root", t.vars["provision_root"]]
+            "--root", t.root]
 
 
 def version_of(python: str) -> str | None:
@@ -77,7 +77,7 @@ def test_python_path_on_plan_and_apply_over_ssh(target, wheels, tmp_path, elsewh
     assert bad.count("\n") == 1 and "--python" in bad and "absolute path" in bad
 
     cli("apply", *host_args(target), "--lock", lk, "--python", exe)
-    venv_py = Path(target.vars["provision_root"]) / "current" / "venv" / "bin" / "python"
+    venv_py = Path(target.root) / "current" / "venv" / "bin" / "python"
     assert version_of(str(venv_py)) == version_of(exe)
 
 
@@ -92,7 +92,7 @@ def test_uv_managed_python_is_found(tmp_path, wheels, elsewhere, monkeypatch):
     monkeypatch.setenv("PATH", SSHD_PATH)
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     monkeypatch.delenv("UV_PYTHON_INSTALL_DIR", raising=False)
-    tr = Local(Target(host="local", vars={"python": sys.executable, "provision_root": str(tmp_path / "root")}))
+    tr = Local(Target(host="local", python=sys.executable, root=str(tmp_path / "root")))
     want = uv_dir / f"cpython-{full}-linux-x86_64-gnu" / "bin" / f"python{minor}"
     f = gather(tr, python=minor)
     assert f.pythons[minor] == str(want) and str(uv_dir) in f.pythons_looked_in

@@ -158,7 +158,7 @@ def adopted(tmp_path):
     """This interpreter's environment adopted as generation 0 of a fresh local root."""
     from provision import apply as applymod
 
-    tr = Local(Target(host="local", vars={"provision_root": str(tmp_path / "root")}))
+    tr = Local(Target(host="local", root=str(tmp_path / "root")))
     applymod.adopt(tr, sys.prefix)
     return tr
 
@@ -218,8 +218,7 @@ def test_flashinfer_probe_compiles_into_the_cache_once_then_finds_it_warm(tmp_pa
     home, release = toolkit_with_cublas(tmp_path)
     fake_home = tmp_path / "home"
     fake_home.mkdir()
-    tr = Local(Target(host="local", vars={"provision_root": str(tmp_path / "root"),
-                                          "provision_probe_env": {"HOME": str(fake_home)}}))
+    tr = Local(Target(host="local", root=str(tmp_path / "root"), probe_env={"HOME": str(fake_home)}))
     applymod.adopt(tr, str(Path(flashinfer_python).parent.parent))
     lk = lockmod.loads(f"lock: 1\nname: k\nplatform:\n  python: '{sys.version_info[0]}.{sys.version_info[1]}'\n"
                        f"  cuda: {{version: '{release}', source: host, home: {home}}}\n"

@@ -42,7 +42,7 @@ def test_inventory_vars_come_from_ansible(fleet, sshd):
     assert [t.name for t in ts] == ["gpu-a", "gpu-b", "gpu-c"]
     assert {(t.host, t.port, t.user, t.key_file) for t in ts} == {
         (sshd.target.host, sshd.target.port, sshd.target.user, sshd.target.key_file)}
-    assert [t.vars["provision_root"] for t in ts] == [str(roots[n]) for n in ("gpu-a", "gpu-b", "gpu-c")]
+    assert [t.root for t in ts] == [str(roots[n]) for n in ("gpu-a", "gpu-b", "gpu-c")]
     assert [t.name for t in load_inventory(inv, Path("kh"), limit="gpu:!gpu-b")] == ["gpu-a"]
 
 

@@ -79,7 +79,7 @@ def test_status_keeps_an_unreachable_hosts_error_under_the_table(target, tmp_pat
     s.close()
     inv = tmp_path / "hosts.ini"
     inv.write_text(f"[gpu]\nup ansible_host={target.host} ansible_port={target.port} ansible_user={target.user} "
-                   f"provision_root={target.vars['provision_root']}\n"
+                   f"provision_root={target.root}\n"
                    f"gone ansible_host=127.0.0.1 ansible_port={port} ansible_user={target.user}\n")
     p = cli("status", "-i", inv, "--key", target.key_file, "--known-hosts", target.known_hosts, check=1)
     row = next(line for line in p.stdout.splitlines() if "gone" in line)

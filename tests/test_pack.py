@@ -124,7 +124,7 @@ def test_pack_managed_generation_and_rebuild_offline(target, tmp_path, wheels, o
     series(house)
     lk = write_lock(house / "stack.yaml", "stack", [tool, wheels["alpha-1.0"]], patches=["patches/tool-1.0"])
     cli("apply", *host_args(target), "--lock", lk, check=0)
-    src_root = Path(target.vars["provision_root"])
+    src_root = Path(target.root)
     src_venv = src_root / "current" / "venv"
     patched = record.site_packages(str(src_venv)) + "/tool/target.py"
     assert "(9, 10, 12)" in Path(patched).read_text()

@@ -55,7 +55,7 @@ def test_compressed_content_is_stored_the_rest_deflated_and_the_rebuild_is_the_s
     monkeypatch.setenv("PROVISION_PACK_LEVEL", "1")
     monkeypatch.setenv("PROVISION_PROGRESS_EVERY", str(EVERY))
     events = []
-    tr = Local(Target(host="local", vars={"provision_root": str(root)}))
+    tr = Local(Target(host="local", root=str(root)))
     try:
         rep = packmod.pack(tr, tmp / "house", progress=events.append)
     finally:
@@ -115,7 +115,7 @@ def test_verify_is_heard_while_it_runs(heavy, monkeypatch):
     _, root, _ = heavy
     monkeypatch.setenv("PROVISION_PROGRESS_EVERY", str(EVERY))
     events = []
-    tr = Local(Target(host="local", vars={"provision_root": str(root)}))
+    tr = Local(Target(host="local", root=str(root)))
     try:
         v = verifymod.verify(tr, None, baseline=True, progress=events.append)
     finally:

@@ -173,7 +173,7 @@ def test_a_stopped_agent_is_ended_at_the_step_deadline(target, wheels, tmp_path)
     slow = StalledWheel(wheel)
     lk = write_lock(tmp_path / "b.yaml", "stack-b", [wheels["alpha-1.0"], wheel])
     lk.write_text(lk.read_text().replace(wheel.resolve().as_uri(), slow.url))
-    root = target.vars["provision_root"]
+    root = target.root
     t = copy.deepcopy(target)
     t.deadline, t.notice = 4.0, 1.0
     tr = connect(t)
@@ -206,7 +206,7 @@ def test_a_stopped_agent_is_ended_at_the_step_deadline(target, wheels, tmp_path)
 
 
 def test_unlock_refuses_a_live_holder_and_breaks_an_orphaned_one(target, tmp_path, wheels):
-    root = target.vars["provision_root"]
+    root = target.root
     t = copy.deepcopy(target)
     t.heartbeat = 0.5                     # the holder's bound: 1.5 s
     p = cli("unlock", *host_args(t), check=0)
@@ -253,7 +253,7 @@ def test_unlock_refuses_a_live_holder_and_breaks_an_orphaned_one(target, tmp_pat
 def test_unlock_ends_the_stopped_work_of_a_gone_controller(target, wheels, tmp_path):
     """The controller goes while its fetch agent is stopped: the holder lets its stdin go and waits for that agent
     for ever; unlock ends both."""
-    root = target.vars["provision_root"]
+    root = target.root
     applied(target, lockmod.load(write_lock(tmp_path / "a.yaml", "stack-a", [wheels["alpha-1.0"]])))
     wheel = make_wheel(tmp_path / "slow", "slowpkg", "1.0", body="x = %r\n" % ("y" * 50000))
     slow = StalledWheel(wheel)

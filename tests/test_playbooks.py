@@ -217,7 +217,7 @@ def test_provisions_own_runs_leave_out_the_tasks_only_an_operators_run_needs(tmp
     from provision.runner import run_playbook
     from provision.transport import Target
 
-    res = run_playbook("status", [Target(host="local", vars={"provision_root": str(tmp_path / "root")})], {})
+    res = run_playbook("status", [Target(host="local", root=str(tmp_path / "root"))], {})
     assert res.status == "successful" and res.tasks == ["status"], (res.tasks, res.error)
     text = (playbook_dir() / "status.yml").read_text() + (playbook_dir() / "tasks" / "host_keys.yml").read_text()
     assert "tags: provision_report" in text and "tags: [always, provision_host_keys]" in text

@@ -120,7 +120,7 @@ def test_a_host_that_never_speaks_ssh_is_unreachable_within_the_connect_timeout(
     The wait is read from the run's own events (task start to unreachable), not from the wall clock around it."""
     t = copy.deepcopy(sshd.target)
     t.port, t.alias, t.timeout = silent, "mute", 2.0
-    t.vars["provision_root"] = str(tmp_path / "root")
+    t.root = str(tmp_path / "root")
     res = runner.run_playbook("status", [t], {}, label="mute")
     assert res.unreachable == ["mute"] and res.rc != 0, res
     assert res.error.startswith("mute unreachable (status): ") and "timed out" in res.error, res.error

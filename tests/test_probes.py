@@ -54,7 +54,7 @@ def fake_smi(tmp_path, gpus=1) -> str:
 @pytest.fixture
 def adopted(tmp_path):
     """This interpreter's environment (it has torch) adopted as generation 0 of a fresh local root."""
-    t = Target(host="local", vars={"provision_root": str(tmp_path / "root")})
+    t = Target(host="local", root=str(tmp_path / "root"))
     tr = Local(t)
     applymod.adopt(tr, sys.prefix)
     return tr
@@ -79,10 +79,10 @@ def test_failing_probe_refuses_switch_and_skip_probe_is_recorded(target, wheels,
         with pytest.raises(applymod.ProbesFailed, match=r"probes failed in 0002-stack-b: nvcc \(.*--version failed.*\); "
                                                         r"current left at 0001-stack-a"):
             applymod.apply(tr, lockmod.load(b))
-        assert os.readlink(Path(target.vars["provision_root"]) / "current") == "generations/0001-stack-a"
+        assert os.readlink(Path(target.root) / "current") == "generations/0001-stack-a"
         man = generations.read(tr, "0002-stack-b")["manifest"]
         assert man["status"] == "failed" and "nvcc" in man["reason"] and man["probes_status"] == "fail"
-        stored = json.loads((Path(target.vars["provision_root"]) / "generations/0002-stack-b/probes.json").read_text())
+        stored = json.loads((Path(target.root) / "generations/0002-stack-b/probes.json").read_text())
         assert stored["failed"] == ["nvcc"] and f"{nocuda}/bin/nvcc --version failed" in by_name(stored)["nvcc"]["reason"]
 
         rep = applymod.apply(tr, lockmod.load(b), skip_probes=["nvcc"])
@@ -127,8 +127,8 @@ def test_nvcc_from_toolkit_wheels_compiles_sm120(toolkit_generation):
 # ---------------------------------------------------------------- GPU probes through recorded output
 
 def test_gpu_probes_with_recorded_h200(adopted, tmp_path):
-    adopted.target.vars["provision_nvidia_smi"] = fake_smi(tmp_path)
-    adopted.target.vars["provision_probe_env"] = {"PROVISION_PROBE_TORCH_JSON": str(H200 / "torch.json")}
+    adopted.target.nvidia_smi = fake_smi(tmp_path)
+    adopted.target.probe_env = {"PROVISION_PROBE_TORCH_JSON": str(H200 / "torch.json")}
     good = lock_text(driver={"min": "580.65.06"}, gpus={"compute_capability": ["9.0"]},
                      cuda={"version": "13.0", "source": "host", "home": str(tmp_path)})
     rep = run_probes(adopted, good, only=["driver", "torch-cuda", "arch", "nccl", "symm-mem"])
@@ -144,7 +144,7 @@ def test_gpu_probes_with_recorded_h200(adopted, tmp_path):
     rec = json.loads((H200 / "torch.json").read_text())
     rec["arch_list"] = ["sm_80", "sm_120"]          # a torch built without Hopper
     (tmp_path / "torch.json").write_text(json.dumps(rec))
-    adopted.target.vars["provision_probe_env"] = {"PROVISION_PROBE_TORCH_JSON": str(tmp_path / "torch.json")}
+    adopted.target.probe_env = {"PROVISION_PROBE_TORCH_JSON": str(tmp_path / "torch.json")}
     rep = run_probes(adopted, bad, only=["driver", "torch-cuda", "arch"])
     r = by_name(rep)
     assert rep["failed"] == ["driver", "torch-cuda", "arch"]
@@ -164,8 +164,8 @@ def test_sm120_lock_on_a_recorded_hopper_host(adopted, tmp_path):
     dry = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", "/dev/null", "-o", "/dev/null"], capture_output=True,
                          text=True)
     home = str(Path(dry.stderr.split("_HERE_=", 1)[1].splitlines()[0]).parent)
-    adopted.target.vars["provision_nvidia_smi"] = fake_smi(tmp_path)
-    adopted.target.vars["provision_probe_env"] = {"PROVISION_PROBE_TORCH_JSON": str(H200 / "torch.json")}
+    adopted.target.nvidia_smi = fake_smi(tmp_path)
+    adopted.target.probe_env = {"PROVISION_PROBE_TORCH_JSON": str(H200 / "torch.json")}
     data = yaml.safe_load((ROOT / "lockfiles" / "cuda13-sm120.yaml").read_text())
     data["platform"]["cuda"]["home"] = home              # the host's toolkit, wherever this machine has it
     rep = run_probes(adopted, lockmod.from_data(data, "cuda13-sm120"),
@@ -191,7 +191,7 @@ def test_torch_cuda_with_no_cuda_in_the_lock_reads_the_version_without_importing
 
 def test_gpu_listed_but_torch_cannot_use_it(adopted, tmp_path):
     """nvidia-smi (recorded) shows GPUs; this CPU torch cannot use them: every GPU probe fails, naming why."""
-    adopted.target.vars["provision_nvidia_smi"] = fake_smi(tmp_path, gpus=2)
+    adopted.target.nvidia_smi = fake_smi(tmp_path, gpus=2)
     rep = run_probes(adopted, lock_text(gpus={"compute_capability": ["9.0"]}),
                      only=["arch", "matmul", "nccl", "flashinfer"])
     r = by_name(rep)
@@ -209,7 +209,7 @@ def test_a_failing_nvidia_smi_fails_the_gpu_probes_naming_its_error(adopted, tmp
     smi.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver.'\n"
                    "exit 9\n")
     smi.chmod(0o755)
-    adopted.target.vars["provision_nvidia_smi"] = str(smi)
+    adopted.target.nvidia_smi = str(smi)
     f = factsmod.gather(adopted)
     assert f.gpus == [] and "could not communicate with the NVIDIA driver" in f.gpu_error
     r = by_name(run_probes(adopted, lock_text(gpus={"compute_capability": ["9.0"]}, driver={"min": "580.65.06"}),
@@ -257,7 +257,7 @@ def test_patched_files_and_package_drift(target, wheels, tmp_path):
     try:
         rep = applymod.apply(tr, lockmod.load(a))
         assert by_name(rep.probes)["patches"]["status"] == "skip"
-        site = next((Path(target.vars["provision_root"]) / "current" / "venv").glob("lib/python*/site-packages"))
+        site = next((Path(target.root) / "current" / "venv").glob("lib/python*/site-packages"))
         f = site / "alpha" / "__init__.py"
         generations.mark(tr, rep.generation, patches={"status": "applied", "files": {
             "alpha/__init__.py": hashlib.sha256(f.read_bytes()).hexdigest()}})
@@ -286,7 +286,7 @@ def test_contract_probe_on_real_sglang(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", env], check=True)
     sp = next(env.glob("lib/python*/site-packages"))
     (sp / "sglang.pth").write_text(str(site_packages("0.5.9")) + "\n")
-    tr = Local(Target(host="local", vars={"provision_root": str(tmp_path / "root")}))
+    tr = Local(Target(host="local", root=str(tmp_path / "root")))
     applymod.adopt(tr, str(env))
     r = by_name(run_probes(tr, lock_text(engine={"kind": "none", "architecture": "KimiK25ForConditionalGeneration"}),
                            only=["contract"]))["contract"]
@@ -307,7 +307,7 @@ def test_stale_flashinfer_jit_cache_warns_with_path(adopted, tmp_path):
     build = base / ".cache" / "flashinfer" / "0.6.4" / "90" / "cached_ops" / "batch_prefill"
     build.mkdir(parents=True)
     (build / "build.ninja").write_text("nvcc = /usr/local/cuda-12.8/bin/nvcc\ncuda_cflags = -gencode=arch=compute_90\n")
-    adopted.target.vars["provision_probe_env"] = {"FLASHINFER_WORKSPACE_BASE": str(base)}
+    adopted.target.probe_env = {"FLASHINFER_WORKSPACE_BASE": str(base)}
     lk = lock_text(cuda={"version": "13.0.1", "source": "host"})
     rep = run_probes(adopted, lk, only=["jit-cache"])
     r = by_name(rep)["jit-cache"]
@@ -397,7 +397,7 @@ def test_engine_probe_end_to_end(adopted, pairs):
     assert f["greedy_identical"] and f["accept_length"] > 2.0 and f["speedup"] >= 0.5 and f["device"] == "cpu"
     assert f["exit_codes"] and all(c is not None for c in f["exit_codes"])      # stopped
     assert not engine_procs(str(pairs["agreeing"]))
-    shipped = Path(adopted.target.vars["provision_root"]) / "tool"
+    shipped = Path(adopted.target.root) / "tool"
     assert list(shipped.glob("*/provision/engine/serve.py"))
 
 

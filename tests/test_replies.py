@@ -98,7 +98,7 @@ class Hostile:
         self.inventory = tmp_path / "inv.ini"
         self.inventory.write_text(f"h ansible_connection=local provision_root={root} ansible_python_interpreter={py}\n")
         self.root = root
-        self.transport = Local(Target(host="h", vars={"provision_root": str(root), "python": str(py)}))
+        self.transport = Local(Target(host="h", root=str(root), python=str(py)))
 
     def answer(self, agent: str, op: str, code: str) -> None:
         """The agent's reply to `op` rewritten by `code`; agent "module": a module's result (its op unused)."""
@@ -118,7 +118,7 @@ def hostile(tmp_path_factory, wheels):
     (one for the module: each test leaves the host runnable, though perhaps rolled back)."""
     tmp_path = tmp_path_factory.mktemp("hostile")
     root = tmp_path / "root"
-    honest = Local(Target(host="h", vars={"provision_root": str(root)}))
+    honest = Local(Target(host="h", root=str(root)))
     for name, ws in (("a", [wheels["alpha-1.0"]]), ("b", [wheels["alpha-2.0"]])):
         applymod.apply(honest, lockmod.load(write_lock(tmp_path / f"{name}.yaml", name, ws)))
     return Hostile(tmp_path, root)
@@ -167,35 +167,35 @@ CASES = [   # (agent, op, what the host does to its reply, the call, the field a
 
 
 def sp_of(t) -> str:
-    return str(next(Path(t.target.vars["provision_root"]).glob("generations/0002-b/venv/lib/python*/site-packages")))
+    return str(next(Path(t.target.root).glob("generations/0002-b/venv/lib/python*/site-packages")))
 
 
 def patch_none(t):
     """An empty series for alpha, applied in generation 0002-b's site-packages by the host's python3."""
     series = patches.Series(name="alpha-2", path=Path("/nonexistent"), package="alpha", specifier=SpecifierSet(">=1"))
-    return patches.apply_series(t, [series], python=t.target.vars["python"], site_packages=sp_of(t))
+    return patches.apply_series(t, [series], python=t.target.python, site_packages=sp_of(t))
 
 
 def probe_packages(t):
     """The probes agent's packages probe, run by the host's python3 in its own environment."""
-    return probesmod._run_host(t, ["packages"], {"packages": {}, "packages_source": "test"}, t.target.vars["python"],
+    return probesmod._run_host(t, ["packages"], {"packages": {}, "packages_source": "test"}, t.target.python,
                                600)
 
 
 # the agents a step runs in a named interpreter: the host's python3, on generation 0002-b's site-packages
 NAMED = [
     ("patcher", "inspect", "r['packages']['alpha']['root'] = 'alpha'",
-     lambda t: patches.installed(t, ["alpha"], python=t.target.vars["python"], site_packages=sp_of(t)),
+     lambda t: patches.installed(t, ["alpha"], python=t.target.python, site_packages=sp_of(t)),
      "inspect reply is malformed: packages['alpha'].root: 'alpha' is not an absolute path"),
     ("patcher", "run", "r['series'][0]['name'] = 'beta-1'", patch_none,
      "patch reply is malformed: series[0].name: 'beta-1' is not a series asked for"),
     ("patcher", "run", "r['files'] = {'alpha/__init__.py': 'abc'}", patch_none,
      "patch reply is malformed: files['alpha/__init__.py']: 'abc' is not a sha256"),
     ("patcher", "verify", "r['mismatches'][0]['expected'] = 5",
-     lambda t: patches.verify_manifest(t, {"alpha/x.py": "0" * 64}, t.target.vars["python"], site_packages=sp_of(t)),
+     lambda t: patches.verify_manifest(t, {"alpha/x.py": "0" * 64}, t.target.python, site_packages=sp_of(t)),
      "patch verify reply is malformed: mismatches[0].expected: expected a string, not int"),
     ("contracts", "check", "r['found'] = True",
-     lambda t: patches.check_contract(t, "LlamaForCausalLMEagle3", t.target.vars["python"], site_packages=sp_of(t)),
+     lambda t: patches.check_contract(t, "LlamaForCausalLMEagle3", t.target.python, site_packages=sp_of(t)),
      "contract reply is malformed: package: missing"),
     ("probes", "run", "r['results'][0]['status'] = 'great'", probe_packages,
      "probe reply is malformed: results[0].status: 'great' is not pass, fail, skip or warn"),

@@ -25,11 +25,11 @@ def cli(*args, check=0):
 
 def host_args(t):
     return [f"{t.user}@{t.host}:{t.port}", "--key", t.key_file, "--known-hosts", t.known_hosts,
-            "--root", t.vars["provision_root"]]
+            "--root", t.root]
 
 
 def current(t) -> str:
-    return os.readlink(Path(t.vars["provision_root"]) / "current").rsplit("/", 1)[-1]
+    return os.readlink(Path(t.root) / "current").rsplit("/", 1)[-1]
 
 
 @pytest.fixture
@@ -71,7 +71,7 @@ def test_rollback_skips_generations_no_longer_runnable(target, locks):
     a, b, c = locks
     for lk in (a, b, c):
         cli("apply", *host_args(target), "--lock", lk)
-    gens = Path(target.vars["provision_root"]) / "generations"
+    gens = Path(target.root) / "generations"
     assert json.loads(cli("rollback", *host_args(target), "--dry-run", "--json").stdout)["to"] == "0002-stack-b"
     (gens / "0002-stack-b" / "venv" / "bin" / "python").unlink()
     assert json.loads(cli("rollback", *host_args(target), "--dry-run", "--json").stdout)["to"] == "0001-stack-a"

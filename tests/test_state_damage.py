@@ -53,7 +53,7 @@ def test_cut_off_history_line_is_reported_and_the_next_event_kept(target, locks)
     a line of its own, the broken line is named (history.jsonl:LINE) and skipped, and a second rollback returns
     to the generation the first one left."""
     a, b = locks
-    root = Path(target.vars["provision_root"])
+    root = Path(target.root)
     for lk in (a, b):
         cli("apply", *host_args(target), "--lock", lk, check=0)
     hist = root / "history.jsonl"
@@ -77,7 +77,7 @@ def test_cut_off_manifest_of_a_ready_generation_is_kept_and_named(target, locks)
     run first keeps it as it is and names it with what is wrong; rollback refuses it in one line saying why;
     gc keeps it."""
     a, b = locks
-    root = Path(target.vars["provision_root"])
+    root = Path(target.root)
     for lk in (a, b):
         cli("apply", *host_args(target), "--lock", lk, check=0)
     g1 = root / "generations" / "0001-stack-a"
@@ -101,7 +101,7 @@ def test_current_outside_the_generations(target, locks, what):
     """`current` pointing at /usr, or replaced by a real directory, with two ready generations: rollback says in one
     line what `current` is and offers `rollback --to`, which works (a directory is kept aside, never deleted)."""
     a, b = locks
-    root = Path(target.vars["provision_root"])
+    root = Path(target.root)
     for lk in (a, b):
         cli("apply", *host_args(target), "--lock", lk, check=0)
     link = root / "current"
@@ -145,7 +145,7 @@ def test_read_only_root(target, locks):
     """The host root remounted read-only: verify gives its verdict (and says it is not recorded); rollback and gc
     say in one line that the root is read-only, exit 1, and change nothing."""
     a, b = locks
-    root = Path(target.vars["provision_root"])
+    root = Path(target.root)
     for lk in (a, b):
         cli("apply", *host_args(target), "--lock", lk, check=0)
     said = f"host root {root} is read-only"
@@ -214,7 +214,7 @@ def test_full_disk(tmp_path, wheels):
     from provision.transport import Local, Target
 
     with tmpfs(tmp_path / "a-rather-long-directory-name-for-the-host-root" / "root", "16m") as root:
-        tr = Local(Target(host="local", vars={"provision_root": str(root)}))
+        tr = Local(Target(host="local", root=str(root)))
         a = lockmod.load(write_lock(tmp_path / "a.yaml", "stack-a", [wheels["alpha-1.0"]]))
         assert applymod.apply(tr, a).status == "applied"
         big = lockmod.load(write_lock(tmp_path / "big.yaml", "stack-big", [bulky_wheel(tmp_path, "bulky", 10)]))

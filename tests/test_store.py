@@ -33,7 +33,7 @@ def du(root: Path) -> int:
 
 
 def local(root: Path) -> Local:
-    return Local(Target(host="local", vars={"provision_root": str(root)}))
+    return Local(Target(host="local", root=str(root)))
 
 
 def site(root: Path, gen: str) -> Path:

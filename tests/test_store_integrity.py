@@ -24,7 +24,7 @@ TAMPERED = b"__version__ = '6.6'\n"    # the same size
 
 
 def local(root: Path) -> Local:
-    return Local(Target(host="local", vars={"provision_root": str(root)}))
+    return Local(Target(host="local", root=str(root)))
 
 
 def site(root: Path, gen: str) -> Path:

@@ -49,7 +49,7 @@ def test_reuse_is_probed_before_the_switch(target, tmp_path, wheels):
     assert "probes in 0001-stack-a" in p.stdout and any(                                  # the probe table
         "fail" in line.split("nvcc")[0] and "--version failed" in line for line in p.stdout.splitlines()), p.stdout
     assert current_link(target) == "generations/0002-stack-b"
-    stored = json.loads((Path(target.vars["provision_root"]) / "generations/0001-stack-a/probes.json").read_text())
+    stored = json.loads((Path(target.root) / "generations/0001-stack-a/probes.json").read_text())
     assert stored["during_apply"] and stored["failed"] == ["nvcc"]
 
     (home / "bin" / "nvcc").unlink()      # the broken toolkit is gone again: the lock's probes hold
@@ -57,7 +57,7 @@ def test_reuse_is_probed_before_the_switch(target, tmp_path, wheels):
     assert "Switched to the existing stack-a" in p.stdout and "0002-stack-b → 0001-stack-a" in p.stdout, p.stdout
     assert "(reuse probed in " in p.stdout, p.stdout
     assert current_link(target) == "generations/0001-stack-a"
-    stored = json.loads((Path(target.vars["provision_root"]) / "generations/0001-stack-a/probes.json").read_text())
+    stored = json.loads((Path(target.root) / "generations/0001-stack-a/probes.json").read_text())
     assert stored["status"] == "pass" and stored["during_apply"]
 
 

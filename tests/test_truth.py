@@ -59,8 +59,7 @@ def gpu_host(tmp_path):
     smi = tmp_path / "nvidia-smi"
     smi.write_text(f"#!/bin/sh\ncat {H200 / 'nvidia-smi-query.csv'}\n")
     smi.chmod(0o755)
-    tr = Local(Target(host="local", vars={"provision_root": str(tmp_path / "root"),
-                                          "provision_nvidia_smi": str(smi)}))
+    tr = Local(Target(host="local", root=str(tmp_path / "root"), nvidia_smi=str(smi)))
     applymod.adopt(tr, sys.prefix)
     return tr
 
@@ -136,7 +135,7 @@ def test_engine_probe_never_trusts_an_answer_it_did_not_launch(gpu_host):
     assert f"port {port} answers, but not from the launched engine" in r["reason"]
     assert f"pid {os.getpid()}" in r["reason"]
     log = Path(r["figures"]["log"])
-    assert log.parent == Path(gpu_host.target.vars["provision_root"]) / "generations" / "0000-adopted"
+    assert log.parent == Path(gpu_host.target.root) / "generations" / "0000-adopted"
 
 
 def test_engine_probe_fails_a_launch_that_never_listens(gpu_host):
@@ -180,7 +179,7 @@ def broken_toolkit(tmp_path: Path) -> Path:
 
 def test_gc_keeps_current_and_rollback_target_and_failed_drop_their_venv_at_once(tmp_path, wheels):
     root = tmp_path / "root"
-    tr = Local(Target(host="local", vars={"provision_root": str(root)}))
+    tr = Local(Target(host="local", root=str(root)))
     only_a = make_wheel(tmp_path / "wh", "onlya", "1.0")
     locks = [lockmod.load(write_lock(tmp_path / "a.yaml", "a", [wheels["alpha-1.0"], only_a])),
              lockmod.load(write_lock(tmp_path / "b.yaml", "b", [wheels["alpha-2.0"]])),

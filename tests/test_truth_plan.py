@@ -130,7 +130,7 @@ def predict_and_apply(tr, lk) -> tuple[str, str, applymod.ApplyReport]:
 
 
 def test_plan_predicts_apply_on_a_real_host(base, tmp_path, wheels):
-    tr = Local(Target(host="local", vars={"provision_root": str(tmp_path / "root")}))
+    tr = Local(Target(host="local", root=str(tmp_path / "root")))
     a = lockmod.load(write_lock(tmp_path / "a.yaml", "a", [wheels["alpha-1.0"]]))
     other = make_wheel(tmp_path / "rebuilt", "alpha", "1.0", body="REBUILT = True\n")
     a_rehashed = lockmod.load(write_lock(tmp_path / "a2.yaml", "a", [other]))
@@ -160,7 +160,7 @@ def test_plan_predicts_apply_on_a_real_host(base, tmp_path, wheels):
 
 def test_a_package_without_url_builds_from_the_hosts_cache_and_plan_says_so(tmp_path, wheels):
     """A lock may name a wheel by hash alone (no url): plan refuses it exactly when apply could not fetch it."""
-    tr = Local(Target(host="local", vars={"provision_root": str(tmp_path / "root")}))
+    tr = Local(Target(host="local", root=str(tmp_path / "root")))
     first = lockmod.load(write_lock(tmp_path / "a.yaml", "a", [wheels["alpha-1.0"]]))
     rep = applymod.apply(tr, first)                      # alpha 1.0 is now in the host's wheel cache
     assert rep.status == "applied", rep.status
@@ -194,7 +194,7 @@ def test_disk_check_of_a_build_from_cached_wheels_counts_only_the_install(tmp_pa
 
     from provision.plan import BLOCK, MIN_FREE_BYTES, download_estimate
 
-    tr = Local(Target(host="local", vars={"provision_root": str(tmp_path / "root")}))
+    tr = Local(Target(host="local", root=str(tmp_path / "root")))
     ws = [wheels["alpha-1.0"], wheels["beta-1.0"]]
     assert applymod.apply(tr, lockmod.load(write_lock(tmp_path / "a.yaml", "a", ws))).status == "applied"
     cached = lockmod.load(write_lock(tmp_path / "b.yaml", "b", ws))     # the same wheels, another build
@@ -220,7 +220,7 @@ def test_disk_check_of_wheels_not_at_hand_counts_those_the_store_holds_as_linked
 
     from provision.plan import UNPACK_FACTOR, download_estimate, files_line
 
-    tr = Local(Target(host="local", vars={"provision_root": str(tmp_path / "root")}))
+    tr = Local(Target(host="local", root=str(tmp_path / "root")))
     ws = [wheels["alpha-1.0"], wheels["beta-1.0"]]
     assert applymod.apply(tr, lockmod.load(write_lock(tmp_path / "a.yaml", "a", ws))).status == "applied"
     path = write_lock(tmp_path / "b.yaml", "b", ws)

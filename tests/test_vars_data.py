@@ -39,7 +39,7 @@ def test_every_string_reaches_a_real_play_as_itself(tmp_path):
 def test_rollback_to_a_number_written_with_leading_zeros_is_that_generation(tmp_path):
     """`rollback --to 0010` (how the tool prints generation numbers) goes to generation 10, not 8 (octal 0010)."""
     root = tmp_path / "root"
-    tr = Local(Target(host="local", vars={"provision_root": str(root)}))
+    tr = Local(Target(host="local", root=str(root)))
     ids = [applymod.apply(tr, lockmod.load(write_lock(tmp_path / f"l{i}.yaml", f"l{i}",
                                                       [make_wheel(tmp_path / "wh", f"pkg{i}", "1.0")]))).generation
            for i in range(1, 12)]

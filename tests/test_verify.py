@@ -31,7 +31,7 @@ def cli(target, *args):
     t = target
     verb, rest = args[0], args[1:]
     argv = [sys.executable, "-m", "provision", verb, f"{t.user}@{t.host}:{t.port}", *rest, "--key", t.key_file,
-            "--known-hosts", str(t.known_hosts), "--root", t.vars["provision_root"]]
+            "--known-hosts", str(t.known_hosts), "--root", t.root]
     return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
 
 
@@ -75,7 +75,7 @@ def test_tamper_reaches_nothing_else_verify_names_it_rollback_refuses(target, tm
     there only, verify names it, rollback refuses a)."""
     from provision.agent import store
 
-    root = Path(target.vars["provision_root"])
+    root = Path(target.root)
     la = lockmod.load(write_lock(tmp_path / "a.yaml", "a", [wheels["alpha-1.0"], wheels["beta-1.0"]]))
     lb = lockmod.load(write_lock(tmp_path / "b.yaml", "b", [wheels["alpha-2.0"], wheels["beta-1.0"]]))
     lc = lockmod.load(write_lock(tmp_path / "c.yaml", "c", [wheels["beta-1.0"], wheels["gamma-1.0"]]))
@@ -138,7 +138,7 @@ def test_a_path_two_wheels_ship_holds_one_of_their_copies(target, tmp_path):
     """flashinfer-python 0.7.2 and torch-c-dlpack-ext 0.1.5 both ship a top-level build_backend.py: the copy
     installed last stands, the seal and verify accept it as one of its owners' (the other distribution lists
     it as overwritten), and bytes matching neither owner are still caught."""
-    root = Path(target.vars["provision_root"])
+    root = Path(target.root)
     ws = [make_wheel(tmp_path / "w", n, "1.0", extra={"build_backend.py": f"# {n}'s backend\n".encode()})
           for n in ("first", "second")]
     tr = connect(target)
@@ -160,7 +160,7 @@ def test_a_path_two_wheels_ship_holds_one_of_their_copies(target, tmp_path):
 def test_touched_file_is_not_drift_an_added_distribution_is(target, tmp_path, wheels):
     """Rollback's quick check hashes what a stat says changed: a touched file is clean; `verify` compares the
     distributions with the lock: one that the lock does not list is named."""
-    root = Path(target.vars["provision_root"])
+    root = Path(target.root)
     la = lockmod.load(write_lock(tmp_path / "a.yaml", "a", [wheels["alpha-1.0"]]))
     lb = lockmod.load(write_lock(tmp_path / "b.yaml", "b", [wheels["alpha-2.0"]]))
     tr = connect(target)
@@ -183,7 +183,7 @@ def test_touched_file_is_not_drift_an_added_distribution_is(target, tmp_path, wh
 
 
 def test_changed_cache_entry_is_fetched_again_and_partials_are_removed(target, tmp_path, wheels):
-    root = Path(target.vars["provision_root"])
+    root = Path(target.root)
     served = tmp_path / "served"
     served.mkdir()
     for name in ("alpha-1.0", "beta-1.0"):
@@ -235,7 +235,7 @@ def test_changed_cache_entry_is_fetched_again_and_partials_are_removed(target, t
 
 
 def test_pushed_entry_that_changed_is_pushed_again(target, tmp_path, wheels):
-    root = Path(target.vars["provision_root"])
+    root = Path(target.root)
     la = lockmod.load(write_lock(tmp_path / "a.yaml", "a", [wheels["alpha-1.0"]]))
     lb = lockmod.load(write_lock(tmp_path / "b.yaml", "b", [wheels["alpha-1.0"], wheels["gamma-1.0"]]))
     tr = connect(target)
@@ -255,7 +255,7 @@ def test_pushed_entry_that_changed_is_pushed_again(target, tmp_path, wheels):
 def test_patched_generation_verifies_clean_and_a_changed_patched_file_is_caught(target, tmp_path):
     """The real SGLang 0.5.9 wheel with the shipped series: the patcher replaces read-only files by rename, the
     seal checks the patched files against the series' hashes, and a later change to one is named."""
-    root = Path(target.vars["provision_root"])
+    root = Path(target.root)
     path = write_lock(tmp_path / "sgl.yaml", "sgl", [sglang_wheel("0.5.9")], patches=["patches/sglang-0.5.9"],
                       engine={"kind": "none", "architecture": "KimiK25ForConditionalGeneration"})
     tr = connect(target)
@@ -290,7 +290,7 @@ def test_reuse_of_a_drifted_generation_builds_a_new_one(target, tmp_path, wheels
     entry root wrote through is not linked by a later build (hashed again, set aside)."""
     from provision.agent import store
 
-    root = Path(target.vars["provision_root"])
+    root = Path(target.root)
     la = lockmod.load(write_lock(tmp_path / "a.yaml", "a", [wheels["alpha-1.0"]]))
     lb = lockmod.load(write_lock(tmp_path / "b.yaml", "b", [wheels["beta-1.0"]]))
     tr = connect(target)
@@ -320,7 +320,7 @@ def test_changed_copy_in_uvs_cache_fails_the_seal_not_a_generation(target, tmp_p
     the store: the seal finds it before the probes, the generation fails, `current` stays."""
     from provision.agent import store
 
-    root = Path(target.vars["provision_root"])
+    root = Path(target.root)
     la = lockmod.load(write_lock(tmp_path / "a.yaml", "a", [wheels["beta-1.0"]]))
     lb = lockmod.load(write_lock(tmp_path / "b.yaml", "b", [wheels["alpha-1.0"], wheels["beta-1.0"]]))
     lc = lockmod.load(write_lock(tmp_path / "c.yaml", "c", [wheels["beta-1.0"], wheels["gamma-1.0"]]))

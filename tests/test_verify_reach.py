@@ -58,7 +58,7 @@ def reach(tmp_path_factory):
     root = tmp / "root"
     p = cli(root, "adopt", str(env))
     assert p.returncode == 0, p.stdout + p.stderr
-    tr = Local(Target(host="local", vars={"provision_root": str(root)}))
+    tr = Local(Target(host="local", root=str(root)))
     gens = [applymod.apply(tr, lockmod.load(write_lock(tmp / f"{n}.yaml", n, [make_wheel(tmp / "w", n, "1.0")])))
             .generation for n in ("alpha", "beta")]
     assert cli(root, "verify", "0").returncode == 0

@@ -48,7 +48,7 @@ def host(tmp_path_factory):
     old = lockmod.load(write_lock(tmp / "old.yaml", "old", [six, unhashed_wheel(tmp / "w")]))
     new = lockmod.load(write_lock(tmp / "new.yaml", "new", [make_wheel(tmp / "w", "alpha", "1.0")]))
     root = tmp / "root"
-    tr = Local(Target(host="local", vars={"provision_root": str(root)}))
+    tr = Local(Target(host="local", root=str(root)))
     gens = [applymod.apply(tr, lk).generation for lk in (old, new)]
     yield tr, root, gens[0]
     tr.close()

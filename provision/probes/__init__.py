@@ -126,7 +126,7 @@ def _run_host(transport: Transport, names: list[str], payload: dict, python: str
     """The probes agent's verdicts (a failed agent: each probe failed, naming why); ReplyError for a reply of the
     wrong shape."""
     payload = dict(payload, op="run", probes=names)
-    env = {str(k): str(v) for k, v in (transport.target.vars.get("provision_probe_env") or {}).items()}
+    env = {str(k): str(v) for k, v in transport.target.probe_env.items()}
     try:
         out = transport.run_agent("probes", payload, python=python, env=env or None, timeout=timeout)
     except Cancelled:        # Ctrl-C: the probes were interrupted, which is no verdict on the generation
@@ -230,7 +230,7 @@ def run_probes(transport: Transport, lock: Lock | None = None, *, generation: st
                if lock.platform.cuda.source != "none" else None,
                "packages": against.versions(),
                "packages_source": f"{against.name} ({'captured at adoption' if against is gen_lock and adopted else 'lock'})",
-               "nvidia_smi": transport.target.vars.get("provision_nvidia_smi") or facts.nvidia_smi,
+               "nvidia_smi": transport.target.nvidia_smi or facts.nvidia_smi,
                "gpus": [asdict(g) for g in facts.gpus], "timeout": lock.probes.get("collective_timeout"),
                "kernels": {"root": lay.root, "generation": gen_id}}    # the host's kernel cache: agent/kernels.py
     if "engine" in to_host:
