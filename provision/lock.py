@@ -47,13 +47,23 @@ WHEELHOUSE_ENV = "PROVISION_WHEELHOUSE"
 CUDA_SOURCES = ("wheels", "apt", "host", "none")
 ENGINE_KINDS = ("none", "included", "sglang")
 TOP_KEYS = {"lock", "name", "description", "platform", "indexes", "requires", "overrides", "packages",
-            "unresolved", "patches", "engine", "probes"}
+            "unresolved", "patches", "engine", "probes", "service"}
 PLATFORM_KEYS = {"python", "os", "arch", "glibc", "gpus", "driver", "cuda"}
 OVERRIDE_KEYS = {"package", "pins", "use", "reason"}
 PACKAGE_KEYS = {"name", "version", "filename", "url", "sha256", "size", "index", "drift"}
 ENGINE_KEYS = {"kind", "model", "architecture", "draft", "tp", "port", "speculative", "launch", "device", "dtype",
                "steps", "topk", "num_draft_tokens", "max_seq_len", "threads"}
 SPECULATIVE_KEYS = {"algorithm", "steps", "topk", "num_draft_tokens"}
+SERVICE_KEYS = {"unit", "manage", "url", "health", "start_deadline", "stop_deadline", "probes", "revert_after",
+                "bench", "gates", "gateway"}
+BENCH_KEYS = {"prompts", "max_tokens", "concurrency", "repeats", "model"}
+GATES_KEYS = {"min_tok_s_ratio", "min_accept_length", "max_ttft_ratio", "min_greedy_agreement", "noise"}
+GATEWAY_KEYS = {"url", "worker"}
+UNIT_RE = re.compile(r"^(?!-)[A-Za-z0-9:_.@-]{1,248}\.service\Z")     # a systemd service unit's name
+HTTP_RE = re.compile(r"^https?://(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9]([A-Za-z0-9.-]{0,252}[A-Za-z0-9])?)(:\d{1,5})?/?\Z")
+MANAGE = ("own", "provision")       # the operator's own unit, or one provision writes from the engine's launch
+HEALTH_KINDS = ("generate", "completion")    # SGLang's /health_generate; /health then one real completion
+SERVICE_PROBES = ("after-stop", "beside")    # the GPU probes on GPUs the stop freed, or beside the server
 PROBES_KEYS = {"min_speedup", "max_tokens", "prompts", "timeout", "engine_timeout", "collective_timeout"}
 
 
@@ -103,6 +113,54 @@ class Platform:
 
 
 @dataclass
+class Bench:
+    """The benchmark a cutover runs over the server's OpenAI API: against the generation it replaces, just before
+    the stop, and against the new one after its start."""
+
+    prompts: list[str] = field(default_factory=list)    # chat prompts; none: the ones shipped with provision
+    max_tokens: int = 64
+    concurrency: list[int] = field(default_factory=lambda: [1])
+    repeats: int = 3
+    model: str | None = None          # the API's model name; default: the first /v1/models lists
+
+
+@dataclass
+class Gates:
+    """What the new generation must show against the one it replaces, measured in the same cutover."""
+
+    min_tok_s_ratio: float = 0.9      # tok/s at each concurrency ≥ this × the reference's
+    min_accept_length: float | None = None   # where speculation is on
+    max_ttft_ratio: float | None = None       # time to first token ≤ this × the reference's
+    min_greedy_agreement: float | None = None  # always reported; a gate where set
+    noise: float = 0.05               # the margin the ratios allow for run-to-run noise
+
+
+@dataclass
+class Gateway:
+    """An SGLang gateway (router) in front of the host: the worker is removed before the stop, re-added after."""
+
+    url: str
+    worker: str                       # this host's worker URL as the gateway lists it
+
+
+@dataclass
+class Service:
+    """The systemd unit that serves from `<root>/current`, and how its cutover is proven."""
+
+    unit: str
+    manage: str = "own"
+    url: str = "http://127.0.0.1:30000"
+    health: str = "generate"
+    start_deadline: float = 600.0     # seconds from the start to a healthy server
+    stop_deadline: float = 120.0      # seconds from the stop until its processes and GPU contexts are gone
+    probes: str = "after-stop"
+    revert_after: float = 900.0       # a cutover its controller never confirms reverts by itself after this
+    bench: Bench = field(default_factory=Bench)
+    gates: Gates = field(default_factory=Gates)
+    gateway: Gateway | None = None
+
+
+@dataclass
 class Lock:
     name: str
     platform: Platform
@@ -116,6 +174,7 @@ class Lock:
     patches: list[str] = field(default_factory=list)
     engine: dict = field(default_factory=dict)
     probes: dict = field(default_factory=dict)
+    service: Service | None = None
     raw: dict = field(default_factory=dict, repr=False)
     doc: yamlio.Doc | None = field(default=None, repr=False)
 
@@ -391,7 +450,8 @@ def _parse(doc: yamlio.Doc) -> Lock:
     probes = _probes(v, d)
     return Lock(name=name, platform=platform, path=doc.path, description=description,
                 indexes=indexes, requires=requires, overrides=overrides, packages=packages,
-                unresolved=unresolved, patches=patches, engine=engine, probes=probes, raw=d, doc=doc)
+                unresolved=unresolved, patches=patches, engine=engine, probes=probes, service=_service(v, d, engine),
+                raw=d, doc=doc)
 
 
 def _name(v: _V, obj: dict, keys: tuple, key: str) -> str:
@@ -462,6 +522,72 @@ def _probes(v: _V, d: dict) -> dict:
         v.number(p, k, key, 1, 7 * 86400)
     v.strings(p, k, "prompts", multiline=True)
     return p
+
+
+def _service(v: _V, d: dict, engine: dict) -> Service | None:
+    k = ("service",)
+    s = v.get(d, (), "service", dict)
+    if s is None:
+        return None
+    v.mapping(s, k, SERVICE_KEYS)
+    kind = engine.get("kind", "none")
+    manage = _choice(v, s, k, "manage", MANAGE, "own")
+    if manage == "provision" and kind == "none":
+        v.fail(k + ("manage",), "provision writes the unit from the engine it launches: the lock names none "
+                                "(engine.kind: none)")
+    out = Service(unit=v.match(s, k, "unit", UNIT_RE, "a systemd service unit name like sglang.service",
+                               required=True),
+                  manage=manage, url=_http_url(v, s, k, "url", Service.url),
+                  health=_choice(v, s, k, "health", HEALTH_KINDS, "completion" if kind == "included" else "generate"),
+                  probes=_choice(v, s, k, "probes", SERVICE_PROBES, "after-stop"))
+    for key in ("start_deadline", "stop_deadline", "revert_after"):
+        setattr(out, key, float(v.number(s, k, key, 1, 86400, default=getattr(out, key))))
+    bk = k + ("bench",)
+    b = v.mapping(v.get(s, k, "bench", dict, default={}), bk, BENCH_KEYS)
+    conc = v.get(b, bk, "concurrency", list, default=[1])
+    if not conc:
+        v.fail(bk + ("concurrency",), "name at least one concurrency level")
+    for i in range(len(conc)):
+        v.number({i: conc[i]}, bk + ("concurrency",), i, 1, 4096, integer=True)
+    out.bench = Bench(prompts=v.strings(b, bk, "prompts", multiline=True), concurrency=list(conc),
+                      max_tokens=v.number(b, bk, "max_tokens", 1, 1 << 16, integer=True, default=Bench.max_tokens),
+                      repeats=v.number(b, bk, "repeats", 1, 100, integer=True, default=Bench.repeats),
+                      model=v.match(b, bk, "model", ARG_RE, "a model name (not starting with '-')"))
+    gk = k + ("gates",)
+    g = v.mapping(v.get(s, k, "gates", dict, default={}), gk, GATES_KEYS)
+    out.gates = Gates(min_tok_s_ratio=v.number(g, gk, "min_tok_s_ratio", 0.01, 100, default=Gates.min_tok_s_ratio),
+                      min_accept_length=v.number(g, gk, "min_accept_length", 1, 1024),
+                      max_ttft_ratio=v.number(g, gk, "max_ttft_ratio", 0.01, 1000),
+                      min_greedy_agreement=v.number(g, gk, "min_greedy_agreement", 0, 1),
+                      noise=v.number(g, gk, "noise", 0, 0.5, default=Gates.noise))
+    speculates = kind == "included" or bool(engine.get("speculative") or engine.get("draft"))
+    if out.gates.min_accept_length is not None and not speculates:
+        v.fail(gk + ("min_accept_length",), "the engine does not speculate (no draft, no speculative): "
+                                            "no acceptance length to gate")
+    if s.get("gateway") is not None:
+        wk = k + ("gateway",)
+        w = v.mapping(v.get(s, k, "gateway", dict), wk, GATEWAY_KEYS)
+        out.gateway = Gateway(url=_http_url(v, w, wk, "url", None, required=True),
+                              worker=_http_url(v, w, wk, "worker", None, required=True))
+    return out
+
+
+def _choice(v: _V, obj: dict, keys: tuple, key: str, choices: tuple, default: str) -> str:
+    got = v.get(obj, keys, key, str, default=default)
+    if got not in choices:
+        v.fail(keys + (key,), f"expected one of {', '.join(choices)}, got {got!r}")
+    return got
+
+
+def _http_url(v: _V, obj: dict, keys: tuple, key: str, default: str | None, required: bool = False) -> str | None:
+    """An http(s) URL of a server: scheme, host and port alone (no user, path, query or fragment)."""
+    url = v.get(obj, keys, key, str, default=default, required=required)
+    m = HTTP_RE.match(url) if url is not None else None
+    if url is not None and m is None:
+        v.fail(keys + (key,), f"{url!r} is not an http(s) URL of a server (scheme, host, port; no path)")
+    if m and m.group(3) and not 1 <= int(m.group(3)[1:]) <= 65535:
+        v.fail(keys + (key,), f"{url!r}: port {m.group(3)[1:]} is out of range (1–65535)")
+    return url.rstrip("/") if url else url
 
 
 def load(path: str | Path) -> Lock:

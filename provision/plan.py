@@ -23,9 +23,9 @@ from .units import human_size
 
 PLAN_FORMAT = 3
 SYMBOL = {"add": "+", "change": "~", "remove": "-"}
-ORDER = ("lock", "python", "toolkit", "driver", "package", "hash", "index", "patch", "probe", "engine")
+ORDER = ("lock", "python", "toolkit", "driver", "package", "hash", "index", "patch", "probe", "engine", "service")
 HEADINGS = {"package": "  packages", "patch": "  patches", "hash": "  wheel hashes (same version)",
-            "index": "  indexes", "probe": "  probe expectations"}
+            "index": "  indexes", "probe": "  probe expectations", "service": "  service (its cutover)"}
 MIN_FREE_BYTES = 1 << 30   # what a build should leave free under the root (less is a warning, not a refusal)
 UNPACK_FACTOR = 3   # disk estimate of a wheel not at hand to read: installed, it takes about 3 times its download
 BLOCK = 4096        # an installed file takes whole blocks
@@ -45,11 +45,12 @@ class Stack:
     hashes: dict[str, str] = field(default_factory=dict)    # package → wheel sha256
     indexes: dict[str, str] = field(default_factory=dict)
     probes: dict = field(default_factory=dict)
+    service: dict = field(default_factory=dict)             # the lock's service section as written
 
 
 @dataclass
 class Change:
-    category: str    # lock | python | toolkit | driver | package | hash | index | patch | probe | engine
+    category: str    # lock | python | toolkit | driver | package | hash | index | patch | probe | engine | service
     name: str
     action: str      # add | change | remove
     old: str | None = None
@@ -84,7 +85,8 @@ def stack_of_lock(lock: Lock) -> Stack:
                  patches={p.rstrip("/").rsplit("/", 1)[-1]: series_digest(lock.resolve_path(p)) for p in lock.patches},
                  engine=lock.engine or {}, python=lock.platform.python,
                  hashes={p.name: p.sha256 for p in lock.packages if p.sha256},
-                 indexes=dict(lock.indexes or {}), probes=dict(lock.probes or {}))
+                 indexes=dict(lock.indexes or {}), probes=dict(lock.probes or {}),
+                 service=dict(lock.raw.get("service") or {}))
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, str]:
@@ -132,6 +134,7 @@ def diff_stacks(old: Stack, new: Stack) -> list[Change]:
                           {k: _short(v) for k, v in new.patches.items()})
     changes += _diff_maps("probe", _flat(old.probes), _flat(new.probes))
     changes += _diff_maps("engine", _flat(old.engine), _flat(new.engine))
+    changes += _diff_maps("service", _flat(old.service), _flat(new.service))
     return changes
 
 
@@ -433,7 +436,7 @@ def current_stack(facts: Facts) -> Stack | None:
                  driver_min=stored.get("driver_min"), patches=patches, engine=stored.get("engine") or {},
                  python=".".join(live_py.split(".")[:2]) if live_py else stored.get("python") or (gen and gen.python),
                  hashes=stored.get("hashes") or {}, indexes=stored.get("indexes") or {},
-                 probes=stored.get("probes") or {})
+                 probes=stored.get("probes") or {}, service=stored.get("service") or {})
 
 
 def _reusable(facts: Facts, lock: Lock, target: Stack) -> Generation | None:

@@ -80,3 +80,15 @@ def test_real_stack_locks_diff():
     assert by[("engine", "speculative.algorithm")].new == "EAGLE3"
     assert ("package", "sglang") not in by                       # same SGLang, same patch series
     assert not any(c.category == "patch" for c in d.changes)
+
+
+def test_a_service_change_is_its_own_part_of_the_diff(tmp_path):
+    svc = {"unit": "sglang.service", "gates": {"min_tok_s_ratio": 0.9}}
+    old = write(tmp_path / "old.yaml", engine={"kind": "sglang"}, service=svc)
+    new = write(tmp_path / "new.yaml", engine={"kind": "sglang"},
+                service={"unit": "sglang.service", "gates": {"min_tok_s_ratio": 0.95}, "bench": {"concurrency": [1, 8]}})
+    lines = lockcheck.diff(lockmod.load(old), lockmod.load(new)).render().splitlines()
+    at = lines.index("  service (its cutover)")
+    assert lines[at + 1].split() == ["+", "bench.concurrency", "[1,", "8]"]
+    assert lines[at + 2].split() == ["~", "gates.min_tok_s_ratio", "0.9", "→", "0.95"]
+    assert lockmod.load(new).service.bench.concurrency == [1, 8]
