@@ -645,12 +645,14 @@ def status_table(rows):
     from ..units import ago, human_size
 
     table = Table(title_justify="left")
-    for col in ("host", "current", "lock", "since", "last probe", "last attempt", "verified", "generations", "disk"):
+    served = any(r.ok and r.value.serving for r in rows)      # the column only where a lock names a service
+    cols = ("host", "current", "lock", "since", "last probe", "last attempt", "verified", "generations", "disk")
+    for col in cols[:2] + (("serving",) if served else ()) + cols[2:]:
         table.add_column(col, no_wrap=True)
     for r in rows:
         if not r.ok:      # why is printed under the table, one line per host
             table.add_row(*(plain(c) for c in (r.host, "unreachable" if r.unreachable else "error",
-                                               "-", "-", "-", "-", "-", "-", "-")))
+                                               *["-"] * (len(cols) - 2 + served))))
             continue
         s = r.value           # a replies.Status
         p, a = s.probe, s.last_attempt
@@ -660,10 +662,26 @@ def status_table(rows):
         verified = f"{v.verdict} ({ago(v.time)}{', at build' if v.how == 'build' else ''})" if v else \
             "broken" if s.broken else "-"
         cur = (s.current or "(none)") + (f" (broken: {s.broken})" if s.broken else "")
-        table.add_row(*(plain(c) for c in (r.host, cur, s.lock or "-",
-                                           s.since or "-", probe, attempt, verified,
-                                           f"{s.generations} ({s.ready} runnable)", human_size(s.disk_bytes))))
+        runs = s.serving.generations if s.serving else []
+        if runs and s.current not in runs:      # the server runs another generation than `current` names
+            cur += f", serving {', '.join(runs)}"
+        serving = [serving_text(s.serving)] if served else []
+        table.add_row(*(plain(c) for c in (r.host, cur, *serving, s.lock or "-", s.since or "-", probe, attempt,
+                                           verified, f"{s.generations} ({s.ready} runnable)",
+                                           human_size(s.disk_bytes))))
     return table
+
+
+def serving_text(v) -> str:
+    """A Serving reply as status shows it: the generations the unit's processes run, the unit and its state."""
+    if v is None:
+        return "-"
+    if v.error:
+        return f"unknown ({v.unit}: {v.error})"
+    state = v.active if v.sub in (None, v.active) else f"{v.active} ({v.sub})"
+    if v.load == "not-found":
+        state = "not found"
+    return f"{', '.join(v.generations) or '-'} ({v.unit} {state})"
 
 
 def _print_probes(probes: dict | None) -> None:

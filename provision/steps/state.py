@@ -50,6 +50,20 @@ class VerifyMark(Reply):
 
 
 @dataclass(frozen=True)
+class Serving(Reply):
+    """The current generation's service unit as systemd has it, and what its processes run."""
+    unit: str = field(metadata=doc("the unit (the current generation's lock names it: service.unit)"))
+    load: str | None = field(default=None, metadata=doc("systemd's LoadState: loaded, not-found …"))
+    active: str | None = field(default=None, metadata=doc("its ActiveState: active, inactive, failed, activating …"))
+    sub: str | None = field(default=None, metadata=doc("its SubState: running, dead, exited …"))
+    main_pid: int | None = field(default=None, metadata=doc("its main process, or null"))
+    processes: int = field(default=0, metadata=doc("how many processes its cgroup holds"))
+    generations: list[str] = field(default_factory=list, metadata=gen_id(
+        "the generations its processes run: their interpreter, mapped libraries or named files under generations/"))
+    error: str | None = field(default=None, metadata=doc("why systemd's manager could not be asked, or null"))
+
+
+@dataclass(frozen=True)
 class Status(Reply):
     STEP = "status"
     generations: int = field(metadata=doc("how many generations the root keeps"))
@@ -65,6 +79,8 @@ class Status(Reply):
     verify: VerifyMark | None = field(default=None, metadata=doc("its last verification"))
     last_attempt: ProbeMark | None = field(default=None, metadata=doc(
         "the last probe of a generation that did not stay current"))
+    serving: Serving | None = field(default=None, metadata=doc(
+        "the service unit and what it runs, where the current generation's lock names one"))
 
 
 STATUS = Step("status", "state", "status", StatusArgs, Status,
