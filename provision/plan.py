@@ -45,7 +45,7 @@ class Stack:
     hashes: dict[str, str] = field(default_factory=dict)    # package → wheel sha256
     indexes: dict[str, str] = field(default_factory=dict)
     probes: dict = field(default_factory=dict)
-    service: dict = field(default_factory=dict)             # the lock's service section as written
+    service: dict = field(default_factory=dict)             # the lock's service section, its defaults filled in
 
 
 @dataclass
@@ -86,7 +86,7 @@ def stack_of_lock(lock: Lock) -> Stack:
                  engine=lock.engine or {}, python=lock.platform.python,
                  hashes={p.name: p.sha256 for p in lock.packages if p.sha256},
                  indexes=dict(lock.indexes or {}), probes=dict(lock.probes or {}),
-                 service=dict(lock.raw.get("service") or {}))
+                 service=asdict(lock.service) if lock.service else {})
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, str]:

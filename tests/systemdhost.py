@@ -73,6 +73,7 @@ mount -t tmpfs -o mode=1777 tmp "$R/tmp"
 mount -t tmpfs -o mode=0755 run "$R/run"
 mkdir -p "$R$D" && mount --bind "$D" "$R$D"
 mount --bind "$D/units" "$R/etc/systemd/system"
+while IFS= read -r b; do mkdir -p "$R$b" && mount --bind "$b" "$R$b"; done < "$D/binds"
 echo "$3" > "$R/etc/hostname"
 hostname "$3"
 mkdir -p "$R/.old" && cd "$R" && pivot_root . .old && umount -l /.old && rmdir /.old
@@ -98,8 +99,10 @@ RuntimeDirectoryMode=0755
 class SystemdHost(LoopbackHost):
     """`with SystemdHost() as h:` → h.target (trusted by the caller), h.root, h.systemctl(...), h.run(...)."""
 
-    def __init__(self, base: str | Path | None = None):
+    def __init__(self, base: str | Path | None = None, binds: tuple = ()):
+        """`binds`: more directories of this machine bound into the host at the same path (read-write)."""
         super().__init__(base=base, netns=True)
+        self.binds = [Path(b).resolve() for b in binds]
         self.units = self.dir / "units"
         self.init: int | None = None
         self.cgroups: list[Path] = []
@@ -116,6 +119,7 @@ class SystemdHost(LoopbackHost):
         self._write_sshd_config()
         self.units.mkdir(exist_ok=True)
         (self.units / "pv-host.target").write_text(TARGET)
+        (self.dir / "binds").write_text("".join(f"{b}\n" for b in self.binds))
         (self.units / "pv-sshd.service").write_text(SSHD_UNIT.format(config=self.dir / "sshd_config"))
         for d in ("merged", "rw"):
             (self.dir / d).mkdir(exist_ok=True)

@@ -2,12 +2,60 @@
 generations its processes run, read from /proc (their interpreter, the files they map, the paths their command
 lines name under <root>/generations). A process started from `<root>/current` maps its files by the generation's
 own path, so a server started before the last switch shows the generation it really runs."""
+import json
 import os
+import time
+import urllib.error
+import urllib.request
 
 from ..steps.state import Serving
 from .systemd import Bus, BusError
 
 RUNNING = ("active", "activating", "reloading", "deactivating")
+HEALTH_TIMEOUT = 5.0        # seconds one health request may take
+
+
+class Unhealthy(Exception):
+    """A health check's request that failed: what was asked and why, in one line."""
+
+
+def _http(url, body=None, timeout=HEALTH_TIMEOUT):
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"} if body is not None else {})
+    what = ("POST " if body is not None else "GET ") + url
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:      # the lock's checked http(s) URL
+            return r.status, r.read(1 << 20)
+    except urllib.error.HTTPError as e:
+        raise Unhealthy("%s: HTTP %d" % (what, e.code)) from None
+    except (urllib.error.URLError, OSError) as e:
+        raise Unhealthy("%s: %s" % (what, getattr(e, "reason", None) or e)) from None
+
+
+def health(url, kind, timeout=HEALTH_TIMEOUT):
+    """(healthy, detail): `generate`, SGLang's /health_generate (it answers after a real one-token generation);
+    `completion`, /health and then one real completion of one token over the OpenAI API."""
+    t0 = time.monotonic()
+    try:
+        if kind == "generate":
+            _http(url + "/health_generate", timeout=timeout)
+        else:
+            _http(url + "/health", timeout=timeout)
+            _, listed = _http(url + "/v1/models", timeout=timeout)
+            try:
+                model = json.loads(listed)["data"][0]["id"]
+            except (ValueError, KeyError, IndexError, TypeError):
+                raise Unhealthy("GET %s/v1/models: no model listed" % url) from None
+            _, out = _http(url + "/v1/completions", {"model": model, "prompt": "Hello", "max_tokens": 1,
+                                                    "temperature": 0}, timeout=timeout)
+            try:
+                if not isinstance(json.loads(out)["choices"][0]["text"], str):
+                    raise TypeError
+            except (ValueError, KeyError, IndexError, TypeError):
+                raise Unhealthy("POST %s/v1/completions: no completion in the answer" % url) from None
+    except Unhealthy as e:
+        return False, str(e)[:300]
+    return True, "%s in %.2f s" % ("a generation" if kind == "generate" else "a completion", time.monotonic() - t0)
 
 
 def generations_run(lay, pids):
@@ -31,13 +79,18 @@ def generations_run(lay, pids):
     return sorted(g for g in found if g)
 
 
-def serving(lay, unit):
-    """The Serving reply for `unit`: its state, and the generations its processes run."""
+def serving(lay, svc):
+    """The Serving reply for the service `svc` (a manifest's stack.service): its unit's state, the generations its
+    processes run, and, where it is active, its health."""
+    unit = svc["unit"]
     try:
         with Bus() as bus:
             st = bus.state(unit)
             pids = bus.processes(unit) if st["active"] in RUNNING else []
     except BusError as e:
         return Serving(unit=unit, error=str(e))
+    healthy, said = None, None
+    if st["active"] == "active" and isinstance(svc.get("url"), str) and svc.get("health") in ("generate", "completion"):
+        healthy, said = health(svc["url"].rstrip("/"), svc["health"])
     return Serving(unit=unit, load=st["load"], active=st["active"], sub=st["sub"], main_pid=st["main_pid"],
-                   processes=len(pids), generations=generations_run(lay, pids))
+                   processes=len(pids), generations=generations_run(lay, pids), healthy=healthy, health=said)

@@ -867,14 +867,14 @@ def op_status(lay, a):
     verify = man.get("verify")
     if broken:   # the verdicts of what was there no longer hold
         probe = verify = None
-    unit = ((man.get("stack") or {}).get("service") or {}).get("unit")
+    svc = (man.get("stack") or {}).get("service") or {}
     return Status(root=lay.root, current=cur, lock=man.get("lock_name"), since=since or man.get("created"),
                   broken=broken, probe=ProbeMark.given(probe) if probe else None,
                   verify=VerifyMark.given(verify) if verify else None, generations=len(all_gens),
                   last_attempt=ProbeMark.given(attempt) if attempt and attempt["generation"] != cur else None,
                   ready=sum(1 for _, _, m in all_gens if m.get("status") in ("ready", "adopted")),
                   disk_bytes=disk_used(lay.root) if os.path.isdir(lay.root) else 0,
-                  serving=serving(lay, unit) if isinstance(unit, str) and unit else None)
+                  serving=serving(lay, svc) if isinstance(svc, dict) and isinstance(svc.get("unit"), str) else None)
 
 
 def op_read(lay, a):

@@ -681,7 +681,8 @@ def serving_text(v) -> str:
     state = v.active if v.sub in (None, v.active) else f"{v.active} ({v.sub})"
     if v.load == "not-found":
         state = "not found"
-    return f"{', '.join(v.generations) or '-'} ({v.unit} {state})"
+    well = "" if v.healthy is None else ", healthy" if v.healthy else f", unhealthy: {v.health}"
+    return f"{', '.join(v.generations) or '-'} ({v.unit} {state}{well})"
 
 
 def _print_probes(probes: dict | None) -> None:

@@ -60,6 +60,9 @@ class Serving(Reply):
     processes: int = field(default=0, metadata=doc("how many processes its cgroup holds"))
     generations: list[str] = field(default_factory=list, metadata=gen_id(
         "the generations its processes run: their interpreter, mapped libraries or named files under generations/"))
+    healthy: bool | None = field(default=None, metadata=doc(
+        "whether its health check passed (service.health, at service.url), null where it is not active"))
+    health: str | None = field(default=None, metadata=doc("what the health check did, or why it failed"))
     error: str | None = field(default=None, metadata=doc("why systemd's manager could not be asked, or null"))
 
 
