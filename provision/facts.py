@@ -37,7 +37,7 @@ class Gpu:
 
 
 @dataclass(frozen=True)
-class Generation:
+class GenerationFacts:
     """One generation as the host's store lists it (its manifest's summary)."""
     id: str = field(metadata=GEN_ID)
     number: int
@@ -97,7 +97,7 @@ class Facts:
     toolkits: list[dict] = field(default_factory=list)             # {home, nvcc}: toolkits under /usr/local
     nvcc_on_path: str | None = field(default=None, metadata=PATH)
     nvcc_on_path_version: str | None = None
-    generations: list[Generation] = field(default_factory=list)
+    generations: list[GenerationFacts] = field(default_factory=list)
     current: str | None = field(default=None, metadata=GEN_ID)
     current_dists: dict[str, str] | None = None    # None: no current generation, or its interpreter did not run
     current_python: str | None = None
@@ -109,7 +109,7 @@ class Facts:
     isolation_why: str | None = None          # why not the store, where it is not
     stored_wheels: list[str] = field(default_factory=list)    # sha256 of wheels whose files the store holds
 
-    def generation(self, gen_id: str | None) -> Generation | None:
+    def generation(self, gen_id: str | None) -> GenerationFacts | None:
         return next((g for g in self.generations if g.id == gen_id), None)
 
     def to_json(self) -> dict:

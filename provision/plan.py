@@ -15,7 +15,7 @@ from packaging.version import InvalidVersion, Version
 
 from . import yamlio
 from .errors import InputError
-from .facts import Facts, Generation, gather_for
+from .facts import Facts, GenerationFacts, gather_for
 from .lock import Lock, from_data
 from .transport import Transport
 from .toolkit import nvcc_missing
@@ -439,7 +439,7 @@ def current_stack(facts: Facts) -> Stack | None:
                  probes=stored.get("probes") or {}, service=stored.get("service") or {})
 
 
-def _reusable(facts: Facts, lock: Lock, target: Stack) -> Generation | None:
+def _reusable(facts: Facts, lock: Lock, target: Stack) -> GenerationFacts | None:
     """The newest complete generation (probed, committed once, venv intact) built from exactly this lock."""
     for g in reversed(facts.generations):
         if (g.id != facts.current and g.lock_digest == lock.digest and g.settled == "ready" and g.venv_ok
