@@ -18,6 +18,16 @@ from systemdhost import SystemdHost
 CLIENT = """import json, sys, time
 sys.path.insert(0, sys.argv[1])
 from systemd import Bus, BusError
+
+
+def until(bus, name, state):
+    for _ in range(100):
+        if bus.state(name)["active"] == state:
+            break
+        time.sleep(0.05)
+    return bus.state(name)
+
+
 out = {}
 with Bus() as b:
     out["direct"] = b.direct
@@ -26,18 +36,10 @@ with Bus() as b:
     out["missing_pids"] = b.processes("pv-missing.service")
     b.reload()
     b.start("pv-sleep.service")
-    for _ in range(100):
-        if b.state("pv-sleep.service")["active"] == "active":
-            break
-        time.sleep(0.05)
-    out["started"] = b.state("pv-sleep.service")
+    out["started"] = until(b, "pv-sleep.service", "active")
     out["pids"] = b.processes("pv-sleep.service")
     b.stop("pv-sleep.service")
-    for _ in range(100):
-        if b.state("pv-sleep.service")["active"] == "inactive":
-            break
-        time.sleep(0.05)
-    out["stopped"] = b.state("pv-sleep.service")
+    out["stopped"] = until(b, "pv-sleep.service", "inactive")
     for name in ("pv-missing.service", "a b.service"):
         try:
             b.start(name)
