@@ -97,6 +97,11 @@ def rolled_back(reply: replies.Rollback, seconds: float | None) -> replies.Rollb
         for what in reply.bookkeeping_failed])
 
 
+def server_down(reply: replies.Rollback) -> bool:
+    """Whether a rollback restarted the service and it did not come back healthy (the switch itself stands)."""
+    return reply.service is not None and not reply.service.healthy
+
+
 def status(t: Transport) -> replies.Status:
     """Current generation, its lock, since when, last probe verdict, generations kept, disk used."""
     return ask(t, replies.Status, "status")
@@ -155,7 +160,8 @@ def diff(t: Transport, a: str, b: str | None = None) -> dict:
 # ---------------------------------------------------------------- the verbs' playbooks, through Ansible
 
 def rollback_play(targets: list, to: str | None = None, *, dry_run: bool = False, force: bool = False,
-                  serial: str | list[str] = "0", forks: int | None = None, on_row=None) -> list:
+                  restart: bool = True, serial: str | list[str] = "0", forks: int | None = None,
+                  on_row=None) -> list:
     """`rollback` on the hosts as playbooks/rollback.yml (`dry_run`: its --check), one Ansible run per batch of
     `serial` (Ansible would end a play at a batch whose every host failed; here each host goes back on its own, a
     dead one named in its row). One fleet.Row per host, values as `rollback` returns them (replies.Rollback);
@@ -163,7 +169,7 @@ def rollback_play(targets: list, to: str | None = None, *, dry_run: bool = False
     from .fleet import batches
     from .runner import answer, play_rows
 
-    given = {"to": to, "force": force}
+    given = {"to": to, "force": force, "restart": restart}
     rows = []
     for number, group in enumerate(batches(targets, serial), 1):
         def told(row, number=number) -> None:

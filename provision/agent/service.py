@@ -8,7 +8,7 @@ import time
 import urllib.error
 import urllib.request
 
-from ..steps.state import Serving
+from ..steps.state import Restarted, Serving
 from .systemd import Bus, BusError
 
 RUNNING = ("active", "activating", "reloading", "deactivating")
@@ -79,6 +79,47 @@ def generations_run(lay, pids):
     return sorted(g for g in found if g)
 
 
+def _port(url):
+    rest = url.split("//", 1)[-1].split("/", 1)[0]
+    tail = rest.rsplit("]", 1)[-1]
+    return int(tail.rsplit(":", 1)[1]) if ":" in tail else 443 if url.startswith("https:") else 80
+
+
+def listens(pids, port):
+    """Whether one of `pids` holds a socket listening on TCP `port` (/proc/net/tcp{,6} and the processes' fds):
+    a health check's answer counts for the unit only when its own process answered it."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                for line in list(f)[1:]:
+                    cols = line.split()
+                    if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add("socket:[%s]" % cols[9])
+        except (OSError, ValueError, IndexError):
+            continue
+    for pid in pids:
+        try:
+            fds = os.listdir("/proc/%d/fd" % pid)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink("/proc/%d/fd/%s" % (pid, fd)) in inodes:
+                    return True
+            except OSError:
+                continue
+    return False
+
+
+def answered(url, kind, unit, pids):
+    """(healthy, detail): the health check, counted only when a process of the unit listens on the URL's port."""
+    ok, said = health(url, kind)
+    if ok and not listens(pids, _port(url)):
+        return False, "port %d is answered by no process of %s" % (_port(url), unit)
+    return ok, said
+
+
 def serving(lay, svc):
     """The Serving reply for the service `svc` (a manifest's stack.service): its unit's state, the generations its
     processes run, and, where it is active, its health."""
@@ -91,6 +132,55 @@ def serving(lay, svc):
         return Serving(unit=unit, error=str(e))
     healthy, said = None, None
     if st["active"] == "active" and isinstance(svc.get("url"), str) and svc.get("health") in ("generate", "completion"):
-        healthy, said = health(svc["url"].rstrip("/"), svc["health"])
+        healthy, said = answered(svc["url"].rstrip("/"), svc["health"], unit, pids)
     return Serving(unit=unit, load=st["load"], active=st["active"], sub=st["sub"], main_pid=st["main_pid"],
                    processes=len(pids), generations=generations_run(lay, pids), healthy=healthy, health=said)
+
+
+def _until(done, seconds, step=0.2):
+    """Whether `done()` became true within `seconds` (asked every `step`)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if done():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(step)
+
+
+def restart(lay, svc):
+    """Stop the service's unit (until its processes are gone, service.stop_deadline), start it and wait for its
+    health (service.start_deadline). The Restarted reply: healthy, or why not, with its downtime."""
+    unit, t0 = svc["unit"], time.monotonic()
+    stop_s, start_s = float(svc.get("stop_deadline") or 120), float(svc.get("start_deadline") or 600)
+    url, kind = str(svc.get("url") or "http://127.0.0.1:30000").rstrip("/"), svc.get("health") or "generate"
+
+    def failed(why, **more):
+        return Restarted(unit=unit, error="%s %s" % (unit, why), seconds=round(time.monotonic() - t0, 3), **more)
+    try:
+        with Bus() as bus:
+            bus.stop(unit)
+            if not _until(lambda: not bus.processes(unit) and bus.state(unit)["active"] in ("inactive", "failed"),
+                          stop_s):
+                return failed("did not stop within %g s (service.stop_deadline)" % stop_s)
+            stopped = round(time.monotonic() - t0, 3)
+            bus.start(unit)
+            said = "not active yet"
+            deadline = time.monotonic() + start_s
+            while True:
+                st = bus.state(unit)
+                if st["active"] == "failed" or st["load"] != "loaded":
+                    return failed("failed to start (%s, %s)" % (st["load"], st["result"] or st["sub"]),
+                                  stop_seconds=stopped)
+                if st["active"] == "active":
+                    ok, said = answered(url, kind, unit, bus.processes(unit))
+                    if ok:
+                        return Restarted(unit=unit, healthy=True, health=said, stop_seconds=stopped,
+                                         seconds=round(time.monotonic() - t0, 3), main_pid=st["main_pid"],
+                                         generations=generations_run(lay, bus.processes(unit)))
+                if time.monotonic() > deadline:
+                    return failed("was not healthy within %g s of its start (service.start_deadline): %s"
+                                  % (start_s, said), stop_seconds=stopped, health=said, main_pid=st["main_pid"])
+                time.sleep(0.5)
+    except BusError as e:
+        return failed("could not be restarted: %s" % e)

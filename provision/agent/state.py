@@ -20,7 +20,7 @@ from ..steps.state import (Collected, Gc, GcArgs, History, HistoryArgs, HistoryG
 from . import kernels, store as filestore
 from .host import (AgentError, current, current_link, current_problem, disk_full, ensure_root, event, fsync_dir,
                    generations as gens, manifest_of, read_json, try_lock, write_atomic)
-from .service import serving
+from .service import restart, serving
 from .verify import adopt as record_adoption, quick
 
 
@@ -756,8 +756,11 @@ def op_rollback(lay, a):
         "forward": forward, "forced": args.force, "current_was": broken})
     if ev and ev.get("current_set_aside"):
         warnings.append("what was at %s is kept at %s" % (lay.current, ev["current_set_aside"]))
+    svc = (target[2].get("stack") or {}).get("service") or {}
+    restarted = restart(lay, svc) if args.restart and isinstance(svc.get("unit"), str) else None
     return Rollback(from_=before, to=target[1], forward=forward, switch_seconds=seconds, switched=True, event=ev,
-                    check=check, bookkeeping_failed=failed, recovered=Recovered.given(recovered), warnings=warnings)
+                    check=check, bookkeeping_failed=failed, recovered=Recovered.given(recovered), warnings=warnings,
+                    service=restarted)
 
 
 def op_adopt(lay, a):

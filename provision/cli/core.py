@@ -408,6 +408,8 @@ def adopt(hosts: Hosts,
 def rollback(to: Optional[str] = typer.Option(None, "--to", help="generation number or id (may be newer)"),
              dry_run: bool = typer.Option(False, "--dry-run", help="say where each host would switch; change nothing"),
              force: bool = typer.Option(False, "--force", help="switch even to a generation that fails verification"),
+             no_restart: bool = typer.Option(False, "--no-restart", help="leave the lock's service alone (default: "
+                                             "restart its unit on the generation switched to, and check its health)"),
              serial: str = SerialOpt, json_out: bool = JsonOpt, hosts: Hosts = HOSTS):
     """Switch `current` back to the generation current before the last switch, as history records it (atomic,
     offline, nothing reinstalled); fleets in batches. playbooks/rollback.yml through Ansible (--dry-run: its
@@ -431,16 +433,22 @@ def rollback(to: Optional[str] = typer.Option(None, "--to", help="generation num
         else:
             console.print(f"{_switched(out, to)} {r.host}: current {out.from_ or '(none)'} → {out.to} "
                           f"in {out.seconds:.2f}s{_checked(out.check)}.", markup=False)
+        s = out.service
+        if s is not None and s.healthy:
+            console.print(f"  restarted {s.unit}: healthy {s.seconds:.1f}s after its stop ({s.health}); serving "
+                          f"{', '.join(s.generations) or '(no file of a generation mapped)'}", markup=False)
+        elif s is not None:
+            err_console.print(f"error: {r.host}: switched to {out.to}, but {s.error}", markup=False)
         for w in out.warnings:
             err_console.print(f"warning: {r.host}: {w}", markup=False)
 
     def told(r) -> None:
         print_rows([r], show, False)
-    rows = alone(generations.rollback_play(ts, to, dry_run=dry_run, force=force, serial=batches, forks=hosts.forks,
-                                           on_row=told if live else None))
+    rows = alone(generations.rollback_play(ts, to, dry_run=dry_run, force=force, restart=not no_restart,
+                                           serial=batches, forks=hosts.forks, on_row=told if live else None))
     if not live:
         print_rows(rows, show, json_out, to_json=replies.to_json)
-    exit_for(rows)
+    exit_for(rows, bad=generations.server_down)
 
 
 @edge

@@ -186,8 +186,26 @@ class RollbackArgs(Args):
     to: str | None = field(default=None, metadata=doc(
         "The generation to switch to (its number or id); default the one current before the last switch."))
     force: bool = field(default=False, metadata=doc("Switch to a generation that fails its check."))
+    restart: bool = field(default=True, metadata=doc(
+        "Restart the service the generation's lock names (service.unit) once switched, and check its health; "
+        "false leaves the server alone."))
     dry_run: bool = field(default=False, metadata=doc("Name the target without switching (check mode).",
                                                       option=False))
+
+
+@dataclass(frozen=True)
+class Restarted(Reply):
+    """The service restarted on the generation switched to: stopped, started, and healthy or why not."""
+    STEP = "restart"
+    unit: str = field(metadata=doc("the unit (service.unit of the generation's lock)"))
+    healthy: bool = field(default=False, metadata=doc("whether it answered its health check within the deadline"))
+    health: str | None = field(default=None, metadata=doc("what the last health check did, or why it failed"))
+    stop_seconds: float | None = field(default=None, metadata=doc("from the stop until its processes were gone"))
+    seconds: float | None = field(default=None, metadata=doc(
+        "from the stop to healthy (the server's downtime), or to the failure"))
+    main_pid: int | None = field(default=None, metadata=doc("its main process after the start"))
+    generations: list[str] = field(default_factory=list, metadata=gen_id("the generations its processes run"))
+    error: str | None = field(default=None, metadata=doc("why it is not serving healthy, in one line, or null"))
 
 
 @dataclass(frozen=True)
@@ -221,6 +239,8 @@ class Rollback(Reply):
     bookkeeping_failed: list[str] = field(default_factory=list, metadata=doc(
         "records that failed after the switch (it stands; the next run repairs)"))
     warnings: list[str] = field(default_factory=list, metadata=doc("what the host root says is amiss"))
+    service: Restarted | None = field(default=None, metadata=doc(
+        "the service restarted on `to`, where its lock names one and restart is on"))
     seconds: float | None = field(default=None, metadata=doc("the step as the controller timed it", given=True))
 
 
@@ -228,7 +248,8 @@ ROLLBACK = Step("rollback", "state", "rollback", RollbackArgs, Rollback,
                 "Switch `current` back to the generation current before the last switch, or to a given one",
                 ("Under the host lock, settles what an interrupted run left, checks the target generation against "
                  "its build's stamp and refuses one that drifted (unless force), then renames `current` (the "
-                 "commit point) and records it.",
+                 "commit point) and records it; where the generation's lock names a service, restarts its unit "
+                 "and waits for its health (unless restart is false).",
                  "Check mode names the target without switching."), check_mode="dry_run")
 
 
