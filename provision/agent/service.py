@@ -85,9 +85,8 @@ def _port(url):
     return int(tail.rsplit(":", 1)[1]) if ":" in tail else 443 if url.startswith("https:") else 80
 
 
-def listens(pids, port):
-    """Whether one of `pids` holds a socket listening on TCP `port` (/proc/net/tcp{,6} and the processes' fds):
-    a health check's answer counts for the unit only when its own process answered it."""
+def listeners(port):
+    """The socket inodes listening on TCP `port` in this host's network (/proc/net/tcp and tcp6)."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -98,6 +97,12 @@ def listens(pids, port):
                         inodes.add("socket:[%s]" % cols[9])
         except (OSError, ValueError, IndexError):
             continue
+    return inodes
+
+
+def listens(pids, port):
+    """Whether one of `pids` holds a socket listening on TCP `port` (its fds against the host's listeners)."""
+    inodes = listeners(port)
     for pid in pids:
         try:
             fds = os.listdir("/proc/%d/fd" % pid)
@@ -112,14 +117,6 @@ def listens(pids, port):
     return False
 
 
-def answered(url, kind, unit, pids):
-    """(healthy, detail): the health check, counted only when a process of the unit listens on the URL's port."""
-    ok, said = health(url, kind)
-    if ok and not listens(pids, _port(url)):
-        return False, "port %d is answered by no process of %s" % (_port(url), unit)
-    return ok, said
-
-
 def serving(lay, svc):
     """The Serving reply for the service `svc` (a manifest's stack.service): its unit's state, the generations its
     processes run, and, where it is active, its health."""
@@ -132,7 +129,9 @@ def serving(lay, svc):
         return Serving(unit=unit, error=str(e))
     healthy, said = None, None
     if st["active"] == "active" and isinstance(svc.get("url"), str) and svc.get("health") in ("generate", "completion"):
-        healthy, said = answered(svc["url"].rstrip("/"), svc["health"], unit, pids)
+        healthy, said = health(svc["url"].rstrip("/"), svc["health"])
+        if healthy and not listens(pids, _port(svc["url"])):     # a container's server, say, or another one's
+            said += "; port %d is held by no process of %s" % (_port(svc["url"]), unit)
     return Serving(unit=unit, load=st["load"], active=st["active"], sub=st["sub"], main_pid=st["main_pid"],
                    processes=len(pids), generations=generations_run(lay, pids), healthy=healthy, health=said)
 
@@ -164,6 +163,9 @@ def restart(lay, svc):
                           stop_s):
                 return failed("did not stop within %g s (service.stop_deadline)" % stop_s)
             stopped = round(time.monotonic() - t0, 3)
+            if listeners(_port(url)):         # its health would be another server's answer
+                return failed("is stopped, but port %d is still held by a process outside it: another server "
+                              "answers there" % _port(url), stop_seconds=stopped)
             bus.start(unit)
             said = "not active yet"
             deadline = time.monotonic() + start_s
@@ -173,7 +175,7 @@ def restart(lay, svc):
                     return failed("failed to start (%s, %s)" % (st["load"], st["result"] or st["sub"]),
                                   stop_seconds=stopped)
                 if st["active"] == "active":
-                    ok, said = answered(url, kind, unit, bus.processes(unit))
+                    ok, said = health(url, kind)
                     if ok:
                         return Restarted(unit=unit, healthy=True, health=said, stop_seconds=stopped,
                                          seconds=round(time.monotonic() - t0, 3), main_pid=st["main_pid"],
