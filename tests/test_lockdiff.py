@@ -89,6 +89,6 @@ def test_a_service_change_is_its_own_part_of_the_diff(tmp_path):
                 service={"unit": "sglang.service", "gates": {"min_tok_s_ratio": 0.95}, "bench": {"concurrency": [1, 8]}})
     lines = lockcheck.diff(lockmod.load(old), lockmod.load(new)).render().splitlines()
     at = lines.index("  service (its cutover)")
-    assert lines[at + 1].split() == ["+", "bench.concurrency", "[1,", "8]"]
+    assert lines[at + 1].split() == ["~", "bench.concurrency", "[1]", "→", "[1,", "8]"]     # from its default
     assert lines[at + 2].split() == ["~", "gates.min_tok_s_ratio", "0.9", "→", "0.95"]
     assert lockmod.load(new).service.bench.concurrency == [1, 8]
