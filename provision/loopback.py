@@ -56,10 +56,9 @@ class LoopbackHost:
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True,
                        stdin=subprocess.DEVNULL)
 
-    def start(self) -> "LoopbackHost":
-        if not Path(SSHD).exists():
-            raise ProvisionError("sshd not found: install openssh-server (apt-get install openssh-server)")
-        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
+    def prepare(self) -> None:
+        """Its keys, its network namespace (where it has one) and its sshd_config: what any way of starting its
+        sshd needs."""
         if not (self.dir / "host_ed25519").exists():
             self._keygen(self.dir / "host_ed25519")
         if not (self.dir / "client_ed25519").exists():
@@ -76,6 +75,12 @@ class LoopbackHost:
             + ("" if self.login_rc else f"SetEnv HOME={self.dir / 'home'}\n") + self.extra_config)
         if not self.login_rc:
             (self.dir / "home").mkdir(mode=0o700, exist_ok=True)
+
+    def start(self) -> "LoopbackHost":
+        if not Path(SSHD).exists():
+            raise ProvisionError("sshd not found: install openssh-server (apt-get install openssh-server)")
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
+        self.prepare()
         argv = [SSHD, "-D", "-e", "-f", str(self.dir / "sshd_config")]
         if self.netns:
             argv = ["ip", "netns", "exec", self.netns, *argv]

@@ -9,7 +9,6 @@ by PID, which ends every process of the host.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -110,13 +109,7 @@ class SystemdHost(LoopbackHost):
     def start(self) -> "SystemdHost":
         if not Path(SYSTEMD).exists():
             raise ProvisionError(f"{SYSTEMD} not found: install systemd (apt-get install systemd)")
-        for key in ("host_ed25519", "client_ed25519"):
-            if not (self.dir / key).exists():
-                self._keygen(self.dir / key)
-        shutil.copy(self.dir / "client_ed25519.pub", self.dir / "authorized_keys")
-        if self.netns is None:
-            self._make_netns()
-        self._write_sshd_config()
+        self.prepare()                 # keys, namespace, sshd_config: a loopback host's, its sshd a unit here
         self.units.mkdir(exist_ok=True)
         (self.units / "pv-host.target").write_text(TARGET)
         (self.dir / "binds").write_text("".join(f"{b}\n" for b in self.binds))
@@ -150,15 +143,6 @@ class SystemdHost(LoopbackHost):
             time.sleep(0.1)
         raise ProvisionError(f"the systemd host's sshd did not listen within 30 s "
                              f"({(self.dir / 'boot.log').read_text()[-400:]})")
-
-    def _write_sshd_config(self) -> None:
-        (self.dir / "home").mkdir(mode=0o700, exist_ok=True)
-        (self.dir / "sshd_config").write_text(
-            f"Port {self.port}\nListenAddress {self.address}\nHostKey {self.dir}/host_ed25519\n"
-            f"AuthorizedKeysFile {self.dir}/authorized_keys\nPidFile none\n"
-            "UsePAM no\nStrictModes no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
-            "PubkeyAuthentication yes\nPermitRootLogin yes\nMaxSessions 64\nMaxStartups 64\n"
-            f"LogLevel ERROR\nSetEnv HOME={self.dir / 'home'}\n")
 
     def _init_pid(self) -> int | None:
         """The host's PID 1 as this machine numbers it: unshare's child."""
